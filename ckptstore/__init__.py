@@ -1,0 +1,38 @@
+"""ckptstore: a crash-consistent, content-addressed, log-structured store for training checkpoints.
+
+    import ckptstore
+    with ckptstore.open("runs/gpt", mode="a") as store:
+        store.save(100, {"model": model.state_dict(), "optim": opt.state_dict()}, meta={"loss": 2.3})
+        state = store.load(100)
+"""
+
+from .errors import (ChecksumMismatch, CkptStoreError, CorruptRecordError, DamagedCheckpointError,
+                     DiskFullError, FormatError, IterationOrderError, NotFoundError,
+                     ReadOnlyStoreError, StoreClosedError, StoreIOError, StoreLockedError,
+                     StoreNotFoundError, UnsupportedTypeError, UnsupportedVersionError)
+import os as _os
+from typing import Any as _Any
+
+from .store import CheckpointInfo, Store, TensorDiff
+from .writer import SaveStats
+
+__version__ = "0.1.0"
+
+
+def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> Store:  # noqa: A001
+    """Open the store at ``path``: mode "a" creates it if needed and takes the single-writer lock;
+    mode "r" reads (also while a writer runs) and never writes under the directory.
+
+    Options: ``chunk_size`` and ``segment_size`` (bytes; defaults 4 MiB and 1 GiB, recorded in the
+    STORE file at creation, overridable per writer), ``file_ops`` (the I/O seam, for fault
+    injection), ``load_threads`` (parallel chunk reads, default 2).
+    """
+    return Store(path, mode, **options)
+
+__all__ = [
+    "open", "Store", "SaveStats", "CheckpointInfo", "TensorDiff",
+    "CkptStoreError", "FormatError", "CorruptRecordError", "ChecksumMismatch",
+    "UnsupportedVersionError", "StoreNotFoundError", "StoreLockedError", "ReadOnlyStoreError",
+    "StoreClosedError", "NotFoundError", "IterationOrderError", "UnsupportedTypeError",
+    "StoreIOError", "DiskFullError", "DamagedCheckpointError",
+]

@@ -1,0 +1,121 @@
+"""The one exception hierarchy of ckptstore.
+
+Every error the package raises on purpose derives from :class:`CkptStoreError`. Where a builtin
+exception has the same meaning, the subclass inherits it too (``NotFoundError`` is a ``KeyError``,
+``UnsupportedTypeError`` a ``TypeError``), so callers can catch either. Third-party and OS errors are
+wrapped with ``raise ... from`` so the original stays in ``__cause__``.
+
+Messages say *what* went wrong and *where*: file, offset, iteration, tensor path.
+"""
+
+from __future__ import annotations
+
+
+class CkptStoreError(Exception):
+    """Root of every error ckptstore raises deliberately."""
+
+
+class FormatError(CkptStoreError):
+    """Bytes read from a store do not decode: bad magic, length, field value or checksum.
+
+    ``path`` and ``offset`` locate the bad bytes when they are known (pure codecs do not know them;
+    the storage layer fills them in).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, offset: int | None = None) -> None:
+        self.reason = message
+        self.path = path
+        self.offset = offset
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(str(self.path))
+        if self.offset is not None:
+            where.append(f"offset {self.offset}")
+        return f"{self.reason} ({', '.join(where)})" if where else self.reason
+
+    def located(self, path: str, offset: int) -> "FormatError":
+        """Return a copy of this error that names the file and the offset of the record."""
+        err = type(self).__new__(type(self))
+        err.__dict__.update(self.__dict__)
+        err.path = path
+        err.offset = offset
+        Exception.__init__(err, err._render())
+        return err
+
+
+class CorruptRecordError(FormatError):
+    """A record is torn, truncated or fails its checksum."""
+
+
+class ChecksumMismatch(CorruptRecordError):
+    """A checksum or content address does not match the bytes it covers."""
+
+    def __init__(self, what: str, expected: str, got: str, *, path: str | None = None,
+                 offset: int | None = None) -> None:
+        self.what = what
+        self.expected = expected
+        self.got = got
+        super().__init__(f"{what}: checksum mismatch, expected {expected}, got {got}",
+                         path=path, offset=offset)
+
+
+class UnsupportedVersionError(FormatError):
+    """The store or a record was written by a format version this code does not implement."""
+
+
+class StoreNotFoundError(CkptStoreError, FileNotFoundError):
+    """Opening a path that holds no store in read-only mode."""
+
+
+class StoreLockedError(CkptStoreError):
+    """Another process holds the store's single-writer lock."""
+
+
+class ReadOnlyStoreError(CkptStoreError, PermissionError):
+    """A write was attempted through a store opened with mode "r"."""
+
+
+class StoreClosedError(CkptStoreError, ValueError):
+    """The store was used after close()."""
+
+
+class NotFoundError(CkptStoreError, KeyError):
+    """An iteration, key or object the caller asked for is not in the store."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class IterationOrderError(CkptStoreError, ValueError):
+    """An iteration is not greater than the latest committed one (iterations must increase)."""
+
+
+class UnsupportedTypeError(CkptStoreError, TypeError):
+    """A state structure holds an object the format cannot represent; the message names its path."""
+
+
+class StoreIOError(CkptStoreError, OSError):
+    """An operating-system I/O call failed (ENOSPC, EIO, EDQUOT, EROFS, ...).
+
+    ``errno`` is the OS error number; the message names the operation and the file. The store stays
+    consistent: everything committed before the failure is intact.
+    """
+
+    def __init__(self, operation: str, path: str, cause: OSError) -> None:
+        self.operation = operation
+        self.filename = path
+        OSError.__init__(self, cause.errno, f"{operation} failed on {path}: {cause.strerror or cause}")
+
+    def __str__(self) -> str:
+        return self.args[1] if len(self.args) > 1 else super().__str__()
+
+
+class DiskFullError(StoreIOError):
+    """ENOSPC or EDQUOT while writing."""
+
+
+class DamagedCheckpointError(CkptStoreError):
+    """A committed checkpoint cannot be read back intact (a chunk, tree or manifest is damaged)."""

@@ -1,0 +1,126 @@
+"""Chunk records: content-addressed pieces of tensor bytes.
+
+Chunk payload::
+
+    0   16  address     xxh3_128 of the raw (uncompressed) bytes, canonical big-endian digest
+    16  1   codec       0 = raw, 1 = lz4 block (no size prefix)
+    17  7   reserved    0
+    24  8   raw_length  u64, bytes after decoding (<= the payload's MAX_PAYLOAD)
+    32  .   data        raw bytes, or the lz4 block
+
+Invariant: decoding ``data`` with ``codec`` yields exactly ``raw_length`` bytes whose xxh3_128 is
+``address``. A reader MUST check the address before using the bytes.
+
+Compression policy (writer side, not part of the format): lz4 is tried on a prefix sample and kept
+only when the whole chunk then shrinks by at least ``MIN_SAVING`` — float weights do not compress, so
+most chunks stay raw and cost no compression time.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import lz4.block
+import xxhash
+
+from ..errors import ChecksumMismatch, CorruptRecordError, FormatError
+
+ADDRESS_SIZE = 16
+CHUNK_HEADER_SIZE = 32
+_HEAD = struct.Struct("<16sB7sQ")
+_ZERO7 = bytes(7)
+
+#: Largest chunk a v1 writer may use; a decoder refuses larger raw lengths.
+MAX_CHUNK_SIZE = 256 << 20
+#: lz4 expands at most ~255x; a raw_length beyond this bound for the data given is corrupt.
+_LZ4_MAX_RATIO = 255
+
+SAMPLE_BYTES = 64 * 1024
+MIN_SAVING = 0.10
+
+
+class Codec(enum.IntEnum):
+    RAW = 0
+    LZ4 = 1
+
+
+def address_of(data: bytes | memoryview) -> bytes:
+    """The content address of raw chunk bytes: xxh3_128, 16 bytes."""
+    return xxhash.xxh3_128_digest(data)
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    address: bytes
+    codec: Codec
+    raw_length: int
+
+
+def encode_chunk_header(address: bytes, codec: Codec, raw_length: int) -> bytes:
+    return _HEAD.pack(address, int(codec), _ZERO7, raw_length)
+
+
+def decode_chunk_header(buf: bytes | memoryview) -> ChunkHeader:
+    if len(buf) < CHUNK_HEADER_SIZE:
+        raise CorruptRecordError(f"chunk payload of {len(buf)} bytes is shorter than its header")
+    address, codec, reserved, raw_length = _HEAD.unpack(bytes(buf[:CHUNK_HEADER_SIZE]))
+    if reserved != _ZERO7:
+        raise FormatError("chunk header reserved bytes are not zero")
+    try:
+        codec = Codec(codec)
+    except ValueError:
+        raise FormatError(f"unknown chunk codec {codec}") from None
+    if raw_length > MAX_CHUNK_SIZE:
+        raise FormatError(f"chunk raw length {raw_length} exceeds {MAX_CHUNK_SIZE}")
+    return ChunkHeader(address, codec, raw_length)
+
+
+def choose_encoding(raw: memoryview) -> tuple[Codec, bytes | memoryview]:
+    """Return (codec, data) for a raw chunk: lz4 only when it saves at least MIN_SAVING."""
+    n = len(raw)
+    if n < 256:
+        return Codec.RAW, raw
+    sample = raw[:SAMPLE_BYTES] if n > SAMPLE_BYTES else raw
+    if len(lz4.block.compress(sample, store_size=False)) > len(sample) * (1 - MIN_SAVING):
+        return Codec.RAW, raw
+    packed = lz4.block.compress(raw, store_size=False)
+    if len(packed) > n * (1 - MIN_SAVING):
+        return Codec.RAW, raw
+    return Codec.LZ4, packed
+
+
+def decode_chunk_data(header: ChunkHeader, data: bytes | memoryview) -> memoryview:
+    """Decode ``data`` and verify it against ``header.address``; return the verified raw bytes.
+
+    For RAW chunks the returned view *is* ``data`` (no copy), so a reader can read a chunk straight
+    into its destination and verify it in place. Raises CorruptRecordError / ChecksumMismatch.
+    """
+    if header.codec is Codec.RAW:
+        if len(data) != header.raw_length:
+            raise CorruptRecordError(
+                f"raw chunk holds {len(data)} bytes but declares {header.raw_length}")
+        raw = memoryview(data)
+    else:
+        if header.raw_length > _LZ4_MAX_RATIO * len(data) + 64:
+            raise CorruptRecordError(
+                f"lz4 chunk of {len(data)} bytes cannot decode to {header.raw_length} bytes")
+        try:
+            raw = memoryview(lz4.block.decompress(data, uncompressed_size=header.raw_length))
+        except (lz4.block.LZ4BlockError, ValueError, MemoryError) as e:
+            raise CorruptRecordError(f"lz4 chunk does not decompress: {e}") from e
+        if len(raw) != header.raw_length:
+            raise CorruptRecordError(
+                f"lz4 chunk decompressed to {len(raw)} bytes, declared {header.raw_length}")
+    actual = address_of(raw)
+    if actual != header.address:
+        raise ChecksumMismatch("chunk address", header.address.hex(), actual.hex())
+    return raw
+
+
+def decode_chunk(payload: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
+    """Decode a whole chunk payload; return its header and the verified raw bytes."""
+    view = memoryview(payload)
+    header = decode_chunk_header(view)
+    return header, decode_chunk_data(header, view[CHUNK_HEADER_SIZE:])

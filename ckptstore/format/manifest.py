@@ -1,0 +1,169 @@
+"""Manifest records: what one checkpoint contains.
+
+The manifest payload is one UTF-8 JSON object (strict JSON: no NaN literals; floats inside the state
+use the state encoding's exact hex form)::
+
+    {"v": 1,                      format version of the manifest
+     "iteration": int >= 0,
+     "kind": "snapshot",          the only kind in v1 ("delta" is reserved for gradient deltas)
+     "created_ns": int,
+     "chunk_size": int,           chunk size used for this checkpoint's trees
+     "state": <skeleton>,         see format/state.py
+     "meta": <skeleton>,          the user's meta, same encoding, no tensors
+     "tensors": [<entry>, ...]}
+
+A tensor entry::
+
+    {"path": "model/fc.weight",   display path (data, never a file path)
+     "lib": "torch" | "numpy",
+     "dtype": "float32" (torch name) | "<f4" (numpy dtype.str),
+     "shape": [int, ...],
+     "nbytes": int,               == product(shape) * itemsize
+     "root": hex32,               the tensor's Merkle root (format/tree.py)
+     "inline": base64,            optional: the bytes themselves, for tensors <= INLINE_MAX bytes;
+                                  otherwise a TREE record with this root holds the chunk list
+     "param": true,               optional (torch): restore as torch.nn.Parameter
+     "requires_grad": true}       optional (torch)
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import FormatError, UnsupportedVersionError
+from .tree import MAX_TENSOR_BYTES
+
+MANIFEST_VERSION = 1
+#: Tensors of at most this many bytes are stored inside the manifest instead of as chunks.
+INLINE_MAX = 256
+MAX_DIMS = 64
+KINDS = ("snapshot",)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    path: str
+    lib: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    root: bytes
+    inline: bytes | None = None
+    param: bool = False
+    requires_grad: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"path": self.path, "lib": self.lib, "dtype": self.dtype,
+                             "shape": list(self.shape), "nbytes": self.nbytes, "root": self.root.hex()}
+        if self.inline is not None:
+            d["inline"] = base64.b64encode(self.inline).decode("ascii")
+        if self.param:
+            d["param"] = True
+        if self.requires_grad:
+            d["requires_grad"] = True
+        return d
+
+
+@dataclass(frozen=True)
+class Manifest:
+    iteration: int
+    created_ns: int
+    chunk_size: int
+    state: Any
+    meta: Any
+    tensors: tuple[TensorEntry, ...]
+    kind: str = "snapshot"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    doc = {"v": MANIFEST_VERSION, "iteration": m.iteration, "kind": m.kind, "created_ns": m.created_ns,
+           "chunk_size": m.chunk_size, "state": m.state, "meta": m.meta,
+           "tensors": [t.to_json() for t in m.tensors]}
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def _req(d: dict, key: str, typ: type, where: str) -> Any:
+    v = d.get(key)
+    if type(v) is not typ:
+        raise FormatError(f"{where}: field {key!r} missing or not {typ.__name__}")
+    return v
+
+
+def _decode_entry(e: Any, i: int) -> TensorEntry:
+    where = f"manifest tensor {i}"
+    if type(e) is not dict:
+        raise FormatError(f"{where}: not an object")
+    path = _req(e, "path", str, where)
+    lib = _req(e, "lib", str, where)
+    if lib not in ("torch", "numpy"):
+        raise FormatError(f"{where} ({path}): unknown lib {lib!r}")
+    dtype = _req(e, "dtype", str, where)
+    shape = _req(e, "shape", list, where)
+    if len(shape) > MAX_DIMS or any(type(s) is not int or s < 0 for s in shape):
+        raise FormatError(f"{where} ({path}): invalid shape")
+    nbytes = _req(e, "nbytes", int, where)
+    if not 0 <= nbytes <= MAX_TENSOR_BYTES:
+        raise FormatError(f"{where} ({path}): invalid nbytes {nbytes}")
+    root_hex = _req(e, "root", str, where)
+    try:
+        root = bytes.fromhex(root_hex)
+    except ValueError:
+        root = b""
+    if len(root) != 16:
+        raise FormatError(f"{where} ({path}): invalid root")
+    inline = None
+    if "inline" in e:
+        raw = _req(e, "inline", str, where)
+        try:
+            inline = base64.b64decode(raw.encode("ascii"), validate=True)
+        except (binascii.Error, UnicodeEncodeError, ValueError):
+            raise FormatError(f"{where} ({path}): invalid inline base64") from None
+        if len(inline) != nbytes:
+            raise FormatError(f"{where} ({path}): inline data is {len(inline)} bytes, nbytes {nbytes}")
+    flags = {}
+    for flag in ("param", "requires_grad"):
+        v = e.get(flag, False)
+        if type(v) is not bool:
+            raise FormatError(f"{where} ({path}): {flag} is not a bool")
+        flags[flag] = v
+    return TensorEntry(path, lib, dtype, tuple(shape), nbytes, root, inline, **flags)
+
+
+def decode_manifest(buf: bytes | memoryview) -> Manifest:
+    """Decode and validate a manifest payload. Raises FormatError / UnsupportedVersionError."""
+    try:
+        doc = json.loads(bytes(buf).decode("ascii"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"manifest is not valid JSON: {str(e)[:80]}") from None
+    if type(doc) is not dict:
+        raise FormatError("manifest is not a JSON object")
+    v = doc.get("v")
+    if v != MANIFEST_VERSION or type(v) is not int:
+        raise UnsupportedVersionError(f"manifest version {v!r} is not supported")
+    iteration = _req(doc, "iteration", int, "manifest")
+    if iteration < 0 or iteration >= 1 << 63:
+        raise FormatError(f"manifest iteration {iteration} out of range")
+    kind = _req(doc, "kind", str, "manifest")
+    if kind not in KINDS:
+        raise FormatError(f"manifest kind {kind!r} is not known")
+    created = _req(doc, "created_ns", int, "manifest")
+    chunk_size = _req(doc, "chunk_size", int, "manifest")
+    if chunk_size <= 0:
+        raise FormatError("manifest chunk_size must be positive")
+    tensors = _req(doc, "tensors", list, "manifest")
+    if "state" not in doc or "meta" not in doc:
+        raise FormatError("manifest lacks state or meta")
+    entries = tuple(_decode_entry(e, i) for i, e in enumerate(tensors))
+    extra = {k: v for k, v in doc.items()
+             if k not in ("v", "iteration", "kind", "created_ns", "chunk_size", "state", "meta",
+                          "tensors")}
+    return Manifest(iteration, created, chunk_size, doc["state"], doc["meta"], entries, kind, extra)

@@ -1,0 +1,151 @@
+"""Record framing: the unit of every segment file (format-spec/format.md, "Records").
+
+A record is::
+
+    offset  size  field
+    0       4     magic          b"CSR1"
+    4       1     type           RecordType
+    5       1     flags          0 in format v1
+    6       2     reserved       0
+    8       8     length         payload length N, u64 LE, <= MAX_PAYLOAD
+    16      8     header_check   xxh3_64(bytes 0..16), u64 LE
+    24      N     payload
+    24+N    8     payload_check  xxh3_64(payload), u64 LE
+
+Invariants: the header check lets a scanner trust ``length`` before reading the payload (a
+garbage length can never make a reader allocate), and a record is valid if and only if both checks
+match. Records carry no alignment padding.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from ..errors import ChecksumMismatch, CorruptRecordError
+
+MAGIC = b"CSR1"
+HEADER_SIZE = 24
+TRAILER_SIZE = 8
+OVERHEAD = HEADER_SIZE + TRAILER_SIZE
+#: Largest payload a v1 record may carry. Chunks are far smaller; this bounds what a reader allocates.
+MAX_PAYLOAD = 1 << 30
+
+_HEAD = struct.Struct("<4sBBHQ")  # magic, type, flags, reserved, length (16 bytes)
+_U64 = struct.Struct("<Q")
+
+
+class RecordType(enum.IntEnum):
+    """Record types. Values are stable across format versions; new types get new values."""
+
+    SEGMENT_HEADER = 1
+    CHUNK = 2
+    TREE = 3
+    MANIFEST = 4
+    COMMIT = 5
+    #: Reserved: marks a committed iteration deleted (retention without compaction).
+    TOMBSTONE = 6
+    #: Reserved for per-iteration gradient-delta records (write-ahead deltas).
+    GRAD_DELTA = 16
+    #: Reserved for per-rank streams of a multi-rank job.
+    RANK_STREAM = 17
+
+
+#: Types a v1 reader skips (they are self-delimiting) instead of treating as corruption.
+RESERVED_TYPES = frozenset({RecordType.TOMBSTONE, RecordType.GRAD_DELTA, RecordType.RANK_STREAM})
+KNOWN_TYPES = frozenset(int(t) for t in RecordType)
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """A decoded, checked record header."""
+
+    type: int
+    length: int
+
+    @property
+    def total_size(self) -> int:
+        """Bytes the whole record occupies: header + payload + trailer."""
+        return OVERHEAD + self.length
+
+
+def encode_header(record_type: int, length: int) -> bytes:
+    """Return the 24-byte header of a record of ``record_type`` with a ``length``-byte payload."""
+    if not 0 <= length <= MAX_PAYLOAD:
+        raise ValueError(f"record payload of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit")
+    head = _HEAD.pack(MAGIC, int(record_type), 0, 0, length)
+    return head + _U64.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def decode_header(buf: bytes | memoryview) -> RecordHeader:
+    """Decode and check a record header from the first 24 bytes of ``buf``.
+
+    Raises CorruptRecordError when the bytes are not a valid header (short, bad magic, bad header
+    check, unknown flags, or a length above MAX_PAYLOAD).
+    """
+    if len(buf) < HEADER_SIZE:
+        raise CorruptRecordError(f"truncated record header: {len(buf)} of {HEADER_SIZE} bytes")
+    head = bytes(buf[:16])
+    magic, rtype, flags, reserved, length = _HEAD.unpack(head)
+    if magic != MAGIC:
+        raise CorruptRecordError(f"bad record magic {magic!r}")
+    (check,) = _U64.unpack_from(buf, 16)
+    actual = xxhash.xxh3_64_intdigest(head)
+    if check != actual:
+        raise ChecksumMismatch("record header", f"{check:016x}", f"{actual:016x}")
+    if flags != 0 or reserved != 0:
+        raise CorruptRecordError(f"record header has unknown flags {flags:#x}/{reserved:#x}")
+    if length > MAX_PAYLOAD:
+        raise CorruptRecordError(f"record length {length} exceeds the {MAX_PAYLOAD}-byte limit")
+    if rtype not in KNOWN_TYPES:
+        raise CorruptRecordError(f"unknown record type {rtype}")
+    return RecordHeader(rtype, length)
+
+
+def payload_check(*parts: bytes | memoryview) -> int:
+    """xxh3_64 over the concatenation of ``parts`` (the payload, possibly in pieces)."""
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
+
+
+def encode_trailer(*payload_parts: bytes | memoryview) -> bytes:
+    """Return the 8-byte trailer for a payload given in one or more parts."""
+    return _U64.pack(payload_check(*payload_parts))
+
+
+def check_trailer(payload: bytes | memoryview, trailer: bytes | memoryview) -> None:
+    """Raise ChecksumMismatch unless ``trailer`` is the check of ``payload``."""
+    if len(trailer) != TRAILER_SIZE:
+        raise CorruptRecordError(f"truncated record trailer: {len(trailer)} of {TRAILER_SIZE} bytes")
+    (expected,) = _U64.unpack(bytes(trailer))
+    actual = payload_check(payload)
+    if expected != actual:
+        raise ChecksumMismatch("record payload", f"{expected:016x}", f"{actual:016x}")
+
+
+def encode_record(record_type: int, payload: bytes) -> bytes:
+    """Return a whole record (header, payload, trailer) as one bytes object. For small records."""
+    return encode_header(record_type, len(payload)) + payload + encode_trailer(payload)
+
+
+def decode_record(buf: bytes | memoryview) -> tuple[RecordHeader, memoryview]:
+    """Decode a whole record at the start of ``buf``; return its header and a view of its payload.
+
+    Raises CorruptRecordError (or ChecksumMismatch) when the record is short or fails a check.
+    """
+    view = memoryview(buf)
+    header = decode_header(view)
+    end = HEADER_SIZE + header.length
+    if len(view) < end + TRAILER_SIZE:
+        raise CorruptRecordError(
+            f"truncated record: {len(view)} of {end + TRAILER_SIZE} bytes present")
+    payload = view[HEADER_SIZE:end]
+    check_trailer(payload, view[end:end + TRAILER_SIZE])
+    return header, payload

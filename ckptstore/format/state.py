@@ -1,0 +1,188 @@
+"""The structured-state encoding: nested Python structures <-> a JSON-safe tree.
+
+A state is a tree of dicts (str or int keys, order kept), lists, tuples, JSON-like scalars and
+array leaves (tensors). :func:`flatten` turns it into a JSON-safe *skeleton* in which every array
+leaf is replaced by its index in a separate leaf list; :func:`unflatten` reverses that. Each node is
+encoded as (format-spec/format.md, "State encoding")::
+
+    None, True/False, int, str  ->  the JSON value itself
+    float                        ->  {"f": float.hex(x)}      exact, incl. nan/inf/-0.0
+    bytes                        ->  {"b": base64}
+    list                         ->  JSON array
+    tuple                        ->  {"t": [...]}
+    dict                         ->  {"d": [[key, value], ...]}   key: str or int
+    OrderedDict                  ->  {"o": [[key, value], ...]} or, when it carries the
+                                     ``_metadata`` attribute of ``Module.state_dict()``,
+                                     {"o": [...], "m": <node of _metadata>}  (two keys)
+    array leaf                   ->  {"T": index into the manifest's tensor list}
+
+Only these exact types are accepted (a ``tuple`` subclass or a ``float`` subclass is not a tuple or
+float); anything else raises UnsupportedTypeError naming the path. No object is ever constructed
+from anything but these tags: decoding cannot execute code.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections import OrderedDict
+
+from typing import Any, Callable, Sequence
+
+from ..errors import FormatError, UnsupportedTypeError
+
+#: Deepest nesting accepted, both ways (bounds recursion on hostile input).
+MAX_DEPTH = 256
+
+PathKey = str | int
+Path = tuple[PathKey, ...]
+#: Returns a leaf object for an array-like value at a path, or None when the value is not one.
+LeafHook = Callable[[Any, Path], Any | None]
+
+
+def format_path(path: Path) -> str:
+    """Render a path as it would be written in Python: ``state["optim"]["state"][0]``."""
+    return "state" + "".join(f"[{k!r}]" if isinstance(k, str) else f"[{k}]" for k in path)
+
+
+def path_name(path: Path) -> str:
+    """Render a path for tables and reports: ``optim/state/0/exp_avg``."""
+    return "/".join(str(k) for k in path)
+
+
+def flatten(obj: Any, leaf_hook: LeafHook) -> tuple[Any, list[Any]]:
+    """Encode ``obj`` into (skeleton, leaves). ``leaf_hook`` recognises array leaves."""
+    leaves: list[Any] = []
+
+    def enc(x: Any, path: Path) -> Any:
+        if len(path) > MAX_DEPTH:
+            raise UnsupportedTypeError(f"structure nested deeper than {MAX_DEPTH} at {format_path(path)}")
+        t = type(x)
+        if x is None or t is bool or t is int or t is str:
+            return x
+        if t is float:
+            return {"f": x.hex()}
+        if t is bytes:
+            return {"b": base64.b64encode(x).decode("ascii")}
+        if t is list:
+            return [enc(v, path + (i,)) for i, v in enumerate(x)]
+        if t is tuple:
+            return {"t": [enc(v, path + (i,)) for i, v in enumerate(x)]}
+        if t is dict or t is OrderedDict:
+            items = []
+            for k, v in x.items():
+                if type(k) is not str and type(k) is not int:
+                    raise UnsupportedTypeError(
+                        f"dict key {k!r} of type {type(k).__name__} at {format_path(path)}: "
+                        "keys must be str or int")
+                items.append([k, enc(v, path + (k,))])
+            if t is dict:
+                return {"d": items}
+            node = {"o": items}
+            if hasattr(x, "_metadata"):
+                node["m"] = enc(x._metadata, path + ("_metadata",))
+            return node
+        leaf = leaf_hook(x, path)
+        if leaf is not None:
+            leaves.append(leaf)
+            return {"T": len(leaves) - 1}
+        raise UnsupportedTypeError(
+            f"unsupported object of type {t.__module__}.{t.__qualname__} at {format_path(path)}: "
+            "states hold dicts, lists, tuples, tensors, numpy arrays, int, float, bool, None, str, bytes")
+
+    return enc(obj, ()), leaves
+
+
+def _bad(msg: str, path: Path) -> FormatError:
+    return FormatError(f"manifest state: {msg} at {format_path(path)}")
+
+
+def unflatten(node: Any, leaf: Callable[[int, Path], Any]) -> Any:
+    """Decode a skeleton; ``leaf(index, path)`` supplies the value of each array leaf."""
+
+    def dec(n: Any, path: Path) -> Any:
+        if len(path) > MAX_DEPTH:
+            raise _bad("nesting too deep", path)
+        t = type(n)
+        if n is None or t is bool or t is int or t is str:
+            return n
+        if t is list:
+            return [dec(v, path + (i,)) for i, v in enumerate(n)]
+        if t is dict and set(n) == {"o", "m"}:
+            od = dec({"o": n["o"]}, path)
+            od._metadata = dec(n["m"], path + ("_metadata",))
+            return od
+        if t is not dict or len(n) != 1:
+            raise _bad(f"invalid node {str(n)[:60]!r}", path)
+        (tag, body), = n.items()
+        if tag == "f":
+            if type(body) is not str:
+                raise _bad("float body is not a string", path)
+            try:
+                return float.fromhex(body)
+            except (ValueError, OverflowError):
+                raise _bad(f"invalid float {body[:40]!r}", path) from None
+        if tag == "b":
+            if type(body) is not str:
+                raise _bad("bytes body is not a string", path)
+            try:
+                return base64.b64decode(body.encode("ascii"), validate=True)
+            except (binascii.Error, UnicodeEncodeError, ValueError):
+                raise _bad("invalid base64", path) from None
+        if tag == "t":
+            if type(body) is not list:
+                raise _bad("tuple body is not a list", path)
+            return tuple(dec(v, path + (i,)) for i, v in enumerate(body))
+        if tag == "d" or tag == "o":
+            if type(body) is not list:
+                raise _bad("dict body is not a list", path)
+            out: dict = {} if tag == "d" else OrderedDict()
+            for item in body:
+                if type(item) is not list or len(item) != 2 or type(item[0]) not in (str, int):
+                    raise _bad("invalid dict item", path)
+                out[item[0]] = dec(item[1], path + (item[0],))
+            return out
+        if tag == "T":
+            if type(body) is not int or body < 0:
+                raise _bad("invalid tensor index", path)
+            return leaf(body, path)
+        raise _bad(f"unknown tag {tag!r}", path)
+
+    return dec(node, ())
+
+
+def top_level_items(node: Any) -> list[tuple[PathKey, Any]] | None:
+    """The (key, node) pairs of a dict skeleton's top level, or None when the root is not a dict."""
+    if type(node) is dict and set(node) == {"d"} and type(node["d"]) is list:
+        return [(item[0], item[1]) for item in node["d"]
+                if type(item) is list and len(item) == 2]
+    return None
+
+
+def _children(n: Any) -> list[Any]:
+    if type(n) is list:
+        return n
+    if type(n) is not dict:
+        return []
+    out: list[Any] = []
+    for tag, body in n.items():
+        if tag == "t" and type(body) is list:
+            out.extend(body)
+        elif tag in ("d", "o") and type(body) is list:
+            out.extend(item[1] for item in body if type(item) is list and len(item) == 2)
+        elif tag == "m":
+            out.append(body)
+    return out
+
+
+def leaf_indices(node: Any) -> list[int]:
+    """Indices of every array leaf under ``node`` (used to plan a partial load)."""
+    out: list[int] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if type(n) is dict and len(n) == 1 and type(n.get("T")) is int:
+            out.append(n["T"])
+        else:
+            stack.extend(_children(n))
+    return out

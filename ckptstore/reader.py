@@ -1,0 +1,170 @@
+"""The read path: commit -> manifest -> trees -> chunks -> the state, verified on the way.
+
+Every byte returned was checked: the manifest against the commit's digest, each tree against its
+root, each chunk against its address (raw chunks are read straight into the destination array and
+verified in place; nothing is copied twice).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import xxhash
+
+from .errors import DamagedCheckpointError, FormatError, NotFoundError, StoreIOError
+from .format import records as rec
+from .format.chunk import CHUNK_HEADER_SIZE, Codec, address_of, decode_chunk_data, decode_chunk_header
+from .format.manifest import Manifest, TensorEntry, decode_manifest
+from .format.state import top_level_items, leaf_indices, unflatten
+from .format.tree import Tree, decode_tree, tree_root
+from .storage.index import CommitEntry, Index
+from .storage.log import Log
+from .storage.segments import Loc
+from .tensors import allocate, finish
+
+_HEAD = rec.HEADER_SIZE + CHUNK_HEADER_SIZE
+
+
+def read_manifest(log: Log, entry: CommitEntry) -> Manifest:
+    c = entry.commit
+    loc = Loc(c.manifest_seq, c.manifest_offset, c.manifest_length)
+    try:
+        payload = log.read_payload(loc)
+        if xxhash.xxh3_128_digest(payload) != c.manifest_digest:
+            raise FormatError("manifest digest differs from its commit's")
+        m = decode_manifest(payload)
+        if m.iteration != c.iteration:
+            raise FormatError(f"manifest is for iteration {m.iteration}")
+        return m
+    except (FormatError, StoreIOError, FileNotFoundError) as e:
+        raise DamagedCheckpointError(
+            f"iteration {c.iteration}: manifest at {log.layout.segment_path(loc.seq)} offset "
+            f"{loc.offset} is unreadable: {e}") from e
+
+
+def read_tree(log: Log, index: Index, entry: TensorEntry) -> Tree:
+    loc = index.get_tree(entry.root)
+    if loc is None:
+        raise FormatError(f"tree {entry.root.hex()} is not in the store")
+    tree = decode_tree(log.read_payload(loc))
+    if tree.root != entry.root or tree.nbytes != entry.nbytes:
+        raise FormatError(f"tree {entry.root.hex()} does not match the manifest entry")
+    return tree
+
+
+def read_chunk_into(log: Log, index: Index, address: bytes, dest: memoryview) -> None:
+    """Fill ``dest`` with the verified bytes of chunk ``address``. Raises FormatError."""
+    ref = index.get_chunk(address)
+    if ref is None:
+        raise FormatError(f"chunk {address.hex()} is not in the store")
+    f = log.file(ref.loc.seq)
+    try:
+        if ref.codec == Codec.RAW and ref.loc.length == CHUNK_HEADER_SIZE + len(dest):
+            head = bytearray(_HEAD)
+            got = f.readinto(ref.loc.offset, [memoryview(head), dest])
+            if got < _HEAD + len(dest):
+                raise FormatError("chunk record truncated")
+            header = rec.decode_header(head)
+            if header.type != rec.RecordType.CHUNK or header.length != ref.loc.length:
+                raise FormatError("index points at a record that is not this chunk")
+            ch = decode_chunk_header(memoryview(head)[rec.HEADER_SIZE:])
+            if ch.address != address:
+                raise FormatError(f"record holds chunk {ch.address.hex()}")
+            decode_chunk_data(ch, dest)  # verifies the address in place
+        else:
+            payload = f.read_payload(ref.loc, verify=False)
+            ch = decode_chunk_header(payload)
+            if ch.address != address or ch.raw_length != len(dest):
+                raise FormatError(f"record holds chunk {ch.address.hex()} of {ch.raw_length} bytes")
+            dest[:] = decode_chunk_data(ch, payload[CHUNK_HEADER_SIZE:])
+    except FormatError as e:
+        raise e.located(f.path, ref.loc.offset) from None
+
+
+@dataclass
+class _Job:
+    entry: TensorEntry
+    dest: memoryview
+    address: bytes
+
+
+class StateReader:
+    """Loads a manifest's tensors, in parallel across chunks (reads and hashing release the GIL)."""
+
+    def __init__(self, log: Log, index: Index, threads: int = 2) -> None:
+        self.log = log
+        self.index = index
+        self.threads = threads
+
+    def load(self, entry: CommitEntry, keys: Sequence[Any] | None = None,
+             progress: Callable[[int], None] | None = None) -> Any:
+        manifest = read_manifest(self.log, entry)
+        skeleton = manifest.state
+        if keys is not None:
+            top = top_level_items(skeleton)
+            if top is None:
+                raise NotFoundError(f"iteration {manifest.iteration}: the state is not a dict, "
+                                    "so keys= cannot select from it")
+            have = dict(top)
+            missing = [k for k in keys if k not in have]
+            if missing:
+                raise NotFoundError(f"iteration {manifest.iteration}: keys {missing} are not in the "
+                                    f"state (it has {list(have)})")
+            skeleton = {"d": [[k, have[k]] for k in keys]}
+        needed = sorted(set(leaf_indices(skeleton)))
+        if needed and needed[-1] >= len(manifest.tensors):
+            raise DamagedCheckpointError(f"iteration {manifest.iteration}: manifest names tensor "
+                                         f"{needed[-1]} but lists {len(manifest.tensors)}")
+        values = self._load_tensors(manifest, needed, progress)
+
+        def leaf(i: int, path: Any) -> Any:
+            if i not in values:
+                raise DamagedCheckpointError(f"iteration {manifest.iteration}: tensor index {i} unknown")
+            return values[i]
+
+        try:
+            return unflatten(skeleton, leaf)
+        except FormatError as e:
+            raise DamagedCheckpointError(f"iteration {manifest.iteration}: {e}") from e
+
+    def _load_tensors(self, manifest: Manifest, needed: list[int],
+                      progress: Callable[[int], None] | None) -> dict[int, Any]:
+        it = manifest.iteration
+        values: dict[int, Any] = {}
+        jobs: list[_Job] = []
+        for i in needed:
+            e = manifest.tensors[i]
+            try:
+                value, view = allocate(e)
+                if e.inline is not None:
+                    view[:] = e.inline
+                    addrs = [address_of(e.inline)] if e.nbytes else []
+                    if tree_root(e.nbytes, manifest.chunk_size, addrs) != e.root:
+                        raise FormatError("inline tensor bytes do not match its root")
+                elif e.nbytes:
+                    tree = read_tree(self.log, self.index, e)
+                    jobs.extend(_Job(e, view[s:t], a) for s, t, a in tree.chunk_spans())
+            except (FormatError, StoreIOError, FileNotFoundError) as err:
+                raise DamagedCheckpointError(f"iteration {it}: tensor {e.path}: {err}") from err
+            values[i] = (e, value)
+
+        def run(job: _Job) -> int:
+            try:
+                read_chunk_into(self.log, self.index, job.address, job.dest)
+            except (FormatError, StoreIOError, FileNotFoundError) as err:
+                raise DamagedCheckpointError(f"iteration {it}: tensor {job.entry.path}: {err}") from err
+            return len(job.dest)
+
+        if len(jobs) > 1 and self.threads > 1:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="ckptstore-load") as pool:
+                for n in pool.map(run, jobs):
+                    if progress is not None:
+                        progress(n)
+        else:
+            for job in jobs:
+                n = run(job)
+                if progress is not None:
+                    progress(n)
+        return {i: finish(e, v) for i, (e, v) in values.items()}

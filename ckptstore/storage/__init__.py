@@ -1,0 +1,1 @@
+"""File, segment and index layer: everything that touches the store directory."""

@@ -1,0 +1,118 @@
+"""The I/O seam: every write-side system call the store makes goes through a :class:`FileOps`.
+
+Production code uses :class:`OsFileOps`. Fault-injection tests pass a subclass that fails chosen
+calls (ENOSPC, EIO, short writes, ...) without monkeypatching the standard library. Every method
+wraps ``OSError`` into :class:`~ckptstore.errors.StoreIOError` (``DiskFullError`` for ENOSPC and
+EDQUOT) naming the operation and the file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+from ..errors import DiskFullError, StoreIOError
+
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+def wrap_os_error(operation: str, path: str, err: OSError) -> StoreIOError:
+    cls = DiskFullError if err.errno in _FULL else StoreIOError
+    return cls(operation, path, err)
+
+
+@contextmanager
+def io_errors(operation: str, path: str) -> Iterator[None]:
+    """Turn an OSError raised inside the block into a StoreIOError naming ``operation`` and ``path``."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, StoreIOError):
+            raise
+        raise wrap_os_error(operation, path, e) from e
+
+
+class FileOps:
+    """Write-side file system calls. Subclass and override ``_do_*`` hooks to inject faults."""
+
+    def open_append(self, path: str, create: bool) -> int:
+        flags = os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        with io_errors("create" if create else "open", path):
+            return os.open(path, flags, 0o644)
+
+    def writev(self, fd: int, path: str, buffers: Sequence[bytes | memoryview], offset: int) -> None:
+        """Write all of ``buffers`` at ``offset``; retries short writes until done."""
+        total = sum(len(b) for b in buffers)
+        with io_errors("write", path):
+            done = self._pwritev(fd, buffers, offset)
+            while done < total:  # short write: continue with the remainder
+                rest, skip = [], done
+                for b in buffers:
+                    if skip >= len(b):
+                        skip -= len(b)
+                        continue
+                    rest.append(memoryview(b)[skip:])
+                    skip = 0
+                buffers = rest
+                n = self._pwritev(fd, buffers, offset + done)
+                if n == 0:
+                    raise OSError(errno.EIO, "write returned 0 bytes")
+                done += n
+
+    def fsync(self, fd: int, path: str) -> None:
+        with io_errors("fsync", path):
+            self._fsync(fd)
+
+    def fsync_dir(self, path: str) -> None:
+        with io_errors("directory fsync", path):
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                self._fsync(fd)
+            finally:
+                os.close(fd)
+
+    def truncate(self, fd: int, path: str, length: int) -> None:
+        with io_errors("truncate", path):
+            self._ftruncate(fd, length)
+
+    def rename(self, src: str, dst: str) -> None:
+        with io_errors("rename", f"{src} -> {dst}"):
+            self._rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        with io_errors("unlink", path):
+            self._unlink(path)
+
+    def write_file_atomic(self, path: str, data: bytes) -> None:
+        """temp file -> write -> fsync -> rename over ``path`` -> fsync the directory."""
+        tmp = f"{path}.tmp"
+        with io_errors("create", tmp):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            self.writev(fd, tmp, [data], 0)
+            self.fsync(fd, tmp)
+        finally:
+            os.close(fd)
+        self.rename(tmp, path)
+        self.fsync_dir(os.path.dirname(path) or ".")
+
+    # Hooks (override in fault-injection tests).
+    def _pwritev(self, fd: int, buffers: Sequence[bytes | memoryview], offset: int) -> int:
+        return os.pwritev(fd, buffers, offset)
+
+    def _fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def _ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def _rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def _unlink(self, path: str) -> None:
+        os.unlink(path)
+
+
+OsFileOps = FileOps

@@ -1,0 +1,336 @@
+"""The log: every segment of a store, read by location, appended to by one writer, and replayed
+into an index on open (format-spec/format.md, "Recovery").
+
+Replay rules (normative in the spec):
+
+* Segments are read in sequence order; segments at or below the highest ``supersedes`` watermark
+  found in any segment header are obsolete (an interrupted gc) and skipped.
+* CHUNK and TREE records become *pending*; a valid COMMIT whose manifest is valid, has the named
+  digest and the same iteration makes everything pending visible at once (one index batch).
+* Records after the last valid commit are the *tail*: uncommitted, never indexed. The writer
+  truncates it on open; readers ignore it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import xxhash
+
+from ..errors import CorruptRecordError, FormatError
+from ..format import records as rec
+from ..format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header
+from ..format.commit import decode_commit
+from ..format.header import FORMAT_VERSION, SegmentHeader
+from ..format.manifest import decode_manifest
+from ..format.tree import decode_tree
+from .fileops import FileOps
+from .index import ChunkRef, CommitEntry, Index, IndexBatch, Position
+from .layout import Layout
+from .segments import (CorruptRegion, Loc, ScannedRecord, SegmentFile, SegmentWriter,
+                       read_segment_header, scan_segment)
+
+#: Commits per index transaction while replaying a long log.
+_REPLAY_BATCH = 4096
+
+
+@dataclass
+class Damage:
+    """A corrupt stretch of a segment, as fsck and open report it."""
+
+    path: str
+    offset: int
+    end: int
+    record_type: int | None
+    reason: str
+
+    def __str__(self) -> str:
+        kind = rec.RecordType(self.record_type).name if self.record_type in rec.KNOWN_TYPES else "bytes"
+        return f"{self.path} offset {self.offset}: {kind} ({self.end - self.offset} bytes): {self.reason}"
+
+
+@dataclass
+class ReplayReport:
+    """What a replay saw. ``tail_*`` describe bytes after the last valid commit."""
+
+    position: Position | None
+    commits: int = 0
+    damage: list[Damage] = field(default_factory=list)
+    #: segments holding bytes after ``position`` (the tail), with the offset where the tail starts
+    tail: list[tuple[int, int]] = field(default_factory=list)
+    tail_bytes: int = 0
+    #: a COMMIT-typed record in the tail failed to verify: the tail may hold a damaged commit
+    tail_suspicious: bool = False
+    #: chunk addresses whose records were verified (only with verify=True)
+    verified_chunks: set[bytes] = field(default_factory=set)
+
+
+class Log:
+    """Segment files of one store. Read methods are thread-safe; append methods are not."""
+
+    def __init__(self, layout: Layout, store_id: bytes, ops: FileOps | None = None) -> None:
+        self.layout = layout
+        self.store_id = store_id
+        self.ops = ops
+        self._files: dict[int, SegmentFile] = {}
+        self.headers: dict[int, SegmentHeader] = {}
+        self.header_damage: dict[int, FormatError] = {}
+        self.watermark = 0
+        self.writer: SegmentWriter | None = None
+
+    # ---- segments -------------------------------------------------------------------------
+    def file(self, seq: int) -> SegmentFile:
+        f = self._files.get(seq)
+        if f is None:
+            f = self._files.setdefault(seq, SegmentFile(self.layout.segment_path(seq), seq))
+        return f
+
+    def refresh_segments(self) -> list[int]:
+        """Re-list the directory, read new segment headers; return the live (non-obsolete) seqs."""
+        present = self.layout.list_segments()
+        for seq in present:
+            if seq in self.headers or seq in self.header_damage:
+                continue
+            try:
+                h = read_segment_header(self.file(seq))
+            except FormatError as e:
+                self.header_damage[seq] = e
+                continue
+            except FileNotFoundError:
+                continue
+            if h.store_id != self.store_id:
+                self.header_damage[seq] = CorruptRecordError(
+                    "segment belongs to another store").located(self.file(seq).path, 0)
+                continue
+            self.headers[seq] = h
+            self.watermark = max(self.watermark, h.supersedes)
+        gone = set(self._files) - set(present)
+        for seq in gone:
+            if self.writer is not None and self.writer.seq == seq:
+                continue
+            self._files.pop(seq).close()
+            self.headers.pop(seq, None)
+            self.header_damage.pop(seq, None)
+        return [s for s in present if s > self.watermark]
+
+    def obsolete_segments(self) -> list[int]:
+        return [s for s in self.layout.list_segments() if s <= self.watermark]
+
+    def read_payload(self, loc: Loc, verify: bool = True) -> memoryview:
+        return self.file(loc.seq).read_payload(loc, verify)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    # ---- replay ---------------------------------------------------------------------------
+    def replay(self, index: Index, start: Position | None, *, verify: bool = False,
+               progress: Callable[[int], None] | None = None) -> ReplayReport:
+        """Scan the log from ``start`` (None: from the beginning) and apply every valid commit to
+        ``index``. Never modifies the log."""
+        live = self.refresh_segments()
+        report = ReplayReport(position=start)
+        for seq, err in sorted(self.header_damage.items()):
+            if seq > self.watermark and (start is None or seq >= start.seq):
+                report.damage.append(Damage(err.path or "", 0, 0, rec.RecordType.SEGMENT_HEADER,
+                                            err.reason))
+        pending_chunks: dict[bytes, ChunkRef] = {}
+        pending_trees: dict[bytes, Loc] = {}
+        manifests: dict[tuple[int, int], tuple[bytes, int]] = {}
+        batch = IndexBatch()
+        seen_segments: list[int] = []
+        tail_start: list[tuple[int, int]] = []  # candidate tail: records since the last commit
+        for seq in live:
+            if start is not None and seq < start.seq:
+                seen_segments.append(seq)
+                continue
+            seen_segments.append(seq)
+            f = self.file(seq)
+            offset = start.offset if start is not None and seq == start.seq else 0
+            tail_start.append((seq, offset))
+            for item in scan_segment(f, offset, verify=verify):
+                if progress is not None:
+                    progress(item.loc.end - item.loc.offset if isinstance(item, ScannedRecord)
+                             else item.end - item.start)
+                if isinstance(item, CorruptRegion):
+                    report.damage.append(Damage(f.path, item.start, item.end, None, item.error.reason))
+                    continue
+                if item.error is not None:
+                    report.damage.append(Damage(f.path, item.loc.offset, item.loc.end, item.type,
+                                                item.error.reason))
+                    if item.type == rec.RecordType.COMMIT:
+                        report.tail_suspicious = True
+                    continue
+                t = item.type
+                if t == rec.RecordType.SEGMENT_HEADER:
+                    if item.loc.offset != 0:
+                        report.damage.append(Damage(f.path, item.loc.offset, item.loc.end, t,
+                                                    "segment header record inside a segment"))
+                elif t == rec.RecordType.CHUNK:
+                    try:
+                        ch = decode_chunk_header(f.pread(item.loc.payload_offset, CHUNK_HEADER_SIZE))
+                    except FormatError as e:
+                        report.damage.append(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason))
+                        continue
+                    pending_chunks[ch.address] = ChunkRef(item.loc, int(ch.codec))
+                    if verify:
+                        report.verified_chunks.add(ch.address)
+                elif t == rec.RecordType.TREE:
+                    try:
+                        tree = decode_tree(item.payload)
+                    except FormatError as e:
+                        report.damage.append(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason))
+                        continue
+                    pending_trees[tree.root] = item.loc
+                elif t == rec.RecordType.MANIFEST:
+                    try:
+                        m = decode_manifest(item.payload)
+                    except FormatError as e:
+                        report.damage.append(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason))
+                        continue
+                    manifests[(seq, item.loc.offset)] = (xxhash.xxh3_128_digest(item.payload),
+                                                         m.iteration)
+                elif t == rec.RecordType.COMMIT:
+                    try:
+                        c = decode_commit(item.payload)
+                    except FormatError as e:
+                        report.damage.append(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason))
+                        report.tail_suspicious = True
+                        continue
+                    m = manifests.get((c.manifest_seq, c.manifest_offset))
+                    if m is None or m[0] != c.manifest_digest or m[1] != c.iteration:
+                        report.damage.append(Damage(
+                            f.path, item.loc.offset, item.loc.end, t,
+                            f"commit of iteration {c.iteration} names a manifest that is missing, "
+                            "damaged or different"))
+                        report.tail_suspicious = True
+                        continue
+                    batch.chunks.update(pending_chunks)
+                    batch.trees.update(pending_trees)
+                    pending_chunks.clear()
+                    pending_trees.clear()
+                    batch.commits.append(CommitEntry(c, item.loc))
+                    report.position = batch.position = Position(seq, item.loc.end)
+                    batch.segments = tuple(seen_segments)
+                    report.commits += 1
+                    report.tail_suspicious = False
+                    tail_start = [(seq, item.loc.end)]
+                    if len(batch.commits) >= _REPLAY_BATCH:
+                        index.apply(batch)
+                        batch = IndexBatch()
+                # reserved types (tombstone, deltas, rank streams) are skipped in v1
+        if batch.commits:
+            index.apply(batch)
+        for seq, off in tail_start:
+            size = self.file(seq).size()
+            if size > off and not (off == 0 and size <= _header_len()):
+                report.tail.append((seq, off))
+                report.tail_bytes += size - off
+        return report
+
+    # ---- appending (writer only) ------------------------------------------------------------
+    def open_writer(self, position: Position | None, segment_size: int) -> None:
+        """Position the writer at ``position`` (the end of the last commit), or start segment 1."""
+        assert self.ops is not None
+        if position is None:
+            live = self.refresh_segments()
+            if live:
+                seq = live[-1]
+                self.writer = SegmentWriter.reopen(self.layout.segment_path(seq), seq,
+                                                   _header_len(), self.ops)
+            else:
+                self.roll(segment_size)
+            return
+        self.writer = SegmentWriter.reopen(self.layout.segment_path(position.seq), position.seq,
+                                           position.offset, self.ops)
+
+    def roll(self, segment_size: int, supersedes: int = 0) -> SegmentWriter:
+        """Start a new segment after every existing one (fsyncing the old one first)."""
+        assert self.ops is not None
+        existing = self.layout.list_segments()
+        seq = (existing[-1] if existing else 0) + 1
+        if self.writer is not None:
+            self.writer.sync()
+            self.writer.close()
+        self.writer = SegmentWriter.create(self.layout.segment_path(seq), seq, self.store_id,
+                                           self.ops, supersedes)
+        self.ops.fsync_dir(self.layout.segment_dir)
+        self.headers[seq] = SegmentHeader(FORMAT_VERSION, seq, self.store_id, supersedes)
+        return self.writer
+
+    def append(self, record_type: int, parts: list, segment_size: int) -> Loc:
+        assert self.writer is not None
+        size = rec.OVERHEAD + sum(len(p) for p in parts)
+        if self.writer.offset > _header_len() and self.writer.offset + size > segment_size:
+            self.roll(segment_size)  # fsyncs the full segment before leaving it
+        return self.writer.append(record_type, parts)
+
+    def discard_after(self, position: Position | None, quarantine: bool) -> None:
+        """Cut the log back to ``position``: truncate its segment there and delete later segments.
+
+        With ``quarantine`` the cut bytes are first copied to quarantine/ (fsynced), so a tail that
+        may hold a damaged commit is kept for inspection instead of destroyed.
+        """
+        assert self.ops is not None
+        live = self.refresh_segments()
+        cut_seq = position.seq if position is not None else 0
+        cut_off = position.offset if position is not None else 0
+        if quarantine:
+            self._quarantine(live, cut_seq, cut_off)
+        removed = False
+        for seq in live:
+            if seq > cut_seq:
+                if self.writer is not None and self.writer.seq == seq:
+                    self.writer.close()
+                    self.writer = None
+                self.file(seq).close()
+                self._files.pop(seq, None)
+                self.headers.pop(seq, None)
+                self.ops.unlink(self.layout.segment_path(seq))
+                removed = True
+        if removed:
+            self.ops.fsync_dir(self.layout.segment_dir)
+        if position is not None:
+            path = self.layout.segment_path(cut_seq)
+            if os.path.getsize(path) > cut_off:
+                w = self.writer if self.writer is not None and self.writer.seq == cut_seq else \
+                    SegmentWriter.reopen(path, cut_seq, cut_off, self.ops)
+                w.truncate(cut_off)
+                if w is not self.writer:
+                    w.close()
+
+    def _quarantine(self, live: list[int], cut_seq: int, cut_off: int) -> None:
+        assert self.ops is not None
+        os.makedirs(self.layout.quarantine_dir, exist_ok=True)
+        for seq in live:
+            if seq < cut_seq:
+                continue
+            start = cut_off if seq == cut_seq else 0
+            f = self.file(seq)
+            size = f.size()
+            if size <= start:
+                continue
+            dest = os.path.join(self.layout.quarantine_dir, f"{seq:010d}-{start}.tail")
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                pos = start
+                while pos < size:
+                    block = f.pread(pos, min(8 << 20, size - pos))
+                    self.ops.writev(fd, dest, [block], pos - start)
+                    pos += len(block)
+                self.ops.fsync(fd, dest)
+            finally:
+                os.close(fd)
+        self.ops.fsync_dir(self.layout.quarantine_dir)
+
+
+def _header_len() -> int:
+    from .segments import SEGMENT_HEADER_RECORD_SIZE
+
+    return SEGMENT_HEADER_RECORD_SIZE

@@ -1,0 +1,295 @@
+"""Segment files: append-only sequences of records (format/records.py).
+
+A segment starts with a SEGMENT_HEADER record. :class:`SegmentWriter` appends; :class:`SegmentFile`
+reads records at known offsets with ``pread`` (thread-safe, no shared file position);
+:func:`scan_segment` walks a segment from an offset, yielding valid records and the corrupt regions
+between them, resynchronising on the next valid header after damage.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from ..errors import CorruptRecordError, FormatError
+from ..format import records as rec
+from ..format.header import SEGMENT_HEADER_SIZE, SegmentHeader, decode_segment_header, encode_segment_header
+from .fileops import FileOps, io_errors
+
+#: Bytes read per step while hashing a large payload or searching for the next record after damage.
+_SCAN_BLOCK = 8 << 20
+SEGMENT_HEADER_RECORD_SIZE = rec.OVERHEAD + SEGMENT_HEADER_SIZE
+
+
+@dataclass(frozen=True)
+class Loc:
+    """Where a record lives: segment, offset of its header, payload length."""
+
+    seq: int
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + rec.OVERHEAD + self.length
+
+    @property
+    def payload_offset(self) -> int:
+        return self.offset + rec.HEADER_SIZE
+
+
+class SegmentFile:
+    """Read access to one segment file. Opened lazily; safe to share between threads."""
+
+    def __init__(self, path: str, seq: int) -> None:
+        self.path = path
+        self.seq = seq
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+
+    def fileno(self) -> int:
+        if self._fd is None:
+            with self._lock:
+                if self._fd is None:
+                    self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        return self._fd
+
+    def size(self) -> int:
+        return os.fstat(self.fileno()).st_size
+
+    def pread(self, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer only at end of file)."""
+        with io_errors("read", self.path):
+            out = os.pread(self.fileno(), n, offset)
+            while len(out) < n:
+                more = os.pread(self.fileno(), n - len(out), offset + len(out))
+                if not more:
+                    break
+                out += more
+            return out
+
+    def readinto(self, offset: int, buffers: Sequence[memoryview]) -> int:
+        """Fill ``buffers`` from ``offset``; return bytes read (short only at end of file)."""
+        want = sum(len(b) for b in buffers)
+        with io_errors("read", self.path):
+            got = os.preadv(self.fileno(), buffers, offset)
+            if got < want:  # rare: continue buffer by buffer
+                got = 0
+                for b in buffers:
+                    pos = 0
+                    while pos < len(b):
+                        n = os.preadv(self.fileno(), [b[pos:]], offset + got)
+                        if n == 0:
+                            return got
+                        pos += n
+                        got += n
+            return got
+
+    def read_payload(self, loc: Loc, verify: bool = True) -> memoryview:
+        """The payload of the record at ``loc``; with ``verify`` the header and trailer are checked.
+
+        Raises CorruptRecordError (located at this file and offset) on a torn or corrupt record.
+        """
+        buf = self.pread(loc.offset, rec.OVERHEAD + loc.length)
+        try:
+            header, payload = rec.decode_record(buf) if verify else (
+                rec.decode_header(buf), memoryview(buf)[rec.HEADER_SIZE:rec.HEADER_SIZE + loc.length])
+            if header.length != loc.length:
+                raise CorruptRecordError(
+                    f"record length {header.length} differs from the indexed {loc.length}")
+        except FormatError as e:
+            raise e.located(self.path, loc.offset) from None
+        return payload
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def read_segment_header(f: SegmentFile) -> SegmentHeader:
+    """Decode the header record at offset 0; raises FormatError located at the file."""
+    loc = Loc(f.seq, 0, SEGMENT_HEADER_SIZE)
+    buf = f.pread(0, SEGMENT_HEADER_RECORD_SIZE)
+    try:
+        header, payload = rec.decode_record(buf)
+        if header.type != rec.RecordType.SEGMENT_HEADER:
+            raise CorruptRecordError(f"segment starts with a record of type {header.type}")
+        h = decode_segment_header(payload)
+        if h.seq != f.seq:
+            raise FormatError(f"segment header names sequence {h.seq}, file name says {f.seq}")
+        return h
+    except FormatError as e:
+        raise e.located(f.path, loc.offset) from None
+
+
+@dataclass(frozen=True)
+class ScannedRecord:
+    """A record whose header is valid. ``payload`` is set when the scan read it (small records,
+    or every record with ``verify``); ``error`` is set when its payload failed verification."""
+
+    loc: Loc
+    type: int
+    payload: bytes | None = None
+    error: FormatError | None = None
+
+
+@dataclass(frozen=True)
+class CorruptRegion:
+    """Bytes between ``start`` and ``end`` that hold no valid record header."""
+
+    seq: int
+    path: str
+    start: int
+    end: int
+    error: FormatError
+
+
+#: Payloads of these types are always read during a scan (they are small and drive recovery).
+_ALWAYS_READ = frozenset({rec.RecordType.SEGMENT_HEADER, rec.RecordType.MANIFEST,
+                          rec.RecordType.COMMIT, rec.RecordType.TREE, rec.RecordType.TOMBSTONE})
+
+
+def _verify_streaming(f: SegmentFile, loc: Loc) -> FormatError | None:
+    """Check a large record's trailer by hashing its payload block by block."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    pos, end = loc.payload_offset, loc.payload_offset + loc.length
+    while pos < end:
+        block = f.pread(pos, min(_SCAN_BLOCK, end - pos))
+        if not block:
+            return CorruptRecordError("record payload truncated at end of file").located(f.path, loc.offset)
+        h.update(block)
+        pos += len(block)
+    trailer = f.pread(end, rec.TRAILER_SIZE)
+    if len(trailer) < rec.TRAILER_SIZE:
+        return CorruptRecordError("record trailer truncated at end of file").located(f.path, loc.offset)
+    if int.from_bytes(trailer, "little") != h.intdigest():
+        return CorruptRecordError("record payload checksum mismatch").located(f.path, loc.offset)
+    return None
+
+
+def _find_next_header(f: SegmentFile, start: int, size: int) -> int:
+    """Offset of the next valid record header at or after ``start``, or ``size`` if none."""
+    pos = start
+    while pos < size:
+        n = min(_SCAN_BLOCK, size - pos)
+        # Read a little past the block so a header straddling its end is still seen whole.
+        block = f.pread(pos, n + rec.HEADER_SIZE - 1)
+        i = block.find(rec.MAGIC)
+        while i != -1 and i < n:
+            try:
+                rec.decode_header(block[i:i + rec.HEADER_SIZE])
+                return pos + i
+            except FormatError:
+                i = block.find(rec.MAGIC, i + 1)
+        pos += n
+    return size
+
+
+def scan_segment(f: SegmentFile, start: int = 0, *, verify: bool = False,
+                 end: int | None = None) -> Iterator[ScannedRecord | CorruptRegion]:
+    """Walk the records of ``f`` from ``start`` (a record boundary) to ``end`` (default: file size).
+
+    Yields a ScannedRecord for every record with a valid header, in order, and a CorruptRegion for
+    every stretch of bytes that is not one (a torn tail included). Small records (manifest, commit,
+    tree, headers) are always read and verified; chunk payloads only with ``verify``.
+    """
+    size = f.size() if end is None else end
+    pos = start
+    while pos < size:
+        head = f.pread(pos, rec.HEADER_SIZE)
+        try:
+            header = rec.decode_header(head)
+        except FormatError as e:
+            nxt = _find_next_header(f, pos + 1, size)
+            yield CorruptRegion(f.seq, f.path, pos, nxt, e.located(f.path, pos))
+            pos = nxt
+            continue
+        loc = Loc(f.seq, pos, header.length)
+        if loc.end > size:
+            err = CorruptRecordError(
+                f"record of {loc.end - pos} bytes runs past the end of the file at {size}")
+            nxt = _find_next_header(f, pos + 1, size)
+            yield CorruptRegion(f.seq, f.path, pos, nxt, err.located(f.path, pos))
+            pos = nxt
+            continue
+        if header.type in _ALWAYS_READ:
+            buf = f.pread(pos, loc.end - pos)
+            try:
+                _, payload = rec.decode_record(buf)
+                yield ScannedRecord(loc, header.type, bytes(payload))
+            except FormatError as e:
+                yield ScannedRecord(loc, header.type, None, e.located(f.path, pos))
+        elif verify:
+            yield ScannedRecord(loc, header.type, None, _verify_streaming(f, loc))
+        else:
+            yield ScannedRecord(loc, header.type)
+        pos = loc.end
+
+
+class SegmentWriter:
+    """Appends records to one segment file through a FileOps seam.
+
+    Invariant: ``offset`` is the end of the last record appended; bytes past it are garbage from an
+    aborted write and will be overwritten or truncated.
+    """
+
+    def __init__(self, path: str, seq: int, fd: int, offset: int, ops: FileOps) -> None:
+        self.path = path
+        self.seq = seq
+        self.fd = fd
+        self.offset = offset
+        self.ops = ops
+        self.dirty = False
+
+    @classmethod
+    def create(cls, path: str, seq: int, store_id: bytes, ops: FileOps, supersedes: int = 0
+               ) -> "SegmentWriter":
+        """Create a new segment holding only its header record (fsynced; the caller fsyncs the dir)."""
+        from ..format.header import FORMAT_VERSION
+
+        fd = ops.open_append(path, create=True)
+        w = cls(path, seq, fd, 0, ops)
+        try:
+            payload = encode_segment_header(SegmentHeader(FORMAT_VERSION, seq, store_id, supersedes))
+            w.append(rec.RecordType.SEGMENT_HEADER, [payload])
+            w.sync()
+        except BaseException:
+            os.close(fd)
+            raise
+        return w
+
+    @classmethod
+    def reopen(cls, path: str, seq: int, offset: int, ops: FileOps) -> "SegmentWriter":
+        return cls(path, seq, ops.open_append(path, create=False), offset, ops)
+
+    def append(self, record_type: int, payload_parts: Sequence[bytes | memoryview]) -> Loc:
+        length = sum(len(p) for p in payload_parts)
+        header = rec.encode_header(record_type, length)
+        trailer = rec.encode_trailer(*payload_parts)
+        loc = Loc(self.seq, self.offset, length)
+        self.ops.writev(self.fd, self.path, [header, *payload_parts, trailer], self.offset)
+        self.offset = loc.end
+        self.dirty = True
+        return loc
+
+    def sync(self) -> None:
+        if self.dirty:
+            self.ops.fsync(self.fd, self.path)
+            self.dirty = False
+
+    def truncate(self, offset: int) -> None:
+        self.ops.truncate(self.fd, self.path, offset)
+        self.ops.fsync(self.fd, self.path)
+        self.offset = offset
+        self.dirty = False
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -1,0 +1,159 @@
+"""Array leaves: how torch tensors and numpy arrays become bytes and come back.
+
+Saving takes a 1-D ``uint8`` view of each array's memory (no copy for contiguous CPU tensors;
+one copy for GPU, non-contiguous, conjugate or negative-bit views). Loading allocates each array
+once, empty, and hands its bytes to the reader to fill in place.
+
+Accepted: ``torch.Tensor`` and ``torch.nn.Parameter`` with a strided layout and any non-quantized
+dtype; ``numpy.ndarray`` with a boolean, integer, float or complex dtype of either byte order.
+Everything else (sparse, quantized, nested, meta, tensor subclasses, object or structured arrays)
+is refused with UnsupportedTypeError naming the path.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CkptStoreError, FormatError, UnsupportedTypeError
+from .format.manifest import TensorEntry
+from .format.state import Path, format_path, path_name
+
+_QUANTIZED = {"qint8", "qint32", "quint8", "quint4x2", "quint2x4"}
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: dt for name in dir(torch)
+    if isinstance(dt := getattr(torch, name), torch.dtype) and str(dt) == f"torch.{name}"
+    and name not in _QUANTIZED
+}
+_NUMPY_DTYPE = re.compile(r"^[<>|=][biufc]\d{1,2}$")
+_EMPTY = memoryview(b"")
+
+
+@dataclass
+class ArrayLeaf:
+    """One array found in a state, with what the manifest records about it."""
+
+    path: Path
+    lib: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    value: Any
+    param: bool = False
+    requires_grad: bool = False
+
+    @property
+    def name(self) -> str:
+        return path_name(self.path)
+
+    def byte_view(self) -> memoryview:
+        """The array's bytes, C order, as a flat memoryview (kept alive by the view itself)."""
+        if self.nbytes == 0:
+            return _EMPTY
+        if self.lib == "torch":
+            t = self.value.detach()
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            if t.is_conj():
+                t = t.resolve_conj()
+            if t.is_neg():
+                t = t.resolve_neg()
+            t = t.contiguous()
+            return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        a = np.ascontiguousarray(self.value)
+        return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def _torch_leaf(t: torch.Tensor, path: Path) -> ArrayLeaf:
+    where = format_path(path)
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedTypeError(f"tensor subclass {type(t).__qualname__} at {where} is not supported")
+    if t.layout != torch.strided:
+        raise UnsupportedTypeError(f"{t.layout} tensor at {where}: only strided (dense) tensors are supported")
+    if t.is_nested or t.is_quantized:
+        raise UnsupportedTypeError(f"nested or quantized tensor at {where} is not supported")
+    if t.device.type == "meta":
+        raise UnsupportedTypeError(f"meta tensor at {where} has no data to save")
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in TORCH_DTYPES:
+        raise UnsupportedTypeError(f"tensor dtype {t.dtype} at {where} is not supported")
+    return ArrayLeaf(path, "torch", name, tuple(t.shape), t.numel() * t.element_size(), t,
+                     param=isinstance(t, torch.nn.Parameter), requires_grad=t.requires_grad)
+
+
+def _numpy_leaf(a: np.ndarray, path: Path) -> ArrayLeaf:
+    dt = a.dtype.str
+    if not _NUMPY_DTYPE.match(dt) or a.dtype.names is not None or a.dtype.subdtype is not None:
+        raise UnsupportedTypeError(
+            f"numpy dtype {a.dtype} at {format_path(path)} is not supported "
+            "(bool, int, uint, float and complex are)")
+    return ArrayLeaf(path, "numpy", dt, tuple(a.shape), a.nbytes, a)
+
+
+def leaf_hook(x: Any, path: Path) -> ArrayLeaf | None:
+    """State-encoding hook: recognise tensors and arrays; None for anything else."""
+    if isinstance(x, torch.Tensor):
+        return _torch_leaf(x, path)
+    if isinstance(x, np.ndarray):
+        return _numpy_leaf(x, path)
+    if isinstance(x, np.generic):
+        raise UnsupportedTypeError(
+            f"numpy scalar {type(x).__name__} at {format_path(path)}: store it as a Python number "
+            "(.item()) or a 0-d array (np.asarray)")
+    return None
+
+
+def no_leaves(x: Any, path: Path) -> None:
+    """Hook for structures that must not hold arrays (user meta)."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        raise UnsupportedTypeError(f"meta holds an array at {format_path(path)}; meta must be JSON-like")
+    return None
+
+
+def allocate(entry: TensorEntry) -> tuple[Any, memoryview]:
+    """Allocate an empty array for ``entry``; return it and a writable flat byte view of it.
+
+    Raises FormatError when the entry's dtype is unknown or its shape and byte size disagree.
+    """
+    numel = math.prod(entry.shape)
+    if entry.lib == "torch":
+        dtype = TORCH_DTYPES.get(entry.dtype)
+        if dtype is None:
+            raise FormatError(f"tensor {entry.path}: unknown torch dtype {entry.dtype!r}")
+        itemsize = dtype.itemsize
+    else:
+        if not _NUMPY_DTYPE.match(entry.dtype):
+            raise FormatError(f"tensor {entry.path}: unsupported numpy dtype {entry.dtype!r}")
+        try:
+            np_dtype = np.dtype(entry.dtype)
+        except TypeError:
+            raise FormatError(f"tensor {entry.path}: unknown numpy dtype {entry.dtype!r}") from None
+        itemsize = np_dtype.itemsize
+    if numel * itemsize != entry.nbytes:
+        raise FormatError(f"tensor {entry.path}: shape {list(entry.shape)} of {entry.dtype} is not "
+                          f"{entry.nbytes} bytes")
+    try:
+        if entry.lib == "torch":
+            value = torch.empty(entry.shape, dtype=dtype)
+            view = memoryview(value.reshape(-1).view(torch.uint8).numpy()) if entry.nbytes else _EMPTY
+        else:
+            value = np.empty(entry.shape, dtype=np_dtype)
+            view = memoryview(value.reshape(-1).view(np.uint8)) if entry.nbytes else _EMPTY
+    except (MemoryError, RuntimeError) as e:
+        raise CkptStoreError(f"tensor {entry.path}: cannot allocate {entry.nbytes} bytes: {e}") from e
+    return value, view
+
+
+def finish(entry: TensorEntry, value: Any) -> Any:
+    """Apply what the manifest records beyond bytes (Parameter, requires_grad)."""
+    if entry.lib == "torch":
+        if entry.param:
+            return torch.nn.Parameter(value, requires_grad=entry.requires_grad)
+        if entry.requires_grad:
+            value.requires_grad_(True)
+    return value

@@ -1,0 +1,117 @@
+"""The write path: a flattened state -> chunk, tree, manifest and commit records.
+
+Order of writes for one checkpoint (format-spec/format.md, "Commit protocol"):
+
+1. new CHUNK records (chunks whose address the index or this save already holds are skipped),
+2. a TREE record per tensor whose root is new,
+3. the MANIFEST record,
+4. fsync every segment written (rolled segments are fsynced when they are left),
+5. the COMMIT record, then fsync: **the commit point**,
+6. one index transaction naming everything above.
+
+A crash before 5 completes leaves only an uncommitted tail, which recovery discards.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import xxhash
+
+from .format import records as rec
+from .format.chunk import address_of, choose_encoding, encode_chunk_header
+from .format.commit import COMMIT_SIZE, KIND_SNAPSHOT, Commit, encode_commit
+from .format.manifest import INLINE_MAX, Manifest, TensorEntry, encode_manifest
+from .format.tree import encode_tree, make_tree, snapshot_root, tree_root
+from .storage.index import ChunkRef, CommitEntry, Index, IndexBatch, Position
+from .storage.log import Log
+from .storage.segments import Loc
+from .tensors import ArrayLeaf
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What one save did. ``dedup_bytes`` were found already stored and not written again."""
+
+    iteration: int
+    logical_bytes: int
+    written_bytes: int
+    dedup_bytes: int
+    chunks_written: int
+    chunks_deduped: int
+    tensors: int
+    seconds: float
+    snapshot_root: str
+
+
+def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: Any,
+                   leaves: list[ArrayLeaf], *, chunk_size: int, segment_size: int,
+                   progress: Callable[[int], None] | None = None) -> tuple[IndexBatch, SaveStats]:
+    """Append one checkpoint and make it durable. Returns the index batch to apply and stats.
+
+    The caller owns rollback: on any exception nothing has been committed, and the log must be cut
+    back to where this save began.
+    """
+    t0 = time.perf_counter()
+    created_ns = time.time_ns()
+    assert log.writer is not None
+    new_chunks: dict[bytes, ChunkRef] = {}
+    new_trees: dict[bytes, Loc] = {}
+    entries: list[TensorEntry] = []
+    roots: list[tuple[str, bytes]] = []
+    written = dedup = n_written = n_dedup = 0
+
+    def append(rtype: int, parts: list) -> Loc:
+        nonlocal written
+        loc = log.append(rtype, parts, segment_size)
+        written += loc.end - loc.offset
+        return loc
+
+    for leaf in leaves:
+        view = leaf.byte_view()
+        nbytes = len(view)
+        inline = None
+        if nbytes <= INLINE_MAX:
+            addresses = [address_of(view)] if nbytes else []
+            root = tree_root(nbytes, chunk_size, addresses)
+            inline = bytes(view)
+        else:
+            addresses = []
+            for start in range(0, nbytes, chunk_size):
+                piece = view[start:start + chunk_size]
+                addr = address_of(piece)
+                addresses.append(addr)
+                if addr in new_chunks or index.get_chunk(addr) is not None:
+                    dedup += len(piece)
+                    n_dedup += 1
+                else:
+                    codec, data = choose_encoding(piece)
+                    loc = append(rec.RecordType.CHUNK, [encode_chunk_header(addr, codec, len(piece)), data])
+                    new_chunks[addr] = ChunkRef(loc, int(codec))
+                    n_written += 1
+                if progress is not None:
+                    progress(len(piece))
+            tree = make_tree(nbytes, chunk_size, addresses)
+            root = tree.root
+            if root not in new_trees and index.get_tree(root) is None:
+                new_trees[root] = append(rec.RecordType.TREE, [encode_tree(tree)])
+        entries.append(TensorEntry(leaf.name, leaf.lib, leaf.dtype, leaf.shape, nbytes, root, inline,
+                                   leaf.param, leaf.requires_grad))
+        roots.append((leaf.name, root))
+
+    manifest = Manifest(iteration, created_ns, chunk_size, skeleton, meta, tuple(entries))
+    payload = encode_manifest(manifest)
+    mloc = append(rec.RecordType.MANIFEST, [payload])
+    log.writer.sync()
+    sroot = snapshot_root(roots)
+    logical = manifest.logical_bytes
+    commit = Commit(iteration, mloc.seq, mloc.offset, mloc.length, xxhash.xxh3_128_digest(payload),
+                    sroot, created_ns, logical, written + rec.OVERHEAD + COMMIT_SIZE, KIND_SNAPSHOT)
+    cloc = append(rec.RecordType.COMMIT, [encode_commit(commit)])
+    log.writer.sync()  # the commit point
+    batch = IndexBatch(new_chunks, new_trees, [CommitEntry(commit, cloc)], Position(cloc.seq, cloc.end))
+    stats = SaveStats(iteration, logical, written, dedup, n_written, n_dedup, len(leaves),
+                      time.perf_counter() - t0, sroot.hex())
+    return batch, stats
