@@ -45,6 +45,8 @@ class Damage:
     end: int
     record_type: int | None
     reason: str
+    #: for a damaged CHUNK record whose chunk header still decodes: the chunk's address
+    address: bytes | None = None
 
     def __str__(self) -> str:
         kind = rec.RecordType(self.record_type).name if self.record_type in rec.KNOWN_TYPES else "bytes"
@@ -162,8 +164,7 @@ class Log:
                     report.damage.append(Damage(f.path, item.start, item.end, None, item.error.reason))
                     continue
                 if item.error is not None:
-                    report.damage.append(Damage(f.path, item.loc.offset, item.loc.end, item.type,
-                                                item.error.reason))
+                    report.damage.append(_describe_damaged_record(f, item))
                     if item.type == rec.RecordType.COMMIT:
                         report.tail_suspicious = True
                     continue
@@ -328,6 +329,22 @@ class Log:
             finally:
                 os.close(fd)
         self.ops.fsync_dir(self.layout.quarantine_dir)
+
+
+def _describe_damaged_record(f: SegmentFile, item: ScannedRecord) -> Damage:
+    """A Damage for a record whose payload failed its check, with what can still be read of it
+    (a chunk's address, a commit's iteration) so fsck can name what is affected."""
+    assert item.error is not None
+    d = Damage(f.path, item.loc.offset, item.loc.end, item.type, item.error.reason)
+    try:
+        if item.type == rec.RecordType.CHUNK:
+            d.address = decode_chunk_header(f.pread(item.loc.payload_offset, CHUNK_HEADER_SIZE)).address
+        elif item.type == rec.RecordType.COMMIT:
+            c = decode_commit(f.pread(item.loc.payload_offset, item.loc.length))
+            d.reason += f" (it appears to be the commit of iteration {c.iteration})"
+    except (FormatError, OSError):
+        pass
+    return d
 
 
 def _header_len() -> int:

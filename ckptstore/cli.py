@@ -1,0 +1,234 @@
+"""The ``ckptstore`` command line: ls, show, diff, restore, fsck, gc, demo.
+
+Exit codes: 0 success (fsck: clean); 1 the store is damaged or an operation failed (the message
+says what and where); 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+from .errors import CkptStoreError
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _when(ns: int) -> str:
+    return datetime.datetime.fromtimestamp(ns / 1e9).isoformat(timespec="seconds")
+
+
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+@contextmanager
+def _progress(desc: str, total: int | None) -> Iterator[Any]:
+    """A tqdm byte counter on stderr (hidden when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+               disable=None, file=sys.stderr)
+    try:
+        yield bar.update
+    finally:
+        bar.close()
+
+
+def _open(path: str, mode: str = "r"):
+    from . import open as open_store
+
+    return open_store(path, mode)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _open(args.path) as store:
+        rows = []
+        for it in store.iterations():
+            info = store.info(it)
+            rows.append([it, info.kind, _when(info.created_ns), _human(info.logical_bytes),
+                         _human(info.written_bytes), info.snapshot_root[:12]])
+        if not rows:
+            print(f"{args.path}: no committed checkpoints")
+            return 0
+        print(_table(rows, ["iteration", "kind", "created", "size", "written", "root"]))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _open(args.path) as store:
+        info = store.info(args.iteration)
+        m = store.manifest(args.iteration)
+        print(f"iteration {info.iteration} ({info.kind}), created {_when(info.created_ns)}")
+        print(f"size {_human(info.logical_bytes)} in {len(m.tensors)} tensors, written "
+              f"{_human(info.written_bytes)}, chunk size {_human(m.chunk_size)}, root {info.snapshot_root}")
+        print(f"meta: {json.dumps(store.meta(args.iteration), default=repr)}")
+        rows = [[t.path, t.lib, t.dtype, "x".join(map(str, t.shape)) or "scalar", _human(t.nbytes),
+                 t.root.hex()[:12]] for t in m.tensors]
+        if rows:
+            print(_table(rows, ["tensor", "lib", "dtype", "shape", "bytes", "root"]))
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    with _open(args.path) as store:
+        diffs = store.diff(args.a, args.b)
+        shown = [d for d in diffs if args.all or d.status != "unchanged"]
+        rows = [[d.path, d.status, _human(d.nbytes_a), _human(d.nbytes_b), _human(d.bytes_changed)]
+                for d in shown]
+        if rows:
+            print(_table(rows, ["tensor", "status", f"bytes@{args.a}", f"bytes@{args.b}", "changed"]))
+        changed = sum(d.bytes_changed for d in diffs)
+        total = sum(d.nbytes_b for d in diffs)
+        n = sum(d.status != "unchanged" for d in diffs)
+        print(f"{n} of {len(diffs)} tensors differ; {_human(changed)} of {_human(total)} changed")
+    return 0
+
+
+def _flat_tensors(state: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a nested state into {path: tensor} and {path: JSON-able value} for safetensors."""
+    import numpy as np
+    import torch
+
+    tensors: dict[str, Any] = {}
+    other: dict[str, Any] = {}
+    items = state.items() if isinstance(state, dict) else enumerate(state) \
+        if isinstance(state, (list, tuple)) else None
+    if items is None:
+        if isinstance(state, torch.Tensor):
+            tensors[prefix] = state.detach().contiguous()
+        elif isinstance(state, np.ndarray):
+            tensors[prefix] = torch.from_numpy(np.ascontiguousarray(state))
+        else:
+            other[prefix] = state if not isinstance(state, bytes) else state.hex()
+        return tensors, other
+    for k, v in items:
+        t, o = _flat_tensors(v, f"{prefix}/{k}" if prefix else str(k))
+        tensors.update(t)
+        other.update(o)
+    return tensors, other
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    with _open(args.path) as store:
+        total = store.info(args.iteration).logical_bytes
+        with _progress("restore", total) as tick:
+            state = store.load(args.iteration, keys=args.keys or None, progress=tick)
+    if args.format == "torch":
+        import torch
+
+        torch.save(state, args.out)
+    else:
+        from safetensors.torch import save_file
+
+        tensors, other = _flat_tensors(state)
+        meta = {"ckptstore.iteration": str(args.iteration),
+                "ckptstore.values": json.dumps(other, default=repr)}
+        save_file(tensors, args.out, metadata=meta)
+    print(f"restored iteration {args.iteration} to {args.out} ({args.format})")
+    return 0
+
+
+def cmd_fsck(args: argparse.Namespace) -> int:
+    from .fsck import check
+
+    with _progress("fsck", None) as tick:
+        report = check(args.path, repair=args.repair, progress=tick)
+    for line in report.lines():
+        print(line)
+    return 0 if report.clean else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    with _open(args.path, "a") as store:
+        with _progress("gc", None) as tick:
+            r = store.gc(keep_last=args.keep_last, keep_every=args.keep_every, progress=tick)
+    print(f"kept {len(r.kept)} checkpoints, removed {len(r.removed)}"
+          + (f" ({', '.join(map(str, r.removed[:20]))}{' ...' if len(r.removed) > 20 else ''})"
+             if r.removed else ""))
+    print(f"log {_human(r.bytes_before)} -> {_human(r.bytes_after)} in {r.seconds:.2f} s")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.dir, iterations=args.iterations, crash_at=args.crash_at)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckptstore", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("ls", help="list committed checkpoints")
+    s.add_argument("path")
+    s.set_defaults(func=cmd_ls)
+
+    s = sub.add_parser("show", help="show one checkpoint's tensors and meta")
+    s.add_argument("path")
+    s.add_argument("iteration", type=int)
+    s.set_defaults(func=cmd_show)
+
+    s = sub.add_parser("diff", help="which tensors changed between two checkpoints (Merkle diff)")
+    s.add_argument("path")
+    s.add_argument("a", type=int)
+    s.add_argument("b", type=int)
+    s.add_argument("--all", action="store_true", help="also list unchanged tensors")
+    s.set_defaults(func=cmd_diff)
+
+    s = sub.add_parser("restore", help="write one checkpoint as a torch or safetensors file")
+    s.add_argument("path")
+    s.add_argument("iteration", type=int)
+    s.add_argument("--out", required=True)
+    s.add_argument("--format", choices=("torch", "safetensors"), default="torch")
+    s.add_argument("--keys", nargs="*", help="only these top-level keys")
+    s.set_defaults(func=cmd_restore)
+
+    s = sub.add_parser("fsck", help="verify every record and checkpoint; --repair recovers")
+    s.add_argument("path")
+    s.add_argument("--repair", action="store_true",
+                   help="cut an uncommitted tail, finish an interrupted gc, rebuild the index "
+                        "(never deletes committed checkpoints)")
+    s.set_defaults(func=cmd_fsck)
+
+    s = sub.add_parser("gc", help="drop checkpoints by retention policy and compact the log")
+    s.add_argument("path")
+    s.add_argument("--keep-last", type=int, required=True)
+    s.add_argument("--keep-every", type=int)
+    s.set_defaults(func=cmd_gc)
+
+    s = sub.add_parser("demo", help="train a small model with per-iteration checkpoints, crash, "
+                                    "restore and fsck")
+    s.add_argument("--dir", default="demo-run")
+    s.add_argument("--iterations", type=int, default=60)
+    s.add_argument("--crash-at", type=int, default=37)
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CkptStoreError as e:
+        print(f"ckptstore {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        print(f"ckptstore {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""gc: a retention policy, then compaction of the survivors into fresh segments.
+
+Protocol (format-spec/format.md, "Garbage collection"), with W = the highest live segment seq:
+
+1. For each kept checkpoint, oldest first, copy its records into temp files ``<seq>.seg.gc-tmp``
+   (seq > W): every chunk and tree it needs that was not copied yet (each verified while copied),
+   its manifest (same bytes), then a COMMIT naming the manifest's new location.
+2. A final, record-less segment whose header says ``supersedes = W``.
+3. fsync every temp file; rename the copies into place in order; fsync the directory; rename the
+   final segment; fsync the directory: **the gc commit point** — from here every segment <= W is
+   obsolete, whether or not it still exists.
+4. Delete the segments <= W; fsync the directory; rebuild the index from the new segments.
+
+A crash before 3 completes leaves temp files (deleted on the next writer open) and possibly renamed
+copies that duplicate live checkpoints (harmless: replay lets a later copy of the same commit win).
+A crash after it leaves obsolete segments, which the next writer open deletes. Either way every
+kept checkpoint stays readable, and a damaged chunk aborts gc before anything is renamed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import xxhash
+
+from .errors import DamagedCheckpointError, FormatError
+from .format import records as rec
+from .format.chunk import decode_chunk
+from .format.commit import Commit, encode_commit
+from .format.manifest import decode_manifest
+from .format.tree import decode_tree
+from .storage.segments import SEGMENT_HEADER_RECORD_SIZE, Loc, SegmentWriter
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+@dataclass(frozen=True)
+class GcReport:
+    kept: list[int]
+    removed: list[int]
+    bytes_before: int
+    bytes_after: int
+    seconds: float
+
+
+def retained(iterations: list[int], keep_last: int, keep_every: int | None) -> list[int]:
+    """The iterations a policy keeps: the newest ``keep_last`` plus every multiple of ``keep_every``.
+
+    ``keep_last`` must be >= 1 so the latest iteration always survives (iterations keep increasing).
+    """
+    if type(keep_last) is not int or keep_last < 1:
+        raise ValueError("keep_last must be an int >= 1 (the latest checkpoint is always kept)")
+    if keep_every is not None and (type(keep_every) is not int or keep_every < 1):
+        raise ValueError("keep_every must be a positive int")
+    keep = set(iterations[-keep_last:])
+    if keep_every:
+        keep.update(i for i in iterations if i % keep_every == 0)
+    return sorted(keep)
+
+
+class _Compactor:
+    """Writes the copies into temp segments, rolling at the store's segment size."""
+
+    def __init__(self, store: "Store", first_seq: int) -> None:
+        self.store = store
+        self.ops = store._ops
+        self.seq = first_seq
+        self.temps: list[tuple[int, str]] = []
+        self.writer: SegmentWriter | None = None
+        self.chunks: set[bytes] = set()
+        self.trees: set[bytes] = set()
+
+    def _new_segment(self, supersedes: int = 0) -> SegmentWriter:
+        if self.writer is not None:
+            self.writer.sync()
+            self.writer.close()
+        path = self.store.layout.gc_temp_path(self.seq)
+        self.writer = SegmentWriter.create(path, self.seq, self.store.header.store_id, self.ops, supersedes)
+        self.temps.append((self.seq, path))
+        self.seq += 1
+        return self.writer
+
+    def append(self, rtype: int, payload: bytes | memoryview) -> Loc:
+        w = self.writer or self._new_segment()
+        if w.offset > SEGMENT_HEADER_RECORD_SIZE and \
+                w.offset + rec.OVERHEAD + len(payload) > self.store.segment_size:
+            w = self._new_segment()
+        return w.append(rtype, [payload])
+
+    def copy_checkpoint(self, iteration: int, progress: Callable[[int], None] | None) -> None:
+        store = self.store
+        entry = store.index.get_commit(iteration)
+        assert entry is not None
+        c = entry.commit
+        mloc = Loc(c.manifest_seq, c.manifest_offset, c.manifest_length)
+        try:
+            payload = store.log.read_payload(mloc)
+            if xxhash.xxh3_128_digest(payload) != c.manifest_digest:
+                raise FormatError("manifest digest differs from its commit's")
+            manifest = decode_manifest(payload)
+            for t in manifest.tensors:
+                if t.inline is not None or t.nbytes == 0 or t.root in self.trees:
+                    continue
+                tloc = store.index.get_tree(t.root)
+                if tloc is None:
+                    raise FormatError(f"tree of tensor {t.path} is missing")
+                tree_payload = store.log.read_payload(tloc)
+                tree = decode_tree(tree_payload)
+                for addr in tree.addresses:
+                    if addr in self.chunks:
+                        continue
+                    ref = store.index.get_chunk(addr)
+                    if ref is None:
+                        raise FormatError(f"chunk {addr.hex()} of tensor {t.path} is missing")
+                    chunk_payload = store.log.read_payload(ref.loc)  # record checks
+                    header, _ = decode_chunk(chunk_payload)           # address check
+                    if header.address != addr:
+                        raise FormatError(f"index points chunk {addr.hex()} at another chunk")
+                    self.append(rec.RecordType.CHUNK, chunk_payload)
+                    self.chunks.add(addr)
+                    if progress is not None:
+                        progress(len(chunk_payload))
+                self.append(rec.RecordType.TREE, tree_payload)
+                self.trees.add(t.root)
+        except (FormatError, OSError) as e:
+            raise DamagedCheckpointError(
+                f"gc aborted, nothing changed: iteration {iteration} cannot be copied: {e}; "
+                "run `ckptstore fsck` to locate the damage") from e
+        new_mloc = self.append(rec.RecordType.MANIFEST, payload)
+        moved = Commit(c.iteration, new_mloc.seq, new_mloc.offset, new_mloc.length, c.manifest_digest,
+                       c.snapshot_root, c.created_ns, c.logical_bytes, c.written_bytes, c.kind)
+        self.append(rec.RecordType.COMMIT, encode_commit(moved))
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        for _, path in self.temps:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def collect(store: "Store", *, keep_last: int, keep_every: int | None = None,
+            progress: Callable[[int], None] | None = None) -> GcReport:
+    """Drop the checkpoints the policy does not keep and compact the log (writer only)."""
+    t0 = time.perf_counter()
+    iterations = store.index.iterations()
+    keep = retained(iterations, keep_last, keep_every)
+    removed = [i for i in iterations if i not in set(keep)]
+    live = store.log.refresh_segments()
+    bytes_before = sum(os.path.getsize(store.layout.segment_path(s)) for s in live)
+    if not live:
+        return GcReport(keep, removed, 0, 0, time.perf_counter() - t0)
+    watermark = live[-1]
+    compactor = _Compactor(store, watermark + 1)
+    try:
+        for it in keep:
+            compactor.copy_checkpoint(it, progress)
+        compactor._new_segment(supersedes=watermark)  # the record-less marker segment
+        assert compactor.writer is not None
+        compactor.writer.sync()
+        compactor.writer.close()
+        compactor.writer = None
+    except BaseException:
+        compactor.abort()
+        raise
+    ops = store._ops
+    *copies, (marker_seq, marker_tmp) = compactor.temps
+    for seq, tmp in copies:
+        ops.rename(tmp, store.layout.segment_path(seq))
+    ops.fsync_dir(store.layout.segment_dir)
+    if store.log.writer is not None:
+        store.log.writer.close()
+        store.log.writer = None
+    ops.rename(marker_tmp, store.layout.segment_path(marker_seq))
+    ops.fsync_dir(store.layout.segment_dir)  # gc commit point
+    store._finish_interrupted_gc()
+    store.index.clear()
+    store._recover()
+    bytes_after = sum(os.path.getsize(store.layout.segment_path(s)) for s in store.log.refresh_segments())
+    return GcReport(keep, removed, bytes_before, bytes_after, time.perf_counter() - t0)
