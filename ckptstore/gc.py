@@ -126,7 +126,7 @@ class _Compactor:
                         progress(len(chunk_payload))
                 self.append(rec.RecordType.TREE, tree_payload)
                 self.trees.add(t.root)
-        except (FormatError, OSError) as e:
+        except FormatError as e:  # I/O errors propagate as StoreIOError (typed, nothing changed)
             raise DamagedCheckpointError(
                 f"gc aborted, nothing changed: iteration {iteration} cannot be copied: {e}; "
                 "run `ckptstore fsck` to locate the damage") from e

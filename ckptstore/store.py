@@ -77,6 +77,7 @@ class Store:
         self._mutex = threading.RLock()
         self._needs_recovery = False
         self.last_replay: ReplayReport | None = None
+        self._load_threads = load_threads
         try:
             if mode == "a":
                 self._open_writer(chunk_size, segment_size)
@@ -85,7 +86,6 @@ class Store:
         except BaseException:
             self._release()
             raise
-        self._reader = StateReader(self.log, self.index, threads=load_threads)
 
     # ---- opening ------------------------------------------------------------------------------
     def _open_reader(self) -> None:
@@ -134,6 +134,7 @@ class Store:
         h = StoreHeader(FORMAT_VERSION, secrets.token_bytes(16), chunk_size, segment_size, time.time_ns())
         self._ops.fsync_dir(self.layout.segment_dir)
         self._ops.write_file_atomic(self.layout.store_file, encode_store_header(h))
+        self._ops.fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
     def _read_header(self) -> StoreHeader:
         with io_errors("read", self.layout.store_file):
@@ -190,7 +191,14 @@ class Store:
 
     def _recover(self) -> None:
         """Replay the log into the index and cut the uncommitted tail (writer only)."""
-        start = self._index_start()
+        self._needs_recovery = True  # stays set if anything below fails
+        try:
+            start = self._index_start()
+        except IndexUnusable:
+            self.index.close()
+            LmdbIndex.destroy(self.layout.index_dir)
+            self.index = self._open_index()
+            start = None
         report = self.log.replay(self.index, start)
         self.last_replay = report
         position = report.position
@@ -198,6 +206,10 @@ class Store:
             self.log.discard_after(position, quarantine=report.tail_suspicious)
         self.log.open_writer(position, self.segment_size)
         self._needs_recovery = False
+
+    def _recover_if_needed(self) -> None:
+        if self._needs_recovery:
+            self._recover()
 
     def _release(self) -> None:
         log = getattr(self, "log", None)
@@ -259,8 +271,7 @@ class Store:
             if meta is not None and type(meta) is not dict:
                 raise UnsupportedTypeError(f"meta must be a dict, not {type(meta).__name__}")
             meta_skeleton, _ = flatten(meta, no_leaves)
-            if self._needs_recovery:
-                self._recover()
+            self._recover_if_needed()
             start = self.index.position()
             try:
                 batch, stats = write_snapshot(self.log, self.index, iteration, skeleton, meta_skeleton,
@@ -270,7 +281,13 @@ class Store:
                 self._rollback(start)
                 raise
             batch.segments = tuple(s for s in self.log.refresh_segments() if s <= batch.position.seq)
-            self.index.apply(batch)
+            try:
+                self.index.apply(batch)
+            except Exception:  # noqa: BLE001 - the commit is durable; only the cache missed it
+                # The index's position is still before this commit, so replaying from it finds
+                # the commit again. If even that fails, the next call retries the recovery.
+                self._needs_recovery = True
+                self._recover()
             return stats
 
     def _rollback(self, start: Position | None) -> None:
@@ -297,18 +314,23 @@ class Store:
                 pos = None
             self.last_replay = self.log.replay(self.index, pos)
 
-    def iterations(self) -> list[int]:
-        """Committed iterations, ascending."""
+    def _sync_view(self) -> None:
+        """Readers: catch up with the log. Writers: finish a recovery a failure left pending."""
         self._check_open()
         if self.mode == "r":
             self.refresh()
+        else:
+            with self._mutex:
+                self._recover_if_needed()
+
+    def iterations(self) -> list[int]:
+        """Committed iterations, ascending."""
+        self._sync_view()
         return self.index.iterations()
 
     def latest(self) -> int | None:
         """The newest committed iteration, or None for an empty store."""
-        self._check_open()
-        if self.mode == "r":
-            self.refresh()
+        self._sync_view()
         return self.index.latest()
 
     def _entry(self, iteration: int) -> CommitEntry:
@@ -339,7 +361,8 @@ class Store:
              progress: Callable[[int], None] | None = None) -> Any:
         """The state saved at ``iteration``, bit-exact. ``keys`` selects top-level dict keys and
         reads only their tensors. Raises NotFoundError, DamagedCheckpointError."""
-        return self._retry_after_gc(lambda: self._reader.load(self._entry(iteration), keys, progress))
+        reader = StateReader(self.log, self.index, threads=self._load_threads)
+        return self._retry_after_gc(lambda: reader.load(self._entry(iteration), keys, progress))
 
     def _retry_after_gc(self, fn: Callable[[], Any]) -> Any:
         """Readers: a gc in the writer may delete segments under us; refresh once and retry."""

@@ -259,6 +259,7 @@ class Log:
         if self.writer is not None:
             self.writer.sync()
             self.writer.close()
+            self.writer = None  # never leave a closed writer behind if create() fails
         self.writer = SegmentWriter.create(self.layout.segment_path(seq), seq, self.store_id,
                                            self.ops, supersedes)
         self.ops.fsync_dir(self.layout.segment_dir)
