@@ -24,45 +24,47 @@ class FaultyOps(FileOps):
         """Fail the ``nth`` next ``op``; ``then`` = arguments of the fault armed right after."""
         self.op, self.left, self.err, self.short, self.then = op, nth, err, short, then
 
-    def _hit(self, op: str) -> bool:
+    def _hit(self, op: str) -> int | None:
+        """The errno to fail this call with, or None."""
         if self.op != op:
-            return False
+            return None
         self.left -= 1
-        if self.left == 0:
-            self.op = None
-            if self.then is not None:
-                self.arm(*self.then)
-            return True
-        return False
+        if self.left:
+            return None
+        err, short = self.err, self.short
+        self.arm(*self.then) if self.then is not None else self.arm(None)
+        if short:  # a short write now, then the disk fills up
+            self.arm("write", 1, err)
+            return -1
+        return err
 
     def _pwritev(self, fd, buffers, offset):
-        if self._hit("write"):
-            if self.short:  # a short write, then the disk fills up
-                first = bytes(buffers[0])[: max(1, len(buffers[0]) // 2)]
-                super()._pwritev(fd, [first], offset)
-                self.arm("write", 1, self.err)
-                return len(first)
-            raise OSError(self.err, "injected")
+        err = self._hit("write")
+        if err == -1:
+            first = bytes(buffers[0])[: max(1, len(buffers[0]) // 2)]
+            return super()._pwritev(fd, [first], offset)
+        if err:
+            raise OSError(err, "injected")
         return super()._pwritev(fd, buffers, offset)
 
     def _fsync(self, fd):
-        if self._hit("fsync"):
-            raise OSError(self.err, "injected")
+        if err := self._hit("fsync"):
+            raise OSError(err, "injected")
         super()._fsync(fd)
 
     def _ftruncate(self, fd, length):
-        if self._hit("truncate"):
-            raise OSError(self.err, "injected")
+        if err := self._hit("truncate"):
+            raise OSError(err, "injected")
         super()._ftruncate(fd, length)
 
     def _rename(self, src, dst):
-        if self._hit("rename"):
-            raise OSError(self.err, "injected")
+        if err := self._hit("rename"):
+            raise OSError(err, "injected")
         super()._rename(src, dst)
 
     def _unlink(self, path):
-        if self._hit("unlink"):
-            raise OSError(self.err, "injected")
+        if err := self._hit("unlink"):
+            raise OSError(err, "injected")
         super()._unlink(path)
 
 
