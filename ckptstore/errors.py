@@ -119,3 +119,18 @@ class DiskFullError(StoreIOError):
 
 class DamagedCheckpointError(CkptStoreError):
     """A committed checkpoint cannot be read back intact (a chunk, tree or manifest is damaged)."""
+
+
+class DeltaChainError(CkptStoreError, ValueError):
+    """A gradient delta cannot be written or replayed because its chain is broken: no preceding
+    base snapshot, a gap (the delta for iteration t must follow iteration t-1), or a delta whose
+    predecessor is missing or unrecoverable."""
+
+
+class ReplayDivergenceError(CkptStoreError):
+    """Replaying deltas produced a state whose fingerprint differs from the one the trainer
+    recorded. ``iteration`` names the first iteration that diverged."""
+
+    def __init__(self, message: str, iteration: int) -> None:
+        self.iteration = iteration
+        super().__init__(message)

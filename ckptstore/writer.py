@@ -22,7 +22,7 @@ import xxhash
 
 from .format import records as rec
 from .format.chunk import address_of, choose_encoding, encode_chunk_header
-from .format.commit import COMMIT_SIZE, KIND_SNAPSHOT, Commit, encode_commit
+from .format.commit import COMMIT_SIZE, KIND_DELTA, KIND_SNAPSHOT, Commit, encode_commit
 from .format.manifest import INLINE_MAX, Manifest, TensorEntry, encode_manifest
 from .format.tree import encode_tree, make_tree, snapshot_root, tree_root
 from .storage.index import ChunkRef, CommitEntry, Index, IndexBatch, Position
@@ -48,8 +48,15 @@ class SaveStats:
 
 def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: Any,
                    leaves: list[ArrayLeaf], *, chunk_size: int, segment_size: int,
-                   progress: Callable[[int], None] | None = None) -> tuple[IndexBatch, SaveStats]:
+                   progress: Callable[[int], None] | None = None, kind: str = "snapshot",
+                   extra: dict | None = None,
+                   defer_commit: bool = False) -> tuple[IndexBatch, SaveStats]:
     """Append one checkpoint and make it durable. Returns the index batch to apply and stats.
+
+    ``kind``/``extra``: manifest kind ("delta" for gradient deltas, format-spec/deltas.md) and its
+    extra manifest fields. With ``defer_commit`` (group commit of deltas) nothing is fsynced and no
+    COMMIT record is appended: the returned batch holds the commit with ``loc=None`` and no
+    position; the caller fsyncs, appends the commit and fsyncs again (Store.flush).
 
     The caller owns rollback: on any exception nothing has been committed, and the log must be cut
     back to where this save began.
@@ -101,14 +108,21 @@ def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: 
                                    leaf.param, leaf.requires_grad))
         roots.append((leaf.name, root))
 
-    manifest = Manifest(iteration, created_ns, chunk_size, skeleton, meta, tuple(entries))
+    manifest = Manifest(iteration, created_ns, chunk_size, skeleton, meta, tuple(entries), kind,
+                        dict(extra or {}))
     payload = encode_manifest(manifest)
     mloc = append(rec.RecordType.MANIFEST, [payload])
-    log.writer.sync()
+    if not defer_commit:
+        log.writer.sync()
     sroot = snapshot_root(roots)
     logical = manifest.logical_bytes
     commit = Commit(iteration, mloc.seq, mloc.offset, mloc.length, xxhash.xxh3_128_digest(payload),
-                    sroot, created_ns, logical, written + rec.OVERHEAD + COMMIT_SIZE, KIND_SNAPSHOT)
+                    sroot, created_ns, logical, written + rec.OVERHEAD + COMMIT_SIZE,
+                    KIND_DELTA if kind == "delta" else KIND_SNAPSHOT)
+    if defer_commit:
+        stats = SaveStats(iteration, logical, written, dedup, n_written, n_dedup, len(leaves),
+                          time.perf_counter() - t0, sroot.hex())
+        return IndexBatch(new_chunks, new_trees, [CommitEntry(commit, None)], None), stats  # type: ignore[arg-type]
     cloc = append(rec.RecordType.COMMIT, [encode_commit(commit)])
     log.writer.sync()  # the commit point
     batch = IndexBatch(new_chunks, new_trees, [CommitEntry(commit, cloc)], Position(cloc.seq, cloc.end))

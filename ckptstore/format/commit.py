@@ -11,7 +11,7 @@ Commit payload (record type COMMIT), 96 bytes, little-endian::
     64  8   created_ns        u64
     72  8   logical_bytes     u64, sum of the checkpoint's tensor bytes
     80  8   written_bytes     u64, bytes of new records this checkpoint appended (0 after gc copy)
-    88  1   kind              0 = snapshot; 1 = delta (reserved)
+    88  1   kind              0 = snapshot; 1 = delta (format-spec/deltas.md)
     89  7   reserved          0
 
 A checkpoint is committed if and only if its commit record is valid (both record checks) and the
@@ -28,7 +28,9 @@ from ..errors import FormatError
 _COMMIT = struct.Struct("<QQQQ16s16sQQQB7s")
 COMMIT_SIZE = _COMMIT.size
 KIND_SNAPSHOT = 0
-KINDS = (KIND_SNAPSHOT,)
+KIND_DELTA = 1
+KINDS = (KIND_SNAPSHOT, KIND_DELTA)
+KIND_NAMES = {KIND_SNAPSHOT: "snapshot", KIND_DELTA: "delta"}
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,10 @@ use the state encoding's exact hex form)::
 
     {"v": 1,                      format version of the manifest
      "iteration": int >= 0,
-     "kind": "snapshot",          the only kind in v1 ("delta" is reserved for gradient deltas)
+     "kind": "snapshot" | "delta",
+     "prev": int,                 delta only: the iteration this delta applies to (iteration - 1)
+     "base": int,                 delta only: the base snapshot its chain starts from
+                                  (format-spec/deltas.md)
      "created_ns": int,
      "chunk_size": int,           chunk size used for this checkpoint's trees
      "state": <skeleton>,         see format/state.py
@@ -41,7 +44,7 @@ MANIFEST_VERSION = 1
 #: Tensors of at most this many bytes are stored inside the manifest instead of as chunks.
 INLINE_MAX = 256
 MAX_DIMS = 64
-KINDS = ("snapshot",)
+KINDS = ("snapshot", "delta")
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,9 @@ def encode_manifest(m: Manifest) -> bytes:
     doc = {"v": MANIFEST_VERSION, "iteration": m.iteration, "kind": m.kind, "created_ns": m.created_ns,
            "chunk_size": m.chunk_size, "state": m.state, "meta": m.meta,
            "tensors": [t.to_json() for t in m.tensors]}
+    for k, v in m.extra.items():
+        if k not in doc:
+            doc[k] = v
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
 
 
@@ -166,4 +172,10 @@ def decode_manifest(buf: bytes | memoryview) -> Manifest:
     extra = {k: v for k, v in doc.items()
              if k not in ("v", "iteration", "kind", "created_ns", "chunk_size", "state", "meta",
                           "tensors")}
+    if kind == "delta":
+        prev = _req(doc, "prev", int, "delta manifest")
+        base = _req(doc, "base", int, "delta manifest")
+        if prev != iteration - 1 or not 0 <= base <= prev:
+            raise FormatError(f"delta manifest of iteration {iteration}: prev {prev} / base {base} "
+                              "do not form a chain (prev must be iteration - 1, base <= prev)")
     return Manifest(iteration, created, chunk_size, doc["state"], doc["meta"], entries, kind, extra)
