@@ -62,6 +62,27 @@ def retained(iterations: list[int], keep_last: int, keep_every: int | None) -> l
     return sorted(keep)
 
 
+def with_chains(store: "Store", keep: list[int]) -> list[int]:
+    """Add to ``keep`` every iteration a kept delta needs: its predecessors back to its base
+    snapshot (format-spec/deltas.md, "Garbage collection"). A base is never removed while a
+    retained delta depends on it."""
+    from .format.commit import KIND_DELTA
+
+    out = set(keep)
+    for it in keep:
+        p = it
+        while True:
+            e = store.index.get_commit(p)
+            if e is None or e.commit.kind != KIND_DELTA:
+                break
+            p -= 1
+            if p in out:
+                break
+            if store.index.get_commit(p) is not None:
+                out.add(p)
+    return sorted(out)
+
+
 class _Compactor:
     """Writes the copies into temp segments, rolling at the store's segment size."""
 
@@ -150,7 +171,7 @@ def collect(store: "Store", *, keep_last: int, keep_every: int | None = None,
     """Drop the checkpoints the policy does not keep and compact the log (writer only)."""
     t0 = time.perf_counter()
     iterations = store.index.iterations()
-    keep = retained(iterations, keep_last, keep_every)
+    keep = with_chains(store, retained(iterations, keep_last, keep_every))
     removed = [i for i in iterations if i not in set(keep)]
     live = store.log.refresh_segments()
     bytes_before = sum(os.path.getsize(store.layout.segment_path(s)) for s in live)

@@ -16,17 +16,19 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .errors import (CkptStoreError, FormatError, IterationOrderError, NotFoundError,
+from .errors import (CkptStoreError, DeltaChainError, FormatError, IterationOrderError, NotFoundError,
                      ReadOnlyStoreError, StoreClosedError, StoreIOError, StoreLockedError,
                      StoreNotFoundError, UnsupportedTypeError)
 from .format.header import (FORMAT_VERSION, STORE_HEADER_SIZE, StoreHeader, decode_store_header,
                             encode_store_header)
 from .format.chunk import MAX_CHUNK_SIZE
+from .format import records as rec
+from .format.commit import KIND_DELTA, KIND_NAMES, KIND_SNAPSHOT, encode_commit
 from .format.manifest import Manifest
 from .format.state import flatten, path_name
 from .reader import StateReader, read_manifest, read_tree
 from .storage.fileops import FileOps, io_errors
-from .storage.index import CommitEntry, Index, MemoryIndex, Position
+from .storage.index import CommitEntry, Index, IndexBatch, MemoryIndex, Position
 from .storage.layout import Layout
 from .storage.lmdb_index import IndexUnusable, LmdbIndex
 from .storage.log import Log, ReplayReport
@@ -77,6 +79,10 @@ class Store:
         self._mutex = threading.RLock()
         self._needs_recovery = False
         self.last_replay: ReplayReport | None = None
+        # group commit of deltas (format-spec/deltas.md): appended, not yet committed
+        self._pending: list[tuple[IndexBatch, int]] = []  # (batch with loc-less commit, base)
+        self._pending_start: Position | None = None
+        self._pending_since = 0.0
         self._load_threads = load_threads
         try:
             if mode == "a":
@@ -192,6 +198,7 @@ class Store:
     def _recover(self) -> None:
         """Replay the log into the index and cut the uncommitted tail (writer only)."""
         self._needs_recovery = True  # stays set if anything below fails
+        self._pending = []  # uncommitted deltas are cut with the tail
         try:
             start = self._index_start()
         except IndexUnusable:
@@ -236,8 +243,12 @@ class Store:
         """Release the writer lock and every file. Idempotent."""
         with self._mutex:
             if not self._closed:
-                self._closed = True
-                self._release()
+                try:
+                    if self._pending:
+                        self._flush_locked()
+                finally:
+                    self._closed = True
+                    self._release()
 
     def __enter__(self) -> "Store":
         return self
@@ -262,6 +273,8 @@ class Store:
             self._check_writable()
             if type(iteration) is not int or iteration < 0 or iteration >= 1 << 63:
                 raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
+            if self._pending:
+                self._flush_locked()
             latest = self.index.latest()
             if latest is not None and iteration <= latest:
                 raise IterationOrderError(
@@ -289,6 +302,171 @@ class Store:
                 self._needs_recovery = True
                 self._recover()
             return stats
+
+    # ---- deltas (format-spec/deltas.md) ---------------------------------------------------------
+    def save_delta(self, iteration: int, record: Any, meta: dict | None = None, *,
+                   durable: bool = True) -> SaveStats:
+        """Append the delta record of ``iteration`` (what turns state ``iteration - 1`` into state
+        ``iteration``; see :mod:`ckptstore.replay`). The predecessor must be committed or pending
+        and recoverable (a chain back to a base snapshot): otherwise DeltaChainError.
+
+        With ``durable=False`` the delta is appended but not committed: it becomes visible and
+        crash-safe at the next :meth:`flush` (group commit; one fsync pair per group), or at the
+        next snapshot save or close. Until then it is not in :meth:`iterations`.
+        """
+        with self._mutex:
+            self._check_writable()
+            if type(iteration) is not int or iteration < 1 or iteration >= 1 << 63:
+                raise ValueError(f"delta iteration must be a positive int, not {iteration!r}")
+            self._recover_if_needed()
+            if self._pending:
+                prev = self._pending[-1][0].commits[0].commit.iteration
+                base = self._pending[-1][1]
+            else:
+                prev = self.index.latest()
+                if prev is None:
+                    raise DeltaChainError(
+                        f"delta for iteration {iteration} refused: {self.path} holds no base "
+                        "snapshot (a delta chain must start from a snapshot)")
+                base = self._chain_base(prev)
+            if iteration <= prev:
+                raise IterationOrderError(f"iteration {iteration} is not after the latest iteration "
+                                          f"{prev} in {self.path}")
+            if iteration != prev + 1:
+                raise DeltaChainError(f"delta for iteration {iteration} refused: the latest iteration "
+                                      f"is {prev}; a delta must follow its predecessor without a gap "
+                                      "(save a base snapshot first)")
+            skeleton, leaves = flatten(record, leaf_hook)
+            if meta is not None and type(meta) is not dict:
+                raise UnsupportedTypeError(f"meta must be a dict, not {type(meta).__name__}")
+            meta_skeleton, _ = flatten(meta, no_leaves)
+            w = self.log.writer
+            start = self.index.position() if not self._pending or w is None else Position(w.seq, w.offset)
+            try:
+                batch, stats = write_snapshot(self.log, self.index, iteration, skeleton, meta_skeleton,
+                                              leaves, chunk_size=self.chunk_size,
+                                              segment_size=self.segment_size, kind="delta",
+                                              extra={"prev": prev, "base": base}, defer_commit=True)
+            except BaseException:
+                self._rollback(start)
+                raise
+            if not self._pending:
+                self._pending_start = start
+                self._pending_since = time.monotonic()
+            self._pending.append((batch, base))
+            if durable:
+                self._flush_locked()
+            return stats
+
+    def flush(self) -> int | None:
+        """Commit every pending delta: fsync their records, append their COMMIT records, fsync
+        (the group's commit point). Returns :meth:`durable_iteration`."""
+        with self._mutex:
+            self._check_writable()
+            self._flush_locked()
+            return self._recoverable_latest()
+
+    def pending(self) -> list[int]:
+        """Deltas appended with durable=False and not yet committed (lost on a crash)."""
+        return [b.commits[0].commit.iteration for b, _ in self._pending]
+
+    def pending_age(self) -> float:
+        """Seconds since the oldest pending delta was appended (0 when none is pending)."""
+        return time.monotonic() - self._pending_since if self._pending else 0.0
+
+    def _flush_locked(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        assert self.log.writer is not None
+        merged = IndexBatch()
+        try:
+            self.log.writer.sync()  # every record of the group is durable before any commit
+            cloc = None
+            for batch, _ in pending:
+                c = batch.commits[0].commit
+                cloc = self.log.append(rec.RecordType.COMMIT, [encode_commit(c)], self.segment_size)
+                merged.chunks.update(batch.chunks)
+                merged.trees.update(batch.trees)
+                merged.commits.append(CommitEntry(c, cloc))
+            self.log.writer.sync()  # the group's commit point
+        except BaseException:
+            self._rollback(self._pending_start)
+            raise
+        assert cloc is not None
+        merged.position = Position(cloc.seq, cloc.end)
+        merged.segments = tuple(s for s in self.log.refresh_segments() if s <= cloc.seq)
+        try:
+            self.index.apply(merged)
+        except Exception:  # noqa: BLE001 - durable; the index catches up by replay
+            self._needs_recovery = True
+            self._recover()
+
+    def _kind(self, iteration: int) -> int | None:
+        e = self.index.get_commit(iteration)
+        return None if e is None else e.commit.kind
+
+    def _chain_base(self, iteration: int) -> int:
+        """The base snapshot the chain ending at committed ``iteration`` starts from; raises
+        DeltaChainError when the chain is broken (a predecessor is missing)."""
+        it = iteration
+        while True:
+            k = self._kind(it)
+            if k is None:
+                raise DeltaChainError(f"iteration {iteration} is not recoverable: the delta chain is "
+                                      f"broken at iteration {it} (missing)")
+            if k != KIND_DELTA:
+                return it
+            it -= 1
+
+    def base_of(self, iteration: int) -> int:
+        """The base snapshot iteration that ``iteration`` is reconstructed from (itself for a
+        snapshot). Raises NotFoundError / DeltaChainError."""
+        self._entry(iteration)
+        return self._chain_base(iteration)
+
+    def kind(self, iteration: int) -> str:
+        """"snapshot" (a base) or "delta"."""
+        return KIND_NAMES.get(self._entry(iteration).commit.kind, "unknown")
+
+    def _recoverable(self) -> list[int]:
+        """Committed iterations that can be loaded: snapshots, and deltas whose every predecessor
+        back to a snapshot is committed (the chain rule of format-spec/deltas.md)."""
+        out: list[int] = []
+        ok: set[int] = set()
+        for it in self.index.iterations():
+            k = self._kind(it)
+            if k == KIND_SNAPSHOT or (k == KIND_DELTA and it - 1 in ok):
+                ok.add(it)
+                out.append(it)
+        return out
+
+    def _recoverable_latest(self) -> int | None:
+        latest = self.index.latest()
+        if latest is None or self._kind(latest) == KIND_SNAPSHOT:
+            return latest
+        its = self._recoverable()
+        return its[-1] if its else None
+
+    def durable_iteration(self) -> int | None:
+        """The newest iteration that survives a crash right now: committed (fsynced) and
+        recoverable. Pending deltas (durable=False, not yet flushed) are not counted."""
+        self._sync_view()
+        return self._recoverable_latest()
+
+    def load_record(self, iteration: int, keys: Sequence[Any] | None = None) -> Any:
+        """The state stored for ``iteration`` as written: for a delta, its delta record (not the
+        replayed state). Same as :meth:`load` for a snapshot."""
+        reader = StateReader(self.log, self.index, threads=self._load_threads)
+        return self._retry_after_gc(lambda: reader.load(self._entry(iteration), keys, None))
+
+    def replay(self, start: int, stop: int, **options: Any):
+        """Yield ``(iteration, state)`` for every iteration in ``start..stop`` (inclusive), each
+        reconstructed from the nearest base at or before ``start`` plus the deltas after it.
+        See :func:`ckptstore.replay.replay_range` for options and reports."""
+        from .replay import replay_range
+
+        return replay_range(self, start, stop, **options)
 
     def _rollback(self, start: Position | None) -> None:
         """Cut the log back to ``start`` after a failed save; on failure, recover before next save."""
@@ -324,14 +502,17 @@ class Store:
                 self._recover_if_needed()
 
     def iterations(self) -> list[int]:
-        """Committed iterations, ascending."""
+        """Committed, recoverable iterations (snapshots and deltas with an intact chain), ascending."""
         self._sync_view()
-        return self.index.iterations()
+        its = self.index.iterations()
+        if not its or all(self._kind(i) == KIND_SNAPSHOT for i in its):
+            return its
+        return self._recoverable()
 
     def latest(self) -> int | None:
-        """The newest committed iteration, or None for an empty store."""
+        """The newest committed recoverable iteration, or None for an empty store."""
         self._sync_view()
-        return self.index.latest()
+        return self._recoverable_latest()
 
     def _entry(self, iteration: int) -> CommitEntry:
         self._check_open()
@@ -346,7 +527,7 @@ class Store:
     def info(self, iteration: int) -> CheckpointInfo:
         c = self._entry(iteration).commit
         return CheckpointInfo(c.iteration, c.created_ns, c.logical_bytes, c.written_bytes,
-                              c.snapshot_root.hex(), "snapshot")
+                              c.snapshot_root.hex(), KIND_NAMES.get(c.kind, "unknown"))
 
     def manifest(self, iteration: int) -> Manifest:
         """The decoded, verified manifest of a committed iteration."""
@@ -360,7 +541,21 @@ class Store:
     def load(self, iteration: int, keys: Sequence[Any] | None = None,
              progress: Callable[[int], None] | None = None) -> Any:
         """The state saved at ``iteration``, bit-exact. ``keys`` selects top-level dict keys and
-        reads only their tensors. Raises NotFoundError, DamagedCheckpointError."""
+        reads only their tensors. Raises NotFoundError, DamagedCheckpointError.
+
+        A delta iteration is reconstructed: its chain's base snapshot, then every delta after it
+        replayed (:mod:`ckptstore.replay`; DeltaChainError, ReplayDivergenceError)."""
+        if self._entry(iteration).commit.kind == KIND_DELTA:
+            from .replay import replay_to
+
+            state = self._retry_after_gc(lambda: replay_to(self, iteration))
+            if keys is not None:
+                missing = [k for k in keys if k not in state]
+                if missing:
+                    raise NotFoundError(f"iteration {iteration}: keys {missing} are not in the "
+                                        f"state (it has {list(state)})")
+                state = {k: state[k] for k in keys}
+            return state
         reader = StateReader(self.log, self.index, threads=self._load_threads)
         return self._retry_after_gc(lambda: reader.load(self._entry(iteration), keys, progress))
 
