@@ -1,0 +1,147 @@
+"""Gradient codecs for delta records (format-spec/deltas.md, "Gradient payloads").
+
+A codec turns one gradient tensor into a *payload* (a small dict of tensors and numbers stored in
+the delta record through the ordinary state encoding) and back. ``exact`` stores the gradient
+bytes unchanged; the others are lossy and every payload they produce is marked so in the record,
+together with the error measured at encode time.
+
+    exact        {"g": grad}                                   bit-exact
+    bf16 / fp16  {"g": grad cast to bfloat16 / float16}        lossy (round to nearest)
+    topk:F       {"i": int32/int64 flat indices, "v": values}  lossy: keeps the max(1, ceil(F*n))
+                                                               entries of largest magnitude
+    int8         {"q": int8 codes, "s": float32 scale per      lossy: |error| <= scale/2 per entry
+                  chunk of 1024 entries}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+INT8_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class EncodeStats:
+    max_abs_error: float
+    l2_error: float
+    l2_grad: float
+
+
+class GradCodec:
+    name = "exact"
+    lossy = False
+
+    def encode(self, g: torch.Tensor) -> dict:
+        return {"g": g.detach()}
+
+    def decode(self, payload: dict, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        g = payload["g"]
+        if tuple(g.shape) != tuple(shape) or g.dtype != dtype:
+            raise ValueError(f"exact gradient payload is {g.dtype}{list(g.shape)}, expected "
+                             f"{dtype}{list(shape)}")
+        return g
+
+    def encode_measured(self, g: torch.Tensor) -> tuple[dict, torch.Tensor | None, EncodeStats | None]:
+        """Encode, and for lossy codecs also decode and measure the error. Returns
+        (payload, decoded or None, stats or None)."""
+        payload = self.encode(g)
+        if not self.lossy:
+            return payload, None, None
+        dec = self.decode(payload, tuple(g.shape), g.dtype)
+        err = (dec.double() - g.detach().double())
+        stats = EncodeStats(float(err.abs().max()) if err.numel() else 0.0,
+                            float(err.norm()), float(g.detach().double().norm()))
+        return payload, dec, stats
+
+
+class CastCodec(GradCodec):
+    lossy = True
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name = name
+        self.dtype = dtype
+
+    def encode(self, g: torch.Tensor) -> dict:
+        return {"g": g.detach().to(self.dtype)}
+
+    def decode(self, payload: dict, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        g = payload["g"]
+        if tuple(g.shape) != tuple(shape):
+            raise ValueError("cast gradient payload has the wrong shape")
+        return g.to(dtype)
+
+
+class TopKCodec(GradCodec):
+    lossy = True
+
+    def __init__(self, fraction: float) -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"topk fraction must be in (0, 1], not {fraction}")
+        self.fraction = fraction
+        self.name = f"topk:{fraction:g}"
+
+    def encode(self, g: torch.Tensor) -> dict:
+        flat = g.detach().reshape(-1)
+        n = flat.numel()
+        if n == 0:
+            return {"i": torch.zeros(0, dtype=torch.int32), "v": flat.clone()}
+        k = max(1, math.ceil(self.fraction * n))
+        idx = torch.topk(flat.abs(), k, sorted=False).indices
+        idx, _ = torch.sort(idx)
+        vals = flat[idx]
+        return {"i": idx.to(torch.int32 if n < 2**31 else torch.int64), "v": vals}
+
+    def decode(self, payload: dict, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        idx, vals = payload["i"].to(torch.int64), payload["v"]
+        if idx.numel() != vals.numel() or (idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n)):
+            raise ValueError("topk gradient payload has invalid indices")
+        out = torch.zeros(n, dtype=dtype)
+        out[idx] = vals.to(dtype)
+        return out.reshape(shape)
+
+
+class Int8Codec(GradCodec):
+    name = "int8"
+    lossy = True
+
+    def encode(self, g: torch.Tensor) -> dict:
+        flat = g.detach().reshape(-1).float()
+        n = flat.numel()
+        pad = (-n) % INT8_CHUNK
+        x = torch.nn.functional.pad(flat, (0, pad)).reshape(-1, INT8_CHUNK) if n else flat.reshape(0, INT8_CHUNK)
+        scale = x.abs().amax(dim=1) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(x / safe[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
+        return {"q": q, "s": scale.float()}
+
+    def decode(self, payload: dict, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        q, s = payload["q"], payload["s"]
+        if q.numel() != n or s.numel() != (n + INT8_CHUNK - 1) // INT8_CHUNK:
+            raise ValueError("int8 gradient payload has the wrong size")
+        pad = (-n) % INT8_CHUNK
+        x = torch.nn.functional.pad(q.float(), (0, pad)).reshape(-1, INT8_CHUNK) * s[:, None]
+        return x.reshape(-1)[:n].reshape(shape).to(dtype)
+
+
+def parse_codec(spec: str) -> GradCodec:
+    """"exact" | "bf16" | "fp16" | "topk:F" (0 < F <= 1) | "int8"."""
+    if spec == "exact":
+        return GradCodec()
+    if spec == "bf16":
+        return CastCodec("bf16", torch.bfloat16)
+    if spec == "fp16":
+        return CastCodec("fp16", torch.float16)
+    if spec == "int8":
+        return Int8Codec()
+    if isinstance(spec, str) and spec.startswith("topk:"):
+        try:
+            f = float(spec[5:])
+        except ValueError:
+            raise ValueError(f"invalid topk fraction in codec {spec!r}") from None
+        return TopKCodec(f)
+    raise ValueError(f'unknown gradient codec {spec!r} (exact, bf16, fp16, topk:F, int8)')

@@ -1,0 +1,292 @@
+"""The replay engine: base snapshot + delta records -> the training state at any iteration.
+
+Normative description: format-spec/deltas.md. In short, a base snapshot written by
+:class:`ckptstore.torch.Checkpointer` holds ``{"model", "optimizer", "scheduler"?, "rng",
+"iteration", "ckptstore.replay"}``; the ``ckptstore.replay`` section names the optimizer class
+(resolved only through :data:`OPTIMIZERS`, an allowlist of ``torch.optim`` classes: nothing named
+by a store is ever imported), its defaults, the parameter names per param group in optimizer
+order, tied-parameter aliases, the gradient codec and the training device.
+
+Replay rebuilds the optimizer around the base's parameter tensors (no model class is needed), loads
+the base optimizer state, and for every delta t: sets each group's hyperparameters to those in
+effect at step t, sets ``p.grad`` to the decoded gradient, calls ``optimizer.step()``, then sets
+the groups to their recorded post-step values (the LR scheduler's effect), takes the recorded
+scheduler state, RNG states and non-parameter model state, and checks the recorded fingerprint.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+import xxhash
+
+from .errors import CkptStoreError, DeltaChainError, ReplayDivergenceError
+
+if TYPE_CHECKING:
+    from .store import Store
+
+REPLAY_KEY = "ckptstore.replay"
+REPLAY_VERSION = 1
+#: The optimizers replay may construct (deterministic step from params, grads and state).
+OPTIMIZER_NAMES = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam",
+                   "RAdam", "Rprop")
+
+
+def optimizer_class(name: str):
+    import torch
+
+    if name not in OPTIMIZER_NAMES:
+        raise CkptStoreError(f"optimizer {name!r} named by the store is not replayable (allowed: "
+                             f"{', '.join(OPTIMIZER_NAMES)})")
+    return getattr(torch.optim, name)
+
+
+class ApproximateReplayWarning(UserWarning):
+    """A replayed state went through lossy gradient payloads (or another device) and is not the
+    exact training state; the attached report says by how much it can differ."""
+
+
+@dataclass
+class ReplayReport:
+    """How a replayed state relates to the training state it stands for."""
+
+    base: int
+    iteration: int
+    deltas: int = 0
+    exact: bool = True
+    reasons: list[str] = field(default_factory=list)
+    lossy_steps: int = 0
+    #: largest per-entry gradient error of any lossy payload applied (measured at encode time)
+    grad_max_abs_error: float = 0.0
+    #: a per-entry bound on |replayed parameter - trained parameter| (up to float rounding); only
+    #: for optimizers whose step is affine in the gradient (SGD), else None
+    param_error_bound: float | None = 0.0
+    #: measured: largest relative difference between the replayed and the trained parameter norm
+    #: at recorded fingerprints (lossy replays only)
+    measured_norm_rel_error: float | None = None
+    fingerprints_checked: int = 0
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def summary(self) -> str:
+        if self.exact:
+            return f"iteration {self.iteration}: exact replay of {self.deltas} deltas from base {self.base}"
+        bound = "unbounded analytically" if self.param_error_bound is None \
+            else f"per-entry parameter error <= {self.param_error_bound:.3g}"
+        meas = "" if self.measured_norm_rel_error is None \
+            else f", measured relative norm error {self.measured_norm_rel_error:.3g}"
+        return (f"iteration {self.iteration}: APPROXIMATE replay ({'; '.join(self.reasons)}): "
+                f"{self.lossy_steps} lossy steps, gradient error <= {self.grad_max_abs_error:.3g} per "
+                f"entry, {bound}{meas}")
+
+
+def fingerprint(params) -> tuple[str, float]:
+    """xxh3-64 of the parameters' bytes in optimizer order, and their float64 L2 norm."""
+    import torch
+
+    h = xxhash.xxh3_64()
+    sq = 0.0
+    for p in params:
+        t = p.detach().contiguous().reshape(-1)
+        h.update(memoryview(t.view(torch.uint8).numpy()))
+        sq += float(t.double().square().sum()) if t.is_floating_point() else 0.0
+    return h.hexdigest(), math.sqrt(sq)
+
+
+class _Engine:
+    def __init__(self, base_state: dict, base: int) -> None:
+        import torch
+
+        from .gradcodecs import parse_codec
+
+        info = base_state.get(REPLAY_KEY) if isinstance(base_state, dict) else None
+        if not isinstance(info, dict) or info.get("v") != REPLAY_VERSION:
+            raise DeltaChainError(f"base snapshot {base} has no {REPLAY_KEY!r} section of version "
+                                  f"{REPLAY_VERSION}: it was not written by a Checkpointer")
+        self.info = info
+        self.state = dict(base_state)
+        self.model = base_state["model"]
+        self.iteration = base
+        cls = optimizer_class(info["optimizer"])
+        try:
+            groups_params = [[self.model[n] for n in names] for names in info["groups"]]
+        except KeyError as e:
+            raise DeltaChainError(f"base snapshot {base}: parameter {e} is not in its model state") from None
+        saved_groups = base_state["optimizer"]["param_groups"]
+        groups = [dict({k: v for k, v in g.items() if k not in ("params", "param_names")}, params=ps)
+                  for ps, g in zip(groups_params, saved_groups)]
+        defaults = dict(info.get("defaults") or {})
+        try:
+            self.opt = cls(groups, **defaults)
+        except TypeError:
+            self.opt = cls(groups)
+        self.opt.load_state_dict(base_state["optimizer"])
+        self.params = [p for ps in groups_params for p in ps]
+        self.codec = parse_codec(info["codec"])
+        self.aliases = dict(info.get("aliases") or {})
+        self.device_ok = info.get("device", "cpu") == "cpu"
+        self.report = ReplayReport(base, base)
+        if not self.device_ok:
+            self.report.exact = False
+            self.report.param_error_bound = None
+            self.report.reasons.append(f"trained on {info.get('device')}, replayed on cpu")
+        self._sgd = info["optimizer"] == "SGD"
+        self._E = [0.0] * len(groups)   # per group: bound on |param error|
+        self._B = [0.0] * len(groups)   # per group: bound on |momentum buffer error|
+        self._torch = torch
+
+    def apply(self, it: int, rec: dict) -> None:
+        torch = self._torch
+        if it != self.iteration + 1:
+            raise DeltaChainError(f"delta {it} does not follow iteration {self.iteration}")
+        grads = rec["grads"]
+        if len(grads) != len(self.params) or len(rec["hyper"]) != len(self.opt.param_groups):
+            raise DeltaChainError(f"delta {it} does not match the optimizer of its base")
+        codec = self.codec if rec.get("codec") == self.codec.name else None
+        if codec is None:
+            from .gradcodecs import parse_codec
+
+            codec = parse_codec(rec["codec"])
+        lossy = bool(rec.get("lossy")) and not bool(rec.get("applied"))
+        errs = rec.get("err") or {}
+        per_param_err = errs.get("max_abs") if lossy else None
+        group_err: list[float] = []
+        i = 0
+        for group, hyper in zip(self.opt.param_groups, rec["hyper"]):
+            group.update(hyper)
+            d = 0.0
+            for p in group["params"]:
+                payload = grads[i]
+                p.grad = None if payload is None else codec.decode(payload, tuple(p.shape), p.dtype)
+                if per_param_err is not None and payload is not None:
+                    d = max(d, float(per_param_err[i]))
+                i += 1
+            group_err.append(d)
+        if lossy:
+            self._track_bound(group_err)
+            self.report.exact = False
+            self.report.lossy_steps += 1
+            self.report.grad_max_abs_error = max(self.report.grad_max_abs_error, max(group_err or [0.0]))
+            if f"lossy codec {rec['codec']}" not in self.report.reasons:
+                self.report.reasons.append(f"lossy codec {rec['codec']}")
+        self.opt.step()
+        for p in self.params:
+            p.grad = None
+        for group, after in zip(self.opt.param_groups, rec["groups"]):
+            group.update(after)
+        for k in ("scheduler", "rng"):
+            if k in rec:
+                self.state[k] = rec[k]
+        for name, t in (rec.get("buffers") or {}).items():
+            self.model[name] = t
+        self.iteration = it
+        self.report.iteration = it
+        self.report.deltas += 1
+        fp = rec.get("fp")
+        if fp:
+            digest, norm = fingerprint(self.params)
+            self.report.fingerprints_checked += 1
+            if self.report.exact:
+                if digest != fp["xxh3"]:
+                    raise ReplayDivergenceError(
+                        f"replay diverged at iteration {it}: parameter fingerprint {digest} differs "
+                        f"from the recorded {fp['xxh3']} (different torch build, optimizer "
+                        "implementation path or damaged record)", it)
+            else:
+                rel = abs(norm - fp["norm"]) / max(fp["norm"], 1e-30)
+                self.report.measured_norm_rel_error = max(self.report.measured_norm_rel_error or 0.0, rel)
+
+    def _track_bound(self, group_err: list[float]) -> None:
+        """Per-entry error bound for SGD: the step is affine in (grad, param, buffer), so errors
+        propagate linearly: E' = |1 - lr*wd| E + lr * s, s = step error (see deltas.md)."""
+        if not self._sgd or self.report.param_error_bound is None:
+            self.report.param_error_bound = None
+            return
+        for gi, (group, d) in enumerate(zip(self.opt.param_groups, group_err)):
+            lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
+            mu, damp = float(group.get("momentum", 0.0)), float(group.get("dampening", 0.0))
+            E, B = self._E[gi], self._B[gi]
+            d_eff = d + abs(wd) * E
+            if mu != 0.0:
+                first = any("momentum_buffer" not in self.opt.state.get(p, {}) or
+                            self.opt.state[p].get("momentum_buffer") is None for p in group["params"])
+                B = d_eff if first else mu * B + abs(1 - damp) * d_eff
+                s = d_eff + mu * B if group.get("nesterov") else B
+            else:
+                s = d_eff
+            self._E[gi], self._B[gi] = E + lr * s, B
+        self.report.param_error_bound = max(self._E) if self._E else 0.0
+
+    def current(self, clone: bool) -> dict:
+        for alias, canon in self.aliases.items():
+            self.model[alias] = self.model[canon]
+        out = dict(self.state)
+        out["model"] = self.model
+        out["optimizer"] = self.opt.state_dict()
+        out["iteration"] = self.iteration
+        if clone:
+            out = _clone(out)
+        if not self.report.exact:
+            out["replay_report"] = self.report.to_dict()
+        return out
+
+
+def _clone(x: Any) -> Any:
+    import copy
+
+    return copy.deepcopy(x)
+
+
+def _engine_at(store: "Store", start: int) -> _Engine:
+    base = store.base_of(start)
+    if store.kind(base) != "snapshot":
+        raise DeltaChainError(f"iteration {start}: chain does not start from a snapshot")
+    return _Engine(store.load(base), base)
+
+
+def _warn(report: ReplayReport) -> None:
+    if not report.exact:
+        warnings.warn(report.summary(), ApproximateReplayWarning, stacklevel=3)
+
+
+def replay_to(store: "Store", iteration: int) -> dict:
+    """The state at ``iteration``: its chain's base, then every delta up to it replayed."""
+    eng = _engine_at(store, iteration)
+    for it in range(eng.iteration + 1, iteration + 1):
+        eng.apply(it, _record(store, it))
+    _warn(eng.report)
+    return eng.current(clone=False)
+
+
+def _record(store: "Store", it: int) -> dict:
+    try:
+        kind = store.kind(it)
+    except KeyError:
+        raise DeltaChainError(f"delta chain broken: iteration {it} is missing") from None
+    if kind != "delta":
+        raise DeltaChainError(f"iteration {it} is a {kind}, expected a delta")
+    return store.load_record(it)
+
+
+def replay_range(store: "Store", start: int, stop: int) -> Iterator[tuple[int, dict]]:
+    """Yield (iteration, state) for start..stop inclusive. Each state is an independent copy.
+    A base snapshot met on the way restarts the engine from it (no replay needed past it)."""
+    if stop < start:
+        return
+    eng = _engine_at(store, start)
+    it = eng.iteration
+    if it == start:
+        yield it, eng.current(clone=True)
+    while it < stop:
+        it += 1
+        if store.kind(it) == "snapshot":
+            eng = _Engine(store.load(it), it)
+        else:
+            eng.apply(it, _record(store, it))
+        if it >= start:
+            _warn(eng.report)
+            yield it, eng.current(clone=True)

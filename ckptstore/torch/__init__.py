@@ -1,0 +1,6 @@
+"""PyTorch integration: :class:`Checkpointer` logs every training step as a gradient delta and
+writes base snapshots periodically, so any iteration can be restored (format-spec/deltas.md)."""
+
+from .checkpointer import Checkpointer
+
+__all__ = ["Checkpointer"]
