@@ -92,7 +92,13 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
             progress(n)
 
     replay = log.replay(index, None, verify=True, progress=count)
-    report.segments = len(log.refresh_segments())
+    live = log.refresh_segments()
+    report.segments = len(live)
+    # Writers number segments consecutively (roll = highest + 1; gc output follows the watermark),
+    # so a gap in the live sequence is a segment file that went missing.
+    for seq in sorted(set(range(live[0], live[-1] + 1)) - set(live)) if live else ():
+        report.damage.append(Damage(log.layout.segment_path(seq), 0, 0, None,
+                                    "segment file is missing: checkpoints committed in it are lost"))
     report.iterations = index.iterations()
     tail_starts = dict(replay.tail)
     for d in replay.damage:
@@ -115,6 +121,26 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
         problems = _check_iteration(log, index, it, damaged_chunks)
         if problems:
             report.damaged_iterations[it] = problems
+    _check_chains(index, report)
+
+
+def _check_chains(index: Index, report: FsckReport) -> None:
+    """Deltas (format-spec/deltas.md) are recoverable only through their whole chain: name every
+    delta whose predecessor is damaged, missing or itself unrecoverable."""
+    from .format.commit import KIND_DELTA
+
+    bad: set[int] = set(report.damaged_iterations)
+    for it in report.iterations:
+        e = index.get_commit(it)
+        if e is None or e.commit.kind != KIND_DELTA:
+            continue
+        prev = it - 1
+        if prev in bad or index.get_commit(prev) is None:
+            why = "damaged" if prev in report.damaged_iterations else \
+                "missing" if index.get_commit(prev) is None else "unrecoverable"
+            report.damaged_iterations.setdefault(it, []).append(
+                f"unrecoverable: delta chain broken at iteration {prev} ({why})")
+            bad.add(it)
 
 
 def _check_iteration(log: Log, index: Index, it: int, damaged_chunks: dict[bytes, Damage]) -> list[str]:

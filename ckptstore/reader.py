@@ -112,7 +112,8 @@ class StateReader:
             if missing:
                 raise NotFoundError(f"iteration {manifest.iteration}: keys {missing} are not in the "
                                     f"state (it has {list(have)})")
-            skeleton = {"d": [[k, have[k]] for k in keys]}
+            tag = "d" if "d" in skeleton else "o"  # keep a state_dict's OrderedDict type
+            skeleton = {tag: [[k, have[k]] for k in keys]}
         needed = sorted(set(leaf_indices(skeleton)))
         if needed and needed[-1] >= len(manifest.tensors):
             raise DamagedCheckpointError(f"iteration {manifest.iteration}: manifest names tensor "
@@ -139,7 +140,8 @@ class StateReader:
             try:
                 value, view = allocate(e)
                 if e.inline is not None:
-                    view[:] = e.inline
+                    if e.nbytes:
+                        view[:] = e.inline
                     addrs = [address_of(e.inline)] if e.nbytes else []
                     if tree_root(e.nbytes, manifest.chunk_size, addrs) != e.root:
                         raise FormatError("inline tensor bytes do not match its root")

@@ -102,7 +102,18 @@ class Store:
         self.segment_size = self.header.segment_size
         self.log = Log(self.layout, self.header.store_id)
         self.index: Index = MemoryIndex()
-        self.last_replay = self.log.replay(self.index, None)
+        self._replay_for_reader(None)
+
+    def _replay_for_reader(self, start: Position | None) -> None:
+        """Replay into the reader's index; a gc in the writer may delete a segment mid-scan, in
+        which case the scan starts over once on the new segment set."""
+        try:
+            self.last_replay = self.log.replay(self.index, start)
+        except (FileNotFoundError, StoreIOError) as e:
+            if not _caused_by_missing_file(e):
+                raise
+            self.index.clear()
+            self.last_replay = self.log.replay(self.index, None)
 
     def _open_writer(self, chunk_size: int | None, segment_size: int | None) -> None:
         with io_errors("create store directory", self.path):
@@ -490,7 +501,7 @@ class Store:
             if pos is not None and (segs is None or tuple(s for s in live if s <= pos.seq) != segs):
                 self.index.clear()
                 pos = None
-            self.last_replay = self.log.replay(self.index, pos)
+            self._replay_for_reader(pos)
 
     def _sync_view(self) -> None:
         """Readers: catch up with the log. Writers: finish a recovery a failure left pending."""

@@ -100,6 +100,10 @@ def leaf_hook(x: Any, path: Path) -> ArrayLeaf | None:
     if isinstance(x, torch.Tensor):
         return _torch_leaf(x, path)
     if isinstance(x, np.ndarray):
+        if type(x) is not np.ndarray:  # a subclass (masked array, matrix, memmap) would lose its type
+            raise UnsupportedTypeError(
+                f"numpy array subclass {type(x).__module__}.{type(x).__qualname__} at "
+                f"{format_path(path)} is not supported; store np.asarray(x) (and its extra fields)")
         return _numpy_leaf(x, path)
     if isinstance(x, np.generic):
         raise UnsupportedTypeError(

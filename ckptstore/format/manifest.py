@@ -144,10 +144,14 @@ def _decode_entry(e: Any, i: int) -> TensorEntry:
     return TensorEntry(path, lib, dtype, tuple(shape), nbytes, root, inline, **flags)
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
 def decode_manifest(buf: bytes | memoryview) -> Manifest:
     """Decode and validate a manifest payload. Raises FormatError / UnsupportedVersionError."""
     try:
-        doc = json.loads(bytes(buf).decode("ascii"))
+        doc = json.loads(bytes(buf).decode("ascii"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(f"manifest is not valid JSON: {str(e)[:80]}") from None
     if type(doc) is not dict:

@@ -5,12 +5,15 @@ array leaves (tensors). :func:`flatten` turns it into a JSON-safe *skeleton* in 
 leaf is replaced by its index in a separate leaf list; :func:`unflatten` reverses that. Each node is
 encoded as (format-spec/format.md, "State encoding")::
 
-    None, True/False, int, str  ->  the JSON value itself
-    float                        ->  {"f": float.hex(x)}      exact, incl. nan/inf/-0.0
+    None, True/False, str        ->  the JSON value itself
+    int in [-2**63, 2**63)       ->  the JSON number
+    other int                    ->  {"i": "0x..." | "-0x..."}  (no decimal digit limit)
+    float (not NaN)              ->  {"f": float.hex(x)}      exact, incl. inf/-0.0
+    NaN                          ->  {"n": 16 hex digits}     its IEEE-754 bits (sign, payload)
     bytes                        ->  {"b": base64}
     list                         ->  JSON array
     tuple                        ->  {"t": [...]}
-    dict                         ->  {"d": [[key, value], ...]}   key: str or int
+    dict                         ->  {"d": [[key, value], ...]}   key: str, int, or {"i": hex}
     OrderedDict                  ->  {"o": [[key, value], ...]} or, when it carries the
                                      ``_metadata`` attribute of ``Module.state_dict()``,
                                      {"o": [...], "m": <node of _metadata>}  (two keys)
@@ -25,11 +28,17 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
+import struct
 from collections import OrderedDict
 
 from typing import Any, Callable, Sequence
 
 from ..errors import FormatError, UnsupportedTypeError
+
+_INT_JSON = 1 << 63
+_HEX_INT = re.compile(r"-?0x[0-9a-f]+")
+_NAN_BITS = re.compile(r"[0-9a-f]{16}")
 
 #: Deepest nesting accepted, both ways (bounds recursion on hostile input).
 MAX_DEPTH = 256
@@ -58,9 +67,13 @@ def flatten(obj: Any, leaf_hook: LeafHook) -> tuple[Any, list[Any]]:
         if len(path) > MAX_DEPTH:
             raise UnsupportedTypeError(f"structure nested deeper than {MAX_DEPTH} at {format_path(path)}")
         t = type(x)
-        if x is None or t is bool or t is int or t is str:
+        if x is None or t is bool or t is str:
             return x
+        if t is int:
+            return x if -_INT_JSON <= x < _INT_JSON else {"i": hex(x)}
         if t is float:
+            if x != x:
+                return {"n": struct.pack(">d", x).hex()}
             return {"f": x.hex()}
         if t is bytes:
             return {"b": base64.b64encode(x).decode("ascii")}
@@ -75,7 +88,8 @@ def flatten(obj: Any, leaf_hook: LeafHook) -> tuple[Any, list[Any]]:
                     raise UnsupportedTypeError(
                         f"dict key {k!r} of type {type(k).__name__} at {format_path(path)}: "
                         "keys must be str or int")
-                items.append([k, enc(v, path + (k,))])
+                key = k if type(k) is str or -_INT_JSON <= k < _INT_JSON else {"i": hex(k)}
+                items.append([key, enc(v, path + (k,))])
             if t is dict:
                 return {"d": items}
             node = {"o": items}
@@ -122,6 +136,14 @@ def unflatten(node: Any, leaf: Callable[[int, Path], Any]) -> Any:
                 return float.fromhex(body)
             except (ValueError, OverflowError):
                 raise _bad(f"invalid float {body[:40]!r}", path) from None
+        if tag == "i":
+            if type(body) is not str or not _HEX_INT.fullmatch(body):
+                raise _bad("invalid big int", path)
+            return int(body, 16)
+        if tag == "n":
+            if type(body) is not str or not _NAN_BITS.fullmatch(body):
+                raise _bad("invalid NaN bits", path)
+            return struct.unpack(">d", bytes.fromhex(body))[0]
         if tag == "b":
             if type(body) is not str:
                 raise _bad("bytes body is not a string", path)
@@ -138,9 +160,14 @@ def unflatten(node: Any, leaf: Callable[[int, Path], Any]) -> Any:
                 raise _bad("dict body is not a list", path)
             out: dict = {} if tag == "d" else OrderedDict()
             for item in body:
-                if type(item) is not list or len(item) != 2 or type(item[0]) not in (str, int):
+                if type(item) is not list or len(item) != 2:
                     raise _bad("invalid dict item", path)
-                out[item[0]] = dec(item[1], path + (item[0],))
+                key = item[0]
+                if type(key) is dict and set(key) == {"i"}:
+                    key = dec(key, path)  # a big int key
+                elif type(key) not in (str, int):
+                    raise _bad("invalid dict key", path)
+                out[key] = dec(item[1], path + (key,))
             return out
         if tag == "T":
             if type(body) is not int or body < 0:
@@ -153,9 +180,10 @@ def unflatten(node: Any, leaf: Callable[[int, Path], Any]) -> Any:
 
 def top_level_items(node: Any) -> list[tuple[PathKey, Any]] | None:
     """The (key, node) pairs of a dict skeleton's top level, or None when the root is not a dict."""
-    if type(node) is dict and set(node) == {"d"} and type(node["d"]) is list:
-        return [(item[0], item[1]) for item in node["d"]
-                if type(item) is list and len(item) == 2]
+    if type(node) is dict and set(node) in ({"d"}, {"o"}, {"o", "m"}):
+        body = node.get("d", node.get("o"))
+        if type(body) is list:
+            return [(item[0], item[1]) for item in body if type(item) is list and len(item) == 2]
     return None
 
 

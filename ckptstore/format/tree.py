@@ -99,7 +99,7 @@ def snapshot_root(tensor_roots: Iterable[tuple[str, bytes]]) -> bytes:
     h = xxhash.xxh3_128()
     h.update(b"CKS1")
     for path, root in tensor_roots:
-        p = path.encode("utf-8")
+        p = path.encode("utf-8", "surrogatepass")  # keys are data, any str
         h.update(struct.pack("<I", len(p)))
         h.update(p)
         h.update(root)

@@ -22,7 +22,7 @@ import xxhash
 from ..errors import CorruptRecordError, FormatError
 from ..format import records as rec
 from ..format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header
-from ..format.commit import decode_commit
+from ..format.commit import Commit, decode_commit
 from ..format.header import FORMAT_VERSION, SegmentHeader
 from ..format.manifest import decode_manifest
 from ..format.tree import decode_tree
@@ -79,6 +79,7 @@ class Log:
         self._files: dict[int, SegmentFile] = {}
         self.headers: dict[int, SegmentHeader] = {}
         self.header_damage: dict[int, FormatError] = {}
+        self.foreign: set[int] = set()
         self.watermark = 0
         self.writer: SegmentWriter | None = None
 
@@ -93,6 +94,14 @@ class Log:
         """Re-list the directory, read new segment headers; return the live (non-obsolete) seqs."""
         present = self.layout.list_segments()
         for seq in present:
+            f = self._files.get(seq)
+            if f is not None and not f.same_file():
+                # the number was reused (a cut tail's segment deleted, a new one rolled): forget
+                # the old file so this reader opens the new one
+                if self.writer is None or self.writer.seq != seq:
+                    self._files.pop(seq).close()
+                    self.headers.pop(seq, None)
+                    self.header_damage.pop(seq, None)
             if seq in self.headers or seq in self.header_damage:
                 continue
             try:
@@ -105,6 +114,7 @@ class Log:
             if h.store_id != self.store_id:
                 self.header_damage[seq] = CorruptRecordError(
                     "segment belongs to another store").located(self.file(seq).path, 0)
+                self.foreign.add(seq)
                 continue
             self.headers[seq] = h
             self.watermark = max(self.watermark, h.supersedes)
@@ -115,7 +125,9 @@ class Log:
             self._files.pop(seq).close()
             self.headers.pop(seq, None)
             self.header_damage.pop(seq, None)
-        return [s for s in present if s > self.watermark]
+            self.foreign.discard(seq)
+        # A segment of another store is reported (header_damage) but never replayed.
+        return [s for s in present if s > self.watermark and s not in self.foreign]
 
     def obsolete_segments(self) -> list[int]:
         return [s for s in self.layout.list_segments() if s <= self.watermark]
@@ -205,6 +217,8 @@ class Log:
                         report.tail_suspicious = True
                         continue
                     m = manifests.get((c.manifest_seq, c.manifest_offset))
+                    if m is None:  # written before where this replay started (group commit)
+                        m = self._manifest_at(c)
                     if m is None or m[0] != c.manifest_digest or m[1] != c.iteration:
                         report.damage.append(Damage(
                             f.path, item.loc.offset, item.loc.end, t,
@@ -230,10 +244,20 @@ class Log:
             index.apply(batch)
         for seq, off in tail_start:
             size = self.file(seq).size()
-            if size > off and not (off == 0 and size <= _header_len()):
+            header_only = off == 0 and size == _header_len() and seq in self.headers
+            torn_header = off == 0 and seq not in self.headers  # crash while rolling, even 0 bytes
+            if (size > off and not header_only) or torn_header:
                 report.tail.append((seq, off))
-                report.tail_bytes += size - off
+                report.tail_bytes += max(size - off, 0)
         return report
+
+    def _manifest_at(self, c: "Commit") -> tuple[bytes, int] | None:
+        """(digest, iteration) of the valid manifest record a commit names, read at its location."""
+        try:
+            payload = self.read_payload(Loc(c.manifest_seq, c.manifest_offset, c.manifest_length))
+            return xxhash.xxh3_128_digest(payload), decode_manifest(payload).iteration
+        except (FormatError, OSError):
+            return None
 
     # ---- appending (writer only) ------------------------------------------------------------
     def open_writer(self, position: Position | None, segment_size: int) -> None:

@@ -56,6 +56,16 @@ class SegmentFile:
                     self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         return self._fd
 
+    def same_file(self) -> bool:
+        """False when the path now names another file than the one this object holds open."""
+        if self._fd is None:
+            return True
+        try:
+            a, b = os.fstat(self._fd), os.stat(self.path)
+        except OSError:
+            return False
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
     def size(self) -> int:
         return os.fstat(self.fileno()).st_size
 
