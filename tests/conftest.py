@@ -1,0 +1,84 @@
+"""Shared fixtures for the ckptstore tests: deep structural equality and a save/load round trip."""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+import ckptstore
+
+
+def _torch_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _same(a, b, path: str) -> None:
+    assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert tuple(a.shape) == tuple(b.shape), f"{path}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        assert a.requires_grad == b.requires_grad, f"{path}: requires_grad differs"
+        assert b.device.type == "cpu", f"{path}: loaded on {b.device}"
+        assert _torch_bytes(a) == _torch_bytes(b), f"{path}: tensor bytes differ"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype.str == b.dtype.str, f"{path}: dtype {a.dtype.str} != {b.dtype.str}"
+        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
+        assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), \
+            f"{path}: array bytes differ"
+    elif type(a) is float:  # bit equality: -0.0 is not 0.0, NaN sign and payload count
+        assert struct.pack("<d", a) == struct.pack("<d", b), \
+            f"{path}: {a!r} != {b!r} ({struct.pack('>d', a).hex()} vs {struct.pack('>d', b).hex()})"
+    elif type(a) in (dict, OrderedDict):
+        ka, kb = list(a), list(b)
+        assert ka == kb and [type(k) for k in ka] == [type(k) for k in kb], \
+            f"{path}: keys {ka!r} != {kb!r}"
+        assert hasattr(a, "_metadata") == hasattr(b, "_metadata"), f"{path}: _metadata presence differs"
+        if hasattr(a, "_metadata"):
+            _same(a._metadata, b._metadata, f"{path}._metadata")
+        for k in ka:
+            _same(a[k], b[k], f"{path}[{k!r}]")
+    elif type(a) in (list, tuple):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+@pytest.fixture(scope="session")
+def assert_same():
+    """``assert_same(expected, actual)``: exact types, key order, tensor/array bits, float bits
+    (NaN sign and payload included)."""
+
+    def check(a, b, path: str = "state") -> None:
+        _same(a, b, path)
+
+    return check
+
+
+@pytest.fixture
+def roundtrip(tmp_path):
+    """``roundtrip(state, **open_options)``: save as iteration 1, load it back through the writer
+    and through a fresh read-only open; both loads must agree exactly. Returns the reader's load."""
+    counter = iter(range(1_000_000))
+
+    def run(state, meta=None, **options):
+        path = tmp_path / f"store{next(counter)}"
+        with ckptstore.open(path, mode="a", **options) as w:
+            w.save(1, state, meta=meta)
+            first = w.load(1)
+        with ckptstore.open(path, mode="r") as r:
+            second = r.load(1)
+        _same(first, second, "state")
+        return second
+
+    return run

@@ -1,0 +1,766 @@
+"""The pure codecs of ckptstore/format: good encodings decode, bad bytes raise typed errors only.
+
+Every decoder must raise FormatError subclasses (never ValueError, KeyError, struct.error, a json
+error or an lz4 error) and must never allocate according to a length field it has not checked.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import struct
+import tracemalloc
+from collections import OrderedDict
+
+import lz4.block
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptstore.errors import (ChecksumMismatch, CkptStoreError, CorruptRecordError, FormatError,
+                              UnsupportedVersionError)
+from ckptstore.format import chunk as fchunk
+from ckptstore.format import commit as fcommit
+from ckptstore.format import header as fheader
+from ckptstore.format import manifest as fmanifest
+from ckptstore.format import records as rec
+from ckptstore.format import state as fstate
+from ckptstore.format import tree as ftree
+
+RNG_SEED = 20240601
+ID = bytes(range(16))
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def raises_format(fn, *args, exc=FormatError):
+    """Call ``fn(*args)``; it must raise ``exc`` (a FormatError subclass) and nothing else."""
+    with pytest.raises(exc) as ei:
+        fn(*args)
+    assert isinstance(ei.value, FormatError)
+    return ei.value
+
+
+def only_format_errors(fn, data) -> bool:
+    """True when ``fn(data)`` succeeded; False when it raised a FormatError. Anything else fails."""
+    try:
+        fn(data)
+    except FormatError:
+        return False
+    except Exception as e:  # pragma: no cover - the assertion is the point
+        pytest.fail(f"{fn.__module__}.{fn.__name__} raised {type(e).__name__}: {e} on {bytes(data)[:80]!r}")
+    return True
+
+
+def bit_flips(data: bytes):
+    for i in range(len(data) * 8):
+        b = bytearray(data)
+        b[i // 8] ^= 1 << (i % 8)
+        yield bytes(b)
+
+
+def small_alloc(fn, *args, limit=4 << 20):
+    """Run ``fn`` under tracemalloc and assert it allocated less than ``limit`` bytes at peak."""
+    tracemalloc.start()
+    try:
+        try:
+            fn(*args)
+        except FormatError:
+            pass
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < limit, f"{fn.__name__} allocated {peak} bytes for a hostile input"
+
+
+def raw_header(rtype=rec.RecordType.CHUNK, flags=0, reserved=0, length=0, magic=rec.MAGIC) -> bytes:
+    """A record header with any field values and a *valid* header check."""
+    head = struct.pack("<4sBBHQ", magic, rtype, flags, reserved, length)
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+
+
+def store_body(magic=fheader.STORE_MAGIC, version=1, flags=0, store_id=ID, chunk=4096, seg=1 << 20,
+               created=123) -> bytes:
+    body = struct.pack("<8sII16sQQQ", magic, version, flags, store_id, chunk, seg, created)
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+def good_chunk(raw: bytes, codec=None) -> bytes:
+    if codec is None:
+        codec, data = fchunk.choose_encoding(memoryview(raw))
+    else:
+        data = raw if codec is fchunk.Codec.RAW else lz4.block.compress(raw, store_size=False)
+    return fchunk.encode_chunk_header(fchunk.address_of(raw), codec, len(raw)) + bytes(data)
+
+
+def good_tree(nbytes=10_000, chunk_size=4096) -> tuple[ftree.Tree, bytes]:
+    addrs = [xxhash.xxh3_128_digest(i.to_bytes(4, "little")) for i in range(ftree.expected_chunks(nbytes, chunk_size))]
+    t = ftree.make_tree(nbytes, chunk_size, addrs)
+    return t, ftree.encode_tree(t)
+
+
+def good_commit(**kw) -> fcommit.Commit:
+    base = dict(iteration=42, manifest_seq=1, manifest_offset=72, manifest_length=500,
+                manifest_digest=b"d" * 16, snapshot_root=b"r" * 16, created_ns=10**18,
+                logical_bytes=12345, written_bytes=678)
+    base.update(kw)
+    return fcommit.Commit(**base)
+
+
+def manifest_doc() -> dict:
+    inline = bytes(range(12))
+    return {
+        "v": 1, "iteration": 7, "kind": "snapshot", "created_ns": 1, "chunk_size": 4096,
+        "state": {"d": [["w", {"T": 0}], ["b", {"T": 1}], ["lr", {"f": (0.1).hex()}]]},
+        "meta": {"d": [["loss", {"f": "0x1.0p+1"}]]},
+        "tensors": [
+            {"path": "w", "lib": "torch", "dtype": "float32", "shape": [100, 100], "nbytes": 40000,
+             "root": "ab" * 16, "param": True, "requires_grad": True},
+            {"path": "b", "lib": "numpy", "dtype": "<f4", "shape": [3], "nbytes": 12,
+             "root": "cd" * 16, "inline": base64.b64encode(inline).decode()},
+        ],
+    }
+
+
+def enc_doc(doc) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode("ascii")
+
+
+# ---------------------------------------------------------------------------------------------
+# records
+
+
+def test_record_good_roundtrip():
+    for rtype in rec.RecordType:
+        for payload in (b"", b"x", bytes(range(256)) * 9):
+            buf = rec.encode_record(rtype, payload)
+            assert len(buf) == rec.OVERHEAD + len(payload)
+            h, p = rec.decode_record(buf)
+            assert h.type == rtype and h.length == len(payload) and bytes(p) == payload
+            assert h.total_size == len(buf)
+            h2, p2 = rec.decode_record(memoryview(buf + b"trailing garbage"))
+            assert h2 == h and bytes(p2) == payload
+            assert rec.decode_header(buf[:rec.HEADER_SIZE]) == h
+
+
+def test_record_trailer_in_parts():
+    parts = [b"abc", memoryview(b"defg"), b""]
+    assert rec.encode_trailer(*parts) == rec.encode_trailer(b"abcdefg")
+    rec.check_trailer(b"abcdefg", rec.encode_trailer(*parts))
+    raises_format(rec.check_trailer, b"abcdefh", rec.encode_trailer(*parts), exc=ChecksumMismatch)
+    raises_format(rec.check_trailer, b"abcdefg", b"short", exc=CorruptRecordError)
+
+
+def test_record_encoder_refuses_bad_lengths():
+    with pytest.raises(ValueError):
+        rec.encode_header(rec.RecordType.CHUNK, rec.MAX_PAYLOAD + 1)
+    with pytest.raises(ValueError):
+        rec.encode_header(rec.RecordType.CHUNK, -1)
+
+
+def test_record_header_corruptions():
+    good = rec.encode_record(rec.RecordType.MANIFEST, b"hello")
+    raises_format(rec.decode_header, good[:23], exc=CorruptRecordError)        # truncated
+    raises_format(rec.decode_header, b"", exc=CorruptRecordError)
+    raises_format(rec.decode_header, b"XSR1" + good[4:], exc=CorruptRecordError)  # bad magic
+    bad_check = bytearray(good)
+    bad_check[8] ^= 1                                                          # length byte
+    raises_format(rec.decode_header, bytes(bad_check), exc=ChecksumMismatch)
+    bad_check = bytearray(good)
+    bad_check[20] ^= 0x80                                                      # the check itself
+    raises_format(rec.decode_header, bytes(bad_check), exc=ChecksumMismatch)
+    # valid header check, but field values a v1 reader must refuse
+    raises_format(rec.decode_header, raw_header(magic=b"CSR2"), exc=CorruptRecordError)
+    raises_format(rec.decode_header, raw_header(flags=1), exc=CorruptRecordError)
+    raises_format(rec.decode_header, raw_header(reserved=0x100), exc=CorruptRecordError)
+    raises_format(rec.decode_header, raw_header(length=rec.MAX_PAYLOAD + 1), exc=CorruptRecordError)
+    raises_format(rec.decode_header, raw_header(length=2**64 - 1), exc=CorruptRecordError)
+    for unknown in (0, 7, 15, 18, 255):
+        raises_format(rec.decode_header, raw_header(rtype=unknown), exc=CorruptRecordError)
+    for reserved_type in rec.RESERVED_TYPES:  # known, skippable
+        assert rec.decode_header(raw_header(rtype=reserved_type)).type == reserved_type
+
+
+def test_record_payload_corruptions():
+    good = rec.encode_record(rec.RecordType.COMMIT, bytes(96))
+    raises_format(rec.decode_record, good[:-1], exc=CorruptRecordError)       # trailer cut
+    raises_format(rec.decode_record, good[:30], exc=CorruptRecordError)       # payload cut
+    raises_format(rec.decode_record, good[:10], exc=CorruptRecordError)       # header cut
+    flipped = bytearray(good)
+    flipped[40] ^= 4
+    raises_format(rec.decode_record, bytes(flipped), exc=ChecksumMismatch)
+    flipped = bytearray(good)
+    flipped[-1] ^= 4
+    raises_format(rec.decode_record, bytes(flipped), exc=ChecksumMismatch)
+    err = raises_format(rec.decode_record, good[:30], exc=CorruptRecordError)
+    assert err.path is None and err.offset is None
+    located = err.located("/x/0000000001.seg", 4096)
+    assert type(located) is type(err) and "offset 4096" in str(located) and located.offset == 4096
+
+
+def test_record_hostile_lengths_do_not_allocate():
+    for length in (rec.MAX_PAYLOAD, rec.MAX_PAYLOAD - 1, 2**40, 2**64 - 1):
+        buf = raw_header(length=length) + b"x" * 100
+        small_alloc(rec.decode_record, buf)
+        small_alloc(rec.decode_header, buf)
+
+
+def test_record_every_single_bit_flip_is_detected():
+    for payload in (b"", b"abc", bytes(range(200))):
+        good = rec.encode_record(rec.RecordType.TREE, payload)
+        for bad in bit_flips(good):
+            raises_format(rec.decode_record, bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# STORE header and segment header
+
+
+def test_store_header_good():
+    h = fheader.StoreHeader(1, ID, 4096, 1 << 20, 99)
+    buf = fheader.encode_store_header(h)
+    assert len(buf) == fheader.STORE_HEADER_SIZE
+    assert fheader.decode_store_header(buf) == h
+    assert buf == store_body(chunk=4096, seg=1 << 20, created=99)
+
+
+def test_store_header_corruptions():
+    good = store_body()
+    raises_format(fheader.decode_store_header, good[:-1])                   # bad length
+    raises_format(fheader.decode_store_header, good + b"\0")
+    raises_format(fheader.decode_store_header, b"")
+    raises_format(fheader.decode_store_header, store_body(magic=b"CKPTSTOX"))  # bad magic
+    raises_format(fheader.decode_store_header, b"\0" * 64)
+    bad = bytearray(good)
+    bad[33] ^= 1
+    raises_format(fheader.decode_store_header, bytes(bad), exc=ChecksumMismatch)
+    bad = bytearray(good)
+    bad[63] ^= 1
+    raises_format(fheader.decode_store_header, bytes(bad), exc=ChecksumMismatch)
+    for version in (0, 2, 2**32 - 1):
+        buf = fheader.encode_store_header(fheader.StoreHeader(version, ID, 4096, 1 << 20, 1))
+        err = raises_format(fheader.decode_store_header, buf, exc=UnsupportedVersionError)
+        assert str(version) in str(err)
+    raises_format(fheader.decode_store_header, store_body(flags=1))          # reserved flags
+    raises_format(fheader.decode_store_header, store_body(chunk=0))
+    raises_format(fheader.decode_store_header, store_body(seg=0))
+
+
+def test_store_header_every_single_bit_flip_is_detected():
+    good = store_body()
+    for bad in bit_flips(good):
+        raises_format(fheader.decode_store_header, bad)
+
+
+def test_segment_header_good():
+    for h in (fheader.SegmentHeader(1, 1, ID), fheader.SegmentHeader(1, 10**9, ID, 10**9 - 1)):
+        buf = fheader.encode_segment_header(h)
+        assert len(buf) == fheader.SEGMENT_HEADER_SIZE
+        assert fheader.decode_segment_header(buf) == h
+        assert fheader.decode_segment_header(memoryview(buf)) == h
+
+
+def test_segment_header_corruptions():
+    seg = struct.Struct("<IIQ16sQQ")
+    good = seg.pack(1, 0, 5, ID, 0, 0)
+    assert fheader.decode_segment_header(good).seq == 5
+    raises_format(fheader.decode_segment_header, good[:-1])
+    raises_format(fheader.decode_segment_header, good + b"\0")
+    raises_format(fheader.decode_segment_header, seg.pack(2, 0, 5, ID, 0, 0), exc=UnsupportedVersionError)
+    raises_format(fheader.decode_segment_header, seg.pack(0, 0, 5, ID, 0, 0), exc=UnsupportedVersionError)
+    raises_format(fheader.decode_segment_header, seg.pack(1, 1, 5, ID, 0, 0))   # reserved
+    raises_format(fheader.decode_segment_header, seg.pack(1, 0, 5, ID, 0, 7))   # reserved
+    raises_format(fheader.decode_segment_header, seg.pack(1, 0, 5, ID, 5, 0))   # supersedes itself
+    raises_format(fheader.decode_segment_header, seg.pack(1, 0, 5, ID, 9, 0))   # supersedes newer
+    raises_format(fheader.decode_segment_header, seg.pack(1, 0, 0, ID, 0, 0))   # seq 0
+
+
+# ---------------------------------------------------------------------------------------------
+# chunks
+
+
+@pytest.mark.parametrize("codec", [fchunk.Codec.RAW, fchunk.Codec.LZ4])
+def test_chunk_good(codec):
+    for raw in (b"", b"a", bytes(1000), bytes(range(256)) * 40):
+        payload = good_chunk(raw, codec)
+        h, out = fchunk.decode_chunk(payload)
+        assert h == fchunk.ChunkHeader(fchunk.address_of(raw), codec, len(raw))
+        assert bytes(out) == raw
+        h2, out2 = fchunk.decode_chunk(memoryview(payload))
+        assert h2 == h and bytes(out2) == raw
+
+
+def test_chunk_raw_decode_is_zero_copy():
+    raw = bytearray(b"q" * 100)
+    h = fchunk.ChunkHeader(fchunk.address_of(raw), fchunk.Codec.RAW, 100)
+    view = fchunk.decode_chunk_data(h, memoryview(raw))
+    assert view.obj is raw
+
+
+def test_chunk_corruptions():
+    raw = bytes(range(256)) * 20
+    addr = fchunk.address_of(raw)
+    raw_payload = good_chunk(raw, fchunk.Codec.RAW)
+    lz_payload = good_chunk(raw, fchunk.Codec.LZ4)
+    enc = fchunk.encode_chunk_header
+    dec = fchunk.decode_chunk
+    raises_format(dec, raw_payload[:31], exc=CorruptRecordError)              # truncated header
+    raises_format(dec, b"", exc=CorruptRecordError)
+    raises_format(dec, raw_payload[:-1], exc=CorruptRecordError)              # truncated data
+    raises_format(dec, raw_payload + b"x", exc=CorruptRecordError)            # extra data
+    raises_format(dec, lz_payload[:-3], exc=CorruptRecordError)               # truncated lz4
+    bad = bytearray(raw_payload)
+    bad[20] = 1                                                               # reserved byte
+    raises_format(dec, bytes(bad))
+    for codec in (2, 3, 255):                                                 # unknown codec
+        raises_format(dec, struct.pack("<16sB7sQ", addr, codec, bytes(7), len(raw)) + raw)
+    raises_format(dec, enc(addr, fchunk.Codec.RAW, fchunk.MAX_CHUNK_SIZE + 1) + raw)
+    raises_format(dec, enc(addr, fchunk.Codec.RAW, 2**64 - 1) + raw)
+    bad = bytearray(raw_payload)
+    bad[100] ^= 1                                                             # data flipped
+    raises_format(dec, bytes(bad), exc=ChecksumMismatch)
+    bad = bytearray(raw_payload)
+    bad[3] ^= 1                                                               # address flipped
+    raises_format(dec, bytes(bad), exc=ChecksumMismatch)
+    raises_format(dec, enc(addr, fchunk.Codec.LZ4, len(raw)) + b"\xff" * 50, exc=CorruptRecordError)
+    raises_format(dec, enc(addr, fchunk.Codec.LZ4, len(raw) - 1) + lz_payload[32:], exc=CorruptRecordError)
+    raises_format(dec, enc(addr, fchunk.Codec.LZ4, len(raw) + 1) + lz_payload[32:], exc=CorruptRecordError)
+    raises_format(dec, enc(addr, fchunk.Codec.LZ4, 0) + lz_payload[32:], exc=CorruptRecordError)
+    raises_format(dec, enc(addr, fchunk.Codec.RAW, len(raw)) + lz_payload[32:], exc=CorruptRecordError)
+    # RAW data that happens to be valid lz4 input but declared RAW with the lz4 length -> checksum
+    raises_format(dec, enc(addr, fchunk.Codec.RAW, len(lz_payload) - 32) + lz_payload[32:],
+                  exc=ChecksumMismatch)
+
+
+def test_chunk_header_decoder_alone():
+    raw = b"z" * 300
+    h = fchunk.decode_chunk_header(good_chunk(raw))
+    assert h.raw_length == 300
+    raises_format(fchunk.decode_chunk_header, b"\0" * 31, exc=CorruptRecordError)
+
+
+def test_chunk_hostile_lengths_do_not_allocate():
+    addr = bytes(16)
+    enc = fchunk.encode_chunk_header
+    small_alloc(fchunk.decode_chunk, enc(addr, fchunk.Codec.LZ4, fchunk.MAX_CHUNK_SIZE) + b"\x1f" * 10)
+    small_alloc(fchunk.decode_chunk, enc(addr, fchunk.Codec.LZ4, 2**63) + b"\x1f" * 10)
+    small_alloc(fchunk.decode_chunk, enc(addr, fchunk.Codec.RAW, 2**63) + b"\x1f" * 10)
+    small_alloc(fchunk.decode_chunk, enc(addr, fchunk.Codec.RAW, fchunk.MAX_CHUNK_SIZE) + b"\x1f" * 10)
+
+
+def test_chunk_every_single_bit_flip_is_detected():
+    raw = b"incompressible?" + bytes(range(200))
+    good = good_chunk(raw, fchunk.Codec.RAW)
+    for bad in bit_flips(good):
+        raises_format(fchunk.decode_chunk, bad)
+    # lz4: several encodings decode to the same bytes, so a flip may be harmless -- but whatever
+    # decodes must be exactly the original bytes (the address is verified after decoding)
+    raw = bytes(600) + bytes(range(100))
+    good = good_chunk(raw, fchunk.Codec.LZ4)
+    harmless = 0
+    for bad in bit_flips(good):
+        try:
+            _, out = fchunk.decode_chunk(bad)
+        except FormatError:
+            continue
+        assert bytes(out) == raw
+        harmless += 1
+    assert harmless < len(good)  # nearly every flip is caught
+
+
+# ---------------------------------------------------------------------------------------------
+# trees
+
+
+def test_tree_good():
+    for nbytes, cs in ((0, 4096), (1, 4096), (4096, 4096), (4097, 4096), (10_000, 7), (10, 1)):
+        t, buf = good_tree(nbytes, cs)
+        assert ftree.decode_tree(buf) == t
+        assert ftree.decode_tree(memoryview(buf)) == t
+        spans = list(t.chunk_spans())
+        assert len(spans) == ftree.expected_chunks(nbytes, cs)
+        assert sum(e - s for s, e, _ in spans) == nbytes
+        if spans:
+            assert spans[0][0] == 0 and spans[-1][1] == nbytes
+
+
+def test_tree_make_tree_checks_count():
+    with pytest.raises(ValueError):
+        ftree.make_tree(10, 4, [b"a" * 16])
+
+
+def test_tree_corruptions():
+    t, buf = good_tree(10_000, 4096)
+    head = struct.Struct("<16sQQQ")
+    dec = ftree.decode_tree
+    raises_format(dec, buf[:39])
+    raises_format(dec, b"")
+    raises_format(dec, buf[:-1])
+    raises_format(dec, buf + b"\0" * 16)
+    body = buf[40:]
+    raises_format(dec, head.pack(t.root, 10_000, 0, 3) + body)                      # chunk size 0
+    raises_format(dec, head.pack(t.root, 10_000, fchunk.MAX_CHUNK_SIZE + 1, 1) + body[:16])
+    raises_format(dec, head.pack(t.root, ftree.MAX_TENSOR_BYTES + 1, 2**28, 2**20 + 1) + body)
+    raises_format(dec, head.pack(t.root, 10_000, 4096, 2) + body[:32])             # wrong n
+    raises_format(dec, head.pack(t.root, 10_000, 4096, 4) + body + b"\0" * 16)
+    raises_format(dec, head.pack(b"\0" * 16, 10_000, 4096, 3) + body, exc=ChecksumMismatch)
+    swapped = body[16:32] + body[:16] + body[32:]
+    raises_format(dec, head.pack(t.root, 10_000, 4096, 3) + swapped, exc=ChecksumMismatch)
+
+
+def test_tree_hostile_counts_do_not_allocate():
+    head = struct.Struct("<16sQQQ")
+    small_alloc(ftree.decode_tree, head.pack(bytes(16), ftree.MAX_TENSOR_BYTES, 1,
+                                             ftree.MAX_TENSOR_BYTES) + bytes(64))
+    small_alloc(ftree.decode_tree, head.pack(bytes(16), 2**64 - 1, 1, 2**64 - 1) + bytes(64))
+
+
+def test_tree_every_single_bit_flip_is_detected():
+    _, buf = good_tree(5000, 1024)
+    for bad in bit_flips(buf):
+        raises_format(ftree.decode_tree, bad)
+
+
+def test_snapshot_root_depends_on_paths_and_order():
+    a, b = b"a" * 16, b"b" * 16
+    r = ftree.snapshot_root([("x", a), ("y", b)])
+    assert r != ftree.snapshot_root([("y", b), ("x", a)])
+    assert r != ftree.snapshot_root([("x", b), ("y", a)])
+    assert r != ftree.snapshot_root([("xy", a), ("", b)])  # length-prefixed paths
+    assert r == ftree.snapshot_root(iter([("x", a), ("y", b)]))
+
+
+# ---------------------------------------------------------------------------------------------
+# manifests
+
+
+def test_manifest_good_roundtrip():
+    doc = manifest_doc()
+    m = fmanifest.decode_manifest(enc_doc(doc))
+    assert m.iteration == 7 and m.chunk_size == 4096 and m.kind == "snapshot"
+    assert m.state == doc["state"] and m.meta == doc["meta"]
+    w, b = m.tensors
+    assert w.param and w.requires_grad and w.inline is None and w.shape == (100, 100)
+    assert b.inline == bytes(range(12)) and not b.param and b.lib == "numpy"
+    assert m.logical_bytes == 40012
+    again = fmanifest.decode_manifest(fmanifest.encode_manifest(m))
+    assert again == m
+    assert fmanifest.decode_manifest(memoryview(enc_doc(doc))) == m
+    doc["future_field"] = [1, 2]
+    assert fmanifest.decode_manifest(enc_doc(doc)).extra == {"future_field": [1, 2]}
+
+
+def test_manifest_encoder_is_strict_json():
+    m = fmanifest.decode_manifest(enc_doc(manifest_doc()))
+    out = fmanifest.encode_manifest(m)
+    out.decode("ascii")
+    json.loads(out, parse_constant=lambda c: pytest.fail(f"non-strict constant {c}"))
+
+
+def _mutated(path, value):
+    doc = manifest_doc()
+    node = doc
+    for k in path[:-1]:
+        node = node[k]
+    if value is _DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return enc_doc(doc)
+
+
+_DELETE = object()
+MANIFEST_CORRUPTIONS = {
+    "iteration_negative": (("iteration",), -1),
+    "iteration_too_big": (("iteration",), 2**63),
+    "iteration_float": (("iteration",), 7.0),
+    "iteration_bool": (("iteration",), True),
+    "iteration_missing": (("iteration",), _DELETE),
+    "kind_unknown": (("kind",), "incremental"),
+    "kind_empty": (("kind",), ""),
+    "kind_int": (("kind",), 0),
+    "created_str": (("created_ns",), "1"),
+    "chunk_zero": (("chunk_size",), 0),
+    "chunk_negative": (("chunk_size",), -4096),
+    "tensors_dict": (("tensors",), {}),
+    "tensors_missing": (("tensors",), _DELETE),
+    "state_missing": (("state",), _DELETE),
+    "meta_missing": (("meta",), _DELETE),
+    "entry_not_object": (("tensors", 0), [1, 2]),
+    "entry_null": (("tensors", 0), None),
+    "path_int": (("tensors", 0, "path"), 5),
+    "lib_unknown": (("tensors", 0, "lib"), "jax"),
+    "lib_missing": (("tensors", 0, "lib"), _DELETE),
+    "dtype_missing": (("tensors", 0, "dtype"), _DELETE),
+    "dtype_list": (("tensors", 0, "dtype"), ["float32"]),
+    "shape_negative": (("tensors", 0, "shape"), [-1, 100]),
+    "shape_float": (("tensors", 0, "shape"), [100.0, 100]),
+    "shape_bool": (("tensors", 0, "shape"), [True]),
+    "shape_too_many_dims": (("tensors", 0, "shape"), [1] * 65),
+    "shape_str": (("tensors", 0, "shape"), "100,100"),
+    "nbytes_negative": (("tensors", 0, "nbytes"), -1),
+    "nbytes_huge": (("tensors", 0, "nbytes"), 2**49),
+    "nbytes_float": (("tensors", 0, "nbytes"), 4e4),
+    "root_short": (("tensors", 0, "root"), "ab" * 15),
+    "root_long": (("tensors", 0, "root"), "ab" * 17),
+    "root_not_hex": (("tensors", 0, "root"), "zz" * 16),
+    "root_bytes_like": (("tensors", 0, "root"), 123),
+    "inline_bad_base64": (("tensors", 1, "inline"), "!!!!"),
+    "inline_non_ascii": (("tensors", 1, "inline"), "é"),
+    "inline_wrong_length": (("tensors", 1, "inline"), base64.b64encode(b"x" * 11).decode()),
+    "inline_not_str": (("tensors", 1, "inline"), 12),
+    "param_not_bool": (("tensors", 0, "param"), 1),
+    "requires_grad_str": (("tensors", 0, "requires_grad"), "yes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MANIFEST_CORRUPTIONS))
+def test_manifest_field_corruptions(case):
+    path, value = MANIFEST_CORRUPTIONS[case]
+    raises_format(fmanifest.decode_manifest, _mutated(path, value))
+
+
+@pytest.mark.skipif("delta" not in fmanifest.KINDS, reason="no delta manifests in this format")
+def test_manifest_delta_chain_fields():
+    def delta(**kw):
+        doc = manifest_doc()
+        doc.update(kind="delta", prev=6, base=2)
+        doc.update(kw)
+        return enc_doc({k: v for k, v in doc.items() if v is not _DELETE})
+
+    m = fmanifest.decode_manifest(delta())
+    assert m.kind == "delta" and m.extra.get("prev") == 6 and m.extra.get("base") == 2
+    for bad in (dict(prev=_DELETE), dict(base=_DELETE), dict(prev=5), dict(prev=7), dict(base=7),
+                dict(base=-1), dict(prev="6"), dict(base=2.0), dict(prev=True)):
+        raises_format(fmanifest.decode_manifest, delta(**bad))
+
+
+@pytest.mark.parametrize("v", [0, 2, "1", 1.0, True, None, _DELETE])
+def test_manifest_unknown_version(v):
+    raises_format(fmanifest.decode_manifest, _mutated(("v",), v), exc=UnsupportedVersionError)
+
+
+@pytest.mark.parametrize("buf", [
+    b"", b"{", b"[]", b"null", b"42", b'"str"', b"\xff\xfe", "{\"v\":1,\"ü\":1}".encode("utf-8"),
+    b"{\"v\":1}", b"[" * 100_000 + b"]" * 100_000, b"{\"v\":1,\"x\":" + b"9" * 5000 + b"}",
+    b"\x00" * 10, b"{\"v\": 1, \"iteration\": 1e999}",
+], ids=lambda b: repr(b[:20]))
+def test_manifest_garbage(buf):
+    raises_format(fmanifest.decode_manifest, buf)
+
+
+def test_manifest_hostile_sizes_decode_without_allocating():
+    doc = manifest_doc()
+    doc["tensors"][0].update(shape=[2**24, 2**24], nbytes=2**48)
+    small_alloc(fmanifest.decode_manifest, enc_doc(doc))  # decoding never allocates tensor bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# commits
+
+
+def test_commit_good():
+    for c in (good_commit(), good_commit(iteration=0), good_commit(iteration=2**63 - 1)):
+        buf = fcommit.encode_commit(c)
+        assert len(buf) == fcommit.COMMIT_SIZE == 96
+        assert fcommit.decode_commit(buf) == c
+        assert fcommit.decode_commit(memoryview(buf)) == c
+
+
+def test_commit_corruptions():
+    good = fcommit.encode_commit(good_commit())
+    raises_format(fcommit.decode_commit, good[:-1])
+    raises_format(fcommit.decode_commit, good + b"\0")
+    raises_format(fcommit.decode_commit, b"")
+    raises_format(fcommit.decode_commit, struct.pack("<Q", 2**63) + good[8:])          # iteration
+    raises_format(fcommit.decode_commit, struct.pack("<Q", 2**64 - 1) + good[8:])
+    for kind in sorted(set(range(256)) - set(fcommit.KINDS))[:5] + [255]:
+        raises_format(fcommit.decode_commit, good[:88] + bytes([kind]) + good[89:])    # kind
+    for kind in fcommit.KINDS:
+        assert fcommit.decode_commit(good[:88] + bytes([kind]) + good[89:]).kind == kind
+    for i in range(89, 96):
+        raises_format(fcommit.decode_commit, good[:i] + b"\x01" + good[i + 1:])        # reserved
+
+
+# ---------------------------------------------------------------------------------------------
+# state skeletons
+
+
+def _leaf(i, path):
+    return ("LEAF", i, path)
+
+
+def test_unflatten_good():
+    node = {"o": [["a", {"t": [1, {"f": "-0x0.0p+0"}, {"b": "AAE="}]}], [3, [None, True, "s"]],
+                  ["w", {"T": 0}]],
+            "m": {"d": [["", {"d": [["version", 1]]}]]}}
+    out = fstate.unflatten(node, _leaf)
+    assert type(out) is OrderedDict and list(out) == ["a", 3, "w"]
+    assert out["a"] == (1, -0.0, b"\x00\x01") and str(out["a"][1]) == "-0.0"
+    assert out[3] == [None, True, "s"]
+    assert out["w"] == ("LEAF", 0, ("w",))
+    assert out._metadata == {"": {"version": 1}}
+    for x in (float("inf"), float("-inf"), 1.7976931348623157e308, 5e-324, -0.0, 0.1):
+        y = fstate.unflatten({"f": x.hex()}, _leaf)
+        assert type(y) is float and struct.pack("<d", y) == struct.pack("<d", x)
+    assert fstate.unflatten({"f": "nan"}, _leaf) != fstate.unflatten({"f": "nan"}, _leaf)  # a NaN
+
+
+STATE_CORRUPTIONS = [
+    1.5, {"x": 1}, {}, {"f": 1}, {"f": "zz"}, {"f": "0x1p99999999"}, {"f": None},
+    {"b": "!!"}, {"b": 1}, {"b": "é"}, {"b": "AAE"}, {"t": 1}, {"t": {"d": []}}, {"d": 1},
+    {"d": [1]}, {"d": [[1]]}, {"d": [[1, 2, 3]]}, {"d": [[1.5, 1]]}, {"d": [[True, 1]]},
+    {"d": [[None, 1]]}, {"d": [[[], 1]]}, {"o": "x"}, {"o": [], "m": 1.5}, {"o": 1, "m": {"d": []}},
+    {"d": [], "t": []}, {"o": [], "m": [], "x": 1}, {"T": -1}, {"T": "0"}, {"T": 1.0}, {"T": True},
+    {"T": None}, [1, [2, {"bad": 3}]], {"d": [["k", {"t": [{"f": "x"}]}]]},
+    {"i": 5}, {"i": "12"}, {"i": "0xZZ"}, {"i": None}, {"n": 1}, {"n": "xyz"}, {"n": "7ff8"},
+]
+
+
+@pytest.mark.parametrize("node", STATE_CORRUPTIONS, ids=lambda n: repr(n)[:40])
+def test_unflatten_corruptions(node):
+    err = raises_format(fstate.unflatten, node, _leaf)
+    assert "state" in str(err)
+
+
+def test_unflatten_depth_limit():
+    deep: object = 1
+    for _ in range(fstate.MAX_DEPTH + 5):
+        deep = [deep]
+    raises_format(fstate.unflatten, deep, _leaf)
+    deep = 1
+    for _ in range(fstate.MAX_DEPTH + 5):
+        deep = {"d": [["k", deep]]}
+    raises_format(fstate.unflatten, deep, _leaf)
+    deep = {"d": []}
+    for _ in range(fstate.MAX_DEPTH + 5):
+        deep = {"o": [], "m": deep}
+    raises_format(fstate.unflatten, deep, _leaf)
+
+
+def test_unflatten_error_names_the_path():
+    err = raises_format(fstate.unflatten, {"d": [["opt", {"d": [[3, [0, {"f": "zz"}]]]}]]}, _leaf)
+    assert "state['opt'][3][1]" in str(err)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=5)
+    | st.sampled_from(["f", "b", "t", "d", "o", "m", "T", "i", "n", "0x1p1", "AA==", "nan", "0x1f",
+                       "-0x0", "7ff8000000000001"]),
+    lambda kids: (st.lists(kids, max_size=4)
+                  | st.dictionaries(st.sampled_from(["f", "b", "t", "d", "o", "m", "T", "i", "n", "x"]),
+                                    kids,
+                                    max_size=2)),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values)
+def test_property_unflatten_only_raises_format_errors(node):
+    only_format_errors(lambda n: fstate.unflatten(n, _leaf), node)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), json_values), min_size=1, max_size=3))
+def test_property_manifest_mutations_only_raise_format_errors(mutations):
+    doc = manifest_doc()
+    for pick, value in mutations:
+        # walk to a pseudo-random container in the document and replace one of its members
+        node = doc
+        while True:
+            children = list(node.items()) if type(node) is dict else list(enumerate(node))
+            if not children:
+                break
+            k, child = children[pick % len(children)]
+            if type(child) in (dict, list) and child and pick % 3:
+                node, pick = child, pick // 3 + 1
+                continue
+            node[k] = value
+            break
+    only_format_errors(fmanifest.decode_manifest, enc_doc(doc))
+
+
+# ---------------------------------------------------------------------------------------------
+# random bytes and bit flips through every decoder
+
+DECODERS = {
+    "decode_header": (rec.decode_header, [rec.encode_record(rec.RecordType.CHUNK, b"x" * 50)[:24]],
+                      rec.MAGIC),
+    "decode_record": (rec.decode_record, [rec.encode_record(rec.RecordType.MANIFEST, b"{}" * 20),
+                                          rec.encode_record(rec.RecordType.COMMIT, bytes(96))],
+                      rec.MAGIC),
+    "decode_store_header": (fheader.decode_store_header, [store_body()], fheader.STORE_MAGIC),
+    "decode_segment_header": (fheader.decode_segment_header,
+                              [fheader.encode_segment_header(fheader.SegmentHeader(1, 3, ID, 2))],
+                              struct.pack("<II", 1, 0)),
+    "decode_chunk": (fchunk.decode_chunk, [good_chunk(bytes(range(256)) * 3),
+                                           good_chunk(bytes(2000)),
+                                           good_chunk(b"", fchunk.Codec.LZ4)], b""),
+    "decode_tree": (ftree.decode_tree, [good_tree(9000, 4096)[1], good_tree(0, 64)[1]], b""),
+    "decode_manifest": (fmanifest.decode_manifest, [enc_doc(manifest_doc())], b'{"v":1,'),
+    "decode_commit": (fcommit.decode_commit, [fcommit.encode_commit(good_commit())], b""),
+    "unflatten": (lambda b: fstate.unflatten(json.loads(b) if _is_json(b) else b, _leaf),
+                  [json.dumps({"d": [["a", {"t": [1, {"f": "0x1p0"}, {"b": "AA=="}]}],
+                                     ["w", {"T": 3}]]}).encode()], b'{"d":'),
+}
+
+
+def _is_json(b):
+    try:
+        json.loads(b)
+        return True
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_random_bytes_and_bit_flips(name):
+    fn, goods, prefix = DECODERS[name]
+    rnd = random.Random(f"{RNG_SEED}-{name}")
+    for good in goods:
+        assert only_format_errors(fn, good), f"{name} refuses its own good encoding"
+    sizes = sorted({len(g) for g in goods} | {0, 1, 23, 24, 32, 48, 64, 96, 200})
+    for i in range(2000):
+        n = sizes[i % len(sizes)] if i % 2 else rnd.randrange(0, 400)
+        data = rnd.randbytes(n)
+        if i % 3 == 0:
+            data = prefix + data
+        only_format_errors(fn, data)
+    for good in goods:
+        for _ in range(700):
+            b = bytearray(good)
+            for _ in range(rnd.choice((1, 1, 2, 3, 8))):
+                b[rnd.randrange(len(b))] ^= 1 << rnd.randrange(8)
+            only_format_errors(fn, bytes(b))
+            only_format_errors(fn, bytes(b[:rnd.randrange(len(b) + 1)]))     # truncated
+            only_format_errors(fn, bytes(b) + rnd.randbytes(rnd.randrange(1, 40)))  # extended
+
+
+def test_random_lz4_payloads_only_raise_format_errors():
+    rnd = random.Random(RNG_SEED)
+    seeds = [lz4.block.compress(bytes(1000), store_size=False),
+             lz4.block.compress(bytes(range(256)) * 8, store_size=False)]
+    for i in range(2000):
+        if i % 2:
+            data = rnd.randbytes(rnd.randrange(1, 300))
+        else:
+            data = bytearray(rnd.choice(seeds))
+            data[rnd.randrange(len(data))] = rnd.randrange(256)
+            data = bytes(data)
+        raw_length = rnd.choice((0, 1, len(data), 1000, 2048, rnd.randrange(0, 70_000)))
+        payload = fchunk.encode_chunk_header(rnd.randbytes(16), fchunk.Codec.LZ4, raw_length) + data
+        only_format_errors(fchunk.decode_chunk, payload)
+
+
+def test_error_hierarchy():
+    assert issubclass(ChecksumMismatch, CorruptRecordError)
+    assert issubclass(CorruptRecordError, FormatError)
+    assert issubclass(UnsupportedVersionError, FormatError)
+    assert issubclass(FormatError, CkptStoreError)
+    assert not issubclass(FormatError, (ValueError, KeyError))
+    e = ChecksumMismatch("tree root", "aa", "bb")
+    assert e.expected == "aa" and e.got == "bb" and "tree root" in str(e)

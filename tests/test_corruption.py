@@ -1,0 +1,674 @@
+"""Corruption handling: flip or cut bytes of a store and prove that
+
+* fsck (read-only) detects it: not clean, names the file and the damaged record's offset, and
+  lists exactly the iterations whose data covered the damaged bytes (expected sets are computed
+  from the pristine store: which record holds the offset, which iterations reference it);
+* every unaffected iteration still loads bit-exact (mode "r");
+* loading an affected iteration raises a ckptstore error, never returns wrong bytes, never raises
+  anything else;
+* fsck --repair never removes an intact committed iteration.
+
+Plus: an unknown STORE format version, garbage after the last commit, an uncommitted tail cut at
+random offsets, a deleted segment, and the CLI's exit codes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+import ckptstore
+from ckptstore.cli import main as cli_main
+from ckptstore.errors import (CkptStoreError, DamagedCheckpointError, FormatError, NotFoundError,
+                              UnsupportedVersionError)
+from ckptstore.format import records as rec
+from ckptstore.format.chunk import CHUNK_HEADER_SIZE, Codec, decode_chunk_header
+from ckptstore.format.commit import decode_commit
+from ckptstore.format.header import StoreHeader, decode_store_header, encode_store_header
+from ckptstore.format.manifest import decode_manifest
+from ckptstore.format.tree import decode_tree
+from ckptstore.fsck import check
+from ckptstore.storage.layout import Layout
+from ckptstore.storage.segments import ScannedRecord, SegmentFile, scan_segment
+
+from _crashkit import CHUNK_SIZE, FreezeOps, state_for
+
+SEGMENT_SIZE = 96 << 10  # several segments for a small store
+ITERATIONS = [1, 2, 3, 4, 5, 6, 8, 9, 12, 15]
+SEED = int(os.environ.get("CKPTSTORE_SEED", "1337"))
+RANDOM_TRIALS = int(os.environ.get("CKPTSTORE_CORRUPTION_TRIALS", "40"))
+
+
+# ---- the pristine store and its record map ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Record:
+    seq: int
+    offset: int
+    end: int
+    type: int
+    length: int
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.seq, self.offset)
+
+    @property
+    def payload_offset(self) -> int:
+        return self.offset + rec.HEADER_SIZE
+
+    @property
+    def trailer_offset(self) -> int:
+        return self.end - rec.TRAILER_SIZE
+
+
+@dataclass
+class StoreMap:
+    """Every record of the pristine store and what each committed iteration depends on."""
+
+    path: Path
+    records: list[Record] = field(default_factory=list)
+    sizes: dict[int, int] = field(default_factory=dict)
+    deps: dict[int, set[tuple[int, int]]] = field(default_factory=dict)
+    commit_of: dict[int, Record] = field(default_factory=dict)
+    manifest_of: dict[int, Record] = field(default_factory=dict)
+    chunk_at: dict[bytes, Record] = field(default_factory=dict)
+    codec_of: dict[tuple[int, int], int] = field(default_factory=dict)
+    tree_at: dict[bytes, Record] = field(default_factory=dict)
+
+    def record_at(self, seq: int, offset: int) -> Record:
+        for r in self.records:
+            if r.seq == seq and r.offset <= offset < r.end:
+                return r
+        raise AssertionError(f"no record at segment {seq} offset {offset}")
+
+    def affected_by(self, keys: set[tuple[int, int]]) -> set[int]:
+        return {it for it, d in self.deps.items() if d & keys}
+
+    def users(self, r: Record) -> set[int]:
+        return self.affected_by({r.key})
+
+    def of_type(self, t: int) -> list[Record]:
+        return [r for r in self.records if r.type == t]
+
+
+def build_map(path: Path) -> StoreMap:
+    layout = Layout(str(path))
+    m = StoreMap(path)
+    manifests: dict[tuple[int, int], object] = {}
+    trees: dict[bytes, object] = {}
+    for seq in layout.list_segments():
+        f = SegmentFile(layout.segment_path(seq), seq)
+        try:
+            m.sizes[seq] = f.size()
+            for item in scan_segment(f, 0, verify=True):
+                assert isinstance(item, ScannedRecord) and item.error is None, item
+                r = Record(seq, item.loc.offset, item.loc.end, item.type, item.loc.length)
+                m.records.append(r)
+                if item.type == rec.RecordType.CHUNK:
+                    ch = decode_chunk_header(f.pread(r.payload_offset, CHUNK_HEADER_SIZE))
+                    assert ch.address not in m.chunk_at, "pristine store holds a chunk twice"
+                    m.chunk_at[ch.address] = r
+                    m.codec_of[r.key] = int(ch.codec)
+                elif item.type == rec.RecordType.TREE:
+                    tree = decode_tree(item.payload)
+                    assert tree.root not in m.tree_at, "pristine store holds a tree twice"
+                    m.tree_at[tree.root] = r
+                    trees[tree.root] = tree
+                elif item.type == rec.RecordType.MANIFEST:
+                    manifests[r.key] = (r, decode_manifest(item.payload))
+                elif item.type == rec.RecordType.COMMIT:
+                    c = decode_commit(item.payload)
+                    mrec, man = manifests[(c.manifest_seq, c.manifest_offset)]
+                    deps = {r.key, mrec.key}
+                    for t in man.tensors:
+                        if t.inline is not None or t.nbytes == 0:
+                            continue
+                        deps.add(m.tree_at[t.root].key)
+                        deps |= {m.chunk_at[a].key for a in trees[t.root].addresses}
+                    m.deps[c.iteration] = deps
+                    m.commit_of[c.iteration] = r
+                    m.manifest_of[c.iteration] = mrec
+        finally:
+            f.close()
+    assert sorted(m.deps) == ITERATIONS
+    return m
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> StoreMap:
+    path = tmp_path_factory.mktemp("pristine") / "store"
+    with ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=SEGMENT_SIZE) as w:
+        for it in ITERATIONS:
+            w.save(it, state_for(it))
+    m = build_map(path)
+    # The store exercises what the trials rely on: several segments, shared chunks and trees,
+    # compressed and raw chunks, commits in several segments.
+    assert len(m.sizes) >= 5
+    assert any(len(m.users(r)) > 1 for r in m.of_type(rec.RecordType.CHUNK))
+    assert any(len(m.users(r)) > 1 for r in m.of_type(rec.RecordType.TREE))
+    assert {Codec.RAW, Codec.LZ4} <= set(m.codec_of.values())
+    assert len({r.seq for r in m.commit_of.values()}) >= 3
+    report = check(path)
+    assert report.clean and report.iterations == ITERATIONS and not report.notes, report.lines()
+    return m
+
+
+@pytest.fixture(scope="module")
+def expected_states() -> dict:
+    return {it: state_for(it) for it in ITERATIONS}
+
+
+def fresh_copy(pristine: StoreMap, tmp_path: Path, name: str) -> Path:
+    dest = tmp_path / name
+    shutil.copytree(pristine.path, dest)
+    return dest
+
+
+def flip(path: Path, offset: int, n: int, rng: random.Random) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ rng.randint(1, 255) for b in old))
+
+
+# ---- the checks every damaged store must pass -------------------------------------------------
+
+def _named(report, it: int) -> bool:
+    return any(re.search(rf"\biteration {it}\b", line) for line in report.lines())
+
+
+KNOWN_BUG_LOST_COMMIT = (
+    "BUG: fsck does not name a committed iteration whose COMMIT record is damaged or gone: the "
+    "iteration silently drops out of the report's iteration list, and the damage line names no "
+    "iteration (damaged record header, truncation, missing file) or a wrong one decoded from the "
+    "payload that just failed its checksum (log.py _describe_damaged_record); its intact, now "
+    "orphaned manifest is never reported")
+
+
+def assert_contained(store: Path, pristine: StoreMap, expected_states, *, seq: int, offset: int,
+                     expected: set[int], where: str, damaged: set[tuple[int, int]],
+                     silent_load_ok: bool = False, tolerate_lost_commit_bug: bool = False
+                     ) -> list[str]:
+    """fsck detects and locates the damage at (seq, offset), lists exactly ``expected`` and names
+    each of them; reads stay correct; repair keeps every intact iteration. ``damaged``: keys of the
+    records hit. ``silent_load_ok``: the damaged bytes are outside what the read path verifies, so
+    a load may also succeed (bit-exact). With ``tolerate_lost_commit_bug`` an unnamed iteration
+    whose own commit record was hit (KNOWN_BUG_LOST_COMMIT) is returned instead of failing; every
+    other check still applies."""
+    seg_path = Layout(str(store)).segment_path(seq)
+    intact = set(ITERATIONS) - expected
+
+    report = check(store)
+    lines = "\n".join(report.lines())
+    assert not report.clean, f"{where}: fsck did not notice:\n{lines}"
+    start = pristine.record_at(seq, offset).offset
+    assert any(d.path == seg_path and d.offset == start for d in report.damage), \
+        f"{where}: no damage reported at {seg_path} offset {start}:\n{lines}"
+    vanished = set(ITERATIONS) - set(report.iterations)
+    listed = set(report.damaged_iterations) | vanished
+    assert listed == expected, (f"{where}: fsck lists affected iterations {sorted(listed)} "
+                                f"(damaged {sorted(report.damaged_iterations)}, vanished "
+                                f"{sorted(vanished)}), expected {sorted(expected)}:\n{lines}")
+    unnamed = sorted(it for it in expected if not _named(report, it))
+    known = []
+    if unnamed and tolerate_lost_commit_bug and all(
+            it in vanished and pristine.commit_of[it].key in damaged for it in unnamed):
+        known.append(f"{where}: iterations {unnamed} lost their commit and are not named")
+    else:
+        assert not unnamed, f"{where}: fsck never names affected iterations {unnamed}:\n{lines}"
+
+    _assert_reads(store, expected_states, intact, expected, where, silent_load_ok, "before repair")
+
+    repaired = check(store, repair=True)
+    assert intact <= set(repaired.iterations), (
+        f"{where}: fsck --repair removed intact iterations "
+        f"{sorted(intact - set(repaired.iterations))}:\n" + "\n".join(repaired.lines()))
+    _assert_reads(store, expected_states, intact, expected, where, silent_load_ok, "after repair")
+    return known
+
+
+def _assert_reads(store: Path, expected_states, intact: set[int], affected: set[int], where: str,
+                  silent_load_ok: bool, when: str) -> None:
+    with ckptstore.open(store, "r") as r:
+        listed = set(r.iterations())
+        assert intact <= listed, f"{where} ({when}): intact iterations not listed: {intact - listed}"
+        for it in sorted(intact):
+            _same(expected_states[it], r.load(it), f"{where} ({when}): intact iteration {it}")
+        for it in sorted(affected):
+            try:
+                got = r.load(it)
+            except (DamagedCheckpointError, FormatError):
+                continue
+            except NotFoundError:
+                assert it not in listed, f"{where} ({when}): listed iteration {it} not found"
+                continue
+            except CkptStoreError as e:
+                pytest.fail(f"{where} ({when}): iteration {it}: unexpected ckptstore error {e!r}")
+            except Exception as e:  # noqa: BLE001 -- the point of the test
+                pytest.fail(f"{where} ({when}): iteration {it}: non-ckptstore exception {e!r}")
+            # A load that succeeds must be bit-exact; only unverified bytes may be damaged then.
+            _same(expected_states[it], got, f"{where} ({when}): damaged iteration {it} loaded")
+            assert silent_load_ok, f"{where} ({when}): damaged iteration {it} loaded without error"
+
+
+def _same(a, b, where: str) -> None:
+    from conftest import _same as same
+
+    same(a, b, where)
+
+
+# ---- random flips --------------------------------------------------------------------------------
+
+def _flip_expectation(pristine: StoreMap, seq: int, offset: int, n: int) -> tuple[set[int], bool]:
+    """(affected iterations, whether a load may still succeed bit-exact) for flipping bytes
+    [offset, offset + n) of segment ``seq`` (all inside one record)."""
+    r = pristine.record_at(seq, offset)
+    affected = pristine.users(r)
+    # A chunk's record trailer is not part of what the read path verifies: chunk bytes are checked
+    # against their content address instead, so a damaged trailer may still load (bit-exact).
+    silent = r.type == rec.RecordType.CHUNK and offset >= r.trailer_offset
+    return affected, silent
+
+
+def test_random_byte_flips(pristine, expected_states, tmp_path):
+    rng = random.Random(SEED)
+    total = sum(pristine.sizes.values())
+    seen_types: dict[str, int] = {}
+    known: list[str] = []
+    for trial in range(RANDOM_TRIALS):
+        pos = rng.randrange(total)
+        for seq, size in sorted(pristine.sizes.items()):
+            if pos < size:
+                break
+            pos -= size
+        r = pristine.record_at(seq, pos)
+        n = min(rng.choice([1, 1, 2, 4]), r.end - pos)
+        store = fresh_copy(pristine, tmp_path, f"t{trial}")
+        flip(Path(Layout(str(store)).segment_path(seq)), pos, n, rng)
+        expected, silent = _flip_expectation(pristine, seq, pos, n)
+        kind = rec.RecordType(r.type).name
+        seen_types[kind] = seen_types.get(kind, 0) + 1
+        known += assert_contained(
+            store, pristine, expected_states, seq=seq, offset=pos, expected=expected,
+            damaged={r.key}, silent_load_ok=silent, tolerate_lost_commit_bug=True,
+            where=f"trial {trial} (seed {SEED}): {n} bytes flipped at segment {seq} offset {pos} "
+                  f"({kind} record at {r.offset}..{r.end})")
+        shutil.rmtree(store)
+    assert sum(seen_types.values()) == RANDOM_TRIALS, seen_types
+    print(f"{RANDOM_TRIALS} random flips by record type: {seen_types}")
+    _xfail_if_known(known)
+
+
+def _xfail_if_known(known: list[str]) -> None:
+    """Every check passed except naming iterations that lost their commit (the known bug, pinned
+    by strict xfails below): report it rather than pass. Remove once fixed."""
+    if known:
+        pytest.xfail(f"{KNOWN_BUG_LOST_COMMIT}; hit {len(known)} times: {known}")
+
+
+# ---- targeted flips ------------------------------------------------------------------------------
+
+def _targets(m: StoreMap) -> dict[str, tuple[int, int, set[int], bool]]:
+    """name -> (segment, offset, expected affected iterations, silent load ok)."""
+    chunks = m.of_type(rec.RecordType.CHUNK)
+    shared = max(chunks, key=lambda r: len(m.users(r)))
+    raw = next(r for r in chunks if m.codec_of[r.key] == Codec.RAW and len(m.users(r)) == 1)
+    lz4 = next(r for r in chunks if m.codec_of[r.key] == Codec.LZ4)
+    trees = m.of_type(rec.RecordType.TREE)
+    shared_tree = max(trees, key=lambda r: len(m.users(r)))
+    last = ITERATIONS[-1]
+    mid = ITERATIONS[len(ITERATIONS) // 2]
+    data = rec.HEADER_SIZE + CHUNK_HEADER_SIZE
+    t = {
+        "raw chunk data": (raw, data + (raw.length - CHUNK_HEADER_SIZE) // 2),
+        "shared chunk data": (shared, data + 100),
+        "lz4 chunk data": (lz4, data + (lz4.length - CHUNK_HEADER_SIZE) // 2),
+        "chunk record header (length)": (raw, 9),
+        "chunk record header (magic)": (shared, 0),
+        "chunk address": (raw, rec.HEADER_SIZE + 3),
+        "chunk codec": (raw, rec.HEADER_SIZE + 16),
+        "chunk raw_length": (lz4, rec.HEADER_SIZE + 24),
+        "chunk trailer": (raw, raw.length + rec.HEADER_SIZE + 2),
+        "shared tree payload": (shared_tree, rec.HEADER_SIZE + 40),
+        "tree record header": (shared_tree, 5),
+        "manifest payload": (m.manifest_of[mid], rec.HEADER_SIZE + m.manifest_of[mid].length // 2),
+        "manifest record header": (m.manifest_of[mid], 12),
+        "last manifest payload": (m.manifest_of[last], rec.HEADER_SIZE + 30),
+        "commit payload (iteration field)": (m.commit_of[mid], rec.HEADER_SIZE + 1),
+        "commit payload (digest)": (m.commit_of[mid], rec.HEADER_SIZE + 40),
+        "commit trailer": (m.commit_of[mid], rec.HEADER_SIZE + m.commit_of[mid].length + 1),
+        "last commit payload": (m.commit_of[last], rec.HEADER_SIZE + 50),
+        "commit record header": (m.commit_of[mid], 9),
+        "last commit record header": (m.commit_of[last], 9),
+        "segment header payload": (m.record_at(2, 0), rec.HEADER_SIZE + 20),
+        "segment header record header": (m.record_at(3, 0), 2),
+    }
+    out = {}
+    for name, (r, delta) in t.items():
+        off = r.offset + delta
+        assert r.offset <= off < r.end, name
+        expected, silent = _flip_expectation(m, r.seq, off, 1)
+        out[name] = (r.seq, off, expected, silent)
+    return out
+
+
+_LOST_COMMIT = pytest.mark.xfail(strict=True, reason=KNOWN_BUG_LOST_COMMIT)
+_LAST_COMMIT_HEADER = pytest.mark.xfail(strict=True, reason=(
+    "BUG: a damaged record header of the LAST commit makes the commit look like an uncommitted "
+    "tail: Log.replay yields a CorruptRegion (not a COMMIT record), so tail_suspicious stays False "
+    "and fsck drops the damage as 'tail' -> report clean, exit 0, while the latest committed "
+    "iteration has vanished; the next writer open then cuts it without quarantine (lost for good)"))
+
+TARGETS = ["raw chunk data", "shared chunk data", "lz4 chunk data", "chunk record header (length)",
+           "chunk record header (magic)", "chunk address", "chunk codec", "chunk raw_length",
+           "chunk trailer", "shared tree payload", "tree record header", "manifest payload",
+           "manifest record header", "last manifest payload",
+           pytest.param("commit payload (iteration field)", marks=_LOST_COMMIT),
+           "commit payload (digest)", "commit trailer", "last commit payload",
+           pytest.param("commit record header", marks=_LOST_COMMIT),
+           pytest.param("last commit record header", marks=_LAST_COMMIT_HEADER),
+           "segment header payload", "segment header record header"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_targeted_flip(pristine, expected_states, tmp_path, target):
+    seq, off, expected, silent = _targets(pristine)[target]
+    if target.startswith(("shared", "chunk record header (magic)")):
+        assert len(expected) > 1, f"{target}: not shared"
+    store = fresh_copy(pristine, tmp_path, "s")
+    flip(Path(Layout(str(store)).segment_path(seq)), off, 1, random.Random(off))
+    assert_contained(store, pristine, expected_states, seq=seq, offset=off, expected=expected,
+                     damaged={pristine.record_at(seq, off).key}, silent_load_ok=silent,
+                     where=f"{target} (segment {seq} offset {off})")
+
+
+# ---- truncation ----------------------------------------------------------------------------------
+
+def _truncation_expectation(m: StoreMap, seq: int, at: int) -> set[int]:
+    lost = {r.key for r in m.records if r.seq == seq and r.end > at}
+    return m.affected_by(lost)
+
+
+def test_truncated_last_segment(pristine, expected_states, tmp_path):
+    """Cutting the last segment is indistinguishable from a crash during a save (the cut records
+    simply never happened): the survivors must be exactly the iterations committed before the cut,
+    intact, and the writer's recovery must leave a clean store."""
+    rng = random.Random(SEED + 5)
+    seq = max(pristine.sizes)
+    for trial in range(8):
+        at = rng.randrange(1, pristine.sizes[seq])
+        store = fresh_copy(pristine, tmp_path, f"t{trial}")
+        os.truncate(Layout(str(store)).segment_path(seq), at)
+        expected = _truncation_expectation(pristine, seq, at)
+        survivors = set(ITERATIONS) - expected
+        where = f"truncation trial {trial} (seed {SEED}): last segment {seq} cut at {at}"
+        report = check(store)
+        assert not report.damage and not report.damaged_iterations, f"{where}: {report.lines()}"
+        assert set(report.iterations) == survivors, f"{where}: {report.lines()}"
+        _assert_reads(store, expected_states, survivors, expected, where, False, "before recovery")
+        with ckptstore.open(store, "a") as w:
+            assert set(w.iterations()) == survivors
+        report = check(store)
+        assert report.clean and not report.notes, f"{where}: after recovery: {report.lines()}"
+        _assert_reads(store, expected_states, survivors, expected, where, False, "after recovery")
+        shutil.rmtree(store)
+
+
+def test_truncated_older_segments(pristine, expected_states, tmp_path):
+    """Cutting an older segment is damage: located at the torn record, attributed to exactly the
+    iterations that used the lost records, contained for every other iteration."""
+    rng = random.Random(SEED + 7)
+    older = sorted(pristine.sizes)[:-1]
+    known: list[str] = []
+    for trial in range(12):
+        seq = rng.choice(older)
+        at = rng.randrange(1, pristine.sizes[seq])
+        store = fresh_copy(pristine, tmp_path, f"t{trial}")
+        os.truncate(Layout(str(store)).segment_path(seq), at)
+        lost = {r.key for r in pristine.records if r.seq == seq and r.end > at}
+        known += assert_contained(
+            store, pristine, expected_states, seq=seq, offset=at,
+            expected=pristine.affected_by(lost), damaged=lost, tolerate_lost_commit_bug=True,
+            where=f"truncation trial {trial} (seed {SEED}): segment {seq} cut at {at}")
+        shutil.rmtree(store)
+    _xfail_if_known(known)
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_BUG_LOST_COMMIT)
+def test_truncation_through_an_older_commit(pristine, expected_states, tmp_path):
+    last_seq = max(pristine.sizes)
+    it = next(i for i in ITERATIONS if pristine.commit_of[i].seq != last_seq
+              and pristine.commit_of[i].end == pristine.sizes[pristine.commit_of[i].seq])
+    c = pristine.commit_of[it]  # the commit that ends an older segment: cut through its middle
+    store = fresh_copy(pristine, tmp_path, "s")
+    os.truncate(Layout(str(store)).segment_path(c.seq), c.offset + 60)
+    assert_contained(store, pristine, expected_states, seq=c.seq, offset=c.offset + 60,
+                     expected={it}, damaged={c.key},
+                     where=f"segment {c.seq} cut inside the commit of iteration {it}")
+
+
+@pytest.fixture(scope="module")
+def tailed(pristine, tmp_path_factory) -> tuple[Path, int, int]:
+    """The pristine store plus an uncommitted tail (a save crashed at its 6th write, mid-record):
+    (path, segment holding the tail, offset where the tail starts)."""
+    path = tmp_path_factory.mktemp("tailed") / "store"
+    shutil.copytree(pristine.path, path)
+    w = ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=1 << 20, file_ops=FreezeOps(6, 0.5))
+    with pytest.raises(ckptstore.StoreIOError):
+        w.save(ITERATIONS[-1] + 1, state_for(ITERATIONS[-1] + 1))
+    w.close()
+    last = pristine.commit_of[ITERATIONS[-1]]
+    layout = Layout(str(path))
+    assert layout.list_segments()[-1] == last.seq, "the crashed save rolled a segment"
+    assert os.path.getsize(layout.segment_path(last.seq)) > last.end + CHUNK_SIZE
+    report = check(path)
+    assert report.clean and report.iterations == ITERATIONS, report.lines()
+    assert any("uncommitted tail" in n for n in report.notes), report.lines()
+    return path, last.seq, last.end
+
+
+def test_truncated_tail_is_only_a_note(tailed, expected_states, tmp_path):
+    path, seq, tail_start = tailed
+    size = os.path.getsize(Layout(str(path)).segment_path(seq))
+    rng = random.Random(SEED + 11)
+    for trial in range(8):
+        at = tail_start if trial == 0 else rng.randrange(tail_start + 1, size)
+        store = tmp_path / f"t{trial}"
+        shutil.copytree(path, store)
+        seg = Layout(str(store)).segment_path(seq)
+        os.truncate(seg, at)
+        where = f"tail cut at {at} (tail {tail_start}..{size})"
+        report = check(store)
+        assert report.clean, f"{where}: {report.lines()}"
+        assert report.iterations == ITERATIONS, f"{where}: {report.lines()}"
+        has_note = any("uncommitted tail" in n for n in report.notes)
+        assert has_note == (at > tail_start), f"{where}: {report.lines()}"
+        _assert_reads(store, expected_states, set(ITERATIONS), set(), where, False, "with tail")
+        with ckptstore.open(store, "a") as w:
+            assert w.iterations() == ITERATIONS
+        assert os.path.getsize(seg) == tail_start, f"{where}: the writer open did not cut the tail"
+        report = check(store)
+        assert report.clean and not report.notes, f"{where}: after recovery: {report.lines()}"
+        shutil.rmtree(store)
+
+
+def test_garbage_after_last_commit_is_cut(pristine, expected_states, tmp_path):
+    rng = random.Random(SEED + 13)
+    last = pristine.commit_of[ITERATIONS[-1]]
+    for trial, garbage in enumerate([
+        bytes(rng.randrange(256) for _ in range(5000)),
+        rec.MAGIC + bytes(rng.randrange(256) for _ in range(300)),  # a false record start
+        rec.encode_header(rec.RecordType.CHUNK, 1 << 20) + b"\0" * 100,  # a torn, valid header
+        b"\0" * 4096,  # a zero-filled extension
+    ]):
+        store = fresh_copy(pristine, tmp_path, f"g{trial}")
+        seg = Layout(str(store)).segment_path(last.seq)
+        with open(seg, "ab") as f:
+            f.write(garbage)
+        report = check(store)
+        where = f"garbage {trial} ({len(garbage)} bytes)"
+        assert report.clean and report.iterations == ITERATIONS, f"{where}: {report.lines()}"
+        assert any("uncommitted tail" in n for n in report.notes), f"{where}: {report.lines()}"
+        with ckptstore.open(store, "a") as w:
+            assert w.iterations() == ITERATIONS
+        assert os.path.getsize(seg) == last.end, f"{where}: garbage not cut"
+        report = check(store)
+        assert report.clean and not report.notes, f"{where}: after recovery: {report.lines()}"
+        _assert_reads(store, expected_states, set(ITERATIONS), set(), where, False, "after cut")
+
+
+# ---- whole files -------------------------------------------------------------------------------
+
+def test_deleted_segment(pristine, expected_states, tmp_path):
+    """A missing segment (any but the newest) is damage; every iteration that used one of its
+    records is affected (damaged, or gone with its commit), every other one loads bit-exact, before
+    and after repair."""
+    for seq in sorted(pristine.sizes)[:-1]:
+        store = fresh_copy(pristine, tmp_path, f"d{seq}")
+        os.unlink(Layout(str(store)).segment_path(seq))
+        expected = pristine.affected_by({r.key for r in pristine.records if r.seq == seq})
+        where = f"segment {seq} deleted (it held records of iterations {sorted(expected)})"
+        report = check(store)
+        lines = "\n".join(report.lines())
+        assert not report.clean, f"{where}: fsck did not notice:\n{lines}"
+        vanished = set(ITERATIONS) - set(report.iterations)
+        listed = set(report.damaged_iterations) | vanished
+        assert listed == expected, f"{where}: fsck lists {sorted(listed)}:\n{lines}"
+        _assert_reads(store, expected_states, set(ITERATIONS) - expected, expected, where, False,
+                      "segment deleted")
+        repaired = check(store, repair=True)
+        assert set(ITERATIONS) - expected <= set(repaired.iterations), repaired.lines()
+        _assert_reads(store, expected_states, set(ITERATIONS) - expected, expected, where, False,
+                      "after repair")
+        shutil.rmtree(store)
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_BUG_LOST_COMMIT)
+def test_deleted_segment_names_lost_iterations(pristine, tmp_path):
+    problems = []
+    for seq in sorted(pristine.sizes)[:-1]:
+        store = fresh_copy(pristine, tmp_path, f"d{seq}")
+        os.unlink(Layout(str(store)).segment_path(seq))
+        expected = pristine.affected_by({r.key for r in pristine.records if r.seq == seq})
+        report = check(store)
+        unnamed = sorted(it for it in expected if not _named(report, it))
+        if unnamed:
+            problems.append(f"segment {seq}: unnamed iterations {unnamed}; report {report.lines()}")
+        shutil.rmtree(store)
+    assert not problems, "\n".join(problems)
+
+
+_FIRST_SEGMENT_GAP = pytest.mark.xfail(strict=True, reason=(
+    "BUG: fsck's missing-segment check (fsck._verify) looks for gaps only between the lowest and "
+    "the highest live segment, so a missing FIRST segment (seq watermark+1: 1 in a store never "
+    "collected) goes unnoticed: when it held only whole checkpoints fsck reports the store CLEAN "
+    "(exit 0, only the note 'index is stale') and --repair rebuilds the index without them"))
+
+
+@pytest.mark.parametrize("victim", [pytest.param(1, marks=_FIRST_SEGMENT_GAP),
+                                    pytest.param(3, marks=pytest.mark.xfail(
+                                        strict=True, reason=KNOWN_BUG_LOST_COMMIT))])
+def test_deleted_segment_holding_whole_checkpoints(tmp_path, assert_same, victim):
+    import numpy as np
+
+    path = tmp_path / "store"
+
+    def state(i):
+        return {"x": np.random.default_rng(i).standard_normal(4000)}  # no dedup between iterations
+
+    with ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=40_000) as w:
+        for i in range(1, 6):
+            w.save(i, state(i))
+    layout = Layout(str(path))
+    assert layout.list_segments() == [1, 2, 3, 4, 5]  # one checkpoint per segment
+    os.unlink(layout.segment_path(victim))
+    report = check(path)
+    assert not report.clean, f"a deleted segment went unnoticed: {report.lines()}"
+    assert any(layout.segment_path(victim) in line for line in report.lines()), report.lines()
+    assert cli_main(["fsck", str(path)]) == 1
+    with ckptstore.open(path, "r") as r:
+        for i in set(range(1, 6)) - {victim}:
+            assert_same(state(i), r.load(i))
+    assert _named(report, victim), f"iteration {victim} is lost but not named: {report.lines()}"
+
+
+def test_unknown_store_version(pristine, tmp_path, capsys):
+    store = fresh_copy(pristine, tmp_path, "v")
+    layout = Layout(str(store))
+    with open(layout.store_file, "rb") as f:
+        h = decode_store_header(f.read())
+    with open(layout.store_file, "wb") as f:
+        f.write(encode_store_header(StoreHeader(h.format_version + 1, h.store_id, h.chunk_size,
+                                                h.segment_size, h.created_ns)))
+    for mode in ("r", "a"):
+        with pytest.raises(UnsupportedVersionError) as e:
+            ckptstore.open(store, mode)
+        assert "version 2" in str(e.value) and "STORE" in str(e.value)
+    with pytest.raises(UnsupportedVersionError):
+        check(store)
+    assert cli_main(["fsck", str(store)]) == 1
+    assert "version" in capsys.readouterr().err
+
+
+def test_damaged_store_file(pristine, tmp_path, capsys):
+    rng = random.Random(SEED + 17)
+    seg_bytes = {s: Path(Layout(str(pristine.path)).segment_path(s)).read_bytes()
+                 for s in pristine.sizes}
+    for trial in range(10):
+        store = fresh_copy(pristine, tmp_path, f"h{trial}")
+        layout = Layout(str(store))
+        if trial < 8:
+            flip(Path(layout.store_file), rng.randrange(64), 1, rng)
+        else:
+            os.truncate(layout.store_file, rng.randrange(64))
+        for mode in ("r", "a"):
+            with pytest.raises(FormatError) as e:
+                ckptstore.open(store, mode)
+            assert e.value.path == layout.store_file and e.value.offset == 0, e.value
+        with pytest.raises(FormatError) as e:
+            check(store)
+        assert e.value.path == layout.store_file
+        assert cli_main(["fsck", str(store)]) == 1
+        assert layout.store_file in capsys.readouterr().err
+        with pytest.raises(FormatError):
+            check(store, repair=True)
+        for s, data in seg_bytes.items():  # a refused repair changes nothing
+            assert Path(layout.segment_path(s)).read_bytes() == data
+        shutil.rmtree(store)
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+def test_cli_fsck_exit_codes(pristine, expected_states, tmp_path, capsys):
+    assert cli_main(["fsck", str(pristine.path)]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().endswith("clean") and f"{len(ITERATIONS)} committed iterations" in out
+
+    store = fresh_copy(pristine, tmp_path, "c")
+    seq, off, expected, _ = _targets(pristine)["shared chunk data"]
+    flip(Path(Layout(str(store)).segment_path(seq)), off, 1, random.Random(1))
+    assert cli_main(["fsck", str(store)]) == 1
+    out = capsys.readouterr().out
+    assert "NOT CLEAN" in out and Layout(str(store)).segment_path(seq) in out
+    for it in expected:
+        assert f"DAMAGED iteration {it}:" in out
+    # --repair cannot restore lost bytes: still damaged (exit 1), intact iterations kept.
+    assert cli_main(["fsck", "--repair", str(store)]) == 1
+    capsys.readouterr()
+    with ckptstore.open(store, "r") as r:
+        assert set(ITERATIONS) - expected <= set(r.iterations())
+
+    store = fresh_copy(pristine, tmp_path, "t")
+    with open(Layout(str(store)).segment_path(max(pristine.sizes)), "ab") as f:
+        f.write(b"\x17" * 999)  # a crash's tail: a note, still clean
+    assert cli_main(["fsck", str(store)]) == 0
+    assert "uncommitted tail" in capsys.readouterr().out
+    assert cli_main(["fsck", str(tmp_path / "nope")]) == 1
