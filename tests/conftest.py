@@ -21,6 +21,12 @@ def _torch_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def _key(k) -> str:
+    if type(k) is int and k.bit_length() > 4000:  # repr() of huge ints hits the digit limit
+        return f"<int of {k.bit_length()} bits>"
+    return repr(k)
+
+
 def _same(a, b, path: str) -> None:
     assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
@@ -40,18 +46,18 @@ def _same(a, b, path: str) -> None:
     elif type(a) in (dict, OrderedDict):
         ka, kb = list(a), list(b)
         assert ka == kb and [type(k) for k in ka] == [type(k) for k in kb], \
-            f"{path}: keys {ka!r} != {kb!r}"
+            f"{path}: keys {[_key(k) for k in ka]} != {[_key(k) for k in kb]}"
         assert hasattr(a, "_metadata") == hasattr(b, "_metadata"), f"{path}: _metadata presence differs"
         if hasattr(a, "_metadata"):
             _same(a._metadata, b._metadata, f"{path}._metadata")
         for k in ka:
-            _same(a[k], b[k], f"{path}[{k!r}]")
+            _same(a[k], b[k], f"{path}[{_key(k)}]")
     elif type(a) in (list, tuple):
         assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
             _same(x, y, f"{path}[{i}]")
     else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+        assert a == b, f"{path}: {_key(a)} != {_key(b)}"
 
 
 @pytest.fixture(scope="session")
