@@ -1,0 +1,896 @@
+#!/usr/bin/env python3
+"""bench_core: ckptstore against torch.save, safetensors and DCP, side by side, in one run.
+
+What is measured (every figure is taken in this run, on this machine):
+
+* **Machine limits.** Sequential write + fsync bandwidth of the disk under the benchmark directory
+  (the state's byte count written to a new file in 4, 16 and 64 MiB ``write()`` calls from one
+  touched buffer, then ``fsync`` of the file and of its directory; the best write size is "the
+  disk's fsync'd bandwidth"); a cold and a page-cache sequential read of that file into a reused
+  buffer; memcpy bandwidth (``copy_`` of the state into preallocated, already-touched tensors) and,
+  for reference, a copy into fresh allocations (``clone()``).
+* **Full save**, each one durable when the clock stops: ``ckptstore`` ``Store.save`` (fsyncs
+  itself), ``torch.save`` (default, which computes crc32, and with crc32 off), ``safetensors``
+  ``save_file`` and ``torch.distributed.checkpoint.save`` with ``FileSystemWriter(sync_files=True)``
+  and ``no_dist=True``. For the peers the clock includes an fsync of every file they wrote and of
+  the directory.
+* **Full load**: ``ckptstore`` (``open(mode="r")`` + ``load`` + ``close``), ``torch.load
+  (weights_only=True)``, ``safetensors.load_file(backend="pread")`` (the default mmap backend
+  returns lazily mapped tensors and reads nothing) and DCP ``load`` into preallocated, touched
+  tensors. Page caches are dropped before each load (``echo 3 > /proc/sys/vm/drop_caches``) when
+  the kernel allows it ("cold"); loads are also measured without dropping ("warm"). The output says
+  which were obtained.
+* **Incremental save**: after the full save, 10% of the tensors (evenly spaced) get ``add_(1)``
+  and ckptstore saves the next iteration; written bytes and seconds are reported as fractions of the
+  full save's (per repeat, then the median).
+* **Memory**: each measured operation runs in a fresh child process (``bench_core.py --child
+  ...``) that builds what it needs, warms its engine up on a tiny state, resets the peak-RSS mark
+  (``/proc/self/clear_refs`` = 5) and reads ``VmRSS`` before and ``VmHWM`` after the operation. A
+  save reports its peak over the RSS before it; a load reports its peak over the RSS before it
+  *minus the state's size* when it allocates the state (DCP fills preallocated tensors, so nothing
+  is subtracted). The budget checked for ckptstore is ``4 chunks x worker threads + 16 MiB``
+  (threads observed through the ``progress`` callback).
+
+Every timed measurement is repeated ``--repeat`` times (fresh processes, a fresh store or file
+each time, engines in a rotated order) and **medians** are quoted; throughput is logical state
+bytes / seconds in GB/s (1e9). Ratios ``x peer`` are this row's throughput divided by the peer's
+(> 1: faster). The tool re-executes itself with ``MALLOC_MMAP_THRESHOLD_=268435456
+MALLOC_TRIM_THRESHOLD_=1073741824`` unless they are set or ``--no-malloc-env`` is given (see
+shared/MEASUREMENTS.md: this VM's fresh allocations are slow and bimodal) and prints the setting.
+Work files live in a temporary directory under ``--dir`` (default: the current directory; tmpfs
+is refused) and are removed at the end.
+
+    python tools/bench_core.py                      # ~1 GiB, 100 tensors, 3 repeats
+    python tools/bench_core.py --quick              # ~64 MiB, 1 repeat (CI)
+    python tools/bench_core.py --json out.json --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+MiB = 1 << 20
+GB = 1e9
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+REEXEC_MARK = "BENCH_CORE_REEXECUTED"
+RESULT_PREFIX = "BENCH_CORE_RESULT "
+WRITE_SIZES_MIB = (4, 16, 64)
+READ_SIZE = 16 * MiB
+MEM_CHUNKS = 4
+MEM_METADATA = 16 * MiB
+SEED = 1234
+
+SAVE_ENGINES = ("ckptstore", "torch", "torch_nocrc", "safetensors", "dcp")
+LOAD_ENGINES = ("ckptstore", "torch", "safetensors", "dcp")
+SAVE_LABELS = {"ckptstore": "ckptstore save", "torch": "torch.save",
+               "torch_nocrc": "torch.save (crc32 off)", "safetensors": "safetensors save_file",
+               "dcp": "DCP save"}
+LOAD_LABELS = {"ckptstore": "ckptstore load", "torch": "torch.load(weights_only)",
+               "safetensors": "safetensors load_file(pread)", "dcp": "DCP load (prealloc)"}
+PEERS = (("torch", "x torch"), ("safetensors", "x safet."), ("dcp", "x DCP"))
+
+
+# ================================================================================================
+# State
+# ================================================================================================
+def tensor_specs(size_mib: float, tensors: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of ``tensors`` float32 tensors of about ``size_mib`` MiB in total."""
+    numel = max(1, int(size_mib * MiB) // tensors // 4)
+    shape = (numel // 1024, 1024) if numel >= 1024 else (numel,)
+    return [(f"layers.{i}.weight", shape) for i in range(tensors)]
+
+
+def make_tensor(i: int, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    return torch.randn(shape, generator=torch.Generator().manual_seed(SEED + i))
+
+
+def make_state(specs: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
+    return {name: make_tensor(i, shape) for i, (name, shape) in enumerate(specs)}
+
+
+def state_bytes(specs: list[tuple[str, tuple[int, ...]]]) -> int:
+    return 4 * sum(math.prod(shape) for _, shape in specs)
+
+
+def changed_indices(tensors: int, fraction: float = 0.10) -> list[int]:
+    """Evenly spaced indices of ``fraction`` of the tensors (10 of 100: 0, 10, ..., 90)."""
+    k = max(1, round(tensors * fraction))
+    return sorted({int(j * tensors / k) for j in range(k)})
+
+
+def verify_loaded(specs: list[tuple[str, tuple[int, ...]]], loaded: dict[str, Any]) -> None:
+    """Outside the clock: the loaded state has every tensor and the first/last are bit-exact."""
+    import torch
+
+    if set(loaded) != {name for name, _ in specs}:
+        raise AssertionError("loaded state has different keys")
+    for i in {0, len(specs) - 1}:
+        name, shape = specs[i]
+        if not torch.equal(loaded[name], make_tensor(i, shape)):
+            raise AssertionError(f"loaded tensor {name} differs from what was saved")
+
+
+# ================================================================================================
+# Child side: process memory, durability helpers, the measured operations
+# ================================================================================================
+def proc_status() -> dict[str, int]:
+    """VmRSS / VmHWM / RssFile of this process, in bytes."""
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssFile"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file under ``path`` (or ``path`` itself), its directories and its parent."""
+    if os.path.isdir(path):
+        for root, _, files in os.walk(path):
+            for name in files:
+                fsync_path(os.path.join(root, name))
+            fsync_path(root)
+    else:
+        fsync_path(path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+class ThreadWatch:
+    """Counts threads alive while an engine calls back (its worker threads)."""
+
+    def __init__(self) -> None:
+        self.base = threading.active_count()
+        self.peak = self.base
+
+    def __call__(self, _n: int) -> None:
+        self.peak = max(self.peak, threading.active_count())
+
+    @property
+    def workers(self) -> int:
+        return max(1, self.peak - self.base)
+
+
+@dataclass
+class Measured:
+    seconds: float
+    peak_extra: int
+    rss_before: int
+    rss_file_after: int
+    result: Any
+
+
+def prefault(nbytes: int) -> None:
+    """Touch ``nbytes`` of anonymous memory and unmap it at once: the guest kernel then holds that
+    many free, host-backed pages, so the next allocations (page cache, tensors) do not pay this VM's
+    first-touch cost (shared/MEASUREMENTS.md). Off unless --prefault."""
+    if nbytes <= 0:
+        return
+    zeros = bytes(64 * MiB)
+    m = mmap.mmap(-1, nbytes)
+    try:
+        for off in range(0, nbytes, len(zeros)):
+            m[off:off + len(zeros)] = zeros[:nbytes - off]
+    finally:
+        m.close()
+
+
+def measure(fn: Callable[[], Any], prefault_bytes: int = 0) -> Measured:
+    """Run ``fn`` once with the clock and the peak-RSS mark reset just before it."""
+    os.sync()
+    gc.collect()
+    prefault(prefault_bytes)
+    exact = reset_peak_rss()
+    before = proc_status()
+    t0 = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - t0
+    after = proc_status()
+    base = before["VmRSS"] if exact else before["VmHWM"]
+    return Measured(seconds, after["VmHWM"] - base, before["VmRSS"], after.get("RssFile", 0), result)
+
+
+# ---- saves -------------------------------------------------------------------------------------
+def save_torch(state: dict[str, Any], path: str, crc32: bool = True) -> None:
+    import torch
+
+    torch.serialization.set_crc32_options(crc32)
+    torch.save(state, path)
+    fsync_tree(path)
+
+
+def save_safetensors(state: dict[str, Any], path: str) -> None:
+    from safetensors.torch import save_file
+
+    save_file(state, path)
+    fsync_tree(path)
+
+
+def save_dcp(state: dict[str, Any], path: str, threads: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(path, sync_files=True, thread_count=threads)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    fsync_tree(path)
+
+
+def peer_saver(engine: str, dcp_threads: int) -> Callable[[dict[str, Any], str], None]:
+    return {
+        "torch": lambda s, p: save_torch(s, p, crc32=True),
+        "torch_nocrc": lambda s, p: save_torch(s, p, crc32=False),
+        "safetensors": save_safetensors,
+        "dcp": lambda s, p: save_dcp(s, p, dcp_threads),
+    }[engine]
+
+
+# ---- loads -------------------------------------------------------------------------------------
+def load_ckptstore(path: str, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    import ckptstore
+
+    s = ckptstore.open(path, mode="r")
+    try:
+        return s.load(1, progress=progress)
+    finally:
+        s.close()
+
+
+def load_torch(path: str) -> dict[str, Any]:
+    import torch
+
+    return torch.load(path, weights_only=True)
+
+
+def load_safetensors(path: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(path, backend="pread")
+
+
+def load_dcp(path: str, into: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(into, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return into
+
+
+# ---- warm-up: first calls import modules and build caches; keep that out of time and memory ----
+def warm_up(engine: str, scratch: str, dcp_threads: int) -> None:
+    import torch
+
+    tiny = {"a": torch.ones(4096), "b": torch.zeros(3, 5)}
+    path = os.path.join(scratch, f"warmup-{engine}")
+    if engine == "ckptstore":
+        import ckptstore
+
+        with ckptstore.open(path, mode="a") as s:
+            s.save(1, tiny)
+        load_ckptstore(path)
+    elif engine == "dcp":
+        save_dcp(tiny, path, dcp_threads)
+        load_dcp(path, {k: torch.empty_like(v) for k, v in tiny.items()})
+    elif engine == "safetensors":
+        save_safetensors(tiny, path)
+        load_safetensors(path)
+    else:
+        save_torch(tiny, path)
+        load_torch(path)
+    torch.serialization.set_crc32_options(True)
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+# ---- child operations --------------------------------------------------------------------------
+def child_limits(a: argparse.Namespace) -> dict[str, Any]:
+    specs = tensor_specs(a.size_mib, a.tensors)
+    state = list(make_state(specs).values())
+    total = state_bytes(specs)
+    out: dict[str, Any] = {"bytes": total}
+    dst = [t.clone().zero_() for t in state]  # allocated and touched before the clock
+    copy = lambda: [d.copy_(s) for d, s in zip(dst, state)]  # noqa: E731
+    out["memcpy_s"] = min(measure(copy).seconds for _ in range(3))  # the machine's best
+    del dst
+    gc.collect()
+    out["clone_s"] = measure(lambda: [s.clone() for s in state], a.prefault_bytes).seconds
+    del state
+    gc.collect()
+    buf = memoryview(os.urandom(max(WRITE_SIZES_MIB) * MiB))
+    path = os.path.join(a.path, "disk")
+    for mib in rotated(WRITE_SIZES_MIB, a.round):  # no write size always pays for going first
+        out[f"write_{mib}_s"] = measure(lambda: write_file(path, buf[:mib * MiB], total),
+                                        a.prefault_bytes).seconds
+        os.unlink(path)
+    direct = measure(lambda: write_direct(path, buf[:16 * MiB], total), a.prefault_bytes)
+    if direct.result:
+        out["write_direct_s"] = direct.seconds
+    else:
+        write_file(path, buf, total)
+    rbuf = bytearray(READ_SIZE)
+    if drop_caches() or direct.result:  # an O_DIRECT-written file is not in the page cache
+        out["read_cold_s"] = measure(lambda: read_file(path, rbuf), a.prefault_bytes).seconds
+    read_file(path, rbuf)
+    out["read_warm_s"] = measure(lambda: read_file(path, rbuf)).seconds
+    os.unlink(path)
+    return out
+
+
+def write_direct(path: str, data: memoryview, total: int) -> bool:
+    """Like :func:`write_file` but with O_DIRECT from a page-aligned reused buffer (the copy into
+    it is timed); False (nothing measured) where the file system refuses O_DIRECT."""
+    aligned = mmap.mmap(-1, len(data))
+    aligned[:] = data
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+    except OSError:
+        return False
+    try:
+        done = 0
+        while done < total:
+            n = min(len(data), total - done)
+            aligned[:n] = data[:n]
+            done += os.pwrite(fd, memoryview(aligned)[:n], done)
+        os.fsync(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        aligned.close()
+    fsync_path(os.path.dirname(path))
+    return True
+
+
+def write_file(path: str, piece: memoryview, total: int) -> None:
+    """Write ``total`` bytes as repeated ``len(piece)``-byte writes, then fsync file and dir."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = 0
+        while done < total:
+            n = min(len(piece), total - done)
+            w = 0
+            while w < n:
+                w += os.write(fd, piece[w:n])
+            done += n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_path(os.path.dirname(path))
+
+
+def read_file(path: str, buf: bytearray) -> int:
+    got = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            got += n
+    return got
+
+
+def child_save(a: argparse.Namespace) -> dict[str, Any]:
+    specs = tensor_specs(a.size_mib, a.tensors)
+    state = make_state(specs)
+    warm_up(a.engine, a.scratch, a.dcp_threads)
+    if a.engine == "ckptstore":
+        return save_ckptstore(a, state)
+    fn = peer_saver(a.engine, a.dcp_threads)
+    m = measure(lambda: fn(state, a.path), a.prefault_bytes)
+    torch_reset_crc()
+    return {"bytes": state_bytes(specs), "seconds": m.seconds, "peak_extra": m.peak_extra,
+            "rss_before": m.rss_before, "disk_bytes": disk_usage(a.path)}
+
+
+def torch_reset_crc() -> None:
+    import torch
+
+    torch.serialization.set_crc32_options(True)
+
+
+def save_ckptstore(a: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
+    import ckptstore
+
+    out: dict[str, Any] = {"bytes": sum(t.numel() * t.element_size() for t in state.values())}
+    with ckptstore.open(a.path, mode="a") as s:
+        out["chunk_size"] = s.chunk_size
+        watch = ThreadWatch()
+        full = measure(lambda: profiled(a.profile, lambda: s.save(1, state, progress=watch)),
+                       a.prefault_bytes)
+        out["workers"] = watch.workers
+        for i in changed_indices(len(state)):
+            state[f"layers.{i}.weight"].add_(1)
+        incr = measure(lambda: s.save(2, state), a.prefault_bytes)
+    fs, fp = full.result
+    out.update(seconds=full.seconds, peak_extra=full.peak_extra, rss_before=full.rss_before,
+               written=fs.written_bytes, stats_seconds=fs.seconds, profile=fp,
+               incr_seconds=incr.seconds, incr_peak_extra=incr.peak_extra,
+               incr_written=incr.result.written_bytes, incr_dedup=incr.result.dedup_bytes,
+               disk_bytes=disk_usage(a.path))
+    return out
+
+
+def profiled(enabled: bool, fn: Callable[[], Any]) -> tuple[Any, list[dict[str, Any]] | None]:
+    """Run ``fn``, under cProfile when ``enabled``; return its result and the top functions."""
+    if not enabled:
+        return fn(), None
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    result = prof.runcall(fn)
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{os.path.basename(file)}:{line}({func})", "calls": nc,
+                     "tottime": tt, "cumtime": ct})
+    rows.sort(key=lambda r: r["tottime"], reverse=True)
+    return result, rows[:15]
+
+
+def child_load(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    specs = tensor_specs(a.size_mib, a.tensors)
+    warm_up(a.engine, a.scratch, a.dcp_threads)
+    into = {name: torch.zeros(shape) for name, shape in specs} if a.engine == "dcp" else None
+    cold = drop_caches() if a.cold else False
+    watch = ThreadWatch()
+    fn: Callable[[], dict[str, Any]] = {
+        "ckptstore": lambda: load_ckptstore(a.path, progress=watch),
+        "torch": lambda: load_torch(a.path),
+        "safetensors": lambda: load_safetensors(a.path),
+        "dcp": lambda: load_dcp(a.path, into),  # type: ignore[arg-type]
+    }[a.engine]
+    m = measure(fn, a.prefault_bytes)
+    allocated = 0 if a.engine == "dcp" else state_bytes(specs)
+    verify_loaded(specs, m.result)
+    return {"bytes": state_bytes(specs), "seconds": m.seconds, "cache": "cold" if cold else "warm",
+            "peak_extra": m.peak_extra - allocated, "rss_file_after": m.rss_file_after,
+            "workers": watch.workers}
+
+
+def disk_usage(path: str) -> int:
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def child_main(a: argparse.Namespace) -> None:
+    op = {"limits": child_limits, "save": child_save, "load": child_load}[a.child]
+    print(RESULT_PREFIX + json.dumps(op(a)), flush=True)
+
+
+# ================================================================================================
+# Parent side: environment, orchestration, aggregation, report
+# ================================================================================================
+def ensure_malloc_env(a: argparse.Namespace) -> str:
+    """Re-exec with the MALLOC_* settings unless set or refused; return a line describing them."""
+    missing = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
+    if missing and not a.no_malloc_env and not os.environ.get(REEXEC_MARK):
+        env = dict(os.environ, **missing, **{REEXEC_MARK: "1"})
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
+    values = " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in MALLOC_ENV)
+    if os.environ.get(REEXEC_MARK):
+        return f"{values}  (bench_core re-executed itself with these set)"
+    if missing:
+        return f"{values}  (--no-malloc-env: glibc defaults where unset)"
+    return f"{values}  (inherited from the environment)"
+
+
+def filesystem_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (from /proc/self/mountinfo)."""
+    real = os.path.realpath(path)
+    best, fstype = "", "unknown"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                mnt = left.split()[4]
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, fstype = mnt, right.split()[0]
+    except OSError:
+        pass
+    return fstype
+
+
+def environment(a: argparse.Namespace, malloc: str, fstype: str) -> dict[str, Any]:
+    import torch
+
+    import ckptstore
+
+    try:
+        import safetensors
+        st_version = safetensors.__version__
+    except ImportError:
+        st_version = "missing"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(ckptstore.__file__)))
+    try:
+        rev = subprocess.run(["git", "-C", repo, "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = "?"
+    thp = read_text("/sys/kernel/mm/transparent_hugepage/enabled")
+    load1, load5, _ = os.getloadavg()
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "safetensors": st_version, "ckptstore": f"{ckptstore.__version__} ({rev})",
+            "cpus": os.cpu_count(), "loadavg_at_start": f"{load1:.2f} (1 min), {load5:.2f} (5 min)",
+            "torch_threads": torch.get_num_threads(), "malloc": malloc,
+            "thp": thp, "dir": a.dir, "filesystem": fstype,
+            "prefault": f"{a.prefault_bytes / MiB:.0f} MiB touched+freed before each clock" if a.prefault
+            else "off"}
+
+
+def contention(samples: dict[str, list[dict]]) -> str:
+    """The 1-minute load average seen after each child; a warning when others used the CPUs."""
+    loads = [r["loadavg1"] for rows in samples.values() for r in rows if "loadavg1" in r]
+    if not loads:
+        return "?"
+    line = f"median {statistics.median(loads):.2f}, max {max(loads):.2f} (1 min, after each child)"
+    if statistics.median(loads) > (os.cpu_count() or 1) + 0.5:
+        line += "  WARNING: other processes competed for the CPUs; treat the numbers with care"
+    return line
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def run_child(a: argparse.Namespace, op: str, path: str, scratch: str, r: int, engine: str = "",
+              cold: bool = False) -> dict[str, Any]:
+    argv = [sys.executable, os.path.abspath(__file__), "--child", op, "--path", path,
+            "--scratch", scratch, "--size-mib", str(a.size_mib), "--tensors", str(a.tensors),
+            "--dcp-threads", str(a.dcp_threads), "--round", str(r)]
+    if a.prefault:
+        argv.append("--prefault")
+    if engine:
+        argv += ["--engine", engine]
+    if cold:
+        argv.append("--cold")
+    if a.profile and op == "save" and engine == "ckptstore":
+        argv.append("--profile")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=a.child_timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            res = json.loads(line[len(RESULT_PREFIX):])
+            res["loadavg1"] = os.getloadavg()[0]  # other processes on the machine skew everything
+            return res
+    raise RuntimeError(f"child {op} {engine} failed (rc {proc.returncode}):\n"
+                       f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def rotated(items: Iterable[Any], r: int) -> list[Any]:
+    items = list(items)
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
+def settle() -> None:
+    """Flush dirty pages and let discards of deleted files finish before the next measurement."""
+    os.sync()
+    time.sleep(0.5)
+
+
+def run_repeat(a: argparse.Namespace, work: str, r: int, samples: dict[str, list[dict]],
+               caches: list[str]) -> None:
+    rdir = os.path.join(work, f"r{r}")
+    scratch = os.path.join(work, "scratch")
+    os.makedirs(rdir)
+    os.makedirs(scratch, exist_ok=True)
+    log(f"  repeat {r + 1}/{a.repeat}: limits")
+    samples["limits"].append(run_child(a, "limits", rdir, scratch, r))
+    paths = {e: os.path.join(rdir, f"{e}.ckpt") for e in SAVE_ENGINES}
+    for engine in rotated(SAVE_ENGINES, r):
+        settle()
+        log(f"  repeat {r + 1}/{a.repeat}: save {engine}")
+        samples[f"save:{engine}"].append(run_child(a, "save", paths[engine], scratch, r, engine))
+    for engine in rotated(LOAD_ENGINES, r):
+        for cache in caches:
+            settle()
+            log(f"  repeat {r + 1}/{a.repeat}: load {engine} ({cache})")
+            res = run_child(a, "load", paths[engine], scratch, r, engine, cold=cache == "cold")
+            samples.setdefault(f"load:{engine}:{res['cache']}", []).append(res)
+    shutil.rmtree(rdir)
+    settle()
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- aggregation -------------------------------------------------------------------------------
+def med(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def gbps(nbytes: int, seconds: float | None) -> float | None:
+    return nbytes / seconds / GB if seconds else None
+
+
+def aggregate(samples: dict[str, list[dict]], total: int) -> dict[str, Any]:
+    """Medians per operation: seconds, GB/s, peak extra memory; limits; incremental fractions."""
+    lim = samples["limits"]
+    keys = sorted({k for row in lim for k in row if k.endswith("_s")}, key=limit_order)
+    limits = {k: {"seconds": med(lim, k), "gbps": gbps(total, med(lim, k))} for k in keys}
+    disk = max(limits[f"write_{m}_s"]["gbps"] or 0 for m in WRITE_SIZES_MIB)
+    ops: dict[str, Any] = {}
+    for key, rows in samples.items():
+        if key == "limits" or not rows:
+            continue
+        s = med(rows, "seconds")
+        ops[key] = {"n": len(rows), "seconds": s, "gbps": gbps(total, s),
+                    "peak_extra": med(rows, "peak_extra"), "workers": max(r.get("workers", 1) for r in rows)}
+    ck = samples["save:ckptstore"]
+    incr = {"seconds": med(ck, "incr_seconds"), "written": med(ck, "incr_written"),
+            "full_written": med(ck, "written"), "peak_extra": med(ck, "incr_peak_extra"),
+            "bytes_fraction": statistics.median(r["incr_written"] / r["written"] for r in ck),
+            "time_fraction": statistics.median(r["incr_seconds"] / r["seconds"] for r in ck),
+            "chunk_size": ck[0]["chunk_size"]}
+    return {"limits": limits, "disk_fsync_gbps": disk, "ops": ops, "incremental": incr}
+
+
+def targets(agg: dict[str, Any], caches: list[str]) -> list[dict[str, Any]]:
+    ops, inc = agg["ops"], agg["incremental"]
+    chunk = inc["chunk_size"]
+    save = ops["save:ckptstore"]
+    out = [
+        target("full save >= torch.save throughput", save["gbps"] / ops["save:torch"]["gbps"], ">=", 1.0,
+               f"{save['gbps']:.2f} vs {ops['save:torch']['gbps']:.2f} GB/s"),
+        target("full save >= 70% of disk fsync'd bandwidth", save["gbps"] / agg["disk_fsync_gbps"], ">=",
+               0.70, f"{save['gbps']:.2f} of {agg['disk_fsync_gbps']:.2f} GB/s"),
+        target("10%-changed save writes <= 12% of a full save's bytes", inc["bytes_fraction"], "<=", 0.12,
+               f"{inc['written'] / MiB:.1f} of {inc['full_written'] / MiB:.1f} MiB"),
+        target("10%-changed save takes <= 25% of a full save's time", inc["time_fraction"], "<=", 0.25,
+               f"{inc['seconds']:.3f} of {save['seconds']:.3f} s"),
+    ]
+    for cache in caches:
+        mine, peer = ops.get(f"load:ckptstore:{cache}"), ops.get(f"load:torch:{cache}")
+        if mine and peer:
+            out.append(target(f"load ({cache}) >= torch.load throughput", mine["gbps"] / peer["gbps"],
+                              ">=", 1.0, f"{mine['gbps']:.2f} vs {peer['gbps']:.2f} GB/s"))
+    budget = MEM_CHUNKS * chunk * save["workers"] + MEM_METADATA
+    out.append(target(f"save peak extra RSS <= {MEM_CHUNKS} chunks x {save['workers']} thread(s) + "
+                      f"{MEM_METADATA // MiB} MiB", save["peak_extra"] / MiB, "<=", budget / MiB,
+                      "MiB over the RSS before the save"))
+    for cache in caches:
+        load = ops.get(f"load:ckptstore:{cache}")
+        if load:
+            budget = MEM_CHUNKS * chunk * load["workers"] + MEM_METADATA
+            out.append(target(f"load ({cache}) peak <= state + {MEM_CHUNKS} chunks x {load['workers']} "
+                              f"thread(s) + {MEM_METADATA // MiB} MiB", load["peak_extra"] / MiB, "<=",
+                              budget / MiB, "MiB over the state's size"))
+    return out
+
+
+def target(name: str, actual: float, op: str, limit: float, detail: str) -> dict[str, Any]:
+    ok = actual >= limit if op == ">=" else actual <= limit
+    return {"target": name, "actual": actual, "op": op, "limit": limit, "pass": ok, "detail": detail}
+
+
+# ---- report ------------------------------------------------------------------------------------
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """A plain-text table; the first ``left`` columns are left-aligned, the rest right-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+LIMIT_NAMES = {
+    **{f"write_{m}_s": f"disk write+fsync, {m} MiB writes" for m in WRITE_SIZES_MIB},
+    "write_direct_s": "disk write+fsync, O_DIRECT 16 MiB (info)",
+    "read_cold_s": "disk read, cold (16 MiB reads)",
+    "read_warm_s": "page-cache read (16 MiB reads)",
+    "memcpy_s": "memcpy into preallocated tensors (best of 3)",
+    "clone_s": "copy into fresh allocation (clone)",
+}
+
+
+def limit_order(key: str) -> int:
+    return list(LIMIT_NAMES).index(key) if key in LIMIT_NAMES else len(LIMIT_NAMES)
+
+
+def limits_table(agg: dict[str, Any]) -> str:
+    rows = [[LIMIT_NAMES.get(k, k), fmt(v["seconds"], ".3f"), fmt(v["gbps"])]
+            for k, v in agg["limits"].items()]
+    return table(["machine limit", "median s", "GB/s"], rows)
+
+
+def ops_table(agg: dict[str, Any], kind: str, cache: str = "") -> str:
+    ops = agg["ops"]
+    suffix = f":{cache}" if cache else ""
+    engines, labels = (SAVE_ENGINES, SAVE_LABELS) if kind == "save" else (LOAD_ENGINES, LOAD_LABELS)
+    if kind == "save":
+        ref, ref_name = agg["disk_fsync_gbps"], "of disk fsync"
+    else:
+        ref = agg["limits"].get(f"read_{cache}_s", {}).get("gbps")
+        ref_name = f"of {cache} read"
+    rows = []
+    for e in engines:
+        op = ops.get(f"{kind}:{e}{suffix}")
+        if not op:
+            continue
+        ratios = []
+        for peer, _ in PEERS:
+            p = ops.get(f"{kind}:{peer}{suffix}")
+            ratios.append(fmt(op["gbps"] / p["gbps"]) if p and p["gbps"] else "-")
+        rows.append([labels[e], fmt(op["seconds"], ".3f"), fmt(op["gbps"]), *ratios,
+                     fmt(op["gbps"] / ref if ref else None), fmt(op["peak_extra"] / MiB, ".1f")])
+    mem = "peak extra MiB" if kind == "save" else "peak - state MiB"
+    return table([f"{kind} ({cache})" if cache else kind, "median s", "GB/s",
+                  *(h for _, h in PEERS), ref_name, mem], rows)
+
+
+def incremental_table(agg: dict[str, Any]) -> str:
+    inc = agg["incremental"]
+    row = ["ckptstore save, 10% of tensors changed", fmt(inc["seconds"], ".3f"),
+           fmt(inc["written"] / MiB, ".1f"), fmt(100 * inc["bytes_fraction"], ".1f"),
+           fmt(100 * inc["time_fraction"], ".1f"), fmt(inc["peak_extra"] / MiB, ".1f")]
+    return table(["incremental", "median s", "written MiB", "% full bytes", "% full time",
+                  "peak extra MiB"], [row])
+
+
+def targets_table(ts: list[dict[str, Any]]) -> str:
+    rows = [["PASS" if t["pass"] else "FAIL", t["target"], f"{t['actual']:.3f} {t['op']} {t['limit']:.3f}",
+             t["detail"]] for t in ts]
+    return table(["", "issue target", "actual vs limit", "numbers (medians)"], rows, left=2)
+
+
+def profile_text(samples: dict[str, list[dict]]) -> str:
+    prof = next((r["profile"] for r in samples["save:ckptstore"] if r.get("profile")), None)
+    if not prof:
+        return ""
+    rows = [[p["function"], str(p["calls"]), fmt(p["tottime"], ".3f"), fmt(p["cumtime"], ".3f")]
+            for p in prof]
+    return "cProfile of the first ckptstore full save (top by own time):\n" + table(
+        ["function", "calls", "tottime s", "cumtime s"], rows)
+
+
+def report(env: dict[str, Any], a: argparse.Namespace, total: int, agg: dict[str, Any],
+           ts: list[dict[str, Any]], caches_note: str, samples: dict[str, list[dict]]) -> str:
+    head = [f"bench_core: {a.tensors} float32 tensors, {total / MiB:.1f} MiB ({total / GB:.3f} GB), "
+            f"repeat {a.repeat}, medians; ratios 'x peer' = throughput / the peer's (>1 faster)",
+            *(f"  {k}: {v}" for k, v in env.items()), f"  load caches: {caches_note}", ""]
+    parts = [limits_table(agg), "", f"disk fsync'd bandwidth (best write size): {agg['disk_fsync_gbps']:.2f} GB/s",
+             "", ops_table(agg, "save"), "", incremental_table(agg), ""]
+    for cache in ("cold", "warm"):
+        if any(k.endswith(f":{cache}") for k in agg["ops"]):
+            parts += [ops_table(agg, "load", cache), ""]
+    parts += [targets_table(ts)]
+    prof = profile_text(samples)
+    if prof:
+        parts += ["", prof]
+    return "\n".join(head + parts)
+
+
+# ---- main --------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mib", type=float, default=None, help="state size in MiB (default 1024)")
+    p.add_argument("--tensors", type=int, default=100, help="number of tensors (default 100)")
+    p.add_argument("--repeat", type=int, default=None, help="repeats per measurement (default 3)")
+    p.add_argument("--quick", action="store_true", help="~64 MiB, 1 repeat: a CI-sized run")
+    p.add_argument("--dir", default=os.getcwd(), help="where the temporary work dir goes (not tmpfs)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--cache", choices=("cold", "warm", "both"), default="both",
+                   help="loads after dropping the page cache, without, or both (default)")
+    p.add_argument("--dcp-threads", type=int, default=2, help="FileSystemWriter thread_count (default 2)")
+    p.add_argument("--profile", action="store_true", help="cProfile the first ckptstore full save")
+    p.add_argument("--prefault", action="store_true",
+                   help="before each clock, touch and free 2x the state + 256 MiB of memory so the "
+                        "operation gets host-backed pages (hides this VM's first-touch cost)")
+    p.add_argument("--no-malloc-env", action="store_true", help="do not re-exec with MALLOC_* set")
+    p.add_argument("--allow-tmpfs", action="store_true", help="allow --dir on tmpfs")
+    p.add_argument("--child-timeout", type=int, default=900, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("limits", "save", "load"), help=argparse.SUPPRESS)
+    p.add_argument("--engine", help=argparse.SUPPRESS)
+    p.add_argument("--path", help=argparse.SUPPRESS)
+    p.add_argument("--scratch", help=argparse.SUPPRESS)
+    p.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.size_mib = a.size_mib if a.size_mib is not None else (64.0 if a.quick else 1024.0)
+    a.repeat = a.repeat if a.repeat is not None else (1 if a.quick else 3)
+    a.dir = os.path.abspath(a.dir)
+    state = state_bytes(tensor_specs(a.size_mib, a.tensors))
+    a.prefault_bytes = 2 * state + 256 * MiB if a.prefault else 0
+    if a.repeat < 1 or a.tensors < 1 or a.size_mib <= 0:
+        p.error("--repeat, --tensors and --size-mib must be positive")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.child:
+        child_main(a)
+        return 0
+    malloc = ensure_malloc_env(a)
+    fstype = filesystem_type(a.dir)
+    if fstype in ("tmpfs", "ramfs") and not a.allow_tmpfs:
+        print(f"bench_core: {a.dir} is on {fstype}; give --dir on a real disk", file=sys.stderr)
+        return 2
+    env = environment(a, malloc, fstype)
+    log(f"bench_core: malloc: {malloc}")
+    total = state_bytes(tensor_specs(a.size_mib, a.tensors))
+    caches = ["cold", "warm"] if a.cache == "both" else [a.cache]
+    samples: dict[str, list[dict]] = {"limits": [], **{f"save:{e}": [] for e in SAVE_ENGINES}}
+    work = tempfile.mkdtemp(prefix="bench_core-", dir=a.dir)
+    try:
+        for r in range(a.repeat):
+            run_repeat(a, work, r, samples, caches)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    got = sorted({k.rsplit(":", 1)[1] for k in samples if k.startswith("load:")})
+    wanted_cold = "cold" in caches
+    note = ", ".join(got) + ("" if not wanted_cold or "cold" in got
+                             else "  (drop_caches refused: cold numbers are warm-cache numbers)")
+    agg = aggregate(samples, total)
+    env["loadavg_during_run"] = contention(samples)
+    ts = targets(agg, got)
+    print(report(env, a, total, agg, ts, note, samples))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(a).items() if k not in (
+                "child", "engine", "path", "scratch", "cold", "round")}, "state_bytes": total,
+                "environment": env, "aggregate": agg, "targets": ts, "samples": samples}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
