@@ -185,6 +185,12 @@ class Checkpointer:
         if iteration != self._last + 1:
             raise DeltaChainError(f"Checkpointer.step({iteration}): the last logged iteration is "
                                   f"{self._last}; iterations must follow each other")
+        pending = self.store.pending()
+        top = pending[-1] if pending else self.store.index.latest()
+        if top is not None and top >= iteration:
+            # checked before optimizer.step(): a refused step leaves the live objects untouched
+            raise DeltaChainError(f"Checkpointer.step({iteration}): {self.store.path} already holds "
+                                  f"iteration {top} (restored {self._last}); iterations must increase")
         t0 = time.perf_counter()
         rng = capture_rng()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]

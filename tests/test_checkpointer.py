@@ -1,0 +1,357 @@
+"""Checkpointer + replay: bit-exact point-in-time restore, chain rules, group commit, gc, fsck,
+corruption and lossy codecs (format-spec/deltas.md)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.errors import DeltaChainError, IterationOrderError, ReplayDivergenceError
+from ckptstore.fsck import check
+from ckptstore.replay import ApproximateReplayWarning
+from ckptstore.torch import Checkpointer
+
+N_ITERS = 100
+BASE_EVERY = 30
+
+
+def build(opt_name, opt_kwargs, sched):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    opt = getattr(torch.optim, opt_name)(model.parameters(), **opt_kwargs)
+    scheduler = None
+    if sched == "step":
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
+    elif sched == "cosine":
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50)
+    return model, opt, scheduler
+
+
+def batch(it):
+    g = torch.Generator().manual_seed(10_000 + it)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def live_state(model, opt, sched):
+    st = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    if sched is not None:
+        st["scheduler"] = sched.state_dict()
+    return copy.deepcopy(st)
+
+
+def train(path, opt_name, opt_kwargs, sched, n=N_ITERS, **ck_options):
+    model, opt, scheduler = build(opt_name, opt_kwargs, sched)
+    store = ckptstore.open(path)
+    ck = Checkpointer(store, model, opt, scheduler, **ck_options)
+    start = ck.restore()
+    saved = {start: live_state(model, opt, scheduler)}
+    for it in range(start + 1, n + 1):
+        x, y = batch(it)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        ck.step(it, meta={"loss": loss.item()})
+        opt.zero_grad()
+        saved[it] = live_state(model, opt, scheduler)
+    return store, ck, saved, (model, opt, scheduler)
+
+
+OPTIMIZERS = [
+    ("SGD", {"lr": 0.05}),
+    ("SGD", {"lr": 0.05, "momentum": 0.9}),
+    ("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}),
+    ("SGD", {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "foreach": True}),
+    ("Adam", {"lr": 1e-2}),
+    ("Adam", {"lr": 1e-2, "amsgrad": True, "foreach": True}),
+    ("AdamW", {"lr": 1e-2, "weight_decay": 0.05}),
+    ("AdamW", {"lr": 1e-2, "foreach": True}),
+    ("RMSprop", {"lr": 1e-3, "momentum": 0.9, "centered": True}),
+    ("Adagrad", {"lr": 0.05}),
+]
+
+
+@pytest.mark.parametrize("sched", [None, "step", "cosine"])
+@pytest.mark.parametrize("opt_name,opt_kwargs", OPTIMIZERS,
+                         ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for n, kw in OPTIMIZERS])
+def test_bit_exact_point_in_time(tmp_path, assert_same, opt_name, opt_kwargs, sched):
+    if sched == "cosine" and opt_name not in ("AdamW", "SGD"):
+        pytest.skip("cosine covered with AdamW and SGD")
+    store, ck, saved, _ = train(tmp_path / "s", opt_name, opt_kwargs, sched, base_every=BASE_EVERY,
+                                group_commit=4, fingerprint_every=5)
+    ck.flush()
+    its = store.iterations()
+    assert its == list(range(0, N_ITERS + 1))
+    assert [i for i in its if store.kind(i) == "snapshot"] == [0, 30, 60, 90]
+    for t in list(range(0, N_ITERS + 1, 11)) + [29, 31, 59, 61, 89, 91, 100]:
+        st = store.load(t)
+        for k in saved[t]:
+            assert_same(saved[t][k], st[k], f"iteration {t} {k}")
+    # replay of a range yields independent, exact states
+    seen = []
+    for it, st in store.replay(27, 32):
+        assert_same(saved[it]["model"], st["model"], f"replay {it}")
+        assert_same(saved[it]["optimizer"], st["optimizer"], f"replay {it}")
+        seen.append(it)
+    assert seen == list(range(27, 33))
+    store.close()
+    # a fresh reader sees the same
+    with ckptstore.open(tmp_path / "s", "r") as r:
+        assert_same(saved[77]["model"], r.load(77)["model"])
+
+
+def test_restore_into_live_objects_and_continue(tmp_path, assert_same):
+    store, ck, saved, _ = train(tmp_path / "s", "AdamW", {"lr": 1e-2}, "step", n=40, base_every=15)
+    store.close()
+    model, opt, sched = build("AdamW", {"lr": 1e-2}, "step")
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, sched, base_every=15)
+        assert ck.restore() == 40
+        assert_same(saved[40]["model"], model.state_dict())
+        assert_same(saved[40]["optimizer"], opt.state_dict())
+        assert_same(saved[40]["scheduler"], sched.state_dict())
+        assert ck.restore(22) == 22
+        assert_same(saved[22]["model"], model.state_dict())
+        before = copy.deepcopy(model.state_dict())
+        with pytest.raises(DeltaChainError):
+            ck.step(23)  # iterations must increase past 40
+        assert_same(before, model.state_dict())  # refused before optimizer.step()
+    with pytest.raises(IterationOrderError):
+        with ckptstore.open(tmp_path / "s") as store:
+            store.save_delta(40, {})
+
+
+def test_chain_errors(tmp_path):
+    with ckptstore.open(tmp_path / "s") as store:
+        with pytest.raises(DeltaChainError, match="no base"):
+            store.save_delta(1, {"x": 1})
+        store.save(5, {"x": 1})
+        with pytest.raises(DeltaChainError, match="gap"):
+            store.save_delta(7, {"x": 1})
+        with pytest.raises(IterationOrderError):
+            store.save_delta(5, {"x": 1})
+        store.save_delta(6, {"x": 1})
+        assert store.iterations() == [5, 6] and store.kind(6) == "delta" and store.base_of(6) == 5
+        with pytest.raises(DeltaChainError, match="Checkpointer"):
+            store.load(6)  # not a Checkpointer base: replay refuses clearly
+
+
+def test_group_commit_and_durable_iteration(tmp_path, assert_same):
+    store, ck, saved, _ = train(tmp_path / "s", "SGD", {"lr": 0.05, "momentum": 0.9}, None, n=23,
+                                base_every=100, group_commit=5)
+    # 23 deltas, groups of 5: 20 are committed, 21..23 pending
+    assert store.pending() == [21, 22, 23]
+    assert store.durable_iteration() == 20
+    assert store.iterations()[-1] == 20
+    with ckptstore.open(tmp_path / "s", "r") as r:  # another process sees only what is committed
+        assert r.iterations()[-1] == 20
+        assert r.durable_iteration() == 20
+    assert ck.flush() == 23
+    assert store.durable_iteration() == 23 and store.pending() == []
+    store.close()
+
+
+def test_group_commit_by_time(tmp_path):
+    store, ck, saved, _ = train(tmp_path / "s", "SGD", {"lr": 0.05}, None, n=6, base_every=100,
+                                group_commit=1000, group_seconds=0.0)
+    assert store.pending() == [] and store.durable_iteration() == 6
+    store.close()
+
+
+def test_close_commits_pending(tmp_path):
+    store, ck, saved, _ = train(tmp_path / "s", "SGD", {"lr": 0.05}, None, n=7, base_every=100,
+                                group_commit=100)
+    assert store.durable_iteration() == 0
+    store.close()
+    with ckptstore.open(tmp_path / "s", "r") as r:
+        assert r.iterations() == list(range(8))
+
+
+def test_gc_keeps_bases_of_retained_deltas(tmp_path, assert_same):
+    store, ck, saved, _ = train(tmp_path / "s", "Adam", {"lr": 1e-2}, None, n=50, base_every=20)
+    assert [i for i in store.iterations() if store.kind(i) == "snapshot"] == [0, 20, 40]
+    r = store.gc(keep_last=3, keep_every=25)  # keeps 48..50 (chain to 40) and 25 (chain to 20)
+    assert 40 in r.kept and 20 in r.kept and 1 in r.removed and 30 in r.removed
+    assert store.iterations() == [0] + list(range(20, 26)) + list(range(40, 51))
+    for t in (25, 45, 50):
+        assert_same(saved[t]["model"], store.load(t)["model"])
+        assert_same(saved[t]["optimizer"], store.load(t)["optimizer"])
+    store.close()
+    assert check(tmp_path / "s").clean
+
+
+def test_ls_shows_bases_and_deltas(tmp_path, capsys):
+    from ckptstore.cli import main
+
+    store, ck, saved, _ = train(tmp_path / "s", "SGD", {"lr": 0.05}, None, n=4, base_every=3)
+    store.close()
+    assert main(["ls", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    kinds = {int(line.split()[0]): line.split()[1] for line in out[1:]}
+    assert kinds == {0: "snapshot", 1: "delta", 2: "delta", 3: "snapshot", 4: "delta"}
+    out_file = tmp_path / "r.pt"
+    assert main(["restore", str(tmp_path / "s"), "2", "--out", str(out_file)]) == 0
+    st = torch.load(out_file, weights_only=False)
+    assert torch.equal(st["model"]["0.weight"], saved[2]["model"]["0.weight"])
+
+
+def _corrupt_chunks_of(store_path, iteration, tensor_suffix):
+    """Flip a byte in the chunk record holding a tensor of ``iteration``'s record."""
+    with ckptstore.open(store_path, "r") as r:
+        m = r.manifest(iteration)
+        entry = next(t for t in m.tensors if t.path.endswith(tensor_suffix) and t.inline is None)
+        from ckptstore.reader import read_tree
+
+        tree = read_tree(r.log, r.index, entry)
+        ref = r.index.get_chunk(tree.addresses[0])
+        path = r.log.layout.segment_path(ref.loc.seq)
+        off = ref.loc.offset + ref.loc.length // 2 + 40
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_corrupted_delta_breaks_only_its_chain_tail(tmp_path, assert_same):
+    path = tmp_path / "s"
+    store, ck, saved, _ = train(path, "AdamW", {"lr": 1e-2}, None, n=40, base_every=15)
+    store.close()
+    assert [0, 15, 30] == [i for i in range(41) if i % 15 == 0]
+    _corrupt_chunks_of(path, 20, "grads/2/g")  # the 16x16 weight's gradient in delta 20
+    report = check(path)
+    assert not report.clean
+    assert 20 in report.damaged_iterations
+    assert set(report.damaged_iterations) == set(range(20, 30))  # 21..29 named as unrecoverable
+    assert any("chain broken at iteration 20" in p for p in report.damaged_iterations[21])
+    with ckptstore.open(path, "r") as r:
+        for t in (19, 30, 35, 40):
+            assert_same(saved[t]["model"], r.load(t)["model"])
+        for t in (20, 25, 29):
+            with pytest.raises(ckptstore.DamagedCheckpointError):
+                r.load(t)
+
+
+def test_fingerprint_divergence_is_reported(tmp_path):
+    path = tmp_path / "s"
+    store, ck, saved, _ = train(path, "SGD", {"lr": 0.05}, None, n=12, base_every=100,
+                                fingerprint_every=5)
+    store.close()
+    # replay a store whose delta 3 was recorded with a different gradient: simulate by rewriting
+    # the record through the API into a copy of the chain
+    with ckptstore.open(path, "r") as r:
+        recs = {t: r.load_record(t) for t in range(1, 13)}
+        base = r.load(0)
+    with ckptstore.open(tmp_path / "t") as w:
+        w.save(0, base)
+        for t in range(1, 13):
+            rec = recs[t]
+            if t == 3:
+                rec["grads"][0]["g"] = rec["grads"][0]["g"] * 1.0001
+            w.save_delta(t, rec)
+        w.load(4)  # no fingerprint before 5: not detectable yet
+        with pytest.raises(ReplayDivergenceError) as ei:
+            w.load(7)
+        assert ei.value.iteration == 5
+        assert isinstance(ei.value, ckptstore.CkptStoreError)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16", "int8", "topk:0.1"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_lossy_sgd_error_is_reported_and_within_bound(tmp_path, codec, momentum):
+    store, ck, saved, _ = train(tmp_path / "s", "SGD", {"lr": 0.05, "momentum": momentum,
+                                                         "weight_decay": 1e-3}, None, n=40,
+                                base_every=100, codec=codec)
+    for t in (10, 40):
+        with pytest.warns(ApproximateReplayWarning, match="APPROXIMATE"):
+            st = store.load(t)
+        rep = st["replay_report"]
+        assert rep["exact"] is False and rep["lossy_steps"] == t
+        assert rep["grad_max_abs_error"] > 0
+        bound = rep["param_error_bound"]
+        assert bound is not None and bound > 0
+        actual = max(float((saved[t]["model"][k] - st["model"][k]).abs().max())
+                     for k in saved[t]["model"] if not k.startswith("3."))
+        assert actual <= bound * (1 + 1e-4) + 1e-7, (actual, bound)
+    store.close()
+
+
+@pytest.mark.parametrize("codec", ["bf16", "topk:0.05", "int8"])
+def test_lossy_adam_reports_measured_error(tmp_path, codec):
+    store, ck, saved, _ = train(tmp_path / "s", "AdamW", {"lr": 1e-2}, "step", n=30,
+                                base_every=100, codec=codec, fingerprint_every=5)
+    with pytest.warns(ApproximateReplayWarning):
+        st = store.load(30)
+    rep = st["replay_report"]
+    assert rep["exact"] is False and rep["param_error_bound"] is None
+    assert rep["fingerprints_checked"] == 6 and rep["measured_norm_rel_error"] is not None
+    norm = lambda s: sum(float(v.double().square().sum()) for v in s.values()) ** 0.5  # noqa: E731
+    true_rel = abs(norm(st["model"]) - norm(saved[30]["model"])) / norm(saved[30]["model"])
+    # the report is the largest deviation over the fingerprints at 5, 10, ..., 30
+    assert rep["measured_norm_rel_error"] >= true_rel * (1 - 1e-9)
+    assert rep["measured_norm_rel_error"] > 0
+    store.close()
+
+
+@pytest.mark.parametrize("codec", ["bf16", "topk:0.05", "int8"])
+def test_training_on_decoded_gradients_replays_exactly(tmp_path, assert_same, codec):
+    store, ck, saved, _ = train(tmp_path / "s", "AdamW", {"lr": 1e-2}, "step", n=35,
+                                base_every=20, codec=codec, apply_decoded=True, fingerprint_every=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApproximateReplayWarning)
+        for t in (5, 19, 33, 35):
+            st = store.load(t)
+            assert "replay_report" not in st
+            for k in saved[t]:
+                assert_same(saved[t][k], st[k], f"{t} {k}")
+    store.close()
+
+
+def test_auto_base_interval(tmp_path):
+    store, ck, saved, _ = train(tmp_path / "s", "Adam", {"lr": 1e-2}, None, n=30,
+                                base_every="auto", target_recovery_s=1e-9)
+    # an impossible recovery target forces a base at every iteration
+    assert ck.interval() == 1
+    assert all(store.kind(i) == "snapshot" for i in store.iterations()[-5:])
+    store.close()
+    store, ck, saved, _ = train(tmp_path / "t", "Adam", {"lr": 1e-2}, None, n=30,
+                                base_every="auto", target_recovery_s=3600)
+    assert ck.interval() > 30
+    assert [i for i in store.iterations() if store.kind(i) == "snapshot"] == [0]
+    store.close()
+
+
+def test_tied_parameters_and_buffers(tmp_path, assert_same):
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 8)
+            self.bn = torch.nn.BatchNorm1d(8)
+            self.out = torch.nn.Linear(8, 10, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, idx):
+            return self.out(self.bn(self.emb(idx)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, base_every=10)
+    ck.restore()
+    saved = {}
+    for it in range(1, 16):
+        idx = torch.randint(0, 10, (12,), generator=torch.Generator().manual_seed(it))
+        torch.nn.functional.cross_entropy(model(idx), idx).backward()
+        ck.step(it)
+        opt.zero_grad()
+        saved[it] = copy.deepcopy(model.state_dict())
+    for t in (5, 15):
+        st = store.load(t)
+        assert_same(saved[t], st["model"])
+        assert st["model"]["out.weight"] is st["model"]["emb.weight"]
+    store.close()

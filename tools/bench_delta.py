@@ -1,0 +1,195 @@
+"""Benchmark: per-iteration checkpoints as gradient deltas (ckptstore.torch.Checkpointer).
+
+A GPT-style model (~25M parameters by default) trained with AdamW on CPU:
+
+1. plain training loop (no checkpoints)                         -> step time
+2. Checkpointer every iteration, codec exact and topk:0.01      -> step-time ratio, bytes per delta
+3. a full checkpoint (model + optimizer) with torch.save        -> its size and torch.load time
+4. restore of base + K deltas (K=50) via store.load             -> vs torch.load of the full file
+
+    python tools/bench_delta.py [--iters 8] [--k 50] [--dir /tmp/bench_delta] [--layers 6 --dim 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import ckptstore  # noqa: E402
+from ckptstore.torch import Checkpointer  # noqa: E402
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(dim)
+        self.attn = torch.nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln2 = torch.nn.LayerNorm(dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, ctx: int) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Embedding(ctx, dim)
+        self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied
+        self.register_buffer("mask", torch.triu(torch.full((ctx, ctx), float("-inf")), 1))
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t))
+        for b in self.blocks:
+            x = b(x, self.mask[:t, :t])
+        return self.head(self.ln(x))
+
+
+def build(args):
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    return model, opt
+
+
+def batch(args, it):
+    g = torch.Generator().manual_seed(it)
+    x = torch.randint(0, args.vocab, (args.batch, args.ctx + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def fwd_bwd(model, args, it):
+    x, y = batch(args, it)
+    loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, args.vocab), y.reshape(-1))
+    loss.backward()
+    return loss.item()
+
+
+def dir_bytes(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def seg_bytes(path):
+    return dir_bytes(os.path.join(path, "segments")) if os.path.isdir(os.path.join(path, "segments")) \
+        else dir_bytes(path)
+
+
+def run_plain(args):
+    model, opt = build(args)
+    fwd_bwd(model, args, 0)
+    opt.step()
+    opt.zero_grad()
+    times = []
+    for it in range(1, args.iters + 1):
+        t0 = time.perf_counter()
+        fwd_bwd(model, args, it)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2], model, opt
+
+
+def run_ckpt(args, codec, path, iters, group_commit=1):
+    shutil.rmtree(path, ignore_errors=True)
+    model, opt = build(args)
+    store = ckptstore.open(path)
+    ck = Checkpointer(store, model, opt, base_every=10_000, codec=codec, group_commit=group_commit,
+                      fingerprint_every=10)
+    ck.restore()
+    base_bytes = seg_bytes(path)
+    times, written = [], []
+    for it in range(1, iters + 1):
+        t0 = time.perf_counter()
+        fwd_bwd(model, args, it)
+        stats = ck.step(it)
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        written.append(stats.written_bytes)
+    ck.flush()
+    store.close()
+    return sorted(times)[len(times) // 2], written, base_bytes, (model, opt)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--k", type=int, default=50)
+    ap.add_argument("--dir", default="/tmp/bench_delta")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--ctx", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.makedirs(args.dir, exist_ok=True)
+    model, opt = build(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}: {n_params / 1e6:.1f}M "
+          f"parameters; AdamW; torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    plain, model, opt = run_plain(args)
+    full = os.path.join(args.dir, "full.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, full)
+    full_bytes = os.path.getsize(full)
+    loads = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch.load(full, weights_only=False)
+        loads.append(time.perf_counter() - t0)
+    t_load = min(loads)
+    print(f"plain step (median of {args.iters}): {plain * 1e3:.0f} ms")
+    print(f"full checkpoint (model+optimizer, torch.save): {full_bytes / 2**20:.1f} MiB, "
+          f"torch.load {t_load * 1e3:.0f} ms")
+
+    for codec in ("exact", "topk:0.01"):
+        path = os.path.join(args.dir, f"store-{codec.replace(':', '')}")
+        step, written, base_bytes, _ = run_ckpt(args, codec, path, args.iters)
+        per = sorted(written)[len(written) // 2]
+        print(f"[{codec}] step with Checkpointer every iteration: {step * 1e3:.0f} ms "
+              f"(ratio {step / plain:.2f}x plain); delta written per iteration {per / 2**20:.2f} MiB "
+              f"= {100 * per / full_bytes:.2f}% of a full checkpoint; base snapshot "
+              f"{base_bytes / 2**20:.1f} MiB")
+        shutil.rmtree(path, ignore_errors=True)
+
+    for codec in ("exact", "topk:0.01"):
+        path = os.path.join(args.dir, f"restore-{codec.replace(':', '')}")
+        _, _, _, (m, o) = run_ckpt(args, codec, path, args.k, group_commit=10)
+        times = []
+        for _ in range(2):
+            with ckptstore.open(path, "r") as r:
+                t0 = time.perf_counter()
+                import warnings
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    st = r.load(args.k)
+                times.append(time.perf_counter() - t0)
+        exact = all(torch.equal(a, st["model"][k]) for k, a in m.state_dict().items())
+        print(f"[{codec}] restore base+{args.k} (store.load): {min(times):.2f} s = "
+              f"{min(times) / t_load:.1f}x torch.load of the full checkpoint; "
+              f"{'bit-exact' if exact else 'approximate (lossy codec)'}; store "
+              f"{seg_bytes(path) / 2**20:.0f} MiB")
+        shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
