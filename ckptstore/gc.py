@@ -24,13 +24,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-import xxhash
 
 from .errors import DamagedCheckpointError, FormatError
 from .format import records as rec
 from .format.chunk import decode_chunk
 from .format.commit import Commit, encode_commit
-from .format.manifest import decode_manifest
+from .format.manifest import decode_committed_manifest
 from .format.tree import decode_tree
 from .storage.segments import SEGMENT_HEADER_RECORD_SIZE, Loc, SegmentWriter
 
@@ -120,9 +119,7 @@ class _Compactor:
         mloc = Loc(c.manifest_seq, c.manifest_offset, c.manifest_length)
         try:
             payload = store.log.read_payload(mloc)
-            if xxhash.xxh3_128_digest(payload) != c.manifest_digest:
-                raise FormatError("manifest digest differs from its commit's")
-            manifest = decode_manifest(payload)
+            manifest = decode_committed_manifest(payload, c.manifest_digest, c.iteration)
             for t in manifest.tensors:
                 if t.inline is not None or t.nbytes == 0 or t.root in self.trees:
                     continue

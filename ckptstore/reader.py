@@ -11,12 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import xxhash
 
 from .errors import DamagedCheckpointError, FormatError, NotFoundError, StoreIOError
 from .format import records as rec
 from .format.chunk import CHUNK_HEADER_SIZE, Codec, address_of, decode_chunk_data, decode_chunk_header
-from .format.manifest import Manifest, TensorEntry, decode_manifest
+from .format.manifest import Manifest, TensorEntry, decode_committed_manifest
 from .format.state import top_level_items, leaf_indices, unflatten
 from .format.tree import Tree, decode_tree, tree_root
 from .storage.index import CommitEntry, Index
@@ -31,13 +30,7 @@ def read_manifest(log: Log, entry: CommitEntry) -> Manifest:
     c = entry.commit
     loc = Loc(c.manifest_seq, c.manifest_offset, c.manifest_length)
     try:
-        payload = log.read_payload(loc)
-        if xxhash.xxh3_128_digest(payload) != c.manifest_digest:
-            raise FormatError("manifest digest differs from its commit's")
-        m = decode_manifest(payload)
-        if m.iteration != c.iteration:
-            raise FormatError(f"manifest is for iteration {m.iteration}")
-        return m
+        return decode_committed_manifest(log.read_payload(loc), c.manifest_digest, c.iteration)
     except (FormatError, StoreIOError, FileNotFoundError) as e:
         raise DamagedCheckpointError(
             f"iteration {c.iteration}: manifest at {log.layout.segment_path(loc.seq)} offset "

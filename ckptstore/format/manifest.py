@@ -37,7 +37,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import FormatError, UnsupportedVersionError
+import xxhash
+
+from ..errors import ChecksumMismatch, FormatError, UnsupportedVersionError
 from .tree import MAX_TENSOR_BYTES
 
 MANIFEST_VERSION = 1
@@ -183,3 +185,15 @@ def decode_manifest(buf: bytes | memoryview) -> Manifest:
             raise FormatError(f"delta manifest of iteration {iteration}: prev {prev} / base {base} "
                               "do not form a chain (prev must be iteration - 1, base <= prev)")
     return Manifest(iteration, created, chunk_size, doc["state"], doc["meta"], entries, kind, extra)
+
+
+def decode_committed_manifest(buf: bytes | memoryview, digest: bytes, iteration: int) -> Manifest:
+    """Decode the manifest a commit names, checking the commit's digest and iteration (the
+    "committed" rule of format-spec/format.md section 13)."""
+    actual = xxhash.xxh3_128_digest(buf)
+    if actual != digest:
+        raise ChecksumMismatch("manifest digest", digest.hex(), actual.hex())
+    m = decode_manifest(buf)
+    if m.iteration != iteration:
+        raise FormatError(f"manifest is for iteration {m.iteration}, its commit for {iteration}")
+    return m

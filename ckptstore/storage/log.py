@@ -24,7 +24,7 @@ from ..format import records as rec
 from ..format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header
 from ..format.commit import Commit, decode_commit
 from ..format.header import FORMAT_VERSION, SegmentHeader
-from ..format.manifest import decode_manifest
+from ..format.manifest import decode_committed_manifest, decode_manifest
 from ..format.tree import decode_tree
 from .fileops import FileOps
 from .index import ChunkRef, CommitEntry, Index, IndexBatch, Position
@@ -217,9 +217,10 @@ class Log:
                         report.tail_suspicious = True
                         continue
                     m = manifests.get((c.manifest_seq, c.manifest_offset))
-                    if m is None:  # written before where this replay started (group commit)
-                        m = self._manifest_at(c)
-                    if m is None or m[0] != c.manifest_digest or m[1] != c.iteration:
+                    walked_ok = m is not None and m == (c.manifest_digest, c.iteration)
+                    # a manifest written before where this replay started (group commit) is
+                    # read and checked at its location instead
+                    if not walked_ok and (m is not None or not self._manifest_valid(c)):
                         report.damage.append(Damage(
                             f.path, item.loc.offset, item.loc.end, t,
                             f"commit of iteration {c.iteration} names a manifest that is missing, "
@@ -251,13 +252,14 @@ class Log:
                 report.tail_bytes += max(size - off, 0)
         return report
 
-    def _manifest_at(self, c: "Commit") -> tuple[bytes, int] | None:
-        """(digest, iteration) of the valid manifest record a commit names, read at its location."""
+    def _manifest_valid(self, c: "Commit") -> bool:
+        """Whether the record at the commit's manifest location is the manifest it names."""
         try:
             payload = self.read_payload(Loc(c.manifest_seq, c.manifest_offset, c.manifest_length))
-            return xxhash.xxh3_128_digest(payload), decode_manifest(payload).iteration
+            decode_committed_manifest(payload, c.manifest_digest, c.iteration)
+            return True
         except (FormatError, OSError):
-            return None
+            return False
 
     # ---- appending (writer only) ------------------------------------------------------------
     def open_writer(self, position: Position | None, segment_size: int) -> None:
