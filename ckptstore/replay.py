@@ -16,6 +16,7 @@ scheduler state, RNG states and non-parameter model state, and checks the record
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import xxhash
 
-from .errors import CkptStoreError, DeltaChainError, ReplayDivergenceError
+from .errors import CkptStoreError, DamagedCheckpointError, DeltaChainError, ReplayDivergenceError
 
 if TYPE_CHECKING:
     from .store import Store
@@ -97,7 +98,34 @@ def fingerprint(params) -> tuple[str, float]:
     return h.hexdigest(), math.sqrt(sq)
 
 
+#: What the engine (and torch under it) raises on a record that has the wrong structure.
+_MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError,
+              OverflowError, ZeroDivisionError)
+
+
+def _untrusted(what: str, it_arg: int):
+    """Decorator for engine methods that consume a state read from a store: a record without the
+    structure this module expects (a hostile or buggy writer: checksums only prove the bytes are
+    the ones written) raises DamagedCheckpointError naming the iteration, never a bare KeyError or
+    TypeError from the engine or torch. ``it_arg``: position of the iteration argument."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def checked(self, *args):
+            try:
+                return fn(self, *args)
+            except CkptStoreError:
+                raise
+            except _MALFORMED as e:
+                raise DamagedCheckpointError(
+                    f"{what} {args[it_arg]}: malformed replay record ({type(e).__name__}: "
+                    f"{str(e)[:200]})") from e
+        return checked
+    return wrap
+
+
 class _Engine:
+    @_untrusted("base snapshot", it_arg=1)
     def __init__(self, base_state: dict, base: int) -> None:
         import torch
 
@@ -139,6 +167,7 @@ class _Engine:
         self._B = [0.0] * len(groups)   # per group: bound on |momentum buffer error|
         self._torch = torch
 
+    @_untrusted("delta", it_arg=0)
     def apply(self, it: int, rec: dict) -> None:
         torch = self._torch
         if it != self.iteration + 1:

@@ -150,6 +150,11 @@ def allocate(entry: TensorEntry) -> tuple[Any, memoryview]:
             view = memoryview(value.reshape(-1).view(np.uint8)) if entry.nbytes else _EMPTY
     except (MemoryError, RuntimeError) as e:
         raise CkptStoreError(f"tensor {entry.path}: cannot allocate {entry.nbytes} bytes: {e}") from e
+    except (TypeError, ValueError, OverflowError) as e:
+        # a shape the library cannot represent: a dimension past int64 (torch), more dimensions or
+        # a larger extent than numpy supports; with a zero dimension such a shape passes the size check
+        raise FormatError(f"tensor {entry.path}: shape {list(entry.shape)[:8]} cannot be "
+                          f"represented by {entry.lib}: {e}") from e
     return value, view
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import reprlib
 import struct
 from collections import OrderedDict
 
@@ -107,6 +108,14 @@ def flatten(obj: Any, leaf_hook: LeafHook) -> tuple[Any, list[Any]]:
     return enc(obj, ()), leaves
 
 
+#: Renders a hostile node for an error message without recursing into it (a plain repr of a deeply
+#: nested node raised RecursionError from inside the decoder).
+_PREVIEW = reprlib.Repr()
+_PREVIEW.maxlevel = 2
+_PREVIEW.maxstring = 40
+_PREVIEW.maxother = 40
+
+
 def _bad(msg: str, path: Path) -> FormatError:
     return FormatError(f"manifest state: {msg} at {format_path(path)}")
 
@@ -127,7 +136,7 @@ def unflatten(node: Any, leaf: Callable[[int, Path], Any]) -> Any:
             od._metadata = dec(n["m"], path + ("_metadata",))
             return od
         if t is not dict or len(n) != 1:
-            raise _bad(f"invalid node {str(n)[:60]!r}", path)
+            raise _bad(f"invalid node {_PREVIEW.repr(n)[:60]!r}", path)
         (tag, body), = n.items()
         if tag == "f":
             if type(body) is not str:
