@@ -1,0 +1,1 @@
+"""Fuzz targets for ckptstore's decoders (see fuzz/README.md)."""
