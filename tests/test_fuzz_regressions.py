@@ -143,3 +143,15 @@ def test_invalid_deep_state_node_is_a_format_error():
     node = json.loads("[" * 250 + '{"a":1,"b":' + "[" * 620 + "]" * 620 + "}" + "]" * 250)
     with pytest.raises(FormatError, match="invalid node"):
         unflatten(node, lambda i, p: None)
+
+
+def test_manifest_refuses_a_float_that_overflows():
+    """``1e400`` decoded to inf, a value strict JSON cannot re-encode (encode_manifest raised
+    ValueError); format.md now refuses it like the NaN/Infinity constants."""
+    from ckptstore.format.manifest import decode_manifest
+
+    doc = ('{"v":1,"iteration":3,"kind":"snapshot","created_ns":0,"chunk_size":1024,'
+           '"state":null,"meta":%s,"tensors":[]}')
+    with pytest.raises(FormatError, match="not valid JSON"):
+        decode_manifest((doc % "-1e400").encode())
+    assert decode_manifest((doc % "1.5e300").encode()).meta == 1.5e300

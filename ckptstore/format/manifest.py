@@ -150,10 +150,18 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if v in (float("inf"), float("-inf")):
+        raise ValueError(f"JSON number {text[:40]} overflows a float")
+    return v
+
+
 def decode_manifest(buf: bytes | memoryview) -> Manifest:
     """Decode and validate a manifest payload. Raises FormatError / UnsupportedVersionError."""
     try:
-        doc = json.loads(bytes(buf).decode("ascii"), parse_constant=_reject_constant)
+        doc = json.loads(bytes(buf).decode("ascii"), parse_constant=_reject_constant,
+                         parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(f"manifest is not valid JSON: {str(e)[:80]}") from None
     if type(doc) is not dict:
