@@ -185,24 +185,13 @@ def _named(report, it: int) -> bool:
     return any(re.search(rf"\biteration {it}\b", line) for line in report.lines())
 
 
-KNOWN_BUG_LOST_COMMIT = (
-    "BUG: fsck does not name a committed iteration whose COMMIT record is damaged or gone: the "
-    "iteration silently drops out of the report's iteration list, and the damage line names no "
-    "iteration (damaged record header, truncation, missing file) or a wrong one decoded from the "
-    "payload that just failed its checksum (log.py _describe_damaged_record); its intact, now "
-    "orphaned manifest is never reported")
-
-
 def assert_contained(store: Path, pristine: StoreMap, expected_states, *, seq: int, offset: int,
                      expected: set[int], where: str, damaged: set[tuple[int, int]],
-                     silent_load_ok: bool = False, tolerate_lost_commit_bug: bool = False
-                     ) -> list[str]:
+                     silent_load_ok: bool = False) -> None:
     """fsck detects and locates the damage at (seq, offset), lists exactly ``expected`` and names
     each of them; reads stay correct; repair keeps every intact iteration. ``damaged``: keys of the
     records hit. ``silent_load_ok``: the damaged bytes are outside what the read path verifies, so
-    a load may also succeed (bit-exact). With ``tolerate_lost_commit_bug`` an unnamed iteration
-    whose own commit record was hit (KNOWN_BUG_LOST_COMMIT) is returned instead of failing; every
-    other check still applies."""
+    a load may also succeed (bit-exact)."""
     seg_path = Layout(str(store)).segment_path(seq)
     intact = set(ITERATIONS) - expected
 
@@ -218,12 +207,9 @@ def assert_contained(store: Path, pristine: StoreMap, expected_states, *, seq: i
                                 f"(damaged {sorted(report.damaged_iterations)}, vanished "
                                 f"{sorted(vanished)}), expected {sorted(expected)}:\n{lines}")
     unnamed = sorted(it for it in expected if not _named(report, it))
-    known = []
-    if unnamed and tolerate_lost_commit_bug and all(
-            it in vanished and pristine.commit_of[it].key in damaged for it in unnamed):
-        known.append(f"{where}: iterations {unnamed} lost their commit and are not named")
-    else:
-        assert not unnamed, f"{where}: fsck never names affected iterations {unnamed}:\n{lines}"
+    assert not unnamed, f"{where}: fsck never names affected iterations {unnamed}:\n{lines}"
+    lost = set(report.lost_iterations)
+    assert lost <= vanished, f"{where}: committed iterations reported lost {lost - vanished}:\n{lines}"
 
     _assert_reads(store, expected_states, intact, expected, where, silent_load_ok, "before repair")
 
@@ -232,7 +218,6 @@ def assert_contained(store: Path, pristine: StoreMap, expected_states, *, seq: i
         f"{where}: fsck --repair removed intact iterations "
         f"{sorted(intact - set(repaired.iterations))}:\n" + "\n".join(repaired.lines()))
     _assert_reads(store, expected_states, intact, expected, where, silent_load_ok, "after repair")
-    return known
 
 
 def _assert_reads(store: Path, expected_states, intact: set[int], affected: set[int], where: str,
@@ -282,7 +267,6 @@ def test_random_byte_flips(pristine, expected_states, tmp_path):
     rng = random.Random(SEED)
     total = sum(pristine.sizes.values())
     seen_types: dict[str, int] = {}
-    known: list[str] = []
     for trial in range(RANDOM_TRIALS):
         pos = rng.randrange(total)
         for seq, size in sorted(pristine.sizes.items()):
@@ -296,22 +280,14 @@ def test_random_byte_flips(pristine, expected_states, tmp_path):
         expected, silent = _flip_expectation(pristine, seq, pos, n)
         kind = rec.RecordType(r.type).name
         seen_types[kind] = seen_types.get(kind, 0) + 1
-        known += assert_contained(
+        assert_contained(
             store, pristine, expected_states, seq=seq, offset=pos, expected=expected,
-            damaged={r.key}, silent_load_ok=silent, tolerate_lost_commit_bug=True,
+            damaged={r.key}, silent_load_ok=silent,
             where=f"trial {trial} (seed {SEED}): {n} bytes flipped at segment {seq} offset {pos} "
                   f"({kind} record at {r.offset}..{r.end})")
         shutil.rmtree(store)
     assert sum(seen_types.values()) == RANDOM_TRIALS, seen_types
     print(f"{RANDOM_TRIALS} random flips by record type: {seen_types}")
-    _xfail_if_known(known)
-
-
-def _xfail_if_known(known: list[str]) -> None:
-    """Every check passed except naming iterations that lost their commit (the known bug, pinned
-    by strict xfails below): report it rather than pass. Remove once fixed."""
-    if known:
-        pytest.xfail(f"{KNOWN_BUG_LOST_COMMIT}; hit {len(known)} times: {known}")
 
 
 # ---- targeted flips ------------------------------------------------------------------------------
@@ -360,21 +336,12 @@ def _targets(m: StoreMap) -> dict[str, tuple[int, int, set[int], bool]]:
     return out
 
 
-_LOST_COMMIT = pytest.mark.xfail(strict=True, reason=KNOWN_BUG_LOST_COMMIT)
-_LAST_COMMIT_HEADER = pytest.mark.xfail(strict=True, reason=(
-    "BUG: a damaged record header of the LAST commit makes the commit look like an uncommitted "
-    "tail: Log.replay yields a CorruptRegion (not a COMMIT record), so tail_suspicious stays False "
-    "and fsck drops the damage as 'tail' -> report clean, exit 0, while the latest committed "
-    "iteration has vanished; the next writer open then cuts it without quarantine (lost for good)"))
-
 TARGETS = ["raw chunk data", "shared chunk data", "lz4 chunk data", "chunk record header (length)",
            "chunk record header (magic)", "chunk address", "chunk codec", "chunk raw_length",
            "chunk trailer", "shared tree payload", "tree record header", "manifest payload",
            "manifest record header", "last manifest payload",
-           pytest.param("commit payload (iteration field)", marks=_LOST_COMMIT),
-           "commit payload (digest)", "commit trailer", "last commit payload",
-           pytest.param("commit record header", marks=_LOST_COMMIT),
-           pytest.param("last commit record header", marks=_LAST_COMMIT_HEADER),
+           "commit payload (iteration field)", "commit payload (digest)", "commit trailer",
+           "last commit payload", "commit record header", "last commit record header",
            "segment header payload", "segment header record header"]
 
 
@@ -427,7 +394,6 @@ def test_truncated_older_segments(pristine, expected_states, tmp_path):
     iterations that used the lost records, contained for every other iteration."""
     rng = random.Random(SEED + 7)
     older = sorted(pristine.sizes)[:-1]
-    known: list[str] = []
     for trial in range(12):
         seq = rng.choice(older)
         at = rng.randrange(1, pristine.sizes[seq])
@@ -436,15 +402,13 @@ def test_truncated_older_segments(pristine, expected_states, tmp_path):
         store = fresh_copy(pristine, tmp_path, f"t{trial}")
         os.truncate(Layout(str(store)).segment_path(seq), at)
         lost = {r.key for r in pristine.records if r.seq == seq and r.end > at}
-        known += assert_contained(
+        assert_contained(
             store, pristine, expected_states, seq=seq, offset=at,
-            expected=pristine.affected_by(lost), damaged=lost, tolerate_lost_commit_bug=True,
+            expected=pristine.affected_by(lost), damaged=lost,
             where=f"truncation trial {trial} (seed {SEED}): segment {seq} cut at {at}")
         shutil.rmtree(store)
-    _xfail_if_known(known)
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_BUG_LOST_COMMIT)
 def test_truncation_through_an_older_commit(pristine, expected_states, tmp_path):
     last_seq = max(pristine.sizes)
     it = next(i for i in ITERATIONS if pristine.commit_of[i].seq != last_seq
@@ -553,7 +517,6 @@ def test_deleted_segment(pristine, expected_states, tmp_path):
         shutil.rmtree(store)
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_BUG_LOST_COMMIT)
 def test_deleted_segment_names_lost_iterations(pristine, tmp_path):
     problems = []
     for seq in sorted(pristine.sizes)[:-1]:
@@ -568,16 +531,7 @@ def test_deleted_segment_names_lost_iterations(pristine, tmp_path):
     assert not problems, "\n".join(problems)
 
 
-_FIRST_SEGMENT_GAP = pytest.mark.xfail(strict=True, reason=(
-    "BUG: fsck's missing-segment check (fsck._verify) looks for gaps only between the lowest and "
-    "the highest live segment, so a missing FIRST segment (seq watermark+1: 1 in a store never "
-    "collected) goes unnoticed: when it held only whole checkpoints fsck reports the store CLEAN "
-    "(exit 0, only the note 'index is stale') and --repair rebuilds the index without them"))
-
-
-@pytest.mark.parametrize("victim", [pytest.param(1, marks=_FIRST_SEGMENT_GAP),
-                                    pytest.param(3, marks=pytest.mark.xfail(
-                                        strict=True, reason=KNOWN_BUG_LOST_COMMIT))])
+@pytest.mark.parametrize("victim", [1, 3])
 def test_deleted_segment_holding_whole_checkpoints(tmp_path, assert_same, victim):
     import numpy as np
 
