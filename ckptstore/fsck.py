@@ -201,6 +201,7 @@ def _check_chains(index: Index, report: FsckReport) -> None:
         prev = it - 1
         if prev in bad or index.get_commit(prev) is None:
             why = "damaged" if prev in report.damaged_iterations else \
+                "lost" if prev in report.lost_iterations else \
                 "missing" if index.get_commit(prev) is None else "unrecoverable"
             report.damaged_iterations.setdefault(it, []).append(
                 f"unrecoverable: delta chain broken at iteration {prev} ({why})")

@@ -556,6 +556,169 @@ def test_deleted_segment_holding_whole_checkpoints(tmp_path, assert_same, victim
     assert _named(report, victim), f"iteration {victim} is lost but not named: {report.lines()}"
 
 
+# ---- commits that are damaged or gone: naming and quarantine -----------------------------------
+
+def _small_store(path: Path, n: int = 4) -> dict[int, Record]:
+    """A store of ``n`` small snapshots in one segment; returns iteration -> its COMMIT record."""
+    import numpy as np
+
+    with ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=1 << 20) as w:
+        for i in range(1, n + 1):
+            w.save(i, {"x": np.full(3000, i, dtype=np.float32)})
+    return {it: r for it, r in build_commit_map(path).items()}
+
+
+def build_commit_map(path: Path) -> dict[int, Record]:
+    layout = Layout(str(path))
+    out = {}
+    for seq in layout.list_segments():
+        f = SegmentFile(layout.segment_path(seq), seq)
+        try:
+            for item in scan_segment(f, 0):
+                if isinstance(item, ScannedRecord) and item.type == rec.RecordType.COMMIT:
+                    c = decode_commit(item.payload)
+                    out[c.iteration] = Record(seq, item.loc.offset, item.loc.end, item.type,
+                                              item.loc.length)
+        finally:
+            f.close()
+    return out
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_damaged_header_of_the_last_commit_is_damage_not_tail(tmp_path, with_index):
+    """Every byte of the last COMMIT record's header, flipped: fsck reports the damage and names
+    the iteration (from its checksummed manifest, with or without the index), and the writer
+    quarantines the tail holding the commit instead of cutting it silently."""
+    import numpy as np
+
+    base = tmp_path / "base"
+    commits = _small_store(base)
+    last = commits[4]
+    for i in range(rec.HEADER_SIZE):
+        store = tmp_path / f"h{i}"
+        shutil.copytree(base, store)
+        layout = Layout(str(store))
+        if not with_index:
+            shutil.rmtree(layout.index_dir)
+        seg = layout.segment_path(last.seq)
+        flip(Path(seg), last.offset + i, 1, random.Random(i))
+        where = f"header byte {i} of the last commit flipped"
+        report = check(store)
+        lines = "\n".join(report.lines())
+        assert not report.clean and report.iterations == [1, 2, 3], f"{where}:\n{lines}"
+        assert any(d.path == seg and d.offset == last.offset for d in report.damage), f"{where}:\n{lines}"
+        assert list(report.lost_iterations) == [4], f"{where}:\n{lines}"
+        assert "(manifest at " in report.lost_iterations[4] and "has no valid commit" in \
+            report.lost_iterations[4], f"{where}:\n{lines}"
+        assert cli_main(["fsck", str(store)]) == 1
+        with ckptstore.open(store, "a") as w:
+            assert w.iterations() == [1, 2, 3]
+            w.save(5, {"x": np.zeros(10)})
+        assert os.path.getsize(seg) > last.offset
+        q = sorted(os.listdir(layout.quarantine_dir))
+        assert len(q) == 1, f"{where}: the damaged commit was cut without quarantine: {q}"
+        kept = Path(layout.quarantine_dir, q[0]).read_bytes()
+        original = Path(base / "segments" / os.path.basename(seg)).read_bytes()
+        cut = int(q[0].split("-")[1].split(".")[0])
+        assert kept[last.offset - cut + rec.HEADER_SIZE:last.end - cut] == \
+            original[last.offset + rec.HEADER_SIZE:last.end], f"{where}: quarantine lost the commit"
+        shutil.rmtree(store)
+
+
+def test_torn_last_commit_is_only_a_tail(tmp_path):
+    """The counterpart: the last COMMIT record cut at every length (a crash mid-append: its save
+    never reached the index) is an uncommitted tail -- clean, nobody named lost, no quarantine.
+    The same cut under an index that lists the commit (it was durable, then lost) is named."""
+    base = tmp_path / "base"
+    commits = _small_store(base, 2)
+    last = commits[2]
+    assert last.end - last.offset == 128
+    # inside the header, at its end, inside the payload, at the trailer, inside the trailer
+    for cut in (last.offset + n for n in (1, 8, 16, 23, 24, 25, 60, 100, 119, 120, 121, 127)):
+        store = tmp_path / f"c{cut}"
+        shutil.copytree(base, store)
+        layout = Layout(str(store))
+        os.truncate(layout.segment_path(last.seq), cut)
+        where = f"last commit cut at {cut - last.offset} of {last.end - last.offset} bytes"
+        if cut == last.offset + 60:
+            report = check(store)
+            assert list(report.lost_iterations) == [2] and "per the index" in \
+                report.lost_iterations[2], f"{where}: {report.lines()}"
+        shutil.rmtree(layout.index_dir)  # the state a crash during save(2) leaves
+        report = check(store)
+        assert report.clean and report.iterations == [1], f"{where}: {report.lines()}"
+        assert any("uncommitted tail" in n for n in report.notes), f"{where}: {report.lines()}"
+        with ckptstore.open(store, "a") as w:
+            assert w.iterations() == [1]
+        assert not os.path.exists(layout.quarantine_dir), f"{where}: a torn tail was quarantined"
+        shutil.rmtree(store)
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_lost_commit_inside_a_group_commit(tmp_path, where):
+    """Group commit (deltas): M2 M3 M4 C2 C3 C4. Damage to C3 names exactly iteration 3 as lost
+    (its commit window ends at C4, whose manifest follows M3), not 2 or 4; 4 is unrecoverable."""
+    import numpy as np
+
+    path = tmp_path / "store"
+    with ckptstore.open(path, "a", chunk_size=CHUNK_SIZE) as w:
+        w.save(1, {"x": np.arange(5000, dtype=np.float32)})
+        for it in (2, 3, 4):
+            w.save_delta(it, {"d": np.full(50, it, dtype=np.float32)}, durable=False)
+        w.flush()
+        w.save(5, {"x": np.arange(5000, dtype=np.float32) * 5})
+    commits = build_commit_map(path)
+    c3 = commits[3]
+    assert commits[2].offset < c3.offset < commits[4].offset and c3.offset - commits[2].offset == 128
+    shutil.rmtree(Layout(str(path)).index_dir)  # evidence from the log alone
+    off = c3.offset + (rec.HEADER_SIZE + 5 if where == "payload" else 3)
+    flip(Path(Layout(str(path)).segment_path(c3.seq)), off, 1, random.Random(3))
+    report = check(path)
+    lines = "\n".join(report.lines())
+    assert report.iterations == [1, 2, 4, 5], lines
+    assert list(report.lost_iterations) == [3], lines
+    assert set(report.damaged_iterations) == {4}, lines
+    assert "chain broken at iteration 3 (lost)" in report.damaged_iterations[4][0], lines
+
+
+def test_damaged_duplicate_commit_of_an_interrupted_gc_loses_nothing(tmp_path, assert_same):
+    """A gc that failed before its marker leaves copies next to the old segments: every kept
+    checkpoint is committed twice. Damage to a copy's COMMIT is damage, but its iteration is still
+    committed (the original), so nothing may be reported lost."""
+    import numpy as np
+
+    from ckptstore.storage.fileops import FileOps
+
+    class FailMarkerRename(FileOps):
+        def _rename(self, src, dst):
+            if len(Layout(str(path)).list_gc_temps()) == 1:  # only the marker is left
+                raise OSError(5, "simulated failure before the gc commit point")
+            super()._rename(src, dst)
+
+    path = tmp_path / "store"
+    states = {i: {"x": np.full(3000, i, dtype=np.float32)} for i in range(1, 5)}
+    w = ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=1 << 20,
+                       file_ops=FailMarkerRename())
+    for i, st in states.items():
+        w.save(i, st)
+    with pytest.raises(ckptstore.StoreIOError):
+        w.gc(keep_last=2)
+    w.close()
+    layout = Layout(str(path))
+    assert layout.list_segments() == [1, 2]  # the old segment and the renamed copy
+    copy = {it: r for it, r in build_commit_map(path).items() if r.seq == 2}
+    assert sorted(copy) == [3, 4]
+    flip(Path(layout.segment_path(2)), copy[3].offset + 9, 1, random.Random(1))
+    report = check(path)
+    lines = "\n".join(report.lines())
+    assert report.iterations == [1, 2, 3, 4], lines
+    assert not report.lost_iterations and not report.damaged_iterations, lines
+    assert any(d.offset == copy[3].offset for d in report.damage), lines
+    with ckptstore.open(path, "r") as r:
+        for i, st in states.items():
+            assert_same(st, r.load(i))
+
+
 def test_unknown_store_version(pristine, tmp_path, capsys):
     store = fresh_copy(pristine, tmp_path, "v")
     layout = Layout(str(store))
