@@ -6,6 +6,11 @@ committed checkpoint: manifest -> trees -> chunk addresses. It reports
 * damage: corrupt or torn records, each with file, offset and length;
 * damaged iterations: committed checkpoints that cannot be read back intact, with the tensor and
   the missing or corrupt chunk (and where that chunk's damaged record is, when it can be found);
+* lost iterations: checkpoints that were written but whose COMMIT record is damaged or gone, named
+  only from verified evidence -- a valid MANIFEST record that no valid commit names with damage
+  between it and the next commit (storage/log.py ``LostCommit``), or an entry of the writer's
+  index (a cache filled only from verified commits) whose commit the log no longer holds. An
+  iteration with a valid commit is never reported lost;
 * notes: an uncommitted tail (left by a crash; the next writer open cuts it), a stale index,
   quarantined tails, obsolete segments of an interrupted gc.
 
@@ -22,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .errors import DamagedCheckpointError, FormatError
-from .storage.index import Index, MemoryIndex
+from .storage.index import CommitEntry, Index, MemoryIndex
+from .storage.layout import Layout
 from .storage.log import Damage, Log, ReplayReport
 from .reader import read_manifest, read_tree
 from .store import Store
@@ -36,13 +42,16 @@ class FsckReport:
     iterations: list[int] = field(default_factory=list)
     damage: list[Damage] = field(default_factory=list)
     damaged_iterations: dict[int, list[str]] = field(default_factory=dict)
+    #: iteration -> why it is known to have been written and to have no valid commit
+    lost_iterations: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     repairs: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
-        """True when no committed data is damaged and no corrupt record remains in the log."""
-        return not self.damage and not self.damaged_iterations
+        """True when no committed data is damaged or lost and no corrupt record remains in the
+        log."""
+        return not self.damage and not self.damaged_iterations and not self.lost_iterations
 
     def lines(self) -> list[str]:
         out = [f"store {self.path}: {len(self.iterations)} committed iterations, {self.segments} "
@@ -50,11 +59,13 @@ class FsckReport:
         out += [f"DAMAGE {d}" for d in self.damage]
         for it, problems in sorted(self.damaged_iterations.items()):
             out += [f"DAMAGED iteration {it}: {p}" for p in problems]
+        out += [f"LOST {why}" for _, why in sorted(self.lost_iterations.items())]
         out += [f"note: {n}" for n in self.notes]
         out += [f"repaired: {r}" for r in self.repairs]
         out.append("clean" if self.clean else
                    f"NOT CLEAN: {len(self.damage)} damaged records, "
-                   f"{len(self.damaged_iterations)} damaged iterations")
+                   f"{len(self.damaged_iterations)} damaged iterations, "
+                   f"{len(self.lost_iterations)} lost iterations")
         return out
 
 
@@ -64,21 +75,29 @@ def check(path: str | os.PathLike, *, repair: bool = False,
     path = os.fspath(path)
     report = FsckReport(path)
     if repair:
+        # Read before the writer open, which rebuilds an index that no longer matches the log.
+        indexed = _indexed_commits(Layout(path))
         with Store(path, "a") as store:
             _note_recovery(store.last_replay, report)
             _verify(store.log, report, progress, rebuild=store.index)
+            _note_lost_by_index(store, indexed, report)
             report.repairs.append("index rebuilt from a fully verified replay of the log")
         return report
     with Store(path, "r") as store:
         _verify(store.log, report, progress, rebuild=None)
-        _check_index(path, store, report)
+        indexed = _check_index(path, store, report)
+        _note_lost_by_index(store, indexed, report)
     return report
 
 
 def _note_recovery(replay: ReplayReport | None, report: FsckReport) -> None:
-    if replay is not None and replay.tail_bytes:
+    if replay is None:
+        return
+    if replay.tail_bytes:
         report.repairs.append(f"cut an uncommitted tail of {replay.tail_bytes} bytes"
                               + (" (copied to quarantine/ first)" if replay.tail_suspicious else ""))
+    for lost in replay.lost:  # found before the cut: a damaged commit the cut removed
+        report.lost_iterations.setdefault(lost.iteration, str(lost))
 
 
 def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None,
@@ -94,11 +113,12 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
     replay = log.replay(index, None, verify=True, progress=count)
     live = log.refresh_segments()
     report.segments = len(live)
-    # Writers number segments consecutively (roll = highest + 1; gc output follows the watermark),
-    # so a gap in the live sequence is a segment file that went missing.
-    for seq in sorted(set(range(live[0], live[-1] + 1)) - set(live)) if live else ():
-        report.damage.append(Damage(log.layout.segment_path(seq), 0, 0, None,
-                                    "segment file is missing: checkpoints committed in it are lost"))
+    for seq in replay.missing:
+        why = "segment file is missing: checkpoints committed in it are lost"
+        if seq in replay.missing_uncertain:
+            why = ("segment file is missing (unless a gc collected it: a later segment whose "
+                   "header is damaged may be the gc's marker)")
+        report.damage.append(Damage(log.layout.segment_path(seq), 0, 0, None, why))
     report.iterations = index.iterations()
     tail_starts = dict(replay.tail)
     for d in replay.damage:
@@ -106,7 +126,14 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
         if seq in tail_starts and d.offset >= tail_starts[seq] and not replay.tail_suspicious:
             continue  # part of the uncommitted tail: reported below as a note
         report.damage.append(d)
-    if replay.tail_bytes:
+    for lost in replay.lost:
+        report.lost_iterations.setdefault(lost.iteration, str(lost))
+    if replay.tail_bytes and replay.tail_suspicious:
+        report.notes.append(
+            f"{replay.tail_bytes} bytes after the last valid commit hold a damaged commit (see "
+            "above); the next writer open or fsck --repair copies them to quarantine/, then cuts "
+            "them")
+    elif replay.tail_bytes:
         report.notes.append(
             f"{replay.tail_bytes} bytes after the last commit are an uncommitted tail (a crash "
             "during a save); the next writer open or fsck --repair cuts it")
@@ -124,6 +151,43 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
     _check_chains(index, report)
 
 
+def _note_lost_by_index(store: Store, indexed: tuple[bytes, dict[int, CommitEntry]] | None,
+                        report: FsckReport) -> None:
+    """Name iterations the writer's index lists as committed but the log has no valid commit of.
+
+    The index is filled only from verified commits, in the same transaction as the position
+    after them, and never ahead of the log: tail cuts remove no committed record and gc rebuilds
+    it. So an entry in a live segment whose iteration the verified replay did not commit names a
+    checkpoint that was committed and is now lost. Entries in obsolete segments (an interrupted
+    gc) are skipped, as are those in a missing segment that a gc may have collected.
+    """
+    if indexed is None or indexed[0] != store.header.store_id:
+        return
+    log = store.log
+    log.refresh_segments()
+    missing, uncertain = log.missing_segments()
+    committed = set(report.iterations)
+    for it, e in sorted(indexed[1].items()):
+        seq = e.loc.seq
+        if it in committed or it in report.lost_iterations or seq <= log.watermark \
+                or seq in uncertain:
+            continue
+        path = log.layout.segment_path(seq)
+        if seq not in log.present:
+            why = f"segment file {path} is missing"
+        elif seq in log.foreign:
+            why = f"{path} now belongs to another store"
+        else:
+            try:
+                size = log.file(seq).size()
+            except OSError:
+                continue
+            why = (f"{path} ends at {size}, before the end of the commit record"
+                   if e.loc.end > size else "no valid COMMIT record there")
+        report.lost_iterations[it] = (f"iteration {it} (commit at {path}:{e.loc.offset}, per the "
+                                      f"index) has no valid commit: {why}")
+
+
 def _check_chains(index: Index, report: FsckReport) -> None:
     """Deltas (format-spec/deltas.md) are recoverable only through their whole chain: name every
     delta whose predecessor is damaged, missing or itself unrecoverable."""
@@ -137,6 +201,7 @@ def _check_chains(index: Index, report: FsckReport) -> None:
         prev = it - 1
         if prev in bad or index.get_commit(prev) is None:
             why = "damaged" if prev in report.damaged_iterations else \
+                "lost" if prev in report.lost_iterations else \
                 "missing" if index.get_commit(prev) is None else "unrecoverable"
             report.damaged_iterations.setdefault(it, []).append(
                 f"unrecoverable: delta chain broken at iteration {prev} ({why})")
@@ -175,45 +240,80 @@ def _seq_of(log: Log, path: str) -> int | None:
         return None
 
 
-def _check_index(path: str, store: Store, report: FsckReport) -> None:
+def _check_index(path: str, store: Store, report: FsckReport
+                 ) -> tuple[bytes, dict[int, CommitEntry]] | None:
     """Compare the writer's LMDB index with the verified replay (read-only; skipped while a writer
-    holds the lock, since the index is then being written)."""
+    holds the lock, since the index is then being written). Returns what the index holds."""
+    status, indexed = _read_index(store.layout)
+    if status == "absent":
+        report.notes.append("no index: the next writer open rebuilds it from the log")
+    elif status == "locked":
+        report.notes.append("a writer holds the store; index comparison skipped")
+    elif indexed is None or indexed[0] != store.header.store_id:
+        report.notes.append("index is unreadable: the next writer open rebuilds it")
+        return None
+    elif sorted(indexed[1]) != report.iterations:
+        report.notes.append("index is stale or differs from the log: the next writer open "
+                            "catches it up or rebuilds it")
+    return indexed
+
+
+def _indexed_commits(layout: Layout) -> tuple[bytes, dict[int, CommitEntry]] | None:
+    return _read_index(layout)[1]
+
+
+def _read_index(layout: Layout) -> tuple[str, tuple[bytes, dict[int, CommitEntry]] | None]:
+    """("absent" | "locked" | "unreadable" | "ok", (store_id, iteration -> commit entry)).
+
+    The environment is opened read-only without LMDB's lock file (fsck writes nothing), which is
+    safe only while no writer runs: a shared, non-blocking ``flock`` on LOCK makes sure of that.
+    """
     import fcntl
 
-    if not os.path.isdir(store.layout.index_dir):
-        report.notes.append("no index: the next writer open rebuilds it from the log")
-        return
+    if not os.path.isdir(layout.index_dir):
+        return "absent", None
     try:
-        fd = os.open(store.layout.lock_file, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(layout.lock_file, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return
+        return "absent", None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            report.notes.append("a writer holds the store; index comparison skipped")
-            return
-        listed = _index_iterations(store.layout.index_dir)
-        if listed is None:
-            report.notes.append("index is unreadable: the next writer open rebuilds it")
-        elif listed != report.iterations:
-            report.notes.append("index is stale or differs from the log: the next writer open "
-                                "catches it up or rebuilds it")
+            return "locked", None
+        indexed = _index_commits(layout.index_dir)
+        return ("ok" if indexed is not None else "unreadable"), indexed
     finally:
         os.close(fd)
 
 
-def _index_iterations(index_dir: str) -> list[int] | None:
+def _index_commits(index_dir: str) -> tuple[bytes, dict[int, CommitEntry]] | None:
     import struct
 
     import lmdb
 
+    from .storage.index import unpack_commit
+    from .storage.lmdb_index import INDEX_FORMAT
+
     try:
         env = lmdb.open(index_dir, readonly=True, lock=False, max_dbs=8, subdir=True)
         try:
+            meta = env.open_db(b"meta", create=False)
             db = env.open_db(b"commits", create=False)
+            out: dict[int, CommitEntry] = {}
             with env.begin() as txn:
-                return [struct.unpack(">Q", k)[0] for k in txn.cursor(db=db).iternext(values=False)]
+                if txn.get(b"format", db=meta) != INDEX_FORMAT:
+                    return None
+                store_id = txn.get(b"store_id", db=meta)
+                for k, v in txn.cursor(db=db):
+                    try:
+                        (it,) = struct.unpack(">Q", k)
+                        e = unpack_commit(v)
+                    except (FormatError, struct.error):
+                        continue  # an undecodable entry is no evidence of anything
+                    if e.commit.iteration == it:
+                        out[it] = e
+            return (store_id, out) if store_id is not None else None
         finally:
             env.close()
     except lmdb.Error:

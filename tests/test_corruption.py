@@ -185,24 +185,13 @@ def _named(report, it: int) -> bool:
     return any(re.search(rf"\biteration {it}\b", line) for line in report.lines())
 
 
-KNOWN_BUG_LOST_COMMIT = (
-    "BUG: fsck does not name a committed iteration whose COMMIT record is damaged or gone: the "
-    "iteration silently drops out of the report's iteration list, and the damage line names no "
-    "iteration (damaged record header, truncation, missing file) or a wrong one decoded from the "
-    "payload that just failed its checksum (log.py _describe_damaged_record); its intact, now "
-    "orphaned manifest is never reported")
-
-
 def assert_contained(store: Path, pristine: StoreMap, expected_states, *, seq: int, offset: int,
                      expected: set[int], where: str, damaged: set[tuple[int, int]],
-                     silent_load_ok: bool = False, tolerate_lost_commit_bug: bool = False
-                     ) -> list[str]:
+                     silent_load_ok: bool = False) -> None:
     """fsck detects and locates the damage at (seq, offset), lists exactly ``expected`` and names
     each of them; reads stay correct; repair keeps every intact iteration. ``damaged``: keys of the
     records hit. ``silent_load_ok``: the damaged bytes are outside what the read path verifies, so
-    a load may also succeed (bit-exact). With ``tolerate_lost_commit_bug`` an unnamed iteration
-    whose own commit record was hit (KNOWN_BUG_LOST_COMMIT) is returned instead of failing; every
-    other check still applies."""
+    a load may also succeed (bit-exact)."""
     seg_path = Layout(str(store)).segment_path(seq)
     intact = set(ITERATIONS) - expected
 
@@ -218,12 +207,9 @@ def assert_contained(store: Path, pristine: StoreMap, expected_states, *, seq: i
                                 f"(damaged {sorted(report.damaged_iterations)}, vanished "
                                 f"{sorted(vanished)}), expected {sorted(expected)}:\n{lines}")
     unnamed = sorted(it for it in expected if not _named(report, it))
-    known = []
-    if unnamed and tolerate_lost_commit_bug and all(
-            it in vanished and pristine.commit_of[it].key in damaged for it in unnamed):
-        known.append(f"{where}: iterations {unnamed} lost their commit and are not named")
-    else:
-        assert not unnamed, f"{where}: fsck never names affected iterations {unnamed}:\n{lines}"
+    assert not unnamed, f"{where}: fsck never names affected iterations {unnamed}:\n{lines}"
+    lost = set(report.lost_iterations)
+    assert lost <= vanished, f"{where}: committed iterations reported lost {lost - vanished}:\n{lines}"
 
     _assert_reads(store, expected_states, intact, expected, where, silent_load_ok, "before repair")
 
@@ -232,7 +218,6 @@ def assert_contained(store: Path, pristine: StoreMap, expected_states, *, seq: i
         f"{where}: fsck --repair removed intact iterations "
         f"{sorted(intact - set(repaired.iterations))}:\n" + "\n".join(repaired.lines()))
     _assert_reads(store, expected_states, intact, expected, where, silent_load_ok, "after repair")
-    return known
 
 
 def _assert_reads(store: Path, expected_states, intact: set[int], affected: set[int], where: str,
@@ -282,7 +267,6 @@ def test_random_byte_flips(pristine, expected_states, tmp_path):
     rng = random.Random(SEED)
     total = sum(pristine.sizes.values())
     seen_types: dict[str, int] = {}
-    known: list[str] = []
     for trial in range(RANDOM_TRIALS):
         pos = rng.randrange(total)
         for seq, size in sorted(pristine.sizes.items()):
@@ -296,22 +280,14 @@ def test_random_byte_flips(pristine, expected_states, tmp_path):
         expected, silent = _flip_expectation(pristine, seq, pos, n)
         kind = rec.RecordType(r.type).name
         seen_types[kind] = seen_types.get(kind, 0) + 1
-        known += assert_contained(
+        assert_contained(
             store, pristine, expected_states, seq=seq, offset=pos, expected=expected,
-            damaged={r.key}, silent_load_ok=silent, tolerate_lost_commit_bug=True,
+            damaged={r.key}, silent_load_ok=silent,
             where=f"trial {trial} (seed {SEED}): {n} bytes flipped at segment {seq} offset {pos} "
                   f"({kind} record at {r.offset}..{r.end})")
         shutil.rmtree(store)
     assert sum(seen_types.values()) == RANDOM_TRIALS, seen_types
     print(f"{RANDOM_TRIALS} random flips by record type: {seen_types}")
-    _xfail_if_known(known)
-
-
-def _xfail_if_known(known: list[str]) -> None:
-    """Every check passed except naming iterations that lost their commit (the known bug, pinned
-    by strict xfails below): report it rather than pass. Remove once fixed."""
-    if known:
-        pytest.xfail(f"{KNOWN_BUG_LOST_COMMIT}; hit {len(known)} times: {known}")
 
 
 # ---- targeted flips ------------------------------------------------------------------------------
@@ -360,21 +336,12 @@ def _targets(m: StoreMap) -> dict[str, tuple[int, int, set[int], bool]]:
     return out
 
 
-_LOST_COMMIT = pytest.mark.xfail(strict=True, reason=KNOWN_BUG_LOST_COMMIT)
-_LAST_COMMIT_HEADER = pytest.mark.xfail(strict=True, reason=(
-    "BUG: a damaged record header of the LAST commit makes the commit look like an uncommitted "
-    "tail: Log.replay yields a CorruptRegion (not a COMMIT record), so tail_suspicious stays False "
-    "and fsck drops the damage as 'tail' -> report clean, exit 0, while the latest committed "
-    "iteration has vanished; the next writer open then cuts it without quarantine (lost for good)"))
-
 TARGETS = ["raw chunk data", "shared chunk data", "lz4 chunk data", "chunk record header (length)",
            "chunk record header (magic)", "chunk address", "chunk codec", "chunk raw_length",
            "chunk trailer", "shared tree payload", "tree record header", "manifest payload",
            "manifest record header", "last manifest payload",
-           pytest.param("commit payload (iteration field)", marks=_LOST_COMMIT),
-           "commit payload (digest)", "commit trailer", "last commit payload",
-           pytest.param("commit record header", marks=_LOST_COMMIT),
-           pytest.param("last commit record header", marks=_LAST_COMMIT_HEADER),
+           "commit payload (iteration field)", "commit payload (digest)", "commit trailer",
+           "last commit payload", "commit record header", "last commit record header",
            "segment header payload", "segment header record header"]
 
 
@@ -427,7 +394,6 @@ def test_truncated_older_segments(pristine, expected_states, tmp_path):
     iterations that used the lost records, contained for every other iteration."""
     rng = random.Random(SEED + 7)
     older = sorted(pristine.sizes)[:-1]
-    known: list[str] = []
     for trial in range(12):
         seq = rng.choice(older)
         at = rng.randrange(1, pristine.sizes[seq])
@@ -436,15 +402,13 @@ def test_truncated_older_segments(pristine, expected_states, tmp_path):
         store = fresh_copy(pristine, tmp_path, f"t{trial}")
         os.truncate(Layout(str(store)).segment_path(seq), at)
         lost = {r.key for r in pristine.records if r.seq == seq and r.end > at}
-        known += assert_contained(
+        assert_contained(
             store, pristine, expected_states, seq=seq, offset=at,
-            expected=pristine.affected_by(lost), damaged=lost, tolerate_lost_commit_bug=True,
+            expected=pristine.affected_by(lost), damaged=lost,
             where=f"truncation trial {trial} (seed {SEED}): segment {seq} cut at {at}")
         shutil.rmtree(store)
-    _xfail_if_known(known)
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_BUG_LOST_COMMIT)
 def test_truncation_through_an_older_commit(pristine, expected_states, tmp_path):
     last_seq = max(pristine.sizes)
     it = next(i for i in ITERATIONS if pristine.commit_of[i].seq != last_seq
@@ -553,7 +517,6 @@ def test_deleted_segment(pristine, expected_states, tmp_path):
         shutil.rmtree(store)
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_BUG_LOST_COMMIT)
 def test_deleted_segment_names_lost_iterations(pristine, tmp_path):
     problems = []
     for seq in sorted(pristine.sizes)[:-1]:
@@ -568,16 +531,7 @@ def test_deleted_segment_names_lost_iterations(pristine, tmp_path):
     assert not problems, "\n".join(problems)
 
 
-_FIRST_SEGMENT_GAP = pytest.mark.xfail(strict=True, reason=(
-    "BUG: fsck's missing-segment check (fsck._verify) looks for gaps only between the lowest and "
-    "the highest live segment, so a missing FIRST segment (seq watermark+1: 1 in a store never "
-    "collected) goes unnoticed: when it held only whole checkpoints fsck reports the store CLEAN "
-    "(exit 0, only the note 'index is stale') and --repair rebuilds the index without them"))
-
-
-@pytest.mark.parametrize("victim", [pytest.param(1, marks=_FIRST_SEGMENT_GAP),
-                                    pytest.param(3, marks=pytest.mark.xfail(
-                                        strict=True, reason=KNOWN_BUG_LOST_COMMIT))])
+@pytest.mark.parametrize("victim", [1, 3])
 def test_deleted_segment_holding_whole_checkpoints(tmp_path, assert_same, victim):
     import numpy as np
 
@@ -600,6 +554,169 @@ def test_deleted_segment_holding_whole_checkpoints(tmp_path, assert_same, victim
         for i in set(range(1, 6)) - {victim}:
             assert_same(state(i), r.load(i))
     assert _named(report, victim), f"iteration {victim} is lost but not named: {report.lines()}"
+
+
+# ---- commits that are damaged or gone: naming and quarantine -----------------------------------
+
+def _small_store(path: Path, n: int = 4) -> dict[int, Record]:
+    """A store of ``n`` small snapshots in one segment; returns iteration -> its COMMIT record."""
+    import numpy as np
+
+    with ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=1 << 20) as w:
+        for i in range(1, n + 1):
+            w.save(i, {"x": np.full(3000, i, dtype=np.float32)})
+    return {it: r for it, r in build_commit_map(path).items()}
+
+
+def build_commit_map(path: Path) -> dict[int, Record]:
+    layout = Layout(str(path))
+    out = {}
+    for seq in layout.list_segments():
+        f = SegmentFile(layout.segment_path(seq), seq)
+        try:
+            for item in scan_segment(f, 0):
+                if isinstance(item, ScannedRecord) and item.type == rec.RecordType.COMMIT:
+                    c = decode_commit(item.payload)
+                    out[c.iteration] = Record(seq, item.loc.offset, item.loc.end, item.type,
+                                              item.loc.length)
+        finally:
+            f.close()
+    return out
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_damaged_header_of_the_last_commit_is_damage_not_tail(tmp_path, with_index):
+    """Every byte of the last COMMIT record's header, flipped: fsck reports the damage and names
+    the iteration (from its checksummed manifest, with or without the index), and the writer
+    quarantines the tail holding the commit instead of cutting it silently."""
+    import numpy as np
+
+    base = tmp_path / "base"
+    commits = _small_store(base)
+    last = commits[4]
+    for i in range(rec.HEADER_SIZE):
+        store = tmp_path / f"h{i}"
+        shutil.copytree(base, store)
+        layout = Layout(str(store))
+        if not with_index:
+            shutil.rmtree(layout.index_dir)
+        seg = layout.segment_path(last.seq)
+        flip(Path(seg), last.offset + i, 1, random.Random(i))
+        where = f"header byte {i} of the last commit flipped"
+        report = check(store)
+        lines = "\n".join(report.lines())
+        assert not report.clean and report.iterations == [1, 2, 3], f"{where}:\n{lines}"
+        assert any(d.path == seg and d.offset == last.offset for d in report.damage), f"{where}:\n{lines}"
+        assert list(report.lost_iterations) == [4], f"{where}:\n{lines}"
+        assert "(manifest at " in report.lost_iterations[4] and "has no valid commit" in \
+            report.lost_iterations[4], f"{where}:\n{lines}"
+        assert cli_main(["fsck", str(store)]) == 1
+        with ckptstore.open(store, "a") as w:
+            assert w.iterations() == [1, 2, 3]
+            w.save(5, {"x": np.zeros(10)})
+        assert os.path.getsize(seg) > last.offset
+        q = sorted(os.listdir(layout.quarantine_dir))
+        assert len(q) == 1, f"{where}: the damaged commit was cut without quarantine: {q}"
+        kept = Path(layout.quarantine_dir, q[0]).read_bytes()
+        original = Path(base / "segments" / os.path.basename(seg)).read_bytes()
+        cut = int(q[0].split("-")[1].split(".")[0])
+        assert kept[last.offset - cut + rec.HEADER_SIZE:last.end - cut] == \
+            original[last.offset + rec.HEADER_SIZE:last.end], f"{where}: quarantine lost the commit"
+        shutil.rmtree(store)
+
+
+def test_torn_last_commit_is_only_a_tail(tmp_path):
+    """The counterpart: the last COMMIT record cut at every length (a crash mid-append: its save
+    never reached the index) is an uncommitted tail -- clean, nobody named lost, no quarantine.
+    The same cut under an index that lists the commit (it was durable, then lost) is named."""
+    base = tmp_path / "base"
+    commits = _small_store(base, 2)
+    last = commits[2]
+    assert last.end - last.offset == 128
+    # inside the header, at its end, inside the payload, at the trailer, inside the trailer
+    for cut in (last.offset + n for n in (1, 8, 16, 23, 24, 25, 60, 100, 119, 120, 121, 127)):
+        store = tmp_path / f"c{cut}"
+        shutil.copytree(base, store)
+        layout = Layout(str(store))
+        os.truncate(layout.segment_path(last.seq), cut)
+        where = f"last commit cut at {cut - last.offset} of {last.end - last.offset} bytes"
+        if cut == last.offset + 60:
+            report = check(store)
+            assert list(report.lost_iterations) == [2] and "per the index" in \
+                report.lost_iterations[2], f"{where}: {report.lines()}"
+        shutil.rmtree(layout.index_dir)  # the state a crash during save(2) leaves
+        report = check(store)
+        assert report.clean and report.iterations == [1], f"{where}: {report.lines()}"
+        assert any("uncommitted tail" in n for n in report.notes), f"{where}: {report.lines()}"
+        with ckptstore.open(store, "a") as w:
+            assert w.iterations() == [1]
+        assert not os.path.exists(layout.quarantine_dir), f"{where}: a torn tail was quarantined"
+        shutil.rmtree(store)
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_lost_commit_inside_a_group_commit(tmp_path, where):
+    """Group commit (deltas): M2 M3 M4 C2 C3 C4. Damage to C3 names exactly iteration 3 as lost
+    (its commit window ends at C4, whose manifest follows M3), not 2 or 4; 4 is unrecoverable."""
+    import numpy as np
+
+    path = tmp_path / "store"
+    with ckptstore.open(path, "a", chunk_size=CHUNK_SIZE) as w:
+        w.save(1, {"x": np.arange(5000, dtype=np.float32)})
+        for it in (2, 3, 4):
+            w.save_delta(it, {"d": np.full(50, it, dtype=np.float32)}, durable=False)
+        w.flush()
+        w.save(5, {"x": np.arange(5000, dtype=np.float32) * 5})
+    commits = build_commit_map(path)
+    c3 = commits[3]
+    assert commits[2].offset < c3.offset < commits[4].offset and c3.offset - commits[2].offset == 128
+    shutil.rmtree(Layout(str(path)).index_dir)  # evidence from the log alone
+    off = c3.offset + (rec.HEADER_SIZE + 5 if where == "payload" else 3)
+    flip(Path(Layout(str(path)).segment_path(c3.seq)), off, 1, random.Random(3))
+    report = check(path)
+    lines = "\n".join(report.lines())
+    assert report.iterations == [1, 2, 4, 5], lines
+    assert list(report.lost_iterations) == [3], lines
+    assert set(report.damaged_iterations) == {4}, lines
+    assert "chain broken at iteration 3 (lost)" in report.damaged_iterations[4][0], lines
+
+
+def test_damaged_duplicate_commit_of_an_interrupted_gc_loses_nothing(tmp_path, assert_same):
+    """A gc that failed before its marker leaves copies next to the old segments: every kept
+    checkpoint is committed twice. Damage to a copy's COMMIT is damage, but its iteration is still
+    committed (the original), so nothing may be reported lost."""
+    import numpy as np
+
+    from ckptstore.storage.fileops import FileOps
+
+    class FailMarkerRename(FileOps):
+        def _rename(self, src, dst):
+            if len(Layout(str(path)).list_gc_temps()) == 1:  # only the marker is left
+                raise OSError(5, "simulated failure before the gc commit point")
+            super()._rename(src, dst)
+
+    path = tmp_path / "store"
+    states = {i: {"x": np.full(3000, i, dtype=np.float32)} for i in range(1, 5)}
+    w = ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=1 << 20,
+                       file_ops=FailMarkerRename())
+    for i, st in states.items():
+        w.save(i, st)
+    with pytest.raises(ckptstore.StoreIOError):
+        w.gc(keep_last=2)
+    w.close()
+    layout = Layout(str(path))
+    assert layout.list_segments() == [1, 2]  # the old segment and the renamed copy
+    copy = {it: r for it, r in build_commit_map(path).items() if r.seq == 2}
+    assert sorted(copy) == [3, 4]
+    flip(Path(layout.segment_path(2)), copy[3].offset + 9, 1, random.Random(1))
+    report = check(path)
+    lines = "\n".join(report.lines())
+    assert report.iterations == [1, 2, 3, 4], lines
+    assert not report.lost_iterations and not report.damaged_iterations, lines
+    assert any(d.offset == copy[3].offset for d in report.damage), lines
+    with ckptstore.open(path, "r") as r:
+        for i, st in states.items():
+            assert_same(st, r.load(i))
 
 
 def test_unknown_store_version(pristine, tmp_path, capsys):

@@ -8,7 +8,15 @@ Replay rules (normative in the spec):
 * CHUNK and TREE records become *pending*; a valid COMMIT whose manifest is valid, has the named
   digest and the same iteration makes everything pending visible at once (one index batch).
 * Records after the last valid commit are the *tail*: uncommitted, never indexed. The writer
-  truncates it on open; readers ignore it.
+  truncates it on open (quarantining it first when it is *suspicious*: it holds a damaged commit);
+  readers ignore it.
+* A torn tail (a crash mid-append) and damage to a complete commit are told apart only by verified
+  evidence: a COMMIT-typed record with a valid header that fails its payload check or names no
+  valid manifest, or, where a record header is invalid, a complete COMMIT-shaped record whose
+  96-byte payload passes its own trailer check (``_probe_commit``).
+* A checkpoint whose commit is damaged or gone is named only from verified bytes: a valid MANIFEST
+  record that no valid commit names, whose iteration is not committed, with damage between it and
+  the next commit of a later save (``LostCommit``). Unverified payloads are never decoded.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import xxhash
 from ..errors import CorruptRecordError, FormatError
 from ..format import records as rec
 from ..format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header
-from ..format.commit import Commit, decode_commit
+from ..format.commit import COMMIT_SIZE, Commit, decode_commit
 from ..format.header import FORMAT_VERSION, SegmentHeader
 from ..format.manifest import decode_committed_manifest, decode_manifest
 from ..format.tree import decode_tree
@@ -53,6 +61,37 @@ class Damage:
         return f"{self.path} offset {self.offset}: {kind} ({self.end - self.offset} bytes): {self.reason}"
 
 
+#: Bytes of a whole COMMIT record (header, 96-byte payload, trailer).
+COMMIT_RECORD_SIZE = rec.OVERHEAD + COMMIT_SIZE
+
+
+@dataclass(frozen=True)
+class LostCommit:
+    """A checkpoint that was written but has no valid commit, known from verified evidence: the
+    valid MANIFEST record at ``path``/``offset`` (its iteration read from its checked payload)
+    that no valid commit names, while ``evidence`` (damage, or a missing segment) lies between it
+    and the next valid commit of a later save."""
+
+    iteration: int
+    path: str
+    offset: int
+    evidence: str
+
+    def __str__(self) -> str:
+        return (f"iteration {self.iteration} (manifest at {self.path}:{self.offset}) has no valid "
+                f"commit: {self.evidence}")
+
+
+@dataclass(frozen=True)
+class _Event:
+    """Damage at a place in log order; ``suspicious`` when it may be a damaged commit (or a
+    missing segment), which a crash cannot produce."""
+
+    pos: tuple[int, int]
+    what: str
+    suspicious: bool
+
+
 @dataclass
 class ReplayReport:
     """What a replay saw. ``tail_*`` describe bytes after the last valid commit."""
@@ -67,6 +106,12 @@ class ReplayReport:
     tail_suspicious: bool = False
     #: chunk addresses whose records were verified (only with verify=True)
     verified_chunks: set[bytes] = field(default_factory=set)
+    #: live sequence numbers missing from the consecutive run watermark+1 .. highest present
+    missing: list[int] = field(default_factory=list)
+    #: the subset of ``missing`` that a gc marker with a damaged header may have made obsolete
+    missing_uncertain: set[int] = field(default_factory=set)
+    #: checkpoints whose commit is damaged or gone (only those whose manifest this replay walked)
+    lost: list[LostCommit] = field(default_factory=list)
 
 
 class Log:
@@ -81,6 +126,8 @@ class Log:
         self.header_damage: dict[int, FormatError] = {}
         self.foreign: set[int] = set()
         self.watermark = 0
+        #: every segment file listed by the last refresh (obsolete and foreign ones included)
+        self.present: list[int] = []
         self.writer: SegmentWriter | None = None
 
     # ---- segments -------------------------------------------------------------------------
@@ -93,6 +140,7 @@ class Log:
     def refresh_segments(self) -> list[int]:
         """Re-list the directory, read new segment headers; return the live (non-obsolete) seqs."""
         present = self.layout.list_segments()
+        self.present = present
         for seq in present:
             f = self._files.get(seq)
             if f is not None and not f.same_file():
@@ -132,6 +180,23 @@ class Log:
     def obsolete_segments(self) -> list[int]:
         return [s for s in self.layout.list_segments() if s <= self.watermark]
 
+    def missing_segments(self) -> tuple[list[int], set[int]]:
+        """Segment files missing as of the last refresh, and the subset that may be obsolete.
+
+        Writers number live segments consecutively from watermark + 1 (a roll takes the highest
+        seq + 1, gc output follows the watermark, tail cuts delete from the highest down), so every
+        seq in ``watermark+1 .. highest present`` must exist. A segment whose header is damaged
+        may be a gc marker whose ``supersedes`` is unknown: a missing seq below it may have been
+        collected, so it is returned in the second (uncertain) set as well.
+        """
+        if not self.present:
+            return [], set()
+        have = set(self.present)
+        missing = [s for s in range(self.watermark + 1, self.present[-1] + 1) if s not in have]
+        damaged = [s for s in self.header_damage if s not in self.foreign]
+        top = max(damaged, default=0)
+        return missing, {s for s in missing if s < top}
+
     def read_payload(self, loc: Loc, verify: bool = True) -> memoryview:
         return self.file(loc.seq).read_payload(loc, verify)
 
@@ -150,13 +215,27 @@ class Log:
         ``index``. Never modifies the log."""
         live = self.refresh_segments()
         report = ReplayReport(position=start)
+        events: list[_Event] = []  # damage in log order, for naming checkpoints that lost a commit
+
+        def damaged(d: Damage, seq: int, suspicious: bool = False) -> None:
+            report.damage.append(d)
+            events.append(_Event((seq, d.offset), str(d), suspicious))
+            if suspicious:
+                report.tail_suspicious = True
+
         for seq, err in sorted(self.header_damage.items()):
             if seq > self.watermark and (start is None or seq >= start.seq):
-                report.damage.append(Damage(err.path or "", 0, 0, rec.RecordType.SEGMENT_HEADER,
-                                            err.reason))
+                damaged(Damage(err.path or "", 0, 0, rec.RecordType.SEGMENT_HEADER, err.reason), seq)
+        report.missing, report.missing_uncertain = self.missing_segments()
+        for seq in report.missing:
+            if seq not in report.missing_uncertain:
+                events.append(_Event((seq, 0), f"segment file {self.layout.segment_path(seq)} "
+                                                   "is missing", True))
         pending_chunks: dict[bytes, ChunkRef] = {}
         pending_trees: dict[bytes, Loc] = {}
         manifests: dict[tuple[int, int], tuple[bytes, int]] = {}
+        named: set[tuple[int, int]] = set()  # manifest locations named by a valid commit
+        commit_points: list[tuple[tuple[int, int], tuple[int, int]]] = []  # (commit, its manifest)
         batch = IndexBatch()
         seen_segments: list[int] = []
         tail_start: list[tuple[int, int]] = []  # candidate tail: records since the last commit
@@ -173,23 +252,29 @@ class Log:
                     progress(item.loc.end - item.loc.offset if isinstance(item, ScannedRecord)
                              else item.end - item.start)
                 if isinstance(item, CorruptRegion):
-                    report.damage.append(Damage(f.path, item.start, item.end, None, item.error.reason))
+                    c = _probe_commit(f, item)
+                    if c is None:
+                        damaged(Damage(f.path, item.start, item.end, None, item.error.reason), seq)
+                    else:
+                        damaged(Damage(f.path, item.start, item.end, rec.RecordType.COMMIT,
+                                       f"{item.error.reason}: a complete COMMIT record with a "
+                                       "damaged header (its payload passes its own check and "
+                                       f"names iteration {c.iteration})"), seq, suspicious=True)
                     continue
                 if item.error is not None:
-                    report.damage.append(_describe_damaged_record(f, item))
-                    if item.type == rec.RecordType.COMMIT:
-                        report.tail_suspicious = True
+                    damaged(_describe_damaged_record(f, item), seq,
+                            suspicious=item.type == rec.RecordType.COMMIT)
                     continue
                 t = item.type
                 if t == rec.RecordType.SEGMENT_HEADER:
                     if item.loc.offset != 0:
-                        report.damage.append(Damage(f.path, item.loc.offset, item.loc.end, t,
-                                                    "segment header record inside a segment"))
+                        damaged(Damage(f.path, item.loc.offset, item.loc.end, t,
+                                       "segment header record inside a segment"), seq)
                 elif t == rec.RecordType.CHUNK:
                     try:
                         ch = decode_chunk_header(f.pread(item.loc.payload_offset, CHUNK_HEADER_SIZE))
                     except FormatError as e:
-                        report.damage.append(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason))
+                        damaged(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason), seq)
                         continue
                     pending_chunks[ch.address] = ChunkRef(item.loc, int(ch.codec))
                     if verify:
@@ -198,14 +283,14 @@ class Log:
                     try:
                         tree = decode_tree(item.payload)
                     except FormatError as e:
-                        report.damage.append(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason))
+                        damaged(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason), seq)
                         continue
                     pending_trees[tree.root] = item.loc
                 elif t == rec.RecordType.MANIFEST:
                     try:
                         m = decode_manifest(item.payload)
                     except FormatError as e:
-                        report.damage.append(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason))
+                        damaged(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason), seq)
                         continue
                     manifests[(seq, item.loc.offset)] = (xxhash.xxh3_128_digest(item.payload),
                                                          m.iteration)
@@ -213,20 +298,21 @@ class Log:
                     try:
                         c = decode_commit(item.payload)
                     except FormatError as e:
-                        report.damage.append(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason))
-                        report.tail_suspicious = True
+                        damaged(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason), seq,
+                                suspicious=True)
                         continue
-                    m = manifests.get((c.manifest_seq, c.manifest_offset))
+                    mloc = (c.manifest_seq, c.manifest_offset)
+                    m = manifests.get(mloc)
                     walked_ok = m is not None and m == (c.manifest_digest, c.iteration)
                     # a manifest written before where this replay started (group commit) is
                     # read and checked at its location instead
                     if not walked_ok and (m is not None or not self._manifest_valid(c)):
-                        report.damage.append(Damage(
-                            f.path, item.loc.offset, item.loc.end, t,
-                            f"commit of iteration {c.iteration} names a manifest that is missing, "
-                            "damaged or different"))
-                        report.tail_suspicious = True
+                        damaged(Damage(f.path, item.loc.offset, item.loc.end, t,
+                                       f"commit of iteration {c.iteration} names a manifest that "
+                                       "is missing, damaged or different"), seq, suspicious=True)
                         continue
+                    named.add(mloc)
+                    commit_points.append(((seq, item.loc.offset), mloc))
                     batch.chunks.update(pending_chunks)
                     batch.trees.update(pending_trees)
                     pending_chunks.clear()
@@ -250,7 +336,35 @@ class Log:
             if (size > off and not header_only) or torn_header:
                 report.tail.append((seq, off))
                 report.tail_bytes += max(size - off, 0)
+        orphans = [(loc, it) for loc, (_, it) in manifests.items()
+                   if loc not in named and index.get_commit(it) is None]
+        if orphans:
+            report.lost = self._lost_commits(orphans, commit_points, events)
         return report
+
+    def _lost_commits(self, orphans: list[tuple[tuple[int, int], int]],
+                      commit_points: list[tuple[tuple[int, int], tuple[int, int]]],
+                      events: list[_Event]) -> list[LostCommit]:
+        """Name the checkpoints among ``orphans`` (valid manifests that no valid commit names and
+        whose iteration is not committed) whose commit was damaged or lost.
+
+        The commit of a manifest M lies after M and before the first valid commit of a save that
+        began after M (a commit naming a manifest after M; in a group commit, the commits of
+        earlier members of M's group come before M's own). M's checkpoint lost its commit if damage
+        lies in that window. Where no such commit follows, the window reaches into the tail, and
+        only damage a crash cannot leave (a damaged commit, a missing segment) counts: a manifest
+        followed by a torn record is a save that crashed before its commit point.
+        """
+        events = sorted(events, key=lambda e: e.pos)
+        lost = []
+        for pos, iteration in sorted(orphans):
+            end = next((c for c, m in commit_points if c > pos and m > pos), None)
+            ev = next((e for e in events if pos < e.pos and (
+                e.pos < end if end is not None else e.suspicious)), None)
+            if ev is not None:
+                lost.append(LostCommit(iteration, self.layout.segment_path(pos[0]), pos[1],
+                                       ev.what))
+        return lost
 
     def _manifest_valid(self, c: "Commit") -> bool:
         """Whether the record at the commit's manifest location is the manifest it names."""
@@ -311,18 +425,16 @@ class Log:
         cut_off = position.offset if position is not None else 0
         if quarantine:
             self._quarantine(live, cut_seq, cut_off)
-        removed = False
-        for seq in live:
-            if seq > cut_seq:
-                if self.writer is not None and self.writer.seq == seq:
-                    self.writer.close()
-                    self.writer = None
-                self.file(seq).close()
-                self._files.pop(seq, None)
-                self.headers.pop(seq, None)
-                self.ops.unlink(self.layout.segment_path(seq))
-                removed = True
-        if removed:
+        # Highest first, each unlink made durable before the next: a crash part-way leaves a
+        # consecutive run of segments, never a gap that fsck would report as a missing file.
+        for seq in sorted((s for s in live if s > cut_seq), reverse=True):
+            if self.writer is not None and self.writer.seq == seq:
+                self.writer.close()
+                self.writer = None
+            self.file(seq).close()
+            self._files.pop(seq, None)
+            self.headers.pop(seq, None)
+            self.ops.unlink(self.layout.segment_path(seq))
             self.ops.fsync_dir(self.layout.segment_dir)
         if position is not None:
             path = self.layout.segment_path(cut_seq)
@@ -359,19 +471,39 @@ class Log:
 
 
 def _describe_damaged_record(f: SegmentFile, item: ScannedRecord) -> Damage:
-    """A Damage for a record whose payload failed its check, with what can still be read of it
-    (a chunk's address, a commit's iteration) so fsck can name what is affected."""
+    """A Damage for a record whose payload failed its check. For a CHUNK record the address in its
+    (unverified) chunk header is kept, only to point fsck's per-tensor lines at this record when
+    that address is one a verified tree names; nothing else is read from a failed payload, so no
+    iteration is ever named from unverified bytes."""
     assert item.error is not None
     d = Damage(f.path, item.loc.offset, item.loc.end, item.type, item.error.reason)
-    try:
-        if item.type == rec.RecordType.CHUNK:
+    if item.type == rec.RecordType.CHUNK:
+        try:
             d.address = decode_chunk_header(f.pread(item.loc.payload_offset, CHUNK_HEADER_SIZE)).address
-        elif item.type == rec.RecordType.COMMIT:
-            c = decode_commit(f.pread(item.loc.payload_offset, item.loc.length))
-            d.reason += f" (it appears to be the commit of iteration {c.iteration})"
-    except (FormatError, OSError):
-        pass
+        except (FormatError, OSError):
+            pass
     return d
+
+
+def _probe_commit(f: SegmentFile, region: CorruptRegion) -> Commit | None:
+    """The commit held by a complete COMMIT record at ``region.start`` whose header is damaged.
+
+    Where the record header is invalid, its type and length cannot be trusted, but a COMMIT
+    payload has a fixed size: if the 96 bytes after the 24 header bytes pass the check stored
+    in the 8 bytes after them and decode as a commit, a whole COMMIT record lies there and only
+    its header changed (a random or torn byte range passes a 64-bit check with probability
+    2^-64). A torn append never looks like this: its bytes end at the end of the file before the
+    record's end, or hold zeros or garbage that fail the check.
+    """
+    if region.end - region.start < COMMIT_RECORD_SIZE:
+        return None
+    buf = f.pread(region.start, COMMIT_RECORD_SIZE)
+    payload = buf[rec.HEADER_SIZE:rec.HEADER_SIZE + COMMIT_SIZE]
+    try:
+        rec.check_trailer(payload, buf[rec.HEADER_SIZE + COMMIT_SIZE:])
+        return decode_commit(payload)
+    except FormatError:
+        return None
 
 
 def _header_len() -> int:
