@@ -48,11 +48,11 @@ class LmdbIndex(Index):
             map_size = max(_INITIAL_MAP, _file_size(os.path.join(path, "data.mdb")) * 2)
             self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True, sync=True,
                                  metasync=True, readahead=False, lock=True)
+            self._check_size()  # before anything reads a page past the meta pages
             self._meta = self.env.open_db(b"meta")
             self._chunks = self.env.open_db(b"chunks")
             self._trees = self.env.open_db(b"trees")
             self._commits = self.env.open_db(b"commits")
-            self._check_size()
             with self.env.begin() as txn:
                 fmt = txn.get(b"format", db=self._meta)
                 sid = txn.get(b"store_id", db=self._meta)
