@@ -85,8 +85,9 @@ def measure(path: str, n: int, loads: int) -> dict[str, float | int]:
         if deltas:
             t, _ = timed(lambda: [w.load_record(i) for i in deltas])
             out["load_record_delta_s"] = t / len(deltas)
-        t, _ = timed(lambda: w.save(n + 1, tiny_state(n + 1)))
-        out["save_one_more_s"] = t
+        saves = [timed(lambda: w.save(i, tiny_state(i)))[0] for i in range(n + 1, n + 12)]
+        out["save_first_after_open_s"] = saves[0]
+        out["save_median_s"] = sorted(saves[1:])[5]
     finally:
         w.close()
     t, r = timed(lambda: ckptstore.open(path, "r"))
