@@ -24,7 +24,7 @@ from .format.header import (FORMAT_VERSION, STORE_HEADER_SIZE, StoreHeader, deco
                             encode_store_header)
 from .format.chunk import MAX_CHUNK_SIZE
 from .format import records as rec
-from .format.commit import KIND_DELTA, KIND_NAMES, KIND_SNAPSHOT, encode_commit
+from .format.commit import KIND_DELTA, KIND_NAMES, encode_commit
 from .format.manifest import Manifest
 from .format.state import flatten, format_path, leaf_paths, path_name
 from .reader import StateReader, read_manifest, read_tree

@@ -8,7 +8,6 @@ import fcntl
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import textwrap
