@@ -7,7 +7,7 @@
 """
 
 from .errors import (ChecksumMismatch, CkptStoreError, CorruptRecordError, DamagedCheckpointError,
-                     DiskFullError, FormatError, IterationOrderError, NotFoundError,
+                     DiskFullError, FormatError, IndexUnusable, IterationOrderError, NotFoundError,
                      ReadOnlyStoreError, StoreClosedError, StoreIOError, StoreLockedError,
                      StoreNotFoundError, UnsupportedTypeError, UnsupportedVersionError)
 import os as _os
@@ -34,5 +34,5 @@ __all__ = [
     "CkptStoreError", "FormatError", "CorruptRecordError", "ChecksumMismatch",
     "UnsupportedVersionError", "StoreNotFoundError", "StoreLockedError", "ReadOnlyStoreError",
     "StoreClosedError", "NotFoundError", "IterationOrderError", "UnsupportedTypeError",
-    "StoreIOError", "DiskFullError", "DamagedCheckpointError",
+    "StoreIOError", "DiskFullError", "DamagedCheckpointError", "IndexUnusable",
 ]

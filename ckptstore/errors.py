@@ -121,6 +121,12 @@ class DamagedCheckpointError(CkptStoreError):
     """A committed checkpoint cannot be read back intact (a chunk, tree or manifest is damaged)."""
 
 
+class IndexUnusable(CkptStoreError):
+    """The writer's LMDB index (a cache of the log, format-spec/format.md §16) cannot be opened or
+    read, or holds a value that does not decode or does not match the log. The store handles it by
+    rebuilding the index from the log; it reaches callers only from direct index use."""
+
+
 class DeltaChainError(CkptStoreError, ValueError):
     """A gradient delta cannot be written or replayed because its chain is broken: no preceding
     base snapshot, a gap (the delta for iteration t must follow iteration t-1), or a delta whose

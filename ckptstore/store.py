@@ -16,27 +16,30 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .errors import (CkptStoreError, DeltaChainError, FormatError, IterationOrderError, NotFoundError,
-                     ReadOnlyStoreError, StoreClosedError, StoreIOError, StoreLockedError,
-                     StoreNotFoundError, UnsupportedTypeError)
+from .errors import (CkptStoreError, DamagedCheckpointError, DeltaChainError, FormatError,
+                     IndexUnusable, IterationOrderError, NotFoundError, ReadOnlyStoreError,
+                     StoreClosedError, StoreIOError, StoreLockedError, StoreNotFoundError,
+                     UnsupportedTypeError)
 from .format.header import (FORMAT_VERSION, STORE_HEADER_SIZE, StoreHeader, decode_store_header,
                             encode_store_header)
 from .format.chunk import MAX_CHUNK_SIZE
 from .format import records as rec
-from .format.commit import KIND_DELTA, KIND_NAMES, KIND_SNAPSHOT, encode_commit
+from .format.commit import KIND_DELTA, KIND_NAMES, encode_commit
 from .format.manifest import Manifest
-from .format.state import flatten, path_name
+from .format.state import flatten, format_path, leaf_paths, path_name
 from .reader import StateReader, read_manifest, read_tree
 from .storage.fileops import FileOps, io_errors
 from .storage.index import CommitEntry, Index, IndexBatch, MemoryIndex, Position
 from .storage.layout import Layout
-from .storage.lmdb_index import IndexUnusable, LmdbIndex
+from .storage.lmdb_index import LmdbIndex
 from .storage.log import Log, ReplayReport
 from .tensors import leaf_hook, no_leaves
 from .writer import SaveStats, write_snapshot
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 DEFAULT_SEGMENT_SIZE = 1 << 30
+#: Scans a reader starts over when a concurrent gc deletes a segment under it.
+_READER_RETRIES = 3
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,9 @@ class Store:
         self._pending_start: Position | None = None
         self._pending_since = 0.0
         self._load_threads = load_threads
+        #: the writer's index was rebuilt from the log by this process, so a read that fails now
+        #: fails because of the log, not the index (no second rebuild)
+        self._index_rebuilt = False
         try:
             if mode == "a":
                 self._open_writer(chunk_size, segment_size)
@@ -105,15 +111,28 @@ class Store:
         self._replay_for_reader(None)
 
     def _replay_for_reader(self, start: Position | None) -> None:
-        """Replay into the reader's index; a gc in the writer may delete a segment mid-scan, in
-        which case the scan starts over once on the new segment set."""
-        try:
-            self.last_replay = self.log.replay(self.index, start)
-        except (FileNotFoundError, StoreIOError) as e:
-            if not _caused_by_missing_file(e):
-                raise
-            self.index.clear()
-            self.last_replay = self.log.replay(self.index, None)
+        """Catch the reader's index up with the log from ``start``.
+
+        One directory listing decides both whether a gc happened (the live segments up to the
+        index's position differ from those the index was built from: start over) and what is
+        replayed, so a gc completing in between cannot mix two segment sets. A gc that deletes a
+        segment after that listing makes the scan fail with ENOENT; the scan then starts over on
+        a fresh listing (a few times: each retry needs another gc to race it)."""
+        for attempt in range(_READER_RETRIES):
+            try:
+                live = self.log.refresh_segments()
+                if start is not None:
+                    segs = self.index.segments()
+                    if segs is None or tuple(s for s in live if s <= start.seq) != segs:
+                        self.index.clear()
+                        start = None
+                self.last_replay = self.log.replay(self.index, start, live=live)
+                return
+            except (FileNotFoundError, StoreIOError) as e:
+                if not _caused_by_missing_file(e) or attempt == _READER_RETRIES - 1:
+                    raise
+                self.index.clear()
+                start = None
 
     def _open_writer(self, chunk_size: int | None, segment_size: int | None) -> None:
         with io_errors("create store directory", self.path):
@@ -182,6 +201,27 @@ class Store:
         except IndexUnusable:
             LmdbIndex.destroy(self.layout.index_dir)
             return LmdbIndex(self.layout.index_dir, self.header.store_id)
+
+    def _rebuild_index(self) -> None:
+        """The index disagreed with the log (a malformed value, a location that does not hold what
+        it names): rebuild it from the log (writer only). The log is not touched: uncommitted
+        pending deltas stay pending and are indexed when flushed."""
+        with self._mutex:
+            self.index.close()
+            LmdbIndex.destroy(self.layout.index_dir)
+            self.index = self._open_index()
+            self._index_rebuilt = True
+            self.last_replay = self.log.replay(self.index, None)
+
+    def _indexed(self, fn: Callable[[], Any]) -> Any:
+        """Run an index lookup; a writer whose index turns out unusable rebuilds it and retries."""
+        try:
+            return fn()
+        except IndexUnusable:
+            if self.mode != "a":
+                raise
+            self._rebuild_index()
+            return fn()
 
     def _index_start(self) -> Position | None:
         """Where replay can start: the index's position if the index matches the log, else None
@@ -286,7 +326,7 @@ class Store:
                 raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
             if self._pending:
                 self._flush_locked()
-            latest = self.index.latest()
+            latest = self._indexed(lambda: self.index.latest())
             if latest is not None and iteration <= latest:
                 raise IterationOrderError(
                     f"iteration {iteration} is not after the latest committed iteration {latest} "
@@ -334,7 +374,7 @@ class Store:
                 prev = self._pending[-1][0].commits[0].commit.iteration
                 base = self._pending[-1][1]
             else:
-                prev = self.index.latest()
+                prev = self._indexed(lambda: self.index.latest())
                 if prev is None:
                     raise DeltaChainError(
                         f"delta for iteration {iteration} refused: {self.path} holds no base "
@@ -414,13 +454,16 @@ class Store:
             self._recover()
 
     def _kind(self, iteration: int) -> int | None:
-        e = self.index.get_commit(iteration)
+        e = self._indexed(lambda: self.index.get_commit(iteration))
         return None if e is None else e.commit.kind
 
     def _chain_base(self, iteration: int) -> int:
         """The base snapshot the chain ending at committed ``iteration`` starts from; raises
         DeltaChainError when the chain is broken (a predecessor is missing)."""
-        it = iteration
+        base = self._indexed(lambda: self.index.chains().base(iteration))
+        if base is not None:
+            return base
+        it = iteration  # not recoverable: find where the chain breaks, for the message
         while True:
             k = self._kind(it)
             if k is None:
@@ -440,24 +483,10 @@ class Store:
         """"snapshot" (a base) or "delta"."""
         return KIND_NAMES.get(self._entry(iteration).commit.kind, "unknown")
 
-    def _recoverable(self) -> list[int]:
-        """Committed iterations that can be loaded: snapshots, and deltas whose every predecessor
-        back to a snapshot is committed (the chain rule of format-spec/deltas.md)."""
-        out: list[int] = []
-        ok: set[int] = set()
-        for it in self.index.iterations():
-            k = self._kind(it)
-            if k == KIND_SNAPSHOT or (k == KIND_DELTA and it - 1 in ok):
-                ok.add(it)
-                out.append(it)
-        return out
-
     def _recoverable_latest(self) -> int | None:
-        latest = self.index.latest()
-        if latest is None or self._kind(latest) == KIND_SNAPSHOT:
-            return latest
-        its = self._recoverable()
-        return its[-1] if its else None
+        """The newest recoverable iteration (the chain rule of format-spec/deltas.md), O(1) from
+        the index's recoverability summary."""
+        return self._indexed(lambda: self.index.latest_recoverable())
 
     def durable_iteration(self) -> int | None:
         """The newest iteration that survives a crash right now: committed (fsynced) and
@@ -468,8 +497,7 @@ class Store:
     def load_record(self, iteration: int, keys: Sequence[Any] | None = None) -> Any:
         """The state stored for ``iteration`` as written: for a delta, its delta record (not the
         replayed state). Same as :meth:`load` for a snapshot."""
-        reader = StateReader(self.log, self.index, threads=self._load_threads)
-        return self._retry_after_gc(lambda: reader.load(self._entry(iteration), keys, None))
+        return self._read_retrying(lambda: self._state_reader().load(self._entry(iteration), keys, None))
 
     def replay(self, start: int, stop: int, **options: Any):
         """Yield ``(iteration, state)`` for every iteration in ``start..stop`` (inclusive), each
@@ -495,13 +523,7 @@ class Store:
             self._check_open()
             if self.mode == "a":
                 return
-            pos = self.index.position()
-            live = self.log.refresh_segments()
-            segs = self.index.segments()
-            if pos is not None and (segs is None or tuple(s for s in live if s <= pos.seq) != segs):
-                self.index.clear()
-                pos = None
-            self._replay_for_reader(pos)
+            self._replay_for_reader(self.index.position())
 
     def _sync_view(self) -> None:
         """Readers: catch up with the log. Writers: finish a recovery a failure left pending."""
@@ -515,10 +537,7 @@ class Store:
     def iterations(self) -> list[int]:
         """Committed, recoverable iterations (snapshots and deltas with an intact chain), ascending."""
         self._sync_view()
-        its = self.index.iterations()
-        if not its or all(self._kind(i) == KIND_SNAPSHOT for i in its):
-            return its
-        return self._recoverable()
+        return self._indexed(lambda: self.index.recoverable())
 
     def latest(self) -> int | None:
         """The newest committed recoverable iteration, or None for an empty store."""
@@ -527,7 +546,7 @@ class Store:
 
     def _entry(self, iteration: int) -> CommitEntry:
         self._check_open()
-        e = self.index.get_commit(iteration) if type(iteration) is int else None
+        e = self._indexed(lambda: self.index.get_commit(iteration)) if type(iteration) is int else None
         if e is None and self.mode == "r":
             self.refresh()
             e = self.index.get_commit(iteration)
@@ -542,7 +561,7 @@ class Store:
 
     def manifest(self, iteration: int) -> Manifest:
         """The decoded, verified manifest of a committed iteration."""
-        return self._retry_after_gc(lambda: read_manifest(self.log, self._entry(iteration)))
+        return self._read_retrying(lambda: read_manifest(self.log, self._entry(iteration)))
 
     def meta(self, iteration: int) -> Any:
         from .format.state import unflatten
@@ -559,7 +578,7 @@ class Store:
         if self._entry(iteration).commit.kind == KIND_DELTA:
             from .replay import replay_to
 
-            state = self._retry_after_gc(lambda: replay_to(self, iteration))
+            state = self._read_retrying(lambda: replay_to(self, iteration))
             if keys is not None:
                 missing = [k for k in keys if k not in state]
                 if missing:
@@ -567,27 +586,48 @@ class Store:
                                         f"state (it has {list(state)})")
                 state = {k: state[k] for k in keys}
             return state
-        reader = StateReader(self.log, self.index, threads=self._load_threads)
-        return self._retry_after_gc(lambda: reader.load(self._entry(iteration), keys, progress))
+        return self._read_retrying(
+            lambda: self._state_reader().load(self._entry(iteration), keys, progress))
 
-    def _retry_after_gc(self, fn: Callable[[], Any]) -> Any:
-        """Readers: a gc in the writer may delete segments under us; refresh once and retry."""
+    def _state_reader(self) -> StateReader:
+        return StateReader(self.log, self.index, threads=self._load_threads)
+
+    def _read_retrying(self, fn: Callable[[], Any]) -> Any:
+        """Run a read of checkpoint data, retrying once where the failure may not be the log's.
+
+        Readers: a gc in the writer may delete segments under us; refresh and retry. Writers: the
+        LMDB index is a cache whose values are checked on use; a read that fails on an index value
+        (IndexUnusable) or on what it located (DamagedCheckpointError) rebuilds the index from
+        the log once per process and retries, so only damage in the log itself reaches the caller.
+        """
         try:
             return fn()
         except CkptStoreError as e:
-            if self.mode != "r" or not _caused_by_missing_file(e):
+            if self.mode == "r":
+                if not _caused_by_missing_file(e):
+                    raise
+                self.refresh()
+            elif isinstance(e, (IndexUnusable, DamagedCheckpointError)) and not self._index_rebuilt:
+                self._rebuild_index()
+            else:
                 raise
-            self.refresh()
             return fn()
 
     def diff(self, a: int, b: int) -> list[TensorDiff]:
-        """Compare the tensors of two checkpoints by Merkle roots, then chunk addresses."""
-        ma, mb = self.manifest(a), self.manifest(b)
-        ta = {t.path: t for t in ma.tensors}
-        tb = {t.path: t for t in mb.tensors}
+        """Compare the tensors of two checkpoints by Merkle roots, then chunk addresses.
+
+        Tensors are matched by their structured path (typed keys: ``{"a/b": x}`` is not
+        ``{"a": {"b": x}}``, the key ``1`` is not ``"1"``). ``TensorDiff.path`` is the usual
+        ``a/b`` display, or ``state['a/b']`` where two paths of the diff would display alike."""
+        ta, tb = _tensors_by_path(self.manifest(a)), _tensors_by_path(self.manifest(b))
+        keys = list(ta) + [k for k in tb if k not in ta]
+        names: dict[str, int] = {}
+        for k in keys:
+            names[_display(k, False)] = names.get(_display(k, False), 0) + 1
         out: list[TensorDiff] = []
-        for path in list(ta) + [p for p in tb if p not in ta]:
-            ea, eb = ta.get(path), tb.get(path)
+        for key in keys:
+            ea, eb = ta.get(key), tb.get(key)
+            path = _display(key, names[_display(key, False)] > 1)
             if eb is None:
                 out.append(TensorDiff(path, "removed", ea.nbytes, 0, 0))
             elif ea is None:
@@ -617,7 +657,34 @@ class Store:
 
         with self._mutex:
             self._check_writable()
-            return collect(self, keep_last=keep_last, keep_every=keep_every, progress=progress)
+            return self._read_retrying(
+                lambda: collect(self, keep_last=keep_last, keep_every=keep_every, progress=progress))
+
+
+#: A diff key: a tensor's structured path and its occurrence number among equal paths of one
+#: manifest (0 unless the manifest is odd); tensors no state node names are keyed by display path.
+_DiffKey = tuple[Any, ...]
+
+
+def _tensors_by_path(m: Manifest) -> dict[_DiffKey, Any]:
+    paths = leaf_paths(m.state)
+    out: dict[_DiffKey, Any] = {}
+    for i, t in enumerate(m.tensors):
+        p = paths.get(i)
+        key: _DiffKey = ("path", p, 0) if p is not None else ("unreferenced", t.path, 0)
+        while key in out:
+            key = (key[0], key[1], key[2] + 1)
+        out[key] = t
+    return out
+
+
+def _display(key: _DiffKey, unambiguous: bool) -> str:
+    kind, p, n = key
+    if kind != "path":
+        name = p
+    else:
+        name = format_path(p) if unambiguous else path_name(p)
+    return f"{name} #{n + 1}" if n else name
 
 
 def _caused_by_missing_file(e: BaseException) -> bool:

@@ -20,11 +20,13 @@ from typing import Any, Callable
 
 import xxhash
 
+from .errors import FormatError, IndexUnusable
 from .format import records as rec
-from .format.chunk import address_of, choose_encoding, encode_chunk_header
+from .format.chunk import (CHUNK_HEADER_SIZE, address_of, choose_encoding, decode_chunk_header,
+                           encode_chunk_header)
 from .format.commit import COMMIT_SIZE, KIND_DELTA, KIND_SNAPSHOT, Commit, encode_commit
 from .format.manifest import INLINE_MAX, Manifest, TensorEntry, encode_manifest
-from .format.tree import encode_tree, make_tree, snapshot_root, tree_root
+from .format.tree import decode_tree, encode_tree, make_tree, snapshot_root, tree_root
 from .storage.index import ChunkRef, CommitEntry, Index, IndexBatch, Position
 from .storage.log import Log
 from .storage.segments import Loc
@@ -44,6 +46,34 @@ class SaveStats:
     tensors: int
     seconds: float
     snapshot_root: str
+
+
+def stored_chunk(log: Log, index: Index, address: bytes) -> bool:
+    """Whether the log holds chunk ``address`` where the index says (its record header and chunk
+    header are read and checked, not its data). A malformed or wrong index entry reads as absent:
+    the chunk is written again and its new location replaces the entry, so no commit ever depends
+    on an index value the log does not confirm."""
+    try:
+        ref = index.get_chunk(address)
+        if ref is None:
+            return False
+        head = log.file(ref.loc.seq).pread(ref.loc.offset, rec.HEADER_SIZE + CHUNK_HEADER_SIZE)
+        header = rec.decode_header(head[:rec.HEADER_SIZE])
+        chunk = decode_chunk_header(head[rec.HEADER_SIZE:])
+    except (IndexUnusable, FormatError, OSError):
+        return False
+    return header.type == rec.RecordType.CHUNK and header.length == ref.loc.length and \
+        chunk.address == address
+
+
+def stored_tree(log: Log, index: Index, root: bytes) -> bool:
+    """Whether the log holds the TREE record of ``root`` where the index says (read and decoded);
+    like :func:`stored_chunk`, a wrong index entry reads as absent."""
+    try:
+        loc = index.get_tree(root)
+        return loc is not None and decode_tree(log.read_payload(loc)).root == root
+    except (IndexUnusable, FormatError, OSError):
+        return False
 
 
 def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: Any,
@@ -90,7 +120,7 @@ def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: 
                 piece = view[start:start + chunk_size]
                 addr = address_of(piece)
                 addresses.append(addr)
-                if addr in new_chunks or index.get_chunk(addr) is not None:
+                if addr in new_chunks or stored_chunk(log, index, addr):
                     dedup += len(piece)
                     n_dedup += 1
                 else:
@@ -102,7 +132,7 @@ def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: 
                     progress(len(piece))
             tree = make_tree(nbytes, chunk_size, addresses)
             root = tree.root
-            if root not in new_trees and index.get_tree(root) is None:
+            if root not in new_trees and not stored_tree(log, index, root):
                 new_trees[root] = append(rec.RecordType.TREE, [encode_tree(tree)])
         entries.append(TensorEntry(leaf.name, leaf.lib, leaf.dtype, leaf.shape, nbytes, root, inline,
                                    leaf.param, leaf.requires_grad))

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 from collections import Counter
 from pathlib import Path
 
@@ -346,27 +347,23 @@ def _read_while_writing(tmp_path, forkserver, assert_same, seconds: float, **wri
     try:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            try:
-                with ckptstore.open(path, "r") as r:  # a fresh reader
-                    it = r.latest()
-                    assert it is not None
-                    assert_same(state_for(it), r.load(it), f"fresh reader, iteration {it}")
-                    its = r.iterations()
-                    assert its[-1] >= it
-                    seen["fresh reader loads"] += 1
-                    latest_seen.add(it)
-                it = long_lived.latest()  # a reader that follows the writer (refresh)
-                assert_same(state_for(it), long_lived.load(it), f"long-lived reader, iteration {it}")
-                seen["long-lived reader loads"] += 1
+            # a reader racing the writer (and its gc) must never fail: no error is tolerated
+            with ckptstore.open(path, "r") as r:  # a fresh reader
+                it = r.latest()
+                assert it is not None
+                assert_same(state_for(it), r.load(it), f"fresh reader, iteration {it}")
+                its = r.iterations()
+                assert its[-1] >= it
+                seen["fresh reader loads"] += 1
                 latest_seen.add(it)
-                if not writer.get("gc_every"):
-                    its = long_lived.iterations()
-                    assert its == list(range(1, its[-1] + 1)), \
-                        f"a committed iteration is missing: {its}"
-            except ckptstore.StoreIOError as e:
-                if not (writer.get("gc_every") and _is_listing_race(e)):
-                    raise
-                seen[KNOWN_LISTING_RACE] += 1
+            it = long_lived.latest()  # a reader that follows the writer (refresh)
+            assert_same(state_for(it), long_lived.load(it), f"long-lived reader, iteration {it}")
+            seen["long-lived reader loads"] += 1
+            latest_seen.add(it)
+            if not writer.get("gc_every"):
+                its = long_lived.iterations()
+                assert its == list(range(1, its[-1] + 1)), \
+                    f"a committed iteration is missing: {its}"
     finally:
         long_lived.close()
         stop.touch()
@@ -384,24 +381,9 @@ def test_readers_during_writer(tmp_path, forkserver, assert_same):
     print(dict(seen))
 
 
-KNOWN_LISTING_RACE = "hit known bug: segment deleted under refresh_segments (test_reader_listing_races_gc)"
-
-
-def _is_listing_race(e: BaseException) -> bool:
-    """The known bug pinned by test_reader_listing_races_gc: ENOENT escaping
-    Log.refresh_segments while reading the header of a segment a gc just deleted."""
-    tb, frames = e.__traceback__, []
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_name)
-        tb = tb.tb_next
-    return e.errno == errno.ENOENT and "refresh_segments" in frames and "read_segment_header" in frames
-
-
 def test_readers_during_writer_with_gc(tmp_path, forkserver, assert_same):
     seen = _read_while_writing(tmp_path, forkserver, assert_same, 3.0, gc_every=4, keep_last=3)
     print(dict(seen))
-    if seen[KNOWN_LISTING_RACE]:  # every other check passed; remove once that bug is fixed
-        pytest.xfail(f"BUG (see test_reader_listing_races_gc) hit: {dict(seen)}")
 
 
 # ---- a crash inside Log.roll ---------------------------------------------------------------------
@@ -620,7 +602,32 @@ class _RacyLayout(Layout):
         return listing
 
 
-def _reader_behind_a_gc(path: Path, assert_same, n: int, before: bool) -> None:
+def _listing_race(n: int, before: bool):
+    """Stage a gc at the reader's n-th directory listing (see _RacyLayout)."""
+    def stage(r, gc) -> Callable[[], bool]:
+        r.log.layout = _RacyLayout(r.path)
+        _RacyLayout.calls, _RacyLayout.plan = 0, (n, gc, before)
+        return lambda: _RacyLayout.calls >= n
+    return stage
+
+
+def _gc_after_deciding(r, gc) -> Callable[[], bool]:
+    """Stage a gc right after the reader's first refresh_segments returns: the reader has listed
+    the segments and decides from that listing whether its index is still valid, then scans."""
+    real, calls = r.log.refresh_segments, []
+
+    def refresh_segments() -> list[int]:
+        live = real()
+        calls.append(len(live))
+        if len(calls) == 1:
+            gc()
+        return live
+
+    r.log.refresh_segments = refresh_segments
+    return lambda: len(calls) >= 1
+
+
+def _reader_behind_a_gc(path: Path, assert_same, stage) -> None:
     w = ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=SEGMENT_SIZE)
     try:
         for it in range(1, 7):
@@ -632,10 +639,9 @@ def _reader_behind_a_gc(path: Path, assert_same, n: int, before: bool) -> None:
             while Layout(str(path)).list_segments() == segs:  # a segment the reader has not seen
                 it += 1
                 w.save(it, state_for(it))
-            r.log.layout = _RacyLayout(str(path))
-            _RacyLayout.calls, _RacyLayout.plan = 0, (n, lambda: w.gc(keep_last=2), before)
+            staged = stage(r, lambda: w.gc(keep_last=2))
             latest = r.latest()  # the gc runs inside this call
-            assert _RacyLayout.calls >= n, "the race was not staged"
+            assert staged(), "the race was not staged"
             assert latest == it
             assert r.iterations() == [it - 1, it], "the reader lists removed iterations"
             for i in r.iterations():
@@ -646,23 +652,14 @@ def _reader_behind_a_gc(path: Path, assert_same, n: int, before: bool) -> None:
         w.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Log.refresh_segments catches FileNotFoundError around read_segment_header, but "
-    "SegmentFile.pread wraps it (io_errors) into StoreIOError(errno ENOENT), so a reader whose "
-    "directory listing names a segment that a concurrent gc deletes before its header is read "
-    "(also: a segment it has open, once same_file() sees the path gone) gets 'StoreIOError: read "
-    "failed on .../NNNNNNNNNN.seg: No such file or directory' from iterations()/latest()/load(); "
-    "Store.refresh calls refresh_segments outside the _replay_for_reader retry. Seen in "
-    "test_readers_during_writer_with_gc about 1 run in 6"))
 def test_reader_listing_races_gc(tmp_path, assert_same):
-    _reader_behind_a_gc(tmp_path / "store", assert_same, n=1, before=False)
+    """A listing names segments a gc deletes before their headers are read (was: StoreIOError
+    ENOENT escaping Log.refresh_segments, outside the reader's retry)."""
+    _reader_behind_a_gc(tmp_path / "store", assert_same, _listing_race(1, before=False))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Store.refresh decides whether a gc happened (index segments vs. the live listing) from "
-    "one directory listing, then Log.replay lists again; a gc that completes in between is "
-    "followed by replay (new watermark, the new segments replayed from offset 0) without the "
-    "index being cleared, so the reader keeps listing the removed iterations, whose segments are "
-    "gone (their loads fail, and later refreshes see matching segments and never clear them)"))
 def test_reader_refresh_straddles_gc(tmp_path, assert_same):
-    _reader_behind_a_gc(tmp_path / "store", assert_same, n=2, before=True)
+    """A gc completes between the listing a reader's refresh decides on and its scan (was: the
+    scan listed again and replayed the gc's segments into the uncleared index, so removed
+    iterations stayed listed)."""
+    _reader_behind_a_gc(tmp_path / "store", assert_same, _gc_after_deciding)

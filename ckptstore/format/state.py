@@ -212,6 +212,41 @@ def _children(n: Any) -> list[Any]:
     return out
 
 
+def leaf_paths(node: Any) -> dict[int, Path]:
+    """The structured path of every array leaf under ``node``: leaf index -> tuple of typed keys
+    (str or int dict keys, int list/tuple positions), so ``{"a/b": x}`` and ``{"a": {"b": y}}``,
+    or the keys ``1`` and ``"1"``, give distinct paths. An OrderedDict's ``_metadata`` node is
+    reached through the key ``"_metadata"``, as in :func:`flatten`. Malformed nodes are skipped;
+    a leaf index that appears twice keeps its first path."""
+    out: dict[int, Path] = {}
+    stack: list[tuple[Any, Path]] = [(node, ())]
+    while stack:
+        n, path = stack.pop()
+        if len(path) > MAX_DEPTH:
+            continue
+        if type(n) is list:
+            stack.extend((v, path + (i,)) for i, v in enumerate(n))
+        elif type(n) is dict:
+            if len(n) == 1 and type(n.get("T")) is int:
+                out.setdefault(n["T"], path)
+                continue
+            for tag, body in n.items():
+                if tag == "t" and type(body) is list:
+                    stack.extend((v, path + (i,)) for i, v in enumerate(body))
+                elif tag in ("d", "o") and type(body) is list:
+                    for item in body:
+                        if type(item) is list and len(item) == 2:
+                            key = item[0]
+                            if type(key) is dict and type(key.get("i")) is str and \
+                                    _HEX_INT.fullmatch(key["i"]):
+                                key = int(key["i"], 16)
+                            if type(key) in (str, int):
+                                stack.append((item[1], path + (key,)))
+                elif tag == "m":
+                    stack.append((body, path + ("_metadata",)))
+    return out
+
+
 def leaf_indices(node: Any) -> list[int]:
     """Indices of every array leaf under ``node`` (used to plan a partial load)."""
     out: list[int] = []

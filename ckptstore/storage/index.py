@@ -12,8 +12,12 @@ import bisect
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Iterable
 
-from ..format.commit import COMMIT_SIZE, Commit, decode_commit, encode_commit
+from ..errors import FormatError, IndexUnusable
+from ..format.commit import COMMIT_SIZE, KIND_DELTA, KIND_SNAPSHOT, Commit, decode_commit, encode_commit
+from ..format.chunk import Codec
+from ..format.records import MAX_PAYLOAD
 from .segments import Loc
 
 
@@ -57,8 +61,33 @@ def pack_loc(loc: Loc) -> bytes:
     return _LOC.pack(loc.seq, loc.offset, loc.length)
 
 
+#: Size of a packed commit entry: the COMMIT record's location, then its payload.
+PACKED_COMMIT_SIZE = _LOC.size + COMMIT_SIZE
+#: Offset of the commit's ``kind`` byte inside a packed commit entry (format/commit.py).
+PACKED_KIND_OFFSET = _LOC.size + 88
+_SEQ_MAX = 10**10  # segment names have ten digits (storage/layout.py)
+_CODECS = frozenset(int(c) for c in Codec)
+
+
+def _bad_value(what: str, buf: bytes, why: str) -> IndexUnusable:
+    return IndexUnusable(f"index {what} value of {len(buf)} bytes is invalid: {why}")
+
+
+def _check_loc(what: str, buf: bytes, seq: int, length: int) -> None:
+    if not 0 < seq < _SEQ_MAX:
+        raise _bad_value(what, buf, f"segment {seq} out of range")
+    if length > MAX_PAYLOAD:  # also bounds what a read at this location allocates
+        raise _bad_value(what, buf, f"record length {length} out of range")
+
+
 def unpack_loc(buf: bytes) -> Loc:
-    return Loc(*_LOC.unpack(buf))
+    """Decode an index location value; raises IndexUnusable when it is malformed (the index is a
+    cache: its values are checked, never trusted)."""
+    if len(buf) != _LOC.size:
+        raise _bad_value("location", buf, f"expected {_LOC.size} bytes")
+    seq, off, length = _LOC.unpack(buf)
+    _check_loc("location", buf, seq, length)
+    return Loc(seq, off, length)
 
 
 def pack_chunk(ref: ChunkRef) -> bytes:
@@ -66,7 +95,13 @@ def pack_chunk(ref: ChunkRef) -> bytes:
 
 
 def unpack_chunk(buf: bytes) -> ChunkRef:
+    """Decode an index chunk value; raises IndexUnusable when it is malformed."""
+    if len(buf) != _CHUNK.size:
+        raise _bad_value("chunk", buf, f"expected {_CHUNK.size} bytes")
     seq, off, length, codec = _CHUNK.unpack(buf)
+    _check_loc("chunk", buf, seq, length)
+    if codec not in _CODECS:
+        raise _bad_value("chunk", buf, f"unknown codec {codec}")
     return ChunkRef(Loc(seq, off, length), codec)
 
 
@@ -75,7 +110,59 @@ def pack_commit(e: CommitEntry) -> bytes:
 
 
 def unpack_commit(buf: bytes) -> CommitEntry:
-    return CommitEntry(decode_commit(buf[_LOC.size:_LOC.size + COMMIT_SIZE]), unpack_loc(buf[:_LOC.size]))
+    """Decode a packed commit entry; raises IndexUnusable when it is malformed."""
+    if len(buf) != PACKED_COMMIT_SIZE:
+        raise _bad_value("commit", buf, f"expected {PACKED_COMMIT_SIZE} bytes")
+    try:
+        c = decode_commit(buf[_LOC.size:])
+    except FormatError as e:
+        raise _bad_value("commit", buf, e.reason) from None
+    loc = unpack_loc(buf[:_LOC.size])
+    if loc.length != COMMIT_SIZE or not 0 < c.manifest_seq < _SEQ_MAX:
+        raise _bad_value("commit", buf, "location out of range")
+    return CommitEntry(c, loc)
+
+
+class Chains:
+    """Which committed iterations are recoverable, kept up to date as commits are applied.
+
+    The chain rule (format-spec/deltas.md): a snapshot is recoverable; a delta is recoverable iff
+    the iteration right before it is committed and recoverable. So a recoverable delta's base is the
+    nearest snapshot at or before it. Commits normally arrive in increasing iteration order, which
+    costs O(1) each; anything else marks the summary stale and it is recomputed on next use.
+    """
+
+    def __init__(self, kinds: Iterable[tuple[int, int]]) -> None:
+        self.recoverable: list[int] = []
+        self.snapshots: list[int] = []
+        self.last: int | None = None
+        self.last_kind: int | None = None
+        self._last_ok = False
+        for it, kind in kinds:
+            self.add(it, kind)
+
+    def add(self, it: int, kind: int) -> bool:
+        """Record the commit of ``it``; False when it does not extend the summary in order (the
+        caller then rebuilds it), except for a repeat of the last commit (a gc copy)."""
+        if self.last is not None and it <= self.last:
+            return it == self.last and kind == self.last_kind
+        ok = kind == KIND_SNAPSHOT or (kind == KIND_DELTA and self.last == it - 1 and self._last_ok)
+        if ok:
+            self.recoverable.append(it)
+        if kind == KIND_SNAPSHOT:
+            self.snapshots.append(it)
+        self.last, self.last_kind, self._last_ok = it, kind, ok
+        return True
+
+    def latest(self) -> int | None:
+        return self.recoverable[-1] if self.recoverable else None
+
+    def base(self, it: int) -> int | None:
+        """The base snapshot of recoverable ``it`` (itself for a snapshot), None if not recoverable."""
+        i = bisect.bisect_left(self.recoverable, it)
+        if i == len(self.recoverable) or self.recoverable[i] != it:
+            return None
+        return self.snapshots[bisect.bisect_right(self.snapshots, it) - 1]
 
 
 class Index(ABC):
@@ -116,6 +203,34 @@ class Index(ABC):
     def close(self) -> None:
         pass
 
+    # ---- recoverability (derived from the commits; in memory) --------------------------------
+    _chains: Chains | None = None
+
+    @abstractmethod
+    def kinds(self) -> Iterable[tuple[int, int]]:
+        """(iteration, commit kind) for every commit, ascending."""
+
+    def chains(self) -> Chains:
+        """The recoverability summary, built on first use by one pass over :meth:`kinds`."""
+        if self._chains is None:
+            self._chains = Chains(self.kinds())
+        return self._chains
+
+    def _note_commits(self, commits: list[CommitEntry]) -> None:
+        """Keep the summary current after ``commits`` were applied (call from :meth:`apply`)."""
+        if self._chains is not None:
+            for e in commits:
+                if not self._chains.add(e.commit.iteration, e.commit.kind):
+                    self._chains = None
+                    break
+
+    def recoverable(self) -> list[int]:
+        """Committed iterations that can be loaded (snapshots and deltas with an intact chain)."""
+        return list(self.chains().recoverable)
+
+    def latest_recoverable(self) -> int | None:
+        return self.chains().latest()
+
 
 class MemoryIndex(Index):
     """An index held in dicts; what readers build by scanning the log."""
@@ -131,6 +246,7 @@ class MemoryIndex(Index):
         self._position: Position | None = None
         self._last: CommitEntry | None = None
         self._segments: tuple[int, ...] | None = None
+        self._chains = None
 
     def get_chunk(self, address: bytes) -> ChunkRef | None:
         return self._chunks.get(address)
@@ -156,6 +272,9 @@ class MemoryIndex(Index):
     def segments(self) -> tuple[int, ...] | None:
         return self._segments
 
+    def kinds(self) -> Iterable[tuple[int, int]]:
+        return [(it, self._commits[it].commit.kind) for it in self._sorted]
+
     def apply(self, batch: IndexBatch) -> None:
         self._chunks.update(batch.chunks)
         self._trees.update(batch.trees)
@@ -168,3 +287,4 @@ class MemoryIndex(Index):
             self._position = batch.position
         if batch.segments is not None:
             self._segments = batch.segments
+        self._note_commits(batch.commits)

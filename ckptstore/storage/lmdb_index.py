@@ -21,9 +21,13 @@ import struct
 
 import lmdb
 
-from ..errors import CkptStoreError
-from .index import (ChunkRef, CommitEntry, Index, IndexBatch, Position, pack_chunk, pack_commit,
-                    pack_loc, unpack_chunk, unpack_commit, unpack_loc)
+from typing import Callable, Iterable
+
+from ..errors import IndexUnusable
+from ..format.commit import KINDS
+from .index import (PACKED_COMMIT_SIZE, PACKED_KIND_OFFSET, ChunkRef, CommitEntry, Index,
+                    IndexBatch, Position, pack_chunk, pack_commit, pack_loc, unpack_chunk,
+                    unpack_commit, unpack_loc)
 from .segments import Loc
 
 INDEX_FORMAT = b"1"
@@ -32,8 +36,7 @@ _BE64 = struct.Struct(">Q")
 _POS = struct.Struct("<QQ")
 
 
-class IndexUnusable(CkptStoreError):
-    """The LMDB environment cannot be opened or read; the caller deletes and rebuilds it."""
+__all__ = ["IndexUnusable", "LmdbIndex"]  # IndexUnusable lives in errors.py; kept importable here
 
 
 class LmdbIndex(Index):
@@ -45,6 +48,7 @@ class LmdbIndex(Index):
             map_size = max(_INITIAL_MAP, _file_size(os.path.join(path, "data.mdb")) * 2)
             self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True, sync=True,
                                  metasync=True, readahead=False, lock=True)
+            self._check_size()  # before anything reads a page past the meta pages
             self._meta = self.env.open_db(b"meta")
             self._chunks = self.env.open_db(b"chunks")
             self._trees = self.env.open_db(b"trees")
@@ -53,21 +57,55 @@ class LmdbIndex(Index):
                 fmt = txn.get(b"format", db=self._meta)
                 sid = txn.get(b"store_id", db=self._meta)
         except lmdb.Error as e:
+            self._close_quietly()
             raise IndexUnusable(f"index at {path} cannot be opened: {e}") from e
+        except IndexUnusable:
+            self._close_quietly()
+            raise
+        self._cache_sorted: list[int] | None = None
         if fmt is None and sid is None:
             self._init_meta()
         elif fmt != INDEX_FORMAT or sid != store_id:
+            self._close_quietly()
             raise IndexUnusable(f"index at {path} belongs to another store or format")
-        self._cache_sorted: list[int] | None = None
+
+    def _check_size(self) -> None:
+        """A data.mdb shorter than the pages its meta page names (a truncated copy, a cut file)
+        would fault (SIGBUS) on the first read of a missing page: refuse it instead."""
+        info, psize = self.env.info(), self.env.stat()["psize"]
+        need = (info["last_pgno"] + 1) * psize
+        have = _file_size(os.path.join(self.path, "data.mdb"))
+        if have < need:
+            raise IndexUnusable(f"index at {self.path} is truncated: data.mdb holds {have} bytes, "
+                                f"its pages need {need}")
+
+    def _close_quietly(self) -> None:
+        env = getattr(self, "env", None)
+        if env is not None:
+            env.close()
+
+    def _write(self, fn: Callable[[lmdb.Transaction], None]) -> None:
+        """Run ``fn`` in one write transaction; grow the map (doubling) while it is full."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    fn(txn)
+                return
+            except lmdb.MapFullError:
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            except lmdb.Error as e:
+                raise IndexUnusable(f"index write failed at {self.path}: {e}") from e
 
     @staticmethod
     def destroy(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
     def _init_meta(self) -> None:
-        with self.env.begin(write=True) as txn:
+        def put(txn: lmdb.Transaction) -> None:
             txn.put(b"format", INDEX_FORMAT, db=self._meta)
             txn.put(b"store_id", self.store_id, db=self._meta)
+
+        self._write(put)
 
     def _get(self, key: bytes, db) -> bytes | None:
         try:
@@ -92,21 +130,43 @@ class LmdbIndex(Index):
 
     def iterations(self) -> list[int]:
         if self._cache_sorted is None:
-            with self.env.begin() as txn:
-                cur = txn.cursor(db=self._commits)
-                self._cache_sorted = [_BE64.unpack(k)[0] for k in cur.iternext(keys=True, values=False)]
+            try:
+                with self.env.begin() as txn:
+                    cur = txn.cursor(db=self._commits)
+                    keys = list(cur.iternext(keys=True, values=False))
+            except lmdb.Error as e:
+                raise IndexUnusable(f"index read failed at {self.path}: {e}") from e
+            if any(len(k) != 8 for k in keys):
+                raise IndexUnusable(f"index at {self.path}: a commits key is not 8 bytes")
+            self._cache_sorted = [_BE64.unpack(k)[0] for k in keys]
         return list(self._cache_sorted)
 
     def latest(self) -> int | None:
-        if self._cache_sorted is not None:
-            return self._cache_sorted[-1] if self._cache_sorted else None
-        with self.env.begin() as txn:
-            cur = txn.cursor(db=self._commits)
-            return _BE64.unpack(cur.key())[0] if cur.last() else None
+        if self._cache_sorted is None:
+            self.iterations()
+        assert self._cache_sorted is not None
+        return self._cache_sorted[-1] if self._cache_sorted else None
+
+    def kinds(self) -> Iterable[tuple[int, int]]:
+        """One cursor pass over the commits, reading only each entry's kind byte (checked)."""
+        out: list[tuple[int, int]] = []
+        try:
+            with self.env.begin() as txn:
+                for k, v in txn.cursor(db=self._commits).iternext(keys=True, values=True):
+                    if len(k) != 8 or len(v) != PACKED_COMMIT_SIZE or v[PACKED_KIND_OFFSET] not in KINDS:
+                        raise IndexUnusable(f"index at {self.path}: malformed commit entry {k.hex()}")
+                    out.append((_BE64.unpack(k)[0], v[PACKED_KIND_OFFSET]))
+        except lmdb.Error as e:
+            raise IndexUnusable(f"index read failed at {self.path}: {e}") from e
+        return out
 
     def position(self) -> Position | None:
         v = self._get(b"position", self._meta)
-        return None if v is None else Position(*_POS.unpack(v))
+        if v is None:
+            return None
+        if len(v) != _POS.size:
+            raise IndexUnusable(f"index at {self.path}: position value of {len(v)} bytes")
+        return Position(*_POS.unpack(v))
 
     def last_commit(self) -> CommitEntry | None:
         v = self._get(b"last_commit", self._meta)
@@ -116,15 +176,13 @@ class LmdbIndex(Index):
         v = self._get(b"segments", self._meta)
         if v is None:
             return None
+        if len(v) % 8:
+            raise IndexUnusable(f"index at {self.path}: segments value of {len(v)} bytes")
         return tuple(struct.unpack(f"<{len(v) // 8}Q", v))
 
     def apply(self, batch: IndexBatch) -> None:
-        while True:
-            try:
-                self._apply_once(batch)
-                break
-            except lmdb.MapFullError:
-                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+        self._write(lambda txn: self._put_batch(txn, batch))
+        self._note_commits(batch.commits)
         if self._cache_sorted is not None:
             for e in batch.commits:
                 it = e.commit.iteration
@@ -134,27 +192,29 @@ class LmdbIndex(Index):
                     self._cache_sorted = None
                     break
 
-    def _apply_once(self, batch: IndexBatch) -> None:
-        with self.env.begin(write=True) as txn:
-            for addr, ref in batch.chunks.items():
-                txn.put(addr, pack_chunk(ref), db=self._chunks)
-            for root, loc in batch.trees.items():
-                txn.put(root, pack_loc(loc), db=self._trees)
-            for e in batch.commits:
-                txn.put(_BE64.pack(e.commit.iteration), pack_commit(e), db=self._commits)
-                txn.put(b"last_commit", pack_commit(e), db=self._meta)
-            if batch.position is not None:
-                txn.put(b"position", _POS.pack(batch.position.seq, batch.position.offset), db=self._meta)
-            if batch.segments is not None:
-                txn.put(b"segments", struct.pack(f"<{len(batch.segments)}Q", *batch.segments),
-                        db=self._meta)
+    def _put_batch(self, txn: lmdb.Transaction, batch: IndexBatch) -> None:
+        for addr, ref in batch.chunks.items():
+            txn.put(addr, pack_chunk(ref), db=self._chunks)
+        for root, loc in batch.trees.items():
+            txn.put(root, pack_loc(loc), db=self._trees)
+        for e in batch.commits:
+            txn.put(_BE64.pack(e.commit.iteration), pack_commit(e), db=self._commits)
+            txn.put(b"last_commit", pack_commit(e), db=self._meta)
+        if batch.position is not None:
+            txn.put(b"position", _POS.pack(batch.position.seq, batch.position.offset), db=self._meta)
+        if batch.segments is not None:
+            txn.put(b"segments", struct.pack(f"<{len(batch.segments)}Q", *batch.segments),
+                    db=self._meta)
 
     def clear(self) -> None:
-        with self.env.begin(write=True) as txn:
+        def drop(txn: lmdb.Transaction) -> None:
             for db in (self._chunks, self._trees, self._commits, self._meta):
                 txn.drop(db, delete=False)
+
+        self._write(drop)
         self._init_meta()
         self._cache_sorted = None
+        self._chains = None
 
     def close(self) -> None:
         self.env.close()

@@ -21,6 +21,7 @@ Replay rules (normative in the spec):
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,6 +43,8 @@ from .segments import (CorruptRegion, Loc, ScannedRecord, SegmentFile, SegmentWr
 
 #: Commits per index transaction while replaying a long log.
 _REPLAY_BATCH = 4096
+#: Directory listings refresh_segments takes when segments vanish under it (a concurrent gc).
+_LISTING_RETRIES = 5
 
 
 @dataclass
@@ -138,18 +141,37 @@ class Log:
         return f
 
     def refresh_segments(self) -> list[int]:
-        """Re-list the directory, read new segment headers; return the live (non-obsolete) seqs."""
-        present = self.layout.list_segments()
+        """Re-list the directory, read new segment headers; return the live (non-obsolete) seqs.
+
+        A segment that vanishes between the listing and the read of its header was deleted by a
+        concurrent gc (readers only; the writer holds the lock). gc creates its new segments before
+        it deletes the old ones, so the directory is listed again: the result never names a
+        segment known to be gone, and never misses the segments that replaced it."""
+        for _ in range(_LISTING_RETRIES):
+            present = self.layout.list_segments()
+            vanished = self._read_headers(present)
+            if not vanished:
+                break
+        present = [s for s in present if s not in vanished]
         self.present = present
+        gone = set(self._files) - set(present)
+        for seq in gone:
+            if self.writer is not None and self.writer.seq == seq:
+                continue
+            self._forget(seq)
+        # A segment of another store is reported (header_damage) but never replayed.
+        return [s for s in present if s > self.watermark and s not in self.foreign]
+
+    def _read_headers(self, present: list[int]) -> set[int]:
+        """Read the headers of newly listed segments; return the seqs found missing."""
+        vanished: set[int] = set()
         for seq in present:
             f = self._files.get(seq)
             if f is not None and not f.same_file():
-                # the number was reused (a cut tail's segment deleted, a new one rolled): forget
-                # the old file so this reader opens the new one
+                # the number was reused (a cut tail's segment deleted, a new one rolled) or the
+                # file was deleted: forget the old file so this reader opens the current one
                 if self.writer is None or self.writer.seq != seq:
-                    self._files.pop(seq).close()
-                    self.headers.pop(seq, None)
-                    self.header_damage.pop(seq, None)
+                    self._forget(seq)
             if seq in self.headers or seq in self.header_damage:
                 continue
             try:
@@ -157,7 +179,11 @@ class Log:
             except FormatError as e:
                 self.header_damage[seq] = e
                 continue
-            except FileNotFoundError:
+            except OSError as e:  # StoreIOError from pread included
+                if e.errno != errno.ENOENT:
+                    raise
+                self._forget(seq)
+                vanished.add(seq)
                 continue
             if h.store_id != self.store_id:
                 self.header_damage[seq] = CorruptRecordError(
@@ -166,16 +192,15 @@ class Log:
                 continue
             self.headers[seq] = h
             self.watermark = max(self.watermark, h.supersedes)
-        gone = set(self._files) - set(present)
-        for seq in gone:
-            if self.writer is not None and self.writer.seq == seq:
-                continue
-            self._files.pop(seq).close()
-            self.headers.pop(seq, None)
-            self.header_damage.pop(seq, None)
-            self.foreign.discard(seq)
-        # A segment of another store is reported (header_damage) but never replayed.
-        return [s for s in present if s > self.watermark and s not in self.foreign]
+        return vanished
+
+    def _forget(self, seq: int) -> None:
+        f = self._files.pop(seq, None)
+        if f is not None:
+            f.close()
+        self.headers.pop(seq, None)
+        self.header_damage.pop(seq, None)
+        self.foreign.discard(seq)
 
     def obsolete_segments(self) -> list[int]:
         return [s for s in self.layout.list_segments() if s <= self.watermark]
@@ -210,10 +235,13 @@ class Log:
 
     # ---- replay ---------------------------------------------------------------------------
     def replay(self, index: Index, start: Position | None, *, verify: bool = False,
-               progress: Callable[[int], None] | None = None) -> ReplayReport:
+               progress: Callable[[int], None] | None = None,
+               live: list[int] | None = None) -> ReplayReport:
         """Scan the log from ``start`` (None: from the beginning) and apply every valid commit to
-        ``index``. Never modifies the log."""
-        live = self.refresh_segments()
+        ``index``. Never modifies the log. ``live``: the result of the :meth:`refresh_segments`
+        call the caller based its choice of ``start`` on (default: list the segments now)."""
+        if live is None:
+            live = self.refresh_segments()
         report = ReplayReport(position=start)
         events: list[_Event] = []  # damage in log order, for naming checkpoints that lost a commit
 
