@@ -15,13 +15,16 @@ transaction survives power loss; even so nothing depends on it for correctness.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import struct
+from typing import Any, Callable
 
 import lmdb
 
-from ..errors import CkptStoreError
+from ..errors import CkptStoreError, StoreIOError
+from .fileops import FileOps, wrap_os_error
 from .index import (ChunkRef, CommitEntry, Index, IndexBatch, Position, pack_chunk, pack_commit,
                     pack_loc, unpack_chunk, unpack_commit, unpack_loc)
 from .segments import Loc
@@ -36,15 +39,52 @@ class IndexUnusable(CkptStoreError):
     """The LMDB environment cannot be opened or read; the caller deletes and rebuilds it."""
 
 
+#: LMDB failures that say the disk or its permissions, not the index, are at fault: rebuilding
+#: the index would not help, so they surface as StoreIOError / DiskFullError.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+_STRERROR = {os.strerror(n): n for n in errno.errorcode}
+
+
+def lmdb_errno(e: lmdb.Error) -> int | None:
+    """The OS errno behind an lmdb error, when it has one (py-lmdb keeps only the message)."""
+    if isinstance(e, lmdb.DiskError):
+        return errno.ENOSPC
+    if isinstance(e, lmdb.ReadonlyError):
+        return errno.EACCES
+    text = str(e)
+    for msg, n in _STRERROR.items():
+        if text.endswith(msg):
+            return n
+    return None
+
+
+def wrap_lmdb_error(operation: str, path: str, e: lmdb.Error) -> StoreIOError:
+    """A typed I/O error for a failed LMDB call, naming the operation and the index directory."""
+    n = lmdb_errno(e)
+    return wrap_os_error(operation, path, OSError(n if n is not None else errno.EIO, str(e)))
+
+
 class LmdbIndex(Index):
-    def __init__(self, path: str, store_id: bytes) -> None:
+    def __init__(self, path: str, store_id: bytes, ops: FileOps | None = None) -> None:
         self.path = path
         self.store_id = store_id
+        self.ops = ops or FileOps()
+        self._cache_sorted: list[int] | None = None
+        self.ops.makedirs(path)
+        self.env: Any = None
         try:
-            os.makedirs(path, exist_ok=True)
+            self._open_env()
+        except BaseException:
+            if self.env is not None:  # one environment per path per process: never leak one
+                self.env.close()
+            raise
+
+    def _open_env(self) -> None:
+        path = self.path
+        try:
             map_size = max(_INITIAL_MAP, _file_size(os.path.join(path, "data.mdb")) * 2)
-            self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True, sync=True,
-                                 metasync=True, readahead=False, lock=True)
+            self.env = self.ops.index_open(path, map_size=map_size, max_dbs=8, subdir=True, sync=True,
+                                           metasync=True, readahead=False, lock=True)
             self._meta = self.env.open_db(b"meta")
             self._chunks = self.env.open_db(b"chunks")
             self._trees = self.env.open_db(b"trees")
@@ -53,21 +93,43 @@ class LmdbIndex(Index):
                 fmt = txn.get(b"format", db=self._meta)
                 sid = txn.get(b"store_id", db=self._meta)
         except lmdb.Error as e:
+            if lmdb_errno(e) in _ENVIRONMENT_ERRNOS:
+                raise wrap_lmdb_error("open index", path, e) from e
             raise IndexUnusable(f"index at {path} cannot be opened: {e}") from e
         if fmt is None and sid is None:
             self._init_meta()
-        elif fmt != INDEX_FORMAT or sid != store_id:
+        elif fmt != INDEX_FORMAT or sid != self.store_id:
             raise IndexUnusable(f"index at {path} belongs to another store or format")
-        self._cache_sorted: list[int] | None = None
 
     @staticmethod
     def destroy(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
+    def _write(self, fill: Callable[[Any], None]) -> None:
+        """Run ``fill(txn)`` in one write transaction and commit it through the FileOps seam.
+
+        MapFullError propagates (the caller grows the map); any other LMDB failure becomes a
+        StoreIOError naming the index. On failure nothing of the transaction is applied.
+        """
+        try:
+            txn = self.env.begin(write=True)
+            try:
+                fill(txn)
+            except BaseException:
+                txn.abort()
+                raise
+            self.ops.index_commit(txn, self.path)
+        except lmdb.MapFullError:
+            raise
+        except lmdb.Error as e:
+            raise wrap_lmdb_error("index write", self.path, e) from e
+
     def _init_meta(self) -> None:
-        with self.env.begin(write=True) as txn:
+        def fill(txn: Any) -> None:
             txn.put(b"format", INDEX_FORMAT, db=self._meta)
             txn.put(b"store_id", self.store_id, db=self._meta)
+
+        self._write(fill)
 
     def _get(self, key: bytes, db) -> bytes | None:
         try:
@@ -135,26 +197,32 @@ class LmdbIndex(Index):
                     break
 
     def _apply_once(self, batch: IndexBatch) -> None:
-        with self.env.begin(write=True) as txn:
-            for addr, ref in batch.chunks.items():
-                txn.put(addr, pack_chunk(ref), db=self._chunks)
-            for root, loc in batch.trees.items():
-                txn.put(root, pack_loc(loc), db=self._trees)
-            for e in batch.commits:
-                txn.put(_BE64.pack(e.commit.iteration), pack_commit(e), db=self._commits)
-                txn.put(b"last_commit", pack_commit(e), db=self._meta)
-            if batch.position is not None:
-                txn.put(b"position", _POS.pack(batch.position.seq, batch.position.offset), db=self._meta)
-            if batch.segments is not None:
-                txn.put(b"segments", struct.pack(f"<{len(batch.segments)}Q", *batch.segments),
-                        db=self._meta)
+        self._write(lambda txn: self._fill(txn, batch))
+
+    def _fill(self, txn: Any, batch: IndexBatch) -> None:
+        for addr, ref in batch.chunks.items():
+            txn.put(addr, pack_chunk(ref), db=self._chunks)
+        for root, loc in batch.trees.items():
+            txn.put(root, pack_loc(loc), db=self._trees)
+        for e in batch.commits:
+            txn.put(_BE64.pack(e.commit.iteration), pack_commit(e), db=self._commits)
+            txn.put(b"last_commit", pack_commit(e), db=self._meta)
+        if batch.position is not None:
+            txn.put(b"position", _POS.pack(batch.position.seq, batch.position.offset), db=self._meta)
+        if batch.segments is not None:
+            txn.put(b"segments", struct.pack(f"<{len(batch.segments)}Q", *batch.segments),
+                    db=self._meta)
 
     def clear(self) -> None:
-        with self.env.begin(write=True) as txn:
+        self._cache_sorted = None
+
+        def fill(txn: Any) -> None:
             for db in (self._chunks, self._trees, self._commits, self._meta):
                 txn.drop(db, delete=False)
-        self._init_meta()
-        self._cache_sorted = None
+            txn.put(b"format", INDEX_FORMAT, db=self._meta)
+            txn.put(b"store_id", self.store_id, db=self._meta)
+
+        self._write(fill)
 
     def close(self) -> None:
         self.env.close()
