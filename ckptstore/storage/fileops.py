@@ -73,21 +73,23 @@ class FileOps:
 
     def writev(self, fd: int, path: str, buffers: Sequence[bytes | memoryview], offset: int) -> None:
         """Write all of ``buffers`` at ``offset``; retries short writes until done."""
-        total = sum(len(b) for b in buffers)
+        views = [memoryview(b).cast("B") for b in buffers]  # lengths in bytes, whatever the format
+        total = sum(len(b) for b in views)
         with io_errors("write", path):
-            done = self._pwritev(fd, buffers, offset)
+            n = done = self._pwritev(fd, views, offset)
             while done < total:  # short write: continue with the remainder
-                rest, skip = [], done
-                for b in buffers:
+                if n == 0:
+                    raise OSError(errno.EIO, "write returned 0 bytes")
+                # ``views`` starts where the previous call started: skip what that call wrote
+                rest, skip = [], n
+                for b in views:
                     if skip >= len(b):
                         skip -= len(b)
                         continue
-                    rest.append(memoryview(b)[skip:])
+                    rest.append(b[skip:])
                     skip = 0
-                buffers = rest
-                n = self._pwritev(fd, buffers, offset + done)
-                if n == 0:
-                    raise OSError(errno.EIO, "write returned 0 bytes")
+                views = rest
+                n = self._pwritev(fd, views, offset + done)
                 done += n
 
     def fsync(self, fd: int, path: str) -> None:
