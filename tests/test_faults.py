@@ -607,3 +607,156 @@ def test_every_write_short(sc: Scenario, tmp_path, assert_same):
     TOTALS["short writes (absorbed)"] += ops.calls.count("write")
     reader_check(path, sc.after, assert_same, verify=sc.verify)
     assert check(path).clean
+
+
+class _Dribble(FileOps):
+    """Every write stores at most 7 bytes (a pathological but legal pwritev)."""
+
+    def _pwritev(self, fd, buffers, offset):
+        data = b"".join(bytes(b) for b in buffers)[:7]
+        return os.pwrite(fd, data, offset)
+
+
+def test_writev_finishes_after_many_short_writes(tmp_path):
+    """Regression: after the second short write, writev skipped the bytes already written twice
+    (it measured the skip from the original buffers but applied it to the remainder)."""
+    parts = [b"header--", memoryview(np.arange(10, dtype=np.float32)), b"", b"trailer!"]
+    path = str(tmp_path / "f")
+    ops = _Dribble()
+    fd = ops.open_truncate(path)
+    try:
+        ops.writev(fd, path, parts, 3)
+    finally:
+        os.close(fd)
+    want = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    assert Path(path).read_bytes() == bytes(3) + want
+
+
+# ---- a read-only store directory -------------------------------------------------------------------
+
+class ReadOnlyFs(SweepOps):
+    """While ``on``, every call that would change the file system fails with EROFS."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def _due(self, op: str) -> bool:
+        self.calls.append(op)
+        if self.on:
+            self.injected += 1
+            return True
+        return False
+
+    def _raise(self, op: str) -> None:
+        raise OSError(errno.EROFS, f"injected EROFS ({op})")
+
+
+def test_read_only_file_system(tmp_path, assert_same):
+    """The store's file system turns read-only under a live writer (EROFS on every write-side
+    call): each write raises a typed error naming what failed, readers are unaffected, and once
+    it is writable again the same Store object carries on."""
+    path = tmp_path / "s"
+    ops = ReadOnlyFs()
+    s = open_writer(path, ops)
+    for i in range(3):
+        s.save(i, snap(i))
+    s.save_delta(3, delta(3))
+    ops.on = True
+    for what, call in [("save", lambda: s.save(4, snap(4))),
+                       ("delta", lambda: s.save_delta(4, delta(4))),
+                       ("gc", lambda: s.gc(keep_last=1))]:
+        with pytest.raises(ckptstore.StoreIOError) as info:
+            call()
+        assert info.value.errno == errno.EROFS, what
+        assert str(path) in str(info.value), what
+        reader_check(path, {0, 1, 2, 3}, assert_same)
+        assert s.iterations() == [0, 1, 2, 3]
+    # a second writer cannot even open it; a reader can
+    with pytest.raises(ckptstore.StoreIOError) as info:
+        open_writer(tmp_path / "new", ops)
+    assert info.value.errno == errno.EROFS and "new" in str(info.value)
+    TOTALS["faults injected"] += ops.injected
+    ops.on = False
+    s.save(4, snap(4))
+    s.gc(keep_last=2)
+    s.close()
+    reader_check(path, {2, 3, 4}, assert_same)  # 2: the base of delta 3
+    assert check(path).clean
+
+
+def _read_only_tree(root: Path) -> None:
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in filenames:
+            os.chmod(os.path.join(dirpath, n), 0o444)
+        os.chmod(dirpath, 0o555)
+
+
+def _as_nobody(fn: Callable[[], dict]) -> dict:
+    """Run ``fn`` in a forked child without root's privileges (root ignores permission bits);
+    return what it returned (a JSON-able dict)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(r)
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            out = fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out = {"child error": f"{type(e).__name__}: {e}"}
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def test_read_only_store_directory(tmp_path_factory, assert_same):
+    """Real permissions: every directory 0555, every file 0444. A writer open is refused with a
+    typed error naming the file; readers, fsck and the CLI's ls still work and write nothing."""
+    import tempfile
+
+    from ckptstore.cli import main as cli
+
+    base = Path(tempfile.mkdtemp(prefix="ckptstore-ro-"))  # traversable by an unprivileged uid
+    try:
+        os.chmod(base, 0o755)
+        path = base / "s"
+        with open_writer(path, FileOps()) as s:
+            for i in range(3):
+                s.save(i, snap(i))
+            s.save_delta(3, delta(3))
+        _read_only_tree(path)
+        before = {p: p.stat().st_mtime_ns for p in path.rglob("*")}
+
+        def attempt() -> dict:
+            out: dict = {}
+            try:
+                ckptstore.open(path, "a").close()
+                out["writer"] = "opened"
+            except ckptstore.StoreIOError as e:
+                out["writer"] = [type(e).__name__, e.errno, str(e)]
+            except Exception as e:  # noqa: BLE001 - reported
+                out["writer"] = [type(e).__name__, None, str(e)]
+            with ckptstore.open(path, "r") as r:
+                out["iterations"] = r.iterations()
+                for i in out["iterations"]:
+                    verify_generated(r, i, assert_same)
+            out["fsck clean"] = check(path).clean
+            out["ls exit"] = cli(["ls", str(path)])
+            return out
+
+        out = _as_nobody(attempt) if os.geteuid() == 0 else attempt()
+        assert "child error" not in out, out["child error"]
+        kind, err, msg = out["writer"]
+        assert kind == "StoreIOError" and err in (errno.EACCES, errno.EPERM, errno.EROFS), out
+        assert str(path) in msg, msg
+        assert out["iterations"] == [0, 1, 2, 3] and out["fsck clean"] and out["ls exit"] == 0
+        assert {p: p.stat().st_mtime_ns for p in path.rglob("*")} == before
+    finally:
+        for dirpath, _, _ in os.walk(base):
+            os.chmod(dirpath, 0o755)
+        shutil.rmtree(base)
