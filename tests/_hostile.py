@@ -164,7 +164,14 @@ def _run_all(spec: dict) -> dict[str, str]:
 def main(spec_file: str) -> None:
     with open(spec_file) as f:
         spec = json.load(f)
-    _run_all(spec)  # warm up: every lazy import happens now, before the audit hook
+    # warm up on a copy (the writer operations repair the store): every lazy import happens
+    # now, before the audit hook is installed
+    import shutil
+
+    warm = spec["path"] + ".warm-up"
+    shutil.copytree(spec["path"], warm)
+    _run_all(dict(spec, path=warm))
+    shutil.rmtree(warm)
     for name in os.listdir(spec["out"]):
         os.unlink(os.path.join(spec["out"], name))
     allowed = [os.path.realpath(p) for p in spec["allowed_dirs"]]

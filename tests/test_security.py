@@ -250,6 +250,7 @@ def test_malicious_store_never_executes_code(tmp_path):
     assert not untyped, json.dumps(untyped, indent=1)
     assert not marker.exists()
     res = report["results"]
+    assert res["cli fsck"] == "exit 1"  # the foreign file in segments/ is reported
     for it, what in expect.items():
         if what == "loads":
             assert res[f"load {it}"] == "ok" and res[f"cli restore torch {it}"] == "ok", res
