@@ -28,8 +28,17 @@ def _when(ns: int) -> str:
     return datetime.datetime.fromtimestamp(ns / 1e9).isoformat(timespec="seconds")
 
 
+def _printable(text: str) -> str:
+    """Escape what a terminal would interpret. Names and messages come from the store, which may
+    be hostile: a raw ESC, BEL, newline or bidi override could retitle the terminal, move the
+    cursor or forge output lines."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
+    cells = [list(map(str, header))] + [[_printable(str(c)) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
@@ -147,7 +156,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     with _progress("fsck", None) as tick:
         report = check(args.path, repair=args.repair, progress=tick)
     for line in report.lines():
-        print(line)
+        print(_printable(line))
     return 0 if report.clean else 1
 
 
@@ -222,11 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except CkptStoreError as e:
-        print(f"ckptstore {args.command}: error: {e}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-        print(f"ckptstore {args.command}: error: {e}", file=sys.stderr)
+    except (CkptStoreError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        print(f"ckptstore {args.command}: error: {_printable(str(e))}", file=sys.stderr)
         return 1
 
 

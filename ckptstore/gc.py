@@ -154,11 +154,14 @@ class _Compactor:
         self.append(rec.RecordType.COMMIT, encode_commit(moved))
 
     def abort(self) -> None:
+        """Best effort: delete the temp files (any left over are deleted by the next gc or the
+        next writer open; they are never replayed)."""
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
         for _, path in self.temps:
             try:
-                os.unlink(path)
+                self.ops.unlink(path)
             except OSError:
                 pass
 
@@ -175,6 +178,10 @@ def collect(store: "Store", *, keep_last: int, keep_every: int | None = None,
     if not live:
         return GcReport(keep, removed, 0, 0, time.perf_counter() - t0)
     watermark = live[-1]
+    # Temp files of an earlier gc that failed in this process (its abort could not delete them)
+    # would collide with this gc's names; they are never replayed, so delete them first.
+    for tmp in store.layout.list_gc_temps():
+        store._ops.unlink(tmp)
     compactor = _Compactor(store, watermark + 1)
     try:
         for it in keep:
@@ -189,16 +196,24 @@ def collect(store: "Store", *, keep_last: int, keep_every: int | None = None,
         raise
     ops = store._ops
     *copies, (marker_seq, marker_tmp) = compactor.temps
-    for seq, tmp in copies:
-        ops.rename(tmp, store.layout.segment_path(seq))
-    ops.fsync_dir(store.layout.segment_dir)
-    if store.log.writer is not None:
-        store.log.writer.close()
-        store.log.writer = None
-    ops.rename(marker_tmp, store.layout.segment_path(marker_seq))
-    ops.fsync_dir(store.layout.segment_dir)  # gc commit point
-    store._finish_interrupted_gc()
-    store.index.clear()
-    store._recover()
+    try:
+        for seq, tmp in copies:
+            ops.rename(tmp, store.layout.segment_path(seq))
+        ops.fsync_dir(store.layout.segment_dir)
+        if store.log.writer is not None:
+            store.log.writer.close()
+            store.log.writer = None
+        ops.rename(marker_tmp, store.layout.segment_path(marker_seq))
+        ops.fsync_dir(store.layout.segment_dir)  # gc commit point
+        store._finish_interrupted_gc()
+        store.index.clear()
+        store._recover()
+    except BaseException:
+        # Renamed copies only duplicate live checkpoints, and obsolete segments are deleted by the
+        # next open: the log is consistent either way, but the writer and index must be rebuilt
+        # from it before the next write (the writer was closed above).
+        store._needs_recovery = True
+        compactor.abort()
+        raise
     bytes_after = sum(os.path.getsize(store.layout.segment_path(s)) for s in store.log.refresh_segments())
     return GcReport(keep, removed, bytes_before, bytes_after, time.perf_counter() - t0)

@@ -135,8 +135,7 @@ class Store:
                 start = None
 
     def _open_writer(self, chunk_size: int | None, segment_size: int | None) -> None:
-        with io_errors("create store directory", self.path):
-            os.makedirs(self.path, exist_ok=True)
+        self._ops.makedirs(self.path)
         self._take_lock()
         if not os.path.exists(self.layout.store_file):
             self._create(chunk_size or DEFAULT_CHUNK_SIZE, segment_size or DEFAULT_SEGMENT_SIZE)
@@ -151,8 +150,7 @@ class Store:
         self._recover()
 
     def _take_lock(self) -> None:
-        with io_errors("open lock file", self.layout.lock_file):
-            fd = os.open(self.layout.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = self._ops.open_lock(self.layout.lock_file)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -165,8 +163,7 @@ class Store:
     def _create(self, chunk_size: int, segment_size: int) -> None:
         if not 0 < chunk_size <= MAX_CHUNK_SIZE:
             raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK_SIZE}")
-        with io_errors("create segment directory", self.layout.segment_dir):
-            os.makedirs(self.layout.segment_dir, exist_ok=True)
+        self._ops.makedirs(self.layout.segment_dir)
         h = StoreHeader(FORMAT_VERSION, secrets.token_bytes(16), chunk_size, segment_size, time.time_ns())
         self._ops.fsync_dir(self.layout.segment_dir)
         self._ops.write_file_atomic(self.layout.store_file, encode_store_header(h))
@@ -197,10 +194,10 @@ class Store:
 
     def _open_index(self) -> Index:
         try:
-            return LmdbIndex(self.layout.index_dir, self.header.store_id)
+            return LmdbIndex(self.layout.index_dir, self.header.store_id, self._ops)
         except IndexUnusable:
             LmdbIndex.destroy(self.layout.index_dir)
-            return LmdbIndex(self.layout.index_dir, self.header.store_id)
+            return LmdbIndex(self.layout.index_dir, self.header.store_id, self._ops)
 
     def _rebuild_index(self) -> None:
         """The index disagreed with the log (a malformed value, a location that does not hold what
@@ -657,6 +654,9 @@ class Store:
 
         with self._mutex:
             self._check_writable()
+            if self._pending:  # gc rebuilds the writer: commit pending deltas first, never drop them
+                self._flush_locked()
+            self._recover_if_needed()
             return self._read_retrying(
                 lambda: collect(self, keep_last=keep_last, keep_every=keep_every, progress=progress))
 

@@ -4,6 +4,19 @@ Production code uses :class:`OsFileOps`. Fault-injection tests pass a subclass t
 calls (ENOSPC, EIO, short writes, ...) without monkeypatching the standard library. Every method
 wraps ``OSError`` into :class:`~ckptstore.errors.StoreIOError` (``DiskFullError`` for ENOSPC and
 EDQUOT) naming the operation and the file.
+
+Invariant (tests/test_faults.py enforces it by sweeping a fault over every call): each file or
+directory the writer creates, each write, fsync (of a file or of a directory), truncate, rename and
+unlink, and each commit of an LMDB index transaction, passes through exactly one ``_*`` hook below:
+
+    _open        create/open a file for writing (segments, temp files, the lock file)
+    _mkdir       create a directory (the store, segments/, index/, quarantine/)
+    _pwritev     write at an offset (may be short; the caller continues)
+    _fsync       fsync a file
+    _fsync_dir   fsync a directory (defaults to _fsync, so older subclasses still see it)
+    _ftruncate, _rename, _unlink
+    _index_open  open (and create) the LMDB environment of the index
+    _index_commit  commit an LMDB write transaction (LMDB's own writes and fsyncs happen here)
 """
 
 from __future__ import annotations
@@ -11,7 +24,7 @@ from __future__ import annotations
 import errno
 import os
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..errors import DiskFullError, StoreIOError
 
@@ -40,25 +53,43 @@ class FileOps:
     def open_append(self, path: str, create: bool) -> int:
         flags = os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
         with io_errors("create" if create else "open", path):
-            return os.open(path, flags, 0o644)
+            return self._open(path, flags, 0o644)
+
+    def open_truncate(self, path: str) -> int:
+        """Create (or empty) ``path`` for writing: temp files and quarantine copies."""
+        with io_errors("create", path):
+            return self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+
+    def open_lock(self, path: str) -> int:
+        """Open (creating it if needed) the writer lock file; the caller flocks the descriptor."""
+        with io_errors("open lock file", path):
+            return self._open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def makedirs(self, path: str) -> None:
+        """Create ``path`` and missing parents; an existing directory is fine."""
+        with io_errors("create directory", path):
+            if not os.path.isdir(path):
+                self._mkdir(path)
 
     def writev(self, fd: int, path: str, buffers: Sequence[bytes | memoryview], offset: int) -> None:
         """Write all of ``buffers`` at ``offset``; retries short writes until done."""
-        total = sum(len(b) for b in buffers)
+        views = [memoryview(b).cast("B") for b in buffers]  # lengths in bytes, whatever the format
+        total = sum(len(b) for b in views)
         with io_errors("write", path):
-            done = self._pwritev(fd, buffers, offset)
+            n = done = self._pwritev(fd, views, offset)
             while done < total:  # short write: continue with the remainder
-                rest, skip = [], done
-                for b in buffers:
+                if n == 0:
+                    raise OSError(errno.EIO, "write returned 0 bytes")
+                # ``views`` starts where the previous call started: skip what that call wrote
+                rest, skip = [], n
+                for b in views:
                     if skip >= len(b):
                         skip -= len(b)
                         continue
-                    rest.append(memoryview(b)[skip:])
+                    rest.append(b[skip:])
                     skip = 0
-                buffers = rest
-                n = self._pwritev(fd, buffers, offset + done)
-                if n == 0:
-                    raise OSError(errno.EIO, "write returned 0 bytes")
+                views = rest
+                n = self._pwritev(fd, views, offset + done)
                 done += n
 
     def fsync(self, fd: int, path: str) -> None:
@@ -69,7 +100,7 @@ class FileOps:
         with io_errors("directory fsync", path):
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                self._fsync(fd)
+                self._fsync_dir(fd)
             finally:
                 os.close(fd)
 
@@ -88,8 +119,7 @@ class FileOps:
     def write_file_atomic(self, path: str, data: bytes) -> None:
         """temp file -> write -> fsync -> rename over ``path`` -> fsync the directory."""
         tmp = f"{path}.tmp"
-        with io_errors("create", tmp):
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = self.open_truncate(tmp)
         try:
             self.writev(fd, tmp, [data], 0)
             self.fsync(fd, tmp)
@@ -98,7 +128,42 @@ class FileOps:
         self.rename(tmp, path)
         self.fsync_dir(os.path.dirname(path) or ".")
 
+    def index_open(self, path: str, **options: Any) -> Any:
+        """Open the LMDB environment at ``path`` (lmdb errors propagate; the index classifies them)."""
+        with io_errors("open index", path):
+            return self._index_open(path, options)
+
+    def index_commit(self, txn: Any, path: str) -> None:
+        """Commit an LMDB write transaction of the index at ``path``. On failure the transaction
+        is aborted (nothing of it is applied) and the error propagates."""
+        try:
+            with io_errors("index commit", path):
+                self._index_commit(txn)
+        except BaseException:
+            try:
+                txn.abort()  # a no-op when LMDB already freed the transaction
+            except Exception:  # noqa: BLE001 - the original error matters, not the abort's
+                pass
+            raise
+
     # Hooks (override in fault-injection tests).
+    def _open(self, path: str, flags: int, mode: int) -> int:
+        return os.open(path, flags, mode)
+
+    def _mkdir(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def _fsync_dir(self, fd: int) -> None:
+        self._fsync(fd)
+
+    def _index_open(self, path: str, options: dict) -> Any:
+        import lmdb
+
+        return lmdb.open(path, **options)
+
+    def _index_commit(self, txn: Any) -> None:
+        txn.commit()
+
     def _pwritev(self, fd: int, buffers: Sequence[bytes | memoryview], offset: int) -> int:
         return os.pwritev(fd, buffers, offset)
 

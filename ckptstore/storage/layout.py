@@ -50,6 +50,12 @@ class Layout:
     def gc_temp_path(self, seq: int) -> str:
         return os.path.join(self.segment_dir, segment_name(seq) + GC_TEMP_SUFFIX)
 
+    def quarantine_path(self, seq: int, offset: int) -> str:
+        """Where the tail of segment ``seq`` cut at ``offset`` is kept."""
+        if type(offset) is not int or offset < 0:
+            raise ValueError(f"quarantine offset {offset!r} out of range")
+        return os.path.join(self.quarantine_dir, f"{segment_name(seq).removesuffix(SEGMENT_SUFFIX)}-{offset}.tail")
+
     def list_segments(self) -> list[int]:
         """Sequence numbers of the segment files present, ascending."""
         try:

@@ -15,15 +15,16 @@ transaction survives power loss; even so nothing depends on it for correctness.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import struct
+from typing import Any, Callable, Iterable
 
 import lmdb
 
-from typing import Callable, Iterable
-
-from ..errors import IndexUnusable
+from ..errors import IndexUnusable, StoreIOError
+from .fileops import FileOps, wrap_os_error
 from ..format.commit import KINDS
 from .index import (PACKED_COMMIT_SIZE, PACKED_KIND_OFFSET, ChunkRef, CommitEntry, Index,
                     IndexBatch, Position, pack_chunk, pack_commit, pack_loc, unpack_chunk,
@@ -39,15 +40,43 @@ _POS = struct.Struct("<QQ")
 __all__ = ["IndexUnusable", "LmdbIndex"]  # IndexUnusable lives in errors.py; kept importable here
 
 
+#: LMDB failures that say the disk or its permissions, not the index, are at fault: rebuilding
+#: the index would not help, so they surface as StoreIOError / DiskFullError.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+_STRERROR = {os.strerror(n): n for n in errno.errorcode}
+
+
+def lmdb_errno(e: lmdb.Error) -> int | None:
+    """The OS errno behind an lmdb error, when it has one (py-lmdb keeps only the message)."""
+    if isinstance(e, lmdb.DiskError):
+        return errno.ENOSPC
+    if isinstance(e, lmdb.ReadonlyError):
+        return errno.EACCES
+    text = str(e)
+    for msg, n in _STRERROR.items():
+        if text.endswith(msg):
+            return n
+    return None
+
+
+def wrap_lmdb_error(operation: str, path: str, e: lmdb.Error) -> StoreIOError:
+    """A typed I/O error for a failed LMDB call, naming the operation and the index directory."""
+    n = lmdb_errno(e)
+    return wrap_os_error(operation, path, OSError(n if n is not None else errno.EIO, str(e)))
+
+
 class LmdbIndex(Index):
-    def __init__(self, path: str, store_id: bytes) -> None:
+    def __init__(self, path: str, store_id: bytes, ops: FileOps | None = None) -> None:
         self.path = path
         self.store_id = store_id
+        self.ops = ops or FileOps()
+        self._cache_sorted: list[int] | None = None
+        self.env: Any = None
+        self.ops.makedirs(path)
         try:
-            os.makedirs(path, exist_ok=True)
             map_size = max(_INITIAL_MAP, _file_size(os.path.join(path, "data.mdb")) * 2)
-            self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True, sync=True,
-                                 metasync=True, readahead=False, lock=True)
+            self.env = self.ops.index_open(path, map_size=map_size, max_dbs=8, subdir=True,
+                                           sync=True, metasync=True, readahead=False, lock=True)
             self._check_size()  # before anything reads a page past the meta pages
             self._meta = self.env.open_db(b"meta")
             self._chunks = self.env.open_db(b"chunks")
@@ -56,18 +85,18 @@ class LmdbIndex(Index):
             with self.env.begin() as txn:
                 fmt = txn.get(b"format", db=self._meta)
                 sid = txn.get(b"store_id", db=self._meta)
+            if fmt is None and sid is None:
+                self._init_meta()
+            elif fmt != INDEX_FORMAT or sid != store_id:
+                raise IndexUnusable(f"index at {path} belongs to another store or format")
         except lmdb.Error as e:
-            self._close_quietly()
+            self._close_quietly()  # one environment per path per process: never leak one
+            if lmdb_errno(e) in _ENVIRONMENT_ERRNOS:
+                raise wrap_lmdb_error("open index", path, e) from e
             raise IndexUnusable(f"index at {path} cannot be opened: {e}") from e
-        except IndexUnusable:
+        except BaseException:
             self._close_quietly()
             raise
-        self._cache_sorted: list[int] | None = None
-        if fmt is None and sid is None:
-            self._init_meta()
-        elif fmt != INDEX_FORMAT or sid != store_id:
-            self._close_quietly()
-            raise IndexUnusable(f"index at {path} belongs to another store or format")
 
     def _check_size(self) -> None:
         """A data.mdb shorter than the pages its meta page names (a truncated copy, a cut file)
@@ -84,16 +113,26 @@ class LmdbIndex(Index):
         if env is not None:
             env.close()
 
-    def _write(self, fn: Callable[[lmdb.Transaction], None]) -> None:
-        """Run ``fn`` in one write transaction; grow the map (doubling) while it is full."""
+    def _write(self, fill: Callable[[Any], None]) -> None:
+        """Run ``fill(txn)`` in one write transaction, committed through the FileOps seam; grow
+        the map (doubling) while it is full. On failure nothing of the transaction is applied:
+        a disk or permission failure becomes StoreIOError/DiskFullError naming the index (a
+        rebuild would not help), any other LMDB failure IndexUnusable (the caller rebuilds)."""
         while True:
             try:
-                with self.env.begin(write=True) as txn:
-                    fn(txn)
+                txn = self.env.begin(write=True)
+                try:
+                    fill(txn)
+                except BaseException:
+                    txn.abort()
+                    raise
+                self.ops.index_commit(txn, self.path)
                 return
             except lmdb.MapFullError:
                 self.env.set_mapsize(self.env.info()["map_size"] * 2)
             except lmdb.Error as e:
+                if lmdb_errno(e) in _ENVIRONMENT_ERRNOS:
+                    raise wrap_lmdb_error("index write", self.path, e) from e
                 raise IndexUnusable(f"index write failed at {self.path}: {e}") from e
 
     @staticmethod
@@ -101,7 +140,7 @@ class LmdbIndex(Index):
         shutil.rmtree(path, ignore_errors=True)
 
     def _init_meta(self) -> None:
-        def put(txn: lmdb.Transaction) -> None:
+        def put(txn: Any) -> None:
             txn.put(b"format", INDEX_FORMAT, db=self._meta)
             txn.put(b"store_id", self.store_id, db=self._meta)
 
@@ -192,7 +231,7 @@ class LmdbIndex(Index):
                     self._cache_sorted = None
                     break
 
-    def _put_batch(self, txn: lmdb.Transaction, batch: IndexBatch) -> None:
+    def _put_batch(self, txn: Any, batch: IndexBatch) -> None:
         for addr, ref in batch.chunks.items():
             txn.put(addr, pack_chunk(ref), db=self._chunks)
         for root, loc in batch.trees.items():
@@ -207,7 +246,7 @@ class LmdbIndex(Index):
                     db=self._meta)
 
     def clear(self) -> None:
-        def drop(txn: lmdb.Transaction) -> None:
+        def drop(txn: Any) -> None:
             for db in (self._chunks, self._trees, self._commits, self._meta):
                 txn.drop(db, delete=False)
 

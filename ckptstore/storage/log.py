@@ -475,7 +475,7 @@ class Log:
 
     def _quarantine(self, live: list[int], cut_seq: int, cut_off: int) -> None:
         assert self.ops is not None
-        os.makedirs(self.layout.quarantine_dir, exist_ok=True)
+        self.ops.makedirs(self.layout.quarantine_dir)
         for seq in live:
             if seq < cut_seq:
                 continue
@@ -484,8 +484,8 @@ class Log:
             size = f.size()
             if size <= start:
                 continue
-            dest = os.path.join(self.layout.quarantine_dir, f"{seq:010d}-{start}.tail")
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            dest = self.layout.quarantine_path(seq, start)
+            fd = self.ops.open_truncate(dest)
             try:
                 pos = start
                 while pos < size:
