@@ -14,7 +14,6 @@ child never runs a torch kernel.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import random
@@ -28,7 +27,6 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.errors import DeltaChainError
 from ckptstore.fsck import check
 
 CHUNK = 16 << 10
@@ -200,28 +198,12 @@ def writer_loop(path: Path, stop: Path, seconds: float, gc_every: int | None) ->
     return run
 
 
-KNOWN_RACE = ("known reader/gc race (tests/test_crash.py::test_reader_listing_races_gc, "
-              "test_reader_refresh_straddles_gc)")
-
-
-class KnownReaderGcRace(AssertionError):
-    """Only the two known reader/gc races were hit (see KNOWN_RACE)."""
-
-
-def _missing_file(e: BaseException | None) -> bool:
-    while e is not None:
-        if isinstance(e, FileNotFoundError) or (isinstance(e, OSError) and e.errno == errno.ENOENT):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
 def reader_loop(path: Path, stop: Path, seed: int, gc: bool) -> Callable[[], dict]:
     """Alternate a fresh reader and a long-lived one that refreshes; verify the latest iteration
-    and a random listed one each round. Reports counts; with gc, classifies failures."""
+    and a random listed one each round. Reports counts; any failure fails the test."""
     def run() -> dict:
         rng = random.Random(seed)
-        stats = {"rounds": 0, "loads": 0, "removed by gc": 0, "known race": 0, "max latest": -1}
+        stats = {"rounds": 0, "loads": 0, "removed by gc": 0, "max latest": -1}
         long_lived = ckptstore.open(path, "r")
         last_latest = -1
         try:
@@ -247,15 +229,6 @@ def reader_loop(path: Path, stop: Path, seed: int, gc: bool) -> Callable[[], dic
                             assert i not in r.iterations(), f"iteration {i} listed but not found"
                             stats["removed by gc"] += 1
                     stats["max latest"] = max(stats["max latest"], its[-1])
-                except (ckptstore.StoreIOError, ckptstore.DamagedCheckpointError,
-                        DeltaChainError) as e:
-                    if not (gc and _missing_file(e)):
-                        raise
-                    stats["known race"] += 1
-                    stats["last race"] = f"{type(e).__name__}: {e}"[:300]
-                    if not fresh:  # the long-lived reader may now be wedged: start it over
-                        long_lived.close()
-                        long_lived = ckptstore.open(path, "r")
                 finally:
                     if fresh:
                         r.close()
@@ -297,18 +270,9 @@ def test_readers_during_saves_and_deltas(tmp_path):
         assert r["max latest"] > 4, f"a reader never saw the writer's progress: {r}"
 
 
-@pytest.mark.xfail(strict=False, raises=KnownReaderGcRace, reason=(
-    "reader processes during gc can hit the two known reader/gc races pinned by "
-    "tests/test_crash.py::test_reader_listing_races_gc and ::test_reader_refresh_straddles_gc "
-    "(a segment deleted under Log.refresh_segments; a refresh straddling a gc). Any other failure "
-    "fails this test. Drop this marker once those two are fixed."))
 def test_readers_during_gc(tmp_path):
     w, rs = _run_side_by_side(tmp_path, 3.0, gc_every=6)
     print(w, rs)
     assert w["gcs"] >= 2, f"too few gc runs: {w}"
     for r in rs:
         assert r["rounds"] >= 5 and r["loads"] >= 5, r
-    races = sum(r["known race"] for r in rs)
-    if races:
-        raise KnownReaderGcRace(f"{races} reader operations hit {KNOWN_RACE}: "
-                                f"{[r.get('last race') for r in rs]}")
