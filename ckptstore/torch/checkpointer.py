@@ -418,7 +418,8 @@ class Checkpointer:
         except BaseException:
             self._resync = True
             raise
-        if self._resync or self._last is None or pipe.tail() != self._last:
+        tail = pipe.tail()
+        if self._resync or self._last is None or tail is None or tail < self._last:
             # (a tail behind the last step: a failure reported through another call lost records)
             latest = self.store.latest()
             if latest is None or latest != iteration - 1:
