@@ -1,4 +1,4 @@
-"""The ``ckptstore`` command line: ls, show, diff, restore, fsck, gc, demo.
+"""The ``ckptstore`` command line: ls, show, diff, restore, fsck, gc, stats, demo.
 
 Exit codes: 0 success (fsck: clean); 1 the store is damaged or an operation failed (the message
 says what and where); 2 bad usage.
@@ -171,6 +171,51 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _num(d: Any, key: str, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+    """A number from a manifest's "pipeline" field, or "?" when it is missing or not a number."""
+    v = d.get(key) if isinstance(d, dict) else None
+    if type(v) not in (int, float):
+        return "?"
+    return fmt.format(v * scale)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """Per-checkpoint pipeline statistics, read from each manifest's "pipeline" field
+    (format-spec/format.md section 10); checkpoints written synchronously show "-"."""
+    import statistics
+
+    with _open(args.path) as store:
+        its = store.iterations()
+        if args.last:
+            its = its[-args.last:]
+        rows, stalls, persists = [], [], []
+        for it in its:
+            info = store.info(it)
+            p = store.manifest(it).extra.get("pipeline")
+            if p is None:
+                rows.append([it, info.kind, "-", "-", "-", "-", "-", _human(info.written_bytes), "-"])
+                continue
+            rows.append([it, info.kind, _num(p, "stall_s", 1e3), _num(p, "wait_s", 1e3),
+                         _num(p, "snapshot_s", 1e3), _num(p, "write_s", 1e3),
+                         _num(p, "queue_depth", fmt="{:.0f}"), _human(info.written_bytes),
+                         _human(p["dedup_bytes"]) if isinstance(p, dict) and
+                         type(p.get("dedup_bytes")) is int else "?"])
+            if isinstance(p, dict) and type(p.get("stall_s")) in (int, float):
+                stalls.append(p["stall_s"])
+            if isinstance(p, dict) and type(p.get("write_s")) in (int, float):
+                persists.append(p["write_s"])
+        if not rows:
+            print(f"{args.path}: no committed checkpoints")
+            return 0
+        print(_table(rows, ["iteration", "kind", "stall ms", "wait ms", "snapshot ms", "write ms",
+                            "queue", "written", "dedup"]))
+        if stalls:
+            print(f"{len(stalls)} async checkpoints: median stall {statistics.median(stalls) * 1e3:.1f} ms, "
+                  f"max {max(stalls) * 1e3:.1f} ms; median background write "
+                  f"{statistics.median(persists) * 1e3:.1f} ms" if persists else "")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -217,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-last", type=int, required=True)
     s.add_argument("--keep-every", type=int)
     s.set_defaults(func=cmd_gc)
+
+    s = sub.add_parser("stats", help="per-checkpoint async pipeline statistics (stall, snapshot, "
+                                     "write times, queue depth, bytes)")
+    s.add_argument("path")
+    s.add_argument("--last", type=int, help="only the last N checkpoints")
+    s.set_defaults(func=cmd_stats)
 
     s = sub.add_parser("demo", help="train a small model with per-iteration checkpoints, crash, "
                                     "restore and fsck")

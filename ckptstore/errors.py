@@ -140,3 +140,9 @@ class ReplayDivergenceError(CkptStoreError):
     def __init__(self, message: str, iteration: int) -> None:
         self.iteration = iteration
         super().__init__(message)
+
+
+class CheckpointAbortedError(CkptStoreError):
+    """An asynchronous checkpoint was not committed because another one failed first: it was
+    queued behind the failure, or appended and waiting for its group's commit when the failure
+    rolled the group back. ``__cause__`` is the original failure."""

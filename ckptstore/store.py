@@ -70,7 +70,8 @@ class Store:
 
     def __init__(self, path: str | os.PathLike, mode: str = "a", *, chunk_size: int | None = None,
                  segment_size: int | None = None, file_ops: FileOps | None = None,
-                 load_threads: int = 2) -> None:
+                 load_threads: int = 2, host_budget: int | None = None,
+                 max_inflight: int | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         self.path = os.fspath(path)
@@ -90,6 +91,9 @@ class Store:
         #: the writer's index was rebuilt from the log by this process, so a read that fails now
         #: fails because of the log, not the index (no second rebuild)
         self._index_rebuilt = False
+        # the asynchronous pipeline (ckptstore/pipeline.py), started by the first async save
+        self._pipeline: Any = None
+        self._async_limits = (host_budget, max_inflight)
         try:
             if mode == "a":
                 self._open_writer(chunk_size, segment_size)
@@ -281,6 +285,8 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"store {self.path} is closed")
+        if self._pipeline is not None:
+            self._pipeline.check()  # a background failure not yet reported is raised here, once
 
     def _check_writable(self) -> None:
         self._check_open()
@@ -288,15 +294,24 @@ class Store:
             raise ReadOnlyStoreError(f'store {self.path} is open read-only (mode="r")')
 
     def close(self) -> None:
-        """Release the writer lock and every file. Idempotent."""
+        """Wait for in-flight async saves, commit pending deltas, release the writer lock and every
+        file. Idempotent. Raises a background failure not reported before (after releasing)."""
+        err: BaseException | None = None
+        if self._pipeline is not None and not self._closed:
+            try:
+                self._pipeline.close()
+            except BaseException as e:  # noqa: BLE001 - re-raised once the files are released
+                err = e
         with self._mutex:
             if not self._closed:
                 try:
-                    if self._pending:
+                    if self._pending and err is None:
                         self._flush_locked()
                 finally:
                     self._closed = True
                     self._release()
+        if err is not None:
+            raise err
 
     def __enter__(self) -> "Store":
         return self
@@ -317,39 +332,45 @@ class Store:
         format cannot hold (nothing is written then), and StoreIOError subclasses on I/O failure
         (everything committed before stays intact; the next save retries cleanly).
         """
+        self._drain_async()
         with self._mutex:
             self._check_writable()
             if type(iteration) is not int or iteration < 0 or iteration >= 1 << 63:
                 raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
-            if self._pending:
-                self._flush_locked()
-            latest = self._indexed(lambda: self.index.latest())
-            if latest is not None and iteration <= latest:
-                raise IterationOrderError(
-                    f"iteration {iteration} is not after the latest committed iteration {latest} "
-                    f"in {self.path}")
             skeleton, leaves = flatten(state, leaf_hook)
-            if meta is not None and type(meta) is not dict:
-                raise UnsupportedTypeError(f"meta must be a dict, not {type(meta).__name__}")
-            meta_skeleton, _ = flatten(meta, no_leaves)
-            self._recover_if_needed()
-            start = self.index.position()
-            try:
-                batch, stats = write_snapshot(self.log, self.index, iteration, skeleton, meta_skeleton,
-                                              leaves, chunk_size=self.chunk_size,
-                                              segment_size=self.segment_size, progress=progress)
-            except BaseException:
-                self._rollback(start)
-                raise
-            batch.segments = tuple(s for s in self.log.refresh_segments() if s <= batch.position.seq)
-            try:
-                self.index.apply(batch)
-            except Exception:  # noqa: BLE001 - the commit is durable; only the cache missed it
-                # The index's position is still before this commit, so replaying from it finds
-                # the commit again. If even that fails, the next call retries the recovery.
-                self._needs_recovery = True
-                self._recover()
-            return stats
+            meta_skeleton = flatten_meta(meta)
+            return self._save_flat(iteration, skeleton, meta_skeleton, leaves, progress=progress)
+
+    def _save_flat(self, iteration: int, skeleton: Any, meta_skeleton: Any, leaves: list,
+                   progress: Callable[[int], None] | None = None, extra: dict | None = None,
+                   stats_field: str | None = None) -> SaveStats:
+        """The body of :meth:`save` for a flattened state; the caller holds the mutex."""
+        if self._pending:
+            self._flush_locked()
+        latest = self._indexed(lambda: self.index.latest())
+        if latest is not None and iteration <= latest:
+            raise IterationOrderError(
+                f"iteration {iteration} is not after the latest committed iteration {latest} "
+                f"in {self.path}")
+        self._recover_if_needed()
+        start = self.index.position()
+        try:
+            batch, stats = write_snapshot(self.log, self.index, iteration, skeleton, meta_skeleton,
+                                          leaves, chunk_size=self.chunk_size,
+                                          segment_size=self.segment_size, progress=progress,
+                                          extra=extra, stats_field=stats_field)
+        except BaseException:
+            self._rollback(start)
+            raise
+        batch.segments = tuple(s for s in self.log.refresh_segments() if s <= batch.position.seq)
+        try:
+            self.index.apply(batch)
+        except Exception:  # noqa: BLE001 - the commit is durable; only the cache missed it
+            # The index's position is still before this commit, so replaying from it finds
+            # the commit again. If even that fails, the next call retries the recovery.
+            self._needs_recovery = True
+            self._recover()
+        return stats
 
     # ---- deltas (format-spec/deltas.md) ---------------------------------------------------------
     def save_delta(self, iteration: int, record: Any, meta: dict | None = None, *,
@@ -362,61 +383,74 @@ class Store:
         crash-safe at the next :meth:`flush` (group commit; one fsync pair per group), or at the
         next snapshot save or close. Until then it is not in :meth:`iterations`.
         """
+        self._drain_async()
         with self._mutex:
             self._check_writable()
             if type(iteration) is not int or iteration < 1 or iteration >= 1 << 63:
                 raise ValueError(f"delta iteration must be a positive int, not {iteration!r}")
-            self._recover_if_needed()
-            if self._pending:
-                prev = self._pending[-1][0].commits[0].commit.iteration
-                base = self._pending[-1][1]
-            else:
-                prev = self._indexed(lambda: self.index.latest())
-                if prev is None:
-                    raise DeltaChainError(
-                        f"delta for iteration {iteration} refused: {self.path} holds no base "
-                        "snapshot (a delta chain must start from a snapshot)")
-                base = self._chain_base(prev)
-            if iteration <= prev:
-                raise IterationOrderError(f"iteration {iteration} is not after the latest iteration "
-                                          f"{prev} in {self.path}")
-            if iteration != prev + 1:
-                raise DeltaChainError(f"delta for iteration {iteration} refused: the latest iteration "
-                                      f"is {prev}; a delta must follow its predecessor without a gap "
-                                      "(save a base snapshot first)")
             skeleton, leaves = flatten(record, leaf_hook)
-            if meta is not None and type(meta) is not dict:
-                raise UnsupportedTypeError(f"meta must be a dict, not {type(meta).__name__}")
-            meta_skeleton, _ = flatten(meta, no_leaves)
-            w = self.log.writer
-            start = self.index.position() if not self._pending or w is None else Position(w.seq, w.offset)
-            try:
-                batch, stats = write_snapshot(self.log, self.index, iteration, skeleton, meta_skeleton,
-                                              leaves, chunk_size=self.chunk_size,
-                                              segment_size=self.segment_size, kind="delta",
-                                              extra={"prev": prev, "base": base}, defer_commit=True)
-            except BaseException:
-                self._rollback(start)
-                raise
-            if not self._pending:
-                self._pending_start = start
-                self._pending_since = time.monotonic()
-            self._pending.append((batch, base))
-            if durable:
-                self._flush_locked()
-            return stats
+            meta_skeleton = flatten_meta(meta)
+            return self._save_delta_flat(iteration, skeleton, meta_skeleton, leaves, durable)
+
+    def _save_delta_flat(self, iteration: int, skeleton: Any, meta_skeleton: Any, leaves: list,
+                         durable: bool, extra: dict | None = None,
+                         stats_field: str | None = None) -> SaveStats:
+        """The body of :meth:`save_delta` for a flattened record; the caller holds the mutex."""
+        self._recover_if_needed()
+        if self._pending:
+            prev = self._pending[-1][0].commits[0].commit.iteration
+            base = self._pending[-1][1]
+        else:
+            prev = self._indexed(lambda: self.index.latest())
+            if prev is None:
+                raise DeltaChainError(
+                    f"delta for iteration {iteration} refused: {self.path} holds no base "
+                    "snapshot (a delta chain must start from a snapshot)")
+            base = self._chain_base(prev)
+        if iteration <= prev:
+            raise IterationOrderError(f"iteration {iteration} is not after the latest iteration "
+                                      f"{prev} in {self.path}")
+        if iteration != prev + 1:
+            raise DeltaChainError(f"delta for iteration {iteration} refused: the latest iteration "
+                                  f"is {prev}; a delta must follow its predecessor without a gap "
+                                  "(save a base snapshot first)")
+        w = self.log.writer
+        start = self.index.position() if not self._pending or w is None else Position(w.seq, w.offset)
+        try:
+            batch, stats = write_snapshot(self.log, self.index, iteration, skeleton, meta_skeleton,
+                                          leaves, chunk_size=self.chunk_size,
+                                          segment_size=self.segment_size, kind="delta",
+                                          extra={"prev": prev, "base": base, **(extra or {})},
+                                          defer_commit=True, stats_field=stats_field)
+        except BaseException:
+            self._rollback(start)
+            raise
+        if not self._pending:
+            self._pending_start = start
+            self._pending_since = time.monotonic()
+        self._pending.append((batch, base))
+        if durable:
+            self._flush_locked()
+        return stats
 
     def flush(self) -> int | None:
         """Commit every pending delta: fsync their records, append their COMMIT records, fsync
-        (the group's commit point). Returns :meth:`durable_iteration`."""
+        (the group's commit point). Also waits for every in-flight async save (and commits async
+        deltas). Returns :meth:`durable_iteration`."""
+        if self._pipeline is not None:
+            self._pipeline.flush()
         with self._mutex:
             self._check_writable()
             self._flush_locked()
             return self._recoverable_latest()
 
     def pending(self) -> list[int]:
-        """Deltas appended with durable=False and not yet committed (lost on a crash)."""
-        return [b.commits[0].commit.iteration for b, _ in self._pending]
+        """Deltas appended with durable=False, or saved asynchronously, and not yet committed
+        (lost on a crash)."""
+        its = [b.commits[0].commit.iteration for b, _ in list(self._pending)]
+        if self._pipeline is not None:
+            its = sorted(set(its).union(self._pipeline.pending_deltas()))
+        return its
 
     def pending_age(self) -> float:
         """Seconds since the oldest pending delta was appended (0 when none is pending)."""
@@ -450,6 +484,70 @@ class Store:
             self._needs_recovery = True
             self._recover()
 
+    def _abandon_pending(self) -> None:
+        """Cut every appended, uncommitted delta (after a failure in the async pipeline); the
+        caller holds the mutex."""
+        if self._pending:
+            self._pending = []
+            self._rollback(self._pending_start)
+
+    # ---- asynchronous saves (ckptstore/pipeline.py) ---------------------------------------------
+    @property
+    def pipeline(self) -> Any:
+        """The snapshot-then-persist pipeline of this writer (started on first use)."""
+        self._check_writable()
+        if self._pipeline is not None:  # no mutex: the persister holds it while it writes
+            return self._pipeline
+        with self._mutex:
+            if self._pipeline is None:
+                from .pipeline import Pipeline
+
+                budget, inflight = self._async_limits
+                self._pipeline = Pipeline(self, host_budget=budget, max_inflight=inflight)
+            return self._pipeline
+
+    def save_async(self, iteration: int, state: Any, meta: dict | None = None):
+        """Snapshot ``state`` into host buffers and return a ``concurrent.futures.Future`` at once;
+        hashing, compression, writing, fsync and commit run in a background thread, in iteration
+        order. The future's result (an :class:`ckptstore.pipeline.AsyncStats`) is set when the
+        checkpoint is durable. Mutating the live tensors after this returns does not affect what
+        is stored. A background failure is raised by the future, by the next call on the store
+        and by flush/close; the failed checkpoint (and anything queued after it) is rolled back.
+        See :mod:`ckptstore.pipeline`."""
+        return self.pipeline.submit("snapshot", iteration, state, meta)
+
+    def save_delta_async(self, iteration: int, record: Any, meta: dict | None = None, *,
+                         durable: bool = True):
+        """:meth:`save_delta` through the pipeline: returns a future resolved once the delta is
+        committed (with ``durable=False``: by a later durable save, :meth:`flush` or close)."""
+        return self.pipeline.submit("delta", iteration, record, meta, commit=durable)
+
+    def stats(self) -> list:
+        """Per-checkpoint statistics of this writer's async saves (stall, snapshot, persist
+        times, bytes, queue depth), oldest first (the last 10,000)."""
+        return [] if self._pipeline is None else self._pipeline.stats()
+
+    def set_async_limits(self, host_budget: int | None = None, max_inflight: int | None = None) -> None:
+        """Change the host-memory budget (bytes) and/or the maximum of checkpoints in flight."""
+        budget, inflight = self._async_limits
+        self._async_limits = (host_budget or budget, max_inflight or inflight)
+        if self._pipeline is not None:
+            self._pipeline.set_limits(host_budget, max_inflight)
+
+    def _await_inflight(self, iteration: Any) -> None:
+        """Writers: a read of an iteration still in the async pipeline waits until it is
+        committed (flushing its delta group). Never called with the mutex held."""
+        p = self._pipeline
+        if p is not None and type(iteration) is int and self.index.get_commit(iteration) is None:
+            tail = p.tail()
+            if tail is not None and iteration <= tail:
+                p.flush()
+
+    def _drain_async(self) -> None:
+        """Before a synchronous write: wait for the pipeline (and raise its failure)."""
+        if self._pipeline is not None:
+            self._pipeline.drain()
+
     def _kind(self, iteration: int) -> int | None:
         e = self._indexed(lambda: self.index.get_commit(iteration))
         return None if e is None else e.commit.kind
@@ -473,11 +571,13 @@ class Store:
     def base_of(self, iteration: int) -> int:
         """The base snapshot iteration that ``iteration`` is reconstructed from (itself for a
         snapshot). Raises NotFoundError / DeltaChainError."""
+        self._await_inflight(iteration)
         self._entry(iteration)
         return self._chain_base(iteration)
 
     def kind(self, iteration: int) -> str:
         """"snapshot" (a base) or "delta"."""
+        self._await_inflight(iteration)
         return KIND_NAMES.get(self._entry(iteration).commit.kind, "unknown")
 
     def _recoverable_latest(self) -> int | None:
@@ -494,6 +594,7 @@ class Store:
     def load_record(self, iteration: int, keys: Sequence[Any] | None = None) -> Any:
         """The state stored for ``iteration`` as written: for a delta, its delta record (not the
         replayed state). Same as :meth:`load` for a snapshot."""
+        self._await_inflight(iteration)
         return self._read_retrying(lambda: self._state_reader().load(self._entry(iteration), keys, None))
 
     def replay(self, start: int, stop: int, **options: Any):
@@ -552,12 +653,14 @@ class Store:
         return e
 
     def info(self, iteration: int) -> CheckpointInfo:
+        self._await_inflight(iteration)
         c = self._entry(iteration).commit
         return CheckpointInfo(c.iteration, c.created_ns, c.logical_bytes, c.written_bytes,
                               c.snapshot_root.hex(), KIND_NAMES.get(c.kind, "unknown"))
 
     def manifest(self, iteration: int) -> Manifest:
         """The decoded, verified manifest of a committed iteration."""
+        self._await_inflight(iteration)
         return self._read_retrying(lambda: read_manifest(self.log, self._entry(iteration)))
 
     def meta(self, iteration: int) -> Any:
@@ -571,7 +674,9 @@ class Store:
         reads only their tensors. Raises NotFoundError, DamagedCheckpointError.
 
         A delta iteration is reconstructed: its chain's base snapshot, then every delta after it
-        replayed (:mod:`ckptstore.replay`; DeltaChainError, ReplayDivergenceError)."""
+        replayed (:mod:`ckptstore.replay`; DeltaChainError, ReplayDivergenceError).
+        Writers: an iteration still in flight in the async pipeline is waited for."""
+        self._await_inflight(iteration)
         if self._entry(iteration).commit.kind == KIND_DELTA:
             from .replay import replay_to
 
@@ -592,11 +697,18 @@ class Store:
     def _read_retrying(self, fn: Callable[[], Any]) -> Any:
         """Run a read of checkpoint data, retrying once where the failure may not be the log's.
 
-        Readers: a gc in the writer may delete segments under us; refresh and retry. Writers: the
-        LMDB index is a cache whose values are checked on use; a read that fails on an index value
-        (IndexUnusable) or on what it located (DamagedCheckpointError) rebuilds the index from
-        the log once per process and retries, so only damage in the log itself reaches the caller.
+        Readers: a gc in the writer may delete segments under us; refresh and retry. Writers: reads
+        hold the mutex (the async pipeline's thread writes under it); the LMDB index is a cache
+        whose values are checked on use; a read that fails on an index value (IndexUnusable) or on
+        what it located (DamagedCheckpointError) rebuilds the index from the log once per process
+        and retries, so only damage in the log itself reaches the caller.
         """
+        if self.mode == "a":
+            with self._mutex:
+                return self._read_retrying_unlocked(fn)
+        return self._read_retrying_unlocked(fn)
+
+    def _read_retrying_unlocked(self, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except CkptStoreError as e:
@@ -652,6 +764,7 @@ class Store:
         """Apply a retention policy, then compact. See :mod:`ckptstore.gc`."""
         from .gc import collect
 
+        self._drain_async()
         with self._mutex:
             self._check_writable()
             if self._pending:  # gc rebuilds the writer: commit pending deltas first, never drop them
@@ -685,6 +798,13 @@ def _display(key: _DiffKey, unambiguous: bool) -> str:
     else:
         name = format_path(p) if unambiguous else path_name(p)
     return f"{name} #{n + 1}" if n else name
+
+
+def flatten_meta(meta: Any) -> Any:
+    """The skeleton of the user's meta (a dict of JSON-like values, or None)."""
+    if meta is not None and type(meta) is not dict:
+        raise UnsupportedTypeError(f"meta must be a dict, not {type(meta).__name__}")
+    return flatten(meta, no_leaves)[0]
 
 
 def _caused_by_missing_file(e: BaseException) -> bool:

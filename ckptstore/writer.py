@@ -79,14 +79,17 @@ def stored_tree(log: Log, index: Index, root: bytes) -> bool:
 def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: Any,
                    leaves: list[ArrayLeaf], *, chunk_size: int, segment_size: int,
                    progress: Callable[[int], None] | None = None, kind: str = "snapshot",
-                   extra: dict | None = None,
-                   defer_commit: bool = False) -> tuple[IndexBatch, SaveStats]:
+                   extra: dict | None = None, defer_commit: bool = False,
+                   stats_field: str | None = None) -> tuple[IndexBatch, SaveStats]:
     """Append one checkpoint and make it durable. Returns the index batch to apply and stats.
 
     ``kind``/``extra``: manifest kind ("delta" for gradient deltas, format-spec/deltas.md) and its
     extra manifest fields. With ``defer_commit`` (group commit of deltas) nothing is fsynced and no
     COMMIT record is appended: the returned batch holds the commit with ``loc=None`` and no
     position; the caller fsyncs, appends the commit and fsyncs again (Store.flush).
+    ``stats_field``: name of a dict in ``extra`` (the async pipeline's "pipeline" field,
+    format-spec/format.md section 10) that receives ``dedup_bytes`` and ``write_s`` (seconds spent
+    hashing, compressing and appending before the manifest) just before the manifest is encoded.
 
     The caller owns rollback: on any exception nothing has been committed, and the log must be cut
     back to where this save began.
@@ -138,8 +141,11 @@ def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: 
                                    leaf.param, leaf.requires_grad))
         roots.append((leaf.name, root))
 
-    manifest = Manifest(iteration, created_ns, chunk_size, skeleton, meta, tuple(entries), kind,
-                        dict(extra or {}))
+    extra = dict(extra or {})
+    if stats_field is not None:
+        extra[stats_field] = dict(extra.get(stats_field) or {}, dedup_bytes=dedup,
+                                  write_s=round(time.perf_counter() - t0, 6))
+    manifest = Manifest(iteration, created_ns, chunk_size, skeleton, meta, tuple(entries), kind, extra)
     payload = encode_manifest(manifest)
     mloc = append(rec.RecordType.MANIFEST, [payload])
     if not defer_commit:

@@ -140,9 +140,17 @@ def test_chain_errors(tmp_path):
             store.load(6)  # not a Checkpointer base: replay refuses clearly
 
 
-def test_group_commit_and_durable_iteration(tmp_path, assert_same):
+def _settle(store, ck):
+    """Async: wait until every record is persisted (without committing a group early)."""
+    if ck.asynchronous:
+        store.pipeline.wait()
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_group_commit_and_durable_iteration(tmp_path, assert_same, asynchronous):
     store, ck, saved, _ = train(tmp_path / "s", "SGD", {"lr": 0.05, "momentum": 0.9}, None, n=23,
-                                base_every=100, group_commit=5)
+                                base_every=100, group_commit=5, asynchronous=asynchronous)
+    _settle(store, ck)
     # 23 deltas, groups of 5: 20 are committed, 21..23 pending
     assert store.pending() == [21, 22, 23]
     assert store.durable_iteration() == 20
@@ -155,16 +163,20 @@ def test_group_commit_and_durable_iteration(tmp_path, assert_same):
     store.close()
 
 
-def test_group_commit_by_time(tmp_path):
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_group_commit_by_time(tmp_path, asynchronous):
     store, ck, saved, _ = train(tmp_path / "s", "SGD", {"lr": 0.05}, None, n=6, base_every=100,
-                                group_commit=1000, group_seconds=0.0)
+                                group_commit=1000, group_seconds=0.0, asynchronous=asynchronous)
+    _settle(store, ck)
     assert store.pending() == [] and store.durable_iteration() == 6
     store.close()
 
 
-def test_close_commits_pending(tmp_path):
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_close_commits_pending(tmp_path, asynchronous):
     store, ck, saved, _ = train(tmp_path / "s", "SGD", {"lr": 0.05}, None, n=7, base_every=100,
-                                group_commit=100)
+                                group_commit=100, asynchronous=asynchronous)
+    _settle(store, ck)
     assert store.durable_iteration() == 0
     store.close()
     with ckptstore.open(tmp_path / "s", "r") as r:

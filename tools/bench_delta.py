@@ -112,15 +112,15 @@ def run_ckpt(args, codec, path, iters, group_commit=1):
                       fingerprint_every=10)
     ck.restore()
     base_bytes = seg_bytes(path)
-    times, written = [], []
+    times, futs = [], []
     for it in range(1, iters + 1):
         t0 = time.perf_counter()
         fwd_bwd(model, args, it)
-        stats = ck.step(it)
+        futs.append(ck.step(it))  # asynchronous Checkpointer: a future of AsyncStats
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-        written.append(stats.written_bytes)
     ck.flush()
+    written = [f.result().written_bytes for f in futs]
     store.close()
     return sorted(times)[len(times) // 2], written, base_bytes, (model, opt)
 

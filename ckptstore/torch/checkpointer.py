@@ -12,18 +12,31 @@ record of iteration ``it`` (gradients as applied, hyperparameters, scheduler and
 non-parameter model state, meta) or, when due, a base snapshot. Deltas are group-committed: one
 fsync pair per ``group_commit`` deltas or ``group_seconds`` seconds, whichever comes first (checked at
 each step); ``store.durable_iteration()`` says what survives a crash now.
+
+By default (``asynchronous=True``) every record goes through the store's pipeline
+(:mod:`ckptstore.pipeline`): ``step`` only snapshots into host buffers and returns a future; the
+write, fsync and commit run in the background. With the exact codec the gradients are captured
+layer by layer while backward runs (``register_post_accumulate_grad_hook`` copies each parameter's
+gradient into a pooled host buffer as soon as it is accumulated), so ``step`` copies only what
+was not captured or changed since (checked by the gradient tensor's identity and ``_version``:
+in-place changes such as ``clip_grad_norm_`` are seen and recopied; writes through ``.data`` or
+numpy aliases are not, and the recorded fingerprints then make replay fail loudly). Under
+DistributedDataParallel, :func:`ddp_comm_hook` captures the all-reduced buckets instead.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import DeltaChainError, NotFoundError
+from ..pipeline import ALIGN
 from ..gradcodecs import parse_codec
 from ..replay import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION, fingerprint
 
@@ -60,12 +73,18 @@ class Checkpointer:
     ``p.grad`` before ``optimizer.step()``), so replay is exact again.
     ``fingerprint_every``: record an xxh3 fingerprint of the parameters every k iterations (0: never);
     replay checks it and raises ReplayDivergenceError on a mismatch.
+    ``asynchronous``: write through the store's async pipeline (default); ``step`` and
+    ``save_base`` then return futures resolved when the record is durable. A background failure is
+    raised by the next ``step`` (before ``optimizer.step()``); the step after it restarts the chain
+    with a base snapshot of the live state when deltas were lost.
+    ``capture``: "hooks" (default: copy gradients during backward, exact codec only) or "step".
     """
 
     def __init__(self, store, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any = None, *, base_every: int | str = 200, codec: str = "exact",
                  apply_decoded: bool = False, group_commit: int = 1, group_seconds: float | None = None,
-                 fingerprint_every: int = 10, target_recovery_s: float = 30.0) -> None:
+                 fingerprint_every: int = 10, target_recovery_s: float = 30.0,
+                 asynchronous: bool = True, capture: str = "hooks") -> None:
         if type(optimizer).__name__ not in OPTIMIZER_NAMES or \
                 type(optimizer) is not getattr(torch.optim, type(optimizer).__name__):
             raise TypeError(f"optimizer {type(optimizer).__qualname__} is not replayable; supported: "
@@ -74,6 +93,8 @@ class Checkpointer:
             raise ValueError('base_every must be a positive int or "auto"')
         if type(group_commit) is not int or group_commit < 1:
             raise ValueError("group_commit must be a positive int")
+        if capture not in ("hooks", "step"):
+            raise ValueError('capture must be "hooks" or "step"')
         self.store = store
         self.model = model
         self.optimizer = optimizer
@@ -111,6 +132,33 @@ class Checkpointer:
         self._base_cost: float | None = None
         self._delta_cost: float | None = None
         self.last_stats = None
+        # ---- asynchronous path -------------------------------------------------------------
+        self.asynchronous = bool(asynchronous)
+        self._resync = False  # a background failure lost records: restart the chain at next step
+        self._group_n = 0
+        self._group_t0 = 0.0
+        self._lock = threading.Lock()
+        self._arena = None  # host arena of this iteration's gradient slots (pipeline pool)
+        self._captured: list[Any] = [None] * len(self._params)
+        self._slots: list[tuple[int, int]] = []
+        off = 0
+        for p in self._params:
+            n = p.numel() * p.element_size()
+            self._slots.append((off, n))
+            off += (n + ALIGN - 1) // ALIGN * ALIGN
+        self._slot_bytes = off
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._ddp = False
+        #: gradients captured during backward ("hook"), from DDP buckets ("ddp"), at step ("step")
+        self.capture_counts = {"hook": 0, "ddp": 0, "step": 0}
+        self.capture_wait_s = 0.0  # backpressure met while capturing gradients
+        self._hooks: list[Any] = []
+        self._capture_grads = self.asynchronous and not self.codec.lossy
+        if self._capture_grads:
+            self.store.pipeline  # noqa: B018 - start it now: hooks need its pool
+            if capture == "hooks":
+                for i, p in enumerate(self._params):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
 
     # ---- state ----------------------------------------------------------------------------
     def _replay_info(self) -> dict:
@@ -129,23 +177,132 @@ class Checkpointer:
         return st
 
     def save_base(self, iteration: int, meta: dict | None = None):
-        """Write a base snapshot of the live state as ``iteration`` (flushes pending deltas)."""
+        """Write a base snapshot of the live state as ``iteration`` (flushes pending deltas).
+        Asynchronous: returns the future of :meth:`ckptstore.Store.save_async`."""
         t0 = time.perf_counter()
+        if self.asynchronous:
+            fut = self.store.save_async(iteration, self.state(iteration), meta=meta)
+            fut.add_done_callback(self._cost_callback("_base_cost", 0.0))
+            self._last = self._base = iteration
+            self._group_n = 0  # the base commits every pending delta
+            return fut
         stats = self.store.save(iteration, self.state(iteration), meta=meta)
         self._ema("_base_cost", time.perf_counter() - t0)
         self._last = self._base = iteration
         return stats
 
+    def _cost_callback(self, attr: str, foreground: float):
+        def done(fut) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                st = fut.result()
+                self._ema(attr, foreground + st.stall_s + st.write_s)
+        return done
+
+    # ---- gradient capture (asynchronous path) -----------------------------------------------
+    def _ensure_arena(self):
+        with self._lock:
+            if self._arena is None:
+                # the pipeline object itself: the property would raise a background failure
+                # inside backward (it is raised by the next step instead)
+                self._arena, waited = self.store._pipeline.pool.acquire(self._slot_bytes)
+                self.capture_wait_s += waited
+            return self._arena
+
+    def _slot(self, i: int, arena) -> torch.Tensor:
+        off, n = self._slots[i]
+        p = self._params[i]
+        return arena.slice(off, n).view(p.dtype).view(p.shape)
+
+    def _capturable(self, i: int, g: torch.Tensor | None) -> bool:
+        p = self._params[i]
+        return g is not None and g.layout == torch.strided and g.device.type == "cpu" and \
+            g.dtype == p.dtype and g.shape == p.shape
+
+    def _hook(self, i: int):
+        def on_grad(p: torch.Tensor) -> None:
+            g = p.grad
+            if self._ddp or not self._capturable(i, g):
+                return
+            self._slot(i, self._ensure_arena()).copy_(g)
+            self._captured[i] = (weakref.ref(g), g._version)
+            self.capture_counts["hook"] += 1
+        return on_grad
+
+    def capture_bucket(self, params: list[torch.Tensor], flat: torch.Tensor) -> None:
+        """Copy an all-reduced DDP bucket (``flat``: the bucket's gradients of ``params``, in
+        order) into the gradient slots (called by :func:`ddp_comm_hook`)."""
+        self._ddp = True
+        if not self._capture_grads:
+            return
+        if sum(p.numel() for p in params) != flat.numel() or flat.device.type != "cpu":
+            return  # an unexpected layout: the step copies p.grad instead
+        arena = self._ensure_arena()
+        off = 0
+        for p in params:
+            n = p.numel()
+            i = self._index.get(id(p))
+            if i is not None and flat.dtype == p.dtype:
+                self._slot(i, arena).view(-1).copy_(flat[off:off + n])
+                self._captured[i] = "ddp"
+                with self._lock:
+                    self.capture_counts["ddp"] += 1
+            off += n
+
+    def _take_grads(self) -> tuple[list[Any], Any]:
+        """Gradient payloads for the delta record, in slots of a host arena (ownership passes to
+        the caller, who hands it to the pipeline)."""
+        grads: list[Any] = []
+        arena = None
+        for i, p in enumerate(self._params):
+            g = p.grad
+            if g is None:
+                grads.append(None)
+                continue
+            if not self._capturable(i, g):
+                grads.append({"g": g.detach()})  # copied by the pipeline's snapshot
+                continue
+            arena = arena or self._ensure_arena()
+            slot = self._slot(i, arena)
+            c = self._captured[i]
+            if c == "ddp":
+                ok = torch.equal(slot.reshape(-1).view(torch.uint8),
+                                 g.detach().reshape(-1).view(torch.uint8)) if g.is_contiguous() else False
+            else:
+                ok = c is not None and c[0]() is g and c[1] == g._version
+            if not ok:
+                slot.copy_(g)
+                self.capture_counts["step"] += 1
+            grads.append({"g": slot})
+        with self._lock:
+            if arena is not None:
+                self._arena = None
+            self._captured = [None] * len(self._params)
+        return grads, arena
+
+    def close(self) -> None:
+        """Remove the gradient hooks and give the capture buffer back (the store stays open)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        with self._lock:
+            if self._arena is not None and self.store._pipeline is not None:
+                self.store._pipeline.pool.release(self._arena)
+            self._arena = None
+
     def restore(self, iteration: int | None = None) -> int:
         """Load ``iteration`` (default: the latest recoverable one) into the live model, optimizer,
         scheduler and RNGs and return its number. On an empty store, write the live (initial)
         state as base snapshot 0 and return 0."""
-        self.store.flush() if self.store.pending() else None
+        self.store.flush() if self.store.pending() or self.store._pipeline is not None else None
+        self._captured = [None] * len(self._params)
+        self._resync = False
         its = self.store.iterations()
         if not its:
             if iteration not in (None, 0):
                 raise NotFoundError(f"iteration {iteration} is not in the empty store {self.store.path}")
-            self.save_base(0)
+            fut = self.save_base(0)
+            if self.asynchronous:
+                fut.result()  # the chain's first base is durable when restore returns
             return 0
         target = its[-1] if iteration is None else iteration
         state = self.store.load(target)
@@ -175,7 +332,10 @@ class Checkpointer:
 
     def step(self, iteration: int, meta: dict | None = None):
         """Apply the optimizer step for ``iteration`` (gradients must be in ``p.grad``), step the
-        scheduler, and log the iteration: a delta record, or a base snapshot when due."""
+        scheduler, and log the iteration: a delta record, or a base snapshot when due.
+        Returns SaveStats, or with ``asynchronous`` a future resolved when the record is durable."""
+        if self.asynchronous:
+            return self._step_async(iteration, meta)
         if self._last is None:
             latest = self.store.latest()
             if latest is None:
@@ -250,3 +410,136 @@ class Checkpointer:
     def flush(self) -> int | None:
         """Commit pending deltas now; returns store.durable_iteration()."""
         return self.store.flush()
+
+    def _step_async(self, iteration: int, meta: dict | None):
+        try:
+            pipe = self.store.pipeline  # raises an earlier background failure before any change
+            pipe.check()
+        except BaseException:
+            self._resync = True
+            raise
+        tail = pipe.tail()
+        if self._resync or self._last is None or tail is None or tail < self._last:
+            # (a tail behind the last step: a failure reported through another call lost records)
+            latest = self.store.latest()
+            if latest is None or latest != iteration - 1:
+                # empty store, or records lost to a background failure: the live state (that of
+                # iteration - 1) starts a new chain
+                self.save_base(iteration - 1)
+            else:
+                self._last, self._base = latest, self.store.base_of(latest)
+            self._resync = False
+        if iteration != self._last + 1:
+            raise DeltaChainError(f"Checkpointer.step({iteration}): the last logged iteration is "
+                                  f"{self._last}; iterations must follow each other")
+        top = pipe.tail()
+        if top is not None and top >= iteration:
+            raise DeltaChainError(f"Checkpointer.step({iteration}): {self.store.path} already holds "
+                                  f"iteration {top} (restored {self._last}); iterations must increase")
+        t0 = time.perf_counter()
+        rng = capture_rng()
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        arena = None
+        max_err: list[float] = []
+        err_l2 = g_l2 = 0.0
+        if self._capture_grads:
+            grads, arena = self._take_grads()
+        else:
+            grads = []
+            for p in self._params:
+                if p.grad is None:
+                    grads.append(None)
+                    max_err.append(0.0)
+                    continue
+                payload, dec, st = self.codec.encode_measured(p.grad)
+                grads.append(payload)
+                if st is not None:
+                    max_err.append(st.max_abs_error)
+                    err_l2 += st.l2_error ** 2
+                    g_l2 += st.l2_grad ** 2
+                    if self.apply_decoded:
+                        p.grad.copy_(dec)
+                else:
+                    max_err.append(0.0)
+        try:
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            due = iteration - (self._base if self._base is not None else 0) >= self.interval()
+            if due:
+                owned, arena = arena, None
+                if owned is not None:
+                    pipe.pool.release(owned)
+                self._last = iteration
+                fut = self.save_base(iteration, meta)
+            else:
+                record: dict[str, Any] = {
+                    "v": REPLAY_VERSION, "codec": self.codec.name, "lossy": self.codec.lossy,
+                    "applied": self.apply_decoded and self.codec.lossy, "grads": grads,
+                    "hyper": hyper,
+                    "groups": [{k: v for k, v in g.items() if k != "params"}
+                               for g in self.optimizer.param_groups],
+                    "rng": rng,
+                    "buffers": {k: v for k, v in self.model.state_dict().items()
+                                if k not in self._param_names and k not in self._aliases},
+                }
+                if self.scheduler is not None:
+                    record["scheduler"] = self.scheduler.state_dict()
+                if self.codec.lossy:
+                    record["err"] = {"max_abs": max_err, "l2": err_l2 ** 0.5, "grad_l2": g_l2 ** 0.5}
+                if self.fingerprint_every and iteration % self.fingerprint_every == 0:
+                    digest, norm = fingerprint(self._params)
+                    record["fp"] = {"xxh3": digest, "norm": norm}
+                now = time.monotonic()
+                if self._group_n == 0:
+                    self._group_t0 = now
+                self._group_n += 1
+                commit = self._group_n >= self.group_commit or (
+                    self.group_seconds is not None and now - self._group_t0 >= self.group_seconds)
+                if commit:
+                    self._group_n = 0
+                owned, arena = arena, None
+                self._last = iteration
+                fut = pipe.submit("delta", iteration, record, meta, commit=commit,
+                                  owned=[owned] if owned is not None else None)
+                fut.add_done_callback(self._cost_callback("_delta_cost", time.perf_counter() - t0))
+        except BaseException:
+            if arena is not None:
+                pipe.pool.release(arena)
+            # the live objects may have stepped while the record is lost: the next step
+            # re-reads the store and restarts the chain with a base when needed
+            self._last = iteration
+            self._resync = True
+            raise
+        self.last_stats = fut
+        return fut
+
+
+def ddp_comm_hook(checkpointer: Checkpointer | None = None):
+    """A DistributedDataParallel communication hook: all-reduce (average) each gradient bucket,
+    like DDP's default hook, and hand the reduced bucket to ``checkpointer`` as it completes, so
+    the gradient the job exchanges anyway becomes the checkpoint's delta (no second pass over the
+    parameters). Ranks without a Checkpointer pass None. The hook's state is the process group
+    (None: the default group)::
+
+        ddp.register_comm_hook(None, ddp_comm_hook(ckpt if rank == 0 else None))
+
+    At ``ckpt.step`` each captured slot is compared bit for bit with ``p.grad`` (a read; a copy is
+    made only if the gradient was changed after the all-reduce, e.g. by clipping)."""
+    import torch.distributed as dist
+
+    def hook(state, bucket):  # unannotated: DDP checks annotations against dist.GradBucket
+        group = state if state is not None else dist.group.WORLD
+        buf = bucket.buffer()
+        buf.div_(dist.get_world_size(group))
+        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+        if checkpointer is None:
+            return fut.then(lambda f: f.value()[0])
+        params = list(bucket.parameters())
+
+        def done(f):
+            out = f.value()[0]
+            checkpointer.capture_bucket(params, out)
+            return out
+        return fut.then(done)
+    return hook

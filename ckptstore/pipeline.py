@@ -1,0 +1,539 @@
+"""Asynchronous checkpointing: snapshot into pooled host buffers now, persist in the background.
+
+One ``Store.save_async(iteration, state)`` (or ``save_delta_async``) goes through two phases:
+
+Foreground, in the caller (its duration is the *stall* training sees):
+  1. check the iteration order, flatten the state (every non-tensor value is captured here);
+  2. take a slot (at most ``max_inflight`` checkpoints snapshotted but not yet persisted) and host
+     memory from the :class:`HostPool` (at most ``host_budget`` bytes of staging buffers). When
+     either is full the caller waits: *backpressure*, reported as ``wait_s``;
+  3. copy every tensor into one reused host arena (CUDA tensors: a pinned arena, copies issued on a
+     side stream after it waits for the training stream, which then waits for the copies on the
+     GPU, not on the CPU; the persister synchronises on the copy event before reading);
+  4. enqueue the job and return a :class:`concurrent.futures.Future`.
+
+Background, one persister thread, FIFO (so commits happen in iteration order):
+  5. hash, compress and append (the store's write path, under the store mutex), then fsync and
+     COMMIT (a snapshot, or a delta that ends its group) or leave it pending (a delta with
+     ``commit=False``, committed with the next group);
+  6. release the arena to the pool; resolve the future of every checkpoint now committed.
+
+Invariants:
+  * A future resolves successfully only after its checkpoint's COMMIT record is fsynced: whatever a
+    resolved future names survives a crash.
+  * Nothing the caller does to its tensors after ``submit`` returns reaches the store: every tensor
+    leaf is copied, except leaves that already live in an arena handed over with ``owned`` (the
+    Checkpointer's gradient captures, whose ownership passes to the job).
+  * Tensors are always copied. Skipping the copy of a tensor whose ``_version`` and ``data_ptr`` are
+    unchanged since the previous snapshot is NOT done: writes through ``.data``, numpy or DLPack
+    aliases do not bump ``_version``, so it cannot prove the bytes unchanged. Unchanged bytes are
+    still not *written* twice: content addressing deduplicates them.
+  * A background failure (I/O error, a refused iteration) rolls back the failed checkpoint, every
+    appended-but-uncommitted delta and every queued job (their futures raise
+    :class:`~ckptstore.errors.CheckpointAbortedError`), so the store holds exactly its earlier
+    commits. The failure is raised by the failed job's future, once by the next call on the store,
+    and by flush/close if no call reported it; after that the store accepts saves again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .errors import (CheckpointAbortedError, DeltaChainError, IterationOrderError)
+from .format.state import flatten
+from .tensors import TORCH_DTYPES, ArrayLeaf, leaf_hook
+from .writer import SaveStats
+
+if TYPE_CHECKING:
+    from .store import Store
+
+#: Name of the manifest field that records a pipeline checkpoint's statistics (format.md section 10).
+STATS_FIELD = "pipeline"
+DEFAULT_MAX_INFLIGHT = 4
+ALIGN = 64  # leaf offsets inside an arena: any dtype can view its slice
+_ROUND = 1 << 20  # arena capacities are rounded up to 1 MiB so similar sizes reuse the same arena
+
+
+def default_host_budget() -> int:
+    """A quarter of physical memory, at most 4 GiB (at least 256 MiB)."""
+    try:
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        phys = 8 << 30
+    return max(256 << 20, min(4 << 30, phys // 4))
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class AsyncStats:
+    """What one asynchronous checkpoint cost (``Future.result()`` and ``Store.stats()``).
+
+    ``stall_s``: time the submitting call blocked training (includes ``wait_s`` and
+    ``snapshot_s``); ``wait_s``: part of it spent waiting for a slot or host memory
+    (backpressure); ``snapshot_s``: copying tensors into host buffers; ``queue_depth``: checkpoints
+    in flight ahead of this one when it was submitted; ``persist_s``: from the start of its
+    background work until it was durable (for a delta in a group: until the group's commit);
+    ``write_s``: hashing, compressing and appending (before the manifest).
+    """
+
+    iteration: int
+    kind: str
+    stall_s: float
+    wait_s: float
+    snapshot_s: float
+    queue_depth: int
+    snapshot_bytes: int
+    persist_s: float = 0.0
+    write_s: float = 0.0
+    logical_bytes: int = 0
+    written_bytes: int = 0
+    dedup_bytes: int = 0
+    save: SaveStats | None = None
+
+    def to_manifest(self) -> dict:
+        """The part known before the manifest is written (format.md section 10, "pipeline")."""
+        return {"stall_s": round(self.stall_s, 6), "wait_s": round(self.wait_s, 6),
+                "snapshot_s": round(self.snapshot_s, 6), "queue_depth": self.queue_depth,
+                "snapshot_bytes": self.snapshot_bytes}
+
+
+class Arena:
+    """One reusable host staging buffer (pinned when CUDA is available)."""
+
+    def __init__(self, capacity: int, pin: bool) -> None:
+        self.capacity = capacity
+        self.buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+        self._ptr = self.buf.untyped_storage().data_ptr()
+
+    def slice(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.buf[offset:offset + nbytes]
+
+    def holds(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.device.type == "cpu" and \
+            t.untyped_storage().data_ptr() == self._ptr
+
+
+class HostPool:
+    """Host staging memory: arenas are reused (best fit) and the bytes held by reserved plus cached
+    arenas stay within ``budget``; a reservation that does not fit waits until others are
+    released. One reservation larger than the whole budget proceeds when it is alone."""
+
+    def __init__(self, budget: int, pin: bool) -> None:
+        self.budget = budget
+        self.pin = pin
+        self._cond = threading.Condition()
+        self._free: list[Arena] = []
+        self.reserved = 0
+        self.cached = 0
+        self.allocations = 0
+
+    def acquire(self, nbytes: int, own: int = 0) -> tuple[Arena, float]:
+        """An arena of at least ``nbytes``, and the seconds spent waiting for it. ``own``: bytes the
+        caller already holds (they do not block its own reservation)."""
+        need = max(_ROUND, (nbytes + _ROUND - 1) // _ROUND * _ROUND)
+        t0 = time.perf_counter()
+        with self._cond:
+            while self.reserved + need > self.budget and self.reserved - own > 0:
+                self._cond.wait()
+            waited = time.perf_counter() - t0
+            fits = [a for a in self._free if a.capacity >= need]
+            if fits:
+                arena = min(fits, key=lambda a: a.capacity)
+                self._free.remove(arena)
+                self.cached -= arena.capacity
+            else:
+                while self._free and self.reserved + self.cached + need > self.budget:
+                    self.cached -= self._free.pop(0).capacity  # dropped: freed by refcount
+                arena = Arena(need, self.pin)
+                self.allocations += 1
+            self.reserved += arena.capacity
+        return arena, waited
+
+    def release(self, arena: Arena) -> None:
+        with self._cond:
+            self.reserved -= arena.capacity
+            self._free.append(arena)
+            self.cached += arena.capacity
+            while self._free and self.reserved + self.cached > self.budget:
+                self.cached -= self._free.pop(0).capacity
+            self._cond.notify_all()
+
+    def set_budget(self, budget: int) -> None:
+        with self._cond:
+            self.budget = budget
+            self._cond.notify_all()
+
+
+@dataclass
+class _Job:
+    kind: str  # "snapshot" | "delta" | "flush" | "stop"
+    iteration: int = -1
+    skeleton: Any = None
+    meta: Any = None
+    leaves: list = field(default_factory=list)
+    commit: bool = True
+    arenas: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+    future: Future = field(default_factory=Future)
+    stats: AsyncStats | None = None
+    t_start: float = 0.0
+
+
+def _snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool, own_bytes: int,
+                     streams: dict) -> tuple[list[ArrayLeaf], Arena | None, list, int, float]:
+    """Copy every leaf not already in an owned arena into one arena from ``pool``. Returns the new
+    leaves, the arena (None when nothing was copied), CUDA events to wait for, bytes copied and
+    the seconds spent waiting for memory."""
+    todo = [i for i, lf in enumerate(leaves)
+            if lf.nbytes and not any(a.holds(lf.value) for a in owned)]
+    total = sum(_align(leaves[i].nbytes) for i in todo)
+    if not total:
+        return list(leaves), None, [], 0, 0.0
+    arena, waited = pool.acquire(total, own=own_bytes)
+    out = list(leaves)
+    events: list = []
+    cuda_copies: dict[Any, list] = {}
+    off = 0
+    try:
+        for i in todo:
+            lf = leaves[i]
+            dst = arena.slice(off, lf.nbytes)
+            off += _align(lf.nbytes)
+            if lf.lib == "torch":
+                src = lf.value.detach()
+                typed = dst.view(TORCH_DTYPES[lf.dtype]).view(lf.shape)
+                if src.device.type == "cuda":
+                    cuda_copies.setdefault(src.device, []).append((typed, src))
+                elif src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() \
+                        and not src.is_neg():
+                    dst.copy_(src.reshape(-1).view(torch.uint8))  # a byte copy: NaN bits kept
+                else:
+                    typed.copy_(src)  # strided, conjugate/negative views: resolved into dst
+                out[i] = replace(lf, value=typed)
+            else:
+                a = dst.numpy()
+                a[:] = np.ascontiguousarray(lf.value).reshape(-1).view(np.uint8)
+                out[i] = replace(lf, value=a.view(np.dtype(lf.dtype)).reshape(lf.shape))
+        for dev, pairs in cuda_copies.items():
+            events.append(_cuda_copy(dev, pairs, streams))
+    except BaseException:
+        pool.release(arena)
+        raise
+    return out, arena, events, total, waited
+
+
+def _cuda_copy(device: Any, pairs: list, streams: dict) -> Any:
+    """Device -> pinned host copies on a side stream. The training stream is made to wait for them
+    on the GPU (so later kernels cannot overwrite a tensor before it is copied), the CPU does not
+    wait; the returned event is synchronised by the persister before it reads the arena."""
+    side = streams.get(device)
+    if side is None:
+        side = streams[device] = torch.cuda.Stream(device=device)
+    current = torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(side)  # the allocator must not reuse src's memory before the copy
+    event = torch.cuda.Event()
+    event.record(side)
+    current.wait_stream(side)
+    return event
+
+
+class Pipeline:
+    """The snapshot-then-persist pipeline of one writer store (see the module docstring)."""
+
+    def __init__(self, store: "Store", *, host_budget: int | None = None,
+                 max_inflight: int | None = None) -> None:
+        if max_inflight is not None and (type(max_inflight) is not int or max_inflight < 1):
+            raise ValueError("max_inflight must be a positive int")
+        if host_budget is not None and (type(host_budget) is not int or host_budget < 1):
+            raise ValueError("host_budget must be a positive int (bytes)")
+        self.store = store
+        self.pool = HostPool(host_budget or default_host_budget(),
+                             pin=torch.cuda.is_available())
+        self.max_inflight = max_inflight or DEFAULT_MAX_INFLIGHT
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._inflight = 0  # submitted checkpoints not yet persisted (queued or running)
+        self._uncommitted: list[_Job] = []  # appended deltas waiting for their group's commit
+        self._error: BaseException | None = None
+        self._reported = True
+        self._tail: int | None = None  # last iteration accepted (None: ask the store)
+        self._tail_known = False
+        self._history: deque[AsyncStats] = deque(maxlen=10_000)
+        self._streams: dict = {}
+        self._thread = threading.Thread(target=self._run, name=f"ckptstore-persist:{store.path}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- foreground -------------------------------------------------------------------------
+    def submit(self, kind: str, iteration: int, state: Any, meta: dict | None = None, *,
+               commit: bool = True, owned: list[Arena] | None = None) -> Future:
+        """Snapshot ``state`` and queue it; see the module docstring. ``owned``: arenas holding
+        tensors of ``state`` already copied by the caller; they pass to the job (released by the
+        pipeline whatever happens)."""
+        from .store import flatten_meta
+
+        t0 = time.perf_counter()
+        owned = list(owned or [])
+        try:
+            self.check()
+            if type(iteration) is not int or iteration < (1 if kind == "delta" else 0) \
+                    or iteration >= 1 << 63:
+                raise ValueError(f"iteration must be a {'positive' if kind == 'delta' else 'non-negative'}"
+                                 f" int, not {iteration!r}")
+            skeleton, leaves = flatten(state, leaf_hook)
+            meta_skeleton = flatten_meta(meta)
+            tail = self._store_tail() if not self._tail_known else None
+            wait = 0.0
+            with self._cond:
+                if not self._tail_known:
+                    self._tail, self._tail_known = tail, True
+                prev = self._tail
+                self._check_order(kind, iteration, prev)
+                tw = time.perf_counter()
+                while self._inflight >= self.max_inflight and self._error is None:
+                    self._cond.wait()
+                wait += time.perf_counter() - tw
+                depth = self._inflight
+                self._inflight += 1
+                self._tail = iteration
+        except BaseException:
+            for a in owned:
+                self.pool.release(a)
+            raise
+        job = _Job(kind, iteration, skeleton, meta_skeleton, commit=commit, arenas=owned)
+        try:
+            ts = time.perf_counter()
+            own = sum(a.capacity for a in owned)
+            job.leaves, arena, job.events, copied, waited = _snapshot_leaves(
+                leaves, owned, self.pool, own, self._streams)
+            if arena is not None:
+                job.arenas.append(arena)
+            wait += waited
+            snap = time.perf_counter() - ts - waited
+        except BaseException:
+            for a in job.arenas:
+                self.pool.release(a)
+            with self._cond:
+                self._inflight -= 1
+                if self._tail == iteration:
+                    self._tail = prev
+                self._cond.notify_all()
+            raise
+        job.future.set_running_or_notify_cancel()
+        job.stats = AsyncStats(iteration, kind, time.perf_counter() - t0, wait, snap, depth, copied)
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()
+        return job.future
+
+    def _store_tail(self) -> int | None:
+        st = self.store
+        with st._mutex:
+            if st._pending:
+                return st._pending[-1][0].commits[0].commit.iteration
+            return st.index.latest()
+
+    def _check_order(self, kind: str, iteration: int, prev: int | None) -> None:
+        where = self.store.path
+        if kind == "delta":
+            if prev is None:
+                raise DeltaChainError(f"delta for iteration {iteration} refused: {where} holds no "
+                                      "base snapshot (a delta chain must start from a snapshot)")
+            if iteration <= prev:
+                raise IterationOrderError(f"iteration {iteration} is not after the latest iteration "
+                                          f"{prev} in {where}")
+            if iteration != prev + 1:
+                raise DeltaChainError(f"delta for iteration {iteration} refused: the latest iteration "
+                                      f"is {prev}; a delta must follow its predecessor without a gap")
+        elif prev is not None and iteration <= prev:
+            raise IterationOrderError(f"iteration {iteration} is not after the latest iteration "
+                                      f"{prev} saved to {where}")
+
+    def tail(self) -> int | None:
+        """The last iteration accepted (queued, pending or committed)."""
+        if not self._tail_known:
+            t = self._store_tail()
+            with self._cond:
+                if not self._tail_known:
+                    self._tail, self._tail_known = t, True
+        return self._tail
+
+    def check(self) -> None:
+        """Raise a background failure that no store call has reported yet (then forget it)."""
+        if self._error is None or self._reported:
+            return
+        with self._cond:
+            while self._inflight or self._queue:
+                self._cond.wait()
+            err = self._error
+            if err is None or self._reported:
+                return
+            self._reported = True
+            self._error = None
+            self._tail_known = False
+        raise err
+
+    def flush(self) -> None:
+        """Wait until every submitted checkpoint is persisted and every async delta committed;
+        raise a failure not reported yet."""
+        self.check()
+        with self._cond:
+            idle = not self._inflight and not self._queue and not self._uncommitted
+        if not idle:
+            marker = _Job("flush")
+            with self._cond:
+                self._queue.append(marker)
+                self._cond.notify_all()
+            try:
+                marker.future.result()
+            except BaseException:  # noqa: BLE001 - the failure is raised by check() below
+                pass
+        self.check()
+
+    def wait(self) -> None:
+        """Wait until every submitted checkpoint is persisted (snapshots committed, async deltas
+        appended); unlike :meth:`flush` this does not commit a group early."""
+        with self._cond:
+            while self._inflight or any(j.kind != "stop" for j in self._queue):
+                self._cond.wait()
+
+    def drain(self) -> None:
+        """Before a synchronous write: flush, and re-read the store's tail afterwards."""
+        self.flush()
+        self._tail_known = False
+
+    def close(self) -> None:
+        """Flush, then stop the persister thread (also when the flush raises)."""
+        try:
+            self.flush()
+        finally:
+            with self._cond:
+                self._queue.append(_Job("stop"))
+                self._cond.notify_all()
+            self._thread.join()
+
+    def pending_deltas(self) -> list[int]:
+        with self._cond:
+            return [j.iteration for j in list(self._uncommitted) + list(self._queue)
+                    if j.kind == "delta"]
+
+    def stats(self) -> list[AsyncStats]:
+        with self._cond:
+            return list(self._history)
+
+    def set_limits(self, host_budget: int | None, max_inflight: int | None) -> None:
+        if host_budget is not None:
+            self.pool.set_budget(host_budget)
+        if max_inflight is not None:
+            with self._cond:
+                self.max_inflight = max_inflight
+                self._cond.notify_all()
+
+    # ---- background -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                job = self._queue[0]
+            if job.kind == "stop":
+                with self._cond:
+                    self._queue.popleft()
+                    self._cond.notify_all()
+                return
+            try:
+                if self._error is not None:
+                    raise CheckpointAbortedError(
+                        f"{self._what(job)} was not written: an earlier checkpoint failed "
+                        f"({self._error})")
+                self._persist(job)
+            except BaseException as e:  # noqa: BLE001 - handed to the future and the store
+                self._fail(job, e)
+            finally:
+                for a in job.arenas:
+                    self.pool.release(a)
+                job.arenas = []
+                job.leaves = []
+                with self._cond:
+                    self._queue.popleft()
+                    if job.kind in ("snapshot", "delta"):
+                        self._inflight -= 1
+                    self._cond.notify_all()
+
+    @staticmethod
+    def _what(job: _Job) -> str:
+        return f"iteration {job.iteration} ({job.kind})" if job.kind in ("snapshot", "delta") \
+            else "the flush"
+
+    def _persist(self, job: _Job) -> None:
+        job.t_start = time.perf_counter()
+        for ev in job.events:
+            ev.synchronize()
+        st = self.store
+        committed = True
+        save: SaveStats | None = None
+        extra = {STATS_FIELD: job.stats.to_manifest()} if job.stats is not None else None
+        with st._mutex:
+            if job.kind == "snapshot":
+                save = st._save_flat(job.iteration, job.skeleton, job.meta, job.leaves,
+                                     extra=extra, stats_field=STATS_FIELD)
+            elif job.kind == "delta":
+                save = st._save_delta_flat(job.iteration, job.skeleton, job.meta, job.leaves,
+                                           job.commit, extra=extra, stats_field=STATS_FIELD)
+                committed = job.commit
+            else:
+                st._flush_locked()
+        now = time.perf_counter()
+        if save is not None and job.stats is not None:
+            s = job.stats
+            s.save, s.logical_bytes, s.written_bytes = save, save.logical_bytes, save.written_bytes
+            s.dedup_bytes, s.write_s = save.dedup_bytes, save.seconds
+        with self._cond:
+            if job.kind != "flush":
+                self._uncommitted.append(job)
+            done = self._uncommitted if committed else []
+            if committed:
+                self._uncommitted = []
+        for j in done:
+            j.stats.persist_s = now - j.t_start
+            with self._cond:
+                self._history.append(j.stats)
+            j.future.set_result(j.stats)
+        if job.kind == "flush":
+            job.future.set_result(None)
+
+    def _fail(self, job: _Job, err: BaseException) -> None:
+        aborted = isinstance(err, CheckpointAbortedError)
+        with self._cond:
+            lost, self._uncommitted = self._uncommitted, []
+        if not aborted:
+            try:
+                with self.store._mutex:
+                    self.store._abandon_pending()
+            except BaseException:  # noqa: BLE001 - the store recovers before its next write
+                self.store._needs_recovery = True
+            with self._cond:
+                if self._error is None:
+                    self._error, self._reported = err, False
+        for j in lost:
+            e = CheckpointAbortedError(f"{self._what(j)} was rolled back before its commit: "
+                                       f"{self._what(job)} failed ({err})")
+            e.__cause__ = err
+            j.future.set_exception(e)
+        job.future.set_exception(err)
