@@ -6,6 +6,7 @@ persists, the Checkpointer's layer-wise gradient capture, the DDP comm hook and 
 from __future__ import annotations
 
 import copy
+import datetime
 import errno
 import os
 import random
@@ -474,7 +475,8 @@ def _ddp_worker(rank: int, init: str, path: str, out: str) -> None:
     from ckptstore.torch import Checkpointer, ddp_comm_hook
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         model, _ = _tiny()
         ddp = DDP(model, bucket_cap_mb=0.0002)  # several buckets for a tiny model
@@ -508,8 +510,14 @@ def test_ddp_comm_hook_checkpoints_the_allreduced_gradient(tmp_path, assert_same
     import torch.multiprocessing as mp
 
     out = tmp_path / "out.pt"
-    mp.spawn(_ddp_worker, args=(f"file://{tmp_path / 'init'}", str(tmp_path / "s"), str(out)),
-             nprocs=2, join=True)
+    ctx = mp.spawn(_ddp_worker, args=(f"file://{tmp_path / 'init'}", str(tmp_path / "s"), str(out)),
+                   nprocs=2, join=False)
+    deadline = time.monotonic() + 300  # a rank that dies can leave the other blocked in gloo
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("the DDP workers did not finish within 300 s")
     res = torch.load(out)
     n = 4  # parameters of the tiny model
     assert res["counts"]["ddp"] == 8 * n and res["counts"]["step"] == 0
