@@ -114,12 +114,17 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
     replay = log.replay(index, None, verify=True, progress=count)
     live = log.refresh_segments()
     report.segments = len(live)
-    for seq in replay.missing:
-        why = "segment file is missing: checkpoints committed in it are lost"
-        if seq in replay.missing_uncertain:
-            why = ("segment file is missing (unless a gc collected it: a later segment whose "
-                   "header is damaged may be the gc's marker)")
-        report.damage.append(Damage(log.layout.segment_path(seq), 0, 0, None, why))
+    for first, last, uncertain in _runs(replay.missing, replay.missing_uncertain):
+        if first == last:
+            why = "segment file is missing"
+            why += (" (unless a gc collected it: a later segment whose header is damaged may be "
+                    "the gc's marker)" if uncertain else ": checkpoints committed in it are lost")
+        else:
+            why = f"segments {first}..{last} are missing ({last - first + 1} files)"
+            why += (" (unless a gc collected them: a later segment whose header is damaged may "
+                    "be the gc's marker)" if uncertain
+                    else ": checkpoints committed in them are lost")
+        report.damage.append(Damage(log.layout.segment_path(first), 0, 0, None, why))
     report.iterations = index.iterations()
     tail_starts = dict(replay.tail)
     for d in replay.damage:
@@ -151,6 +156,20 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
         if problems:
             report.damaged_iterations[it] = problems
     _check_chains(index, report)
+
+
+def _runs(seqs: list[int], uncertain: set[int]) -> list[tuple[int, int, bool]]:
+    """Consecutive runs ``(first, last, uncertain)`` of the sorted ``seqs``, split where the
+    uncertainty changes (a stray far-ahead segment file would otherwise yield one line per
+    number in between)."""
+    runs: list[tuple[int, int, bool]] = []
+    for seq in seqs:
+        u = seq in uncertain
+        if runs and runs[-1][1] == seq - 1 and runs[-1][2] == u:
+            runs[-1] = (runs[-1][0], seq, u)
+        else:
+            runs.append((seq, seq, u))
+    return runs
 
 
 def _note_lost_by_index(store: Store, indexed: tuple[bytes, dict[int, CommitEntry]] | None,

@@ -19,7 +19,7 @@ from .format.chunk import (CHUNK_HEADER_SIZE, Codec, address_of, decode_chunk_da
 from .format.manifest import Manifest, TensorEntry, decode_committed_manifest
 from .format.state import top_level_items, leaf_indices, unflatten
 from .format.tree import Tree, decode_tree, tree_root
-from .storage.index import CommitEntry, Index
+from .storage.index import ChunkRef, CommitEntry, Index
 from .storage.log import Log
 from .storage.segments import Loc
 from .tensors import allocate, finish
@@ -59,7 +59,8 @@ def chunk_spans_bounded(log: Log, index: Index, entry: TensorEntry) -> list[tupl
         ref = index.get_chunk(addr)
         if ref is None:
             raise FormatError(f"chunk {addr.hex()} is not in the store")
-        if end - start > max_raw_length(ref.codec, ref.loc.length):
+        if end - start > max(max_raw_length(r.codec, r.loc.length)
+                             for r in [ref, *index.chunk_alternatives(addr)]):
             raise FormatError(
                 f"bytes {start}-{end}: the record of chunk {addr.hex()} at "
                 f"{log.layout.segment_path(ref.loc.seq)} offset {ref.loc.offset} "
@@ -68,10 +69,24 @@ def chunk_spans_bounded(log: Log, index: Index, entry: TensorEntry) -> list[tupl
 
 
 def read_chunk_into(log: Log, index: Index, address: bytes, dest: memoryview) -> None:
-    """Fill ``dest`` with the verified bytes of chunk ``address``. Raises FormatError."""
+    """Fill ``dest`` with the verified bytes of chunk ``address``. Raises FormatError (for the
+    indexed record, after every earlier record of the chunk failed as well)."""
     ref = index.get_chunk(address)
     if ref is None:
         raise FormatError(f"chunk {address.hex()} is not in the store")
+    try:
+        _read_chunk_at(log, ref, address, dest)
+    except FormatError:
+        for older in index.chunk_alternatives(address):
+            try:
+                _read_chunk_at(log, older, address, dest)
+                return
+            except (FormatError, OSError):
+                continue
+        raise
+
+
+def _read_chunk_at(log: Log, ref: ChunkRef, address: bytes, dest: memoryview) -> None:
     f = log.file(ref.loc.seq)
     try:
         if ref.codec == Codec.RAW and ref.loc.length == CHUNK_HEADER_SIZE + len(dest):
