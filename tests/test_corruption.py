@@ -639,6 +639,28 @@ def test_damaged_gc_marker_keeps_missing_segments_uncertain(tmp_path, assert_sam
                 assert_same(states[i], r.load(i))
 
 
+def test_damaged_header_of_a_segment_with_records_is_no_gc_marker(tmp_path, assert_same):
+    """§15 step 2: a segment whose header is damaged but which holds valid records after it is no
+    gc marker (a marker is a header record alone), so segment 3 deleted below it is certainly
+    missing and iteration 3, committed only there, is named lost from the index. A damaged
+    header alone (the marker case, test_damaged_gc_marker_keeps_missing_segments_uncertain)
+    keeps it uncertain."""
+    path = tmp_path / "store"
+    states = _one_per_segment(path)
+    layout = Layout(str(path))
+    os.unlink(layout.segment_path(3))
+    flip(Path(layout.segment_path(4)), 30, 1, random.Random(5))  # header payload of segment 4
+    report = check(path)
+    lines = "\n".join(report.lines())
+    assert any(d.path == layout.segment_path(3) and "missing: checkpoints committed in it are "
+               "lost" in d.reason for d in report.damage), lines
+    assert 3 in report.lost_iterations and "per the index" in report.lost_iterations[3], lines
+    assert set(report.iterations) >= {1, 2, 5}, lines
+    with ckptstore.open(path, "r") as r:
+        for i in set(report.iterations) - set(report.damaged_iterations):
+            assert_same(states[i], r.load(i))
+
+
 @pytest.mark.parametrize("content", ["garbage", "segment copy"])
 def test_stray_far_ahead_segment_reports_missing_run_as_one_range(tmp_path, capsys, content):
     """A stray 0000009999.seg: the thousands of numbers between the last segment and it are one

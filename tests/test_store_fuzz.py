@@ -12,7 +12,10 @@ new number, or flip a byte of the STORE file. Then, for every iteration the pris
 * a load either returns the bit-exact state or raises a CkptStoreError; nothing raises anything
   else, and no iteration appears that was never saved.
 
-Seeded (CKPTSTORE_SEED) and bounded (CKPTSTORE_TRIALS, default 16; CI sets 60).
+Seeded (CKPTSTORE_SEED) and bounded (CKPTSTORE_TRIALS, default 16; CI sets 60). No failure is
+skipped: fsck names iterations whose commit is damaged or gone from verified evidence (orphaned
+manifests, the writer's index), and the mutations never touch index/, so every lost iteration has
+a trace fsck can name.
 """
 
 from __future__ import annotations

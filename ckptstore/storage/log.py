@@ -132,6 +132,9 @@ class Log:
         self.foreign: set[int] = set()
         #: segments whose verified header names another seq (renamed files) -> its ``supersedes``
         self.misnamed_supersedes: dict[int, int] = {}
+        #: segments with a damaged header that hold a valid record after it: no gc marker (a
+        #: marker is a header record alone, never appended to, §17)
+        self.not_markers: set[int] = set()
         self.watermark = 0
         #: every segment file listed by the last refresh (obsolete and foreign ones included)
         self.present: list[int] = []
@@ -210,6 +213,7 @@ class Log:
         self.headers.pop(seq, None)
         self.header_damage.pop(seq, None)
         self.misnamed_supersedes.pop(seq, None)
+        self.not_markers.discard(seq)
         self.foreign.discard(seq)
 
     def obsolete_segments(self) -> list[int]:
@@ -225,6 +229,8 @@ class Log:
         collected, so it is returned in the second (uncertain) set as well. A renamed segment
         (verified header, another seq) is not counted in the watermark either, but its
         ``supersedes`` is known: only missing seqs up to that value are uncertain because of it.
+        A damaged-header segment that a replay found holding a valid record after its header is
+        no gc marker (a marker is a header record alone) and makes nothing uncertain.
         """
         if not self.present:
             return [], set()
@@ -232,7 +238,7 @@ class Log:
         missing = [s for s in range(self.watermark + 1, self.present[-1] + 1) if s not in have]
         bound = 0  # every missing seq <= bound may have been collected by a gc
         for s in self.header_damage:
-            if s in self.foreign:
+            if s in self.foreign or s in self.not_markers:
                 continue
             known = self.misnamed_supersedes.get(s)
             bound = max(bound, s - 1 if known is None else known)
@@ -270,11 +276,6 @@ class Log:
         for seq, err in sorted(self.header_damage.items()):
             if seq > self.watermark and (start is None or seq >= start.seq):
                 damaged(Damage(err.path or "", 0, 0, rec.RecordType.SEGMENT_HEADER, err.reason), seq)
-        report.missing, report.missing_uncertain = self.missing_segments()
-        for seq in report.missing:
-            if seq not in report.missing_uncertain:
-                events.append(_Event((seq, 0), f"segment file {self.layout.segment_path(seq)} "
-                                                   "is missing", True))
         pending_chunks: dict[bytes, ChunkRef] = {}
         pending_trees: dict[bytes, Loc] = {}
         manifests: dict[tuple[int, int], tuple[bytes, int]] = {}
@@ -310,6 +311,8 @@ class Log:
                             suspicious=item.type == rec.RecordType.COMMIT)
                     continue
                 t = item.type
+                if item.loc.offset > 0 and seq in self.header_damage:
+                    self.not_markers.add(seq)
                 if t == rec.RecordType.SEGMENT_HEADER:
                     if item.loc.offset != 0:
                         damaged(Damage(f.path, item.loc.offset, item.loc.end, t,
@@ -378,6 +381,12 @@ class Log:
                 # reserved types (tombstone, deltas, rank streams) are skipped in v1
         if batch.commits:
             index.apply(batch)
+        # after the walk, which found which damaged-header segments hold records (no gc marker)
+        report.missing, report.missing_uncertain = self.missing_segments()
+        for seq in report.missing:
+            if seq not in report.missing_uncertain:
+                events.append(_Event((seq, 0), f"segment file {self.layout.segment_path(seq)} "
+                                                   "is missing", True))
         for seq, off in tail_start:
             size = self.file(seq).size()
             header_only = off == 0 and size == _header_len() and seq in self.headers
