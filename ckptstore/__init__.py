@@ -7,8 +7,9 @@
 """
 
 from .errors import (ChecksumMismatch, CkptStoreError, CorruptRecordError, DamagedCheckpointError,
-                     DiskFullError, FormatError, IndexUnusable, IterationOrderError, NotFoundError,
-                     ReadOnlyStoreError, StoreClosedError, StoreIOError, StoreLockedError,
+                     DeltaChainError, DiskFullError, FormatError, IndexUnusable,
+                     IterationOrderError, NotFoundError, ReadOnlyStoreError,
+                     ReplayDivergenceError, StoreClosedError, StoreIOError, StoreLockedError,
                      StoreNotFoundError, UnsupportedTypeError, UnsupportedVersionError)
 import os as _os
 from typing import Any as _Any
@@ -34,5 +35,6 @@ __all__ = [
     "CkptStoreError", "FormatError", "CorruptRecordError", "ChecksumMismatch",
     "UnsupportedVersionError", "StoreNotFoundError", "StoreLockedError", "ReadOnlyStoreError",
     "StoreClosedError", "NotFoundError", "IterationOrderError", "UnsupportedTypeError",
-    "StoreIOError", "DiskFullError", "DamagedCheckpointError", "IndexUnusable",
+    "StoreIOError", "DiskFullError", "DamagedCheckpointError", "IndexUnusable", "DeltaChainError",
+    "ReplayDivergenceError",
 ]

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .errors import DamagedCheckpointError, FormatError
-from .storage.index import CommitEntry, Index, MemoryIndex
+from .format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header
+from .storage.index import ChunkRef, CommitEntry, Index, MemoryIndex
 from .storage.layout import Layout
 from .storage.log import Damage, Log, ReplayReport
 from .reader import read_manifest, read_tree
@@ -113,12 +114,17 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
     replay = log.replay(index, None, verify=True, progress=count)
     live = log.refresh_segments()
     report.segments = len(live)
-    for seq in replay.missing:
-        why = "segment file is missing: checkpoints committed in it are lost"
-        if seq in replay.missing_uncertain:
-            why = ("segment file is missing (unless a gc collected it: a later segment whose "
-                   "header is damaged may be the gc's marker)")
-        report.damage.append(Damage(log.layout.segment_path(seq), 0, 0, None, why))
+    for first, last, uncertain in _runs(replay.missing, replay.missing_uncertain):
+        if first == last:
+            why = "segment file is missing"
+            why += (" (unless a gc collected it: a later segment whose header is damaged may be "
+                    "the gc's marker)" if uncertain else ": checkpoints committed in it are lost")
+        else:
+            why = f"segments {first}..{last} are missing ({last - first + 1} files)"
+            why += (" (unless a gc collected them: a later segment whose header is damaged may "
+                    "be the gc's marker)" if uncertain
+                    else ": checkpoints committed in them are lost")
+        report.damage.append(Damage(log.layout.segment_path(first), 0, 0, None, why))
     report.iterations = index.iterations()
     tail_starts = dict(replay.tail)
     for d in replay.damage:
@@ -144,11 +150,26 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
         report.notes.append(f"quarantine/ holds {len(os.listdir(log.layout.quarantine_dir))} cut "
                             "tails that may contain a damaged commit; inspect, then delete them")
     damaged_chunks = {d.address: d for d in replay.damage if d.address is not None}
+    raw_lengths: dict[bytes, int | str] = {}
     for it in report.iterations:
-        problems = _check_iteration(log, index, it, damaged_chunks)
+        problems = _check_iteration(log, index, it, damaged_chunks, raw_lengths)
         if problems:
             report.damaged_iterations[it] = problems
     _check_chains(index, report)
+
+
+def _runs(seqs: list[int], uncertain: set[int]) -> list[tuple[int, int, bool]]:
+    """Consecutive runs ``(first, last, uncertain)`` of the sorted ``seqs``, split where the
+    uncertainty changes (a stray far-ahead segment file would otherwise yield one line per
+    number in between)."""
+    runs: list[tuple[int, int, bool]] = []
+    for seq in seqs:
+        u = seq in uncertain
+        if runs and runs[-1][1] == seq - 1 and runs[-1][2] == u:
+            runs[-1] = (runs[-1][0], seq, u)
+        else:
+            runs.append((seq, seq, u))
+    return runs
 
 
 def _note_lost_by_index(store: Store, indexed: tuple[bytes, dict[int, CommitEntry]] | None,
@@ -208,7 +229,12 @@ def _check_chains(index: Index, report: FsckReport) -> None:
             bad.add(it)
 
 
-def _check_iteration(log: Log, index: Index, it: int, damaged_chunks: dict[bytes, Damage]) -> list[str]:
+def _check_iteration(log: Log, index: Index, it: int, damaged_chunks: dict[bytes, Damage],
+                     raw_lengths: dict[bytes, int | str]) -> list[str]:
+    """What keeps checkpoint ``it`` from loading: its manifest, each tensor's tree, and for each
+    span of a tree the (verified) chunk record that must hold it and that chunk's raw length
+    (``raw_lengths`` caches the latter per address: the chunk header's raw length, or why it
+    cannot be read)."""
     entry = index.get_commit(it)
     assert entry is not None
     try:
@@ -225,11 +251,30 @@ def _check_iteration(log: Log, index: Index, it: int, damaged_chunks: dict[bytes
             problems.append(f"tensor {t.path}: tree {t.root.hex()}: {e}")
             continue
         for start, end, addr in tree.chunk_spans():
-            if index.get_chunk(addr) is None:
+            ref = index.get_chunk(addr)
+            if ref is None:
                 where = damaged_chunks.get(addr)
                 at = f" (damaged record at {where.path} offset {where.offset})" if where else " (missing)"
                 problems.append(f"tensor {t.path}: bytes {start}-{end}: chunk {addr.hex()}{at}")
+                continue
+            raw = raw_lengths.get(addr)
+            if raw is None:
+                raw = raw_lengths[addr] = _chunk_raw_length(log, ref)
+            if raw != end - start:
+                has = raw if isinstance(raw, str) else f"holds {raw} bytes"
+                problems.append(f"tensor {t.path}: bytes {start}-{end}: chunk {addr.hex()} at "
+                                f"{log.layout.segment_path(ref.loc.seq)} offset {ref.loc.offset} "
+                                f"{has}, not the span's {end - start}")
     return problems
+
+
+def _chunk_raw_length(log: Log, ref: ChunkRef) -> int | str:
+    """The raw length in the chunk header of a record the verified replay indexed."""
+    try:
+        buf = log.file(ref.loc.seq).pread(ref.loc.payload_offset, CHUNK_HEADER_SIZE)
+        return decode_chunk_header(buf).raw_length
+    except (FormatError, OSError) as e:
+        return f"has an unreadable chunk header ({e})"
 
 
 def _seq_of(log: Log, path: str) -> int | None:

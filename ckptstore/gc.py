@@ -6,9 +6,11 @@ Protocol (format-spec/format.md, "Garbage collection"), with W = the highest liv
    (seq > W): every chunk and tree it needs that was not copied yet (each verified while copied),
    its manifest (same bytes), then a COMMIT naming the manifest's new location.
 2. A final, record-less segment whose header says ``supersedes = W``.
-3. fsync every temp file; rename the copies into place in order; fsync the directory; rename the
-   final segment; fsync the directory: **the gc commit point** — from here every segment <= W is
-   obsolete, whether or not it still exists.
+3. fsync every temp file; rename the copies into place in seq order, fsyncing the directory
+   after each rename (so a power loss keeps a prefix of them: never a later copy without an
+   earlier one, a gap fsck would report as a missing segment); rename the final segment; fsync
+   the directory: **the gc commit point** — from here every segment <= W is obsolete, whether or
+   not it still exists.
 4. Delete the segments <= W; fsync the directory; rebuild the index from the new segments.
 
 A crash before 3 completes leaves temp files (deleted on the next writer open) and possibly renamed
@@ -197,9 +199,9 @@ def collect(store: "Store", *, keep_last: int, keep_every: int | None = None,
     ops = store._ops
     *copies, (marker_seq, marker_tmp) = compactor.temps
     try:
-        for seq, tmp in copies:
+        for seq, tmp in copies:  # G5: each rename durable before the next
             ops.rename(tmp, store.layout.segment_path(seq))
-        ops.fsync_dir(store.layout.segment_dir)
+            ops.fsync_dir(store.layout.segment_dir)
         if store.log.writer is not None:
             store.log.writer.close()
             store.log.writer = None

@@ -14,11 +14,12 @@ from typing import Any, Callable, Sequence
 
 from .errors import DamagedCheckpointError, FormatError, NotFoundError, StoreIOError
 from .format import records as rec
-from .format.chunk import CHUNK_HEADER_SIZE, Codec, address_of, decode_chunk_data, decode_chunk_header
+from .format.chunk import (CHUNK_HEADER_SIZE, Codec, address_of, decode_chunk_data,
+                           decode_chunk_header, max_raw_length)
 from .format.manifest import Manifest, TensorEntry, decode_committed_manifest
 from .format.state import top_level_items, leaf_indices, unflatten
 from .format.tree import Tree, decode_tree, tree_root
-from .storage.index import CommitEntry, Index
+from .storage.index import ChunkRef, CommitEntry, Index
 from .storage.log import Log
 from .storage.segments import Loc
 from .tensors import allocate, finish
@@ -47,11 +48,45 @@ def read_tree(log: Log, index: Index, entry: TensorEntry) -> Tree:
     return tree
 
 
+def chunk_spans_bounded(log: Log, index: Index, entry: TensorEntry) -> list[tuple[int, int, bytes]]:
+    """The (start, end, address) spans of a tensor's verified tree, each checked against the
+    indexed CHUNK record that must hold it: that record exists and its length can decode to the
+    span (:func:`max_raw_length`). A manifest and tree that claim more bytes than the store's
+    chunk records hold are refused here, before the tensor is allocated. Raises FormatError."""
+    tree = read_tree(log, index, entry)
+    spans = list(tree.chunk_spans())
+    for start, end, addr in spans:
+        ref = index.get_chunk(addr)
+        if ref is None:
+            raise FormatError(f"chunk {addr.hex()} is not in the store")
+        if end - start > max(max_raw_length(r.codec, r.loc.length)
+                             for r in [ref, *index.chunk_alternatives(addr)]):
+            raise FormatError(
+                f"bytes {start}-{end}: the record of chunk {addr.hex()} at "
+                f"{log.layout.segment_path(ref.loc.seq)} offset {ref.loc.offset} "
+                f"({ref.loc.length} payload bytes) cannot hold {end - start} bytes")
+    return spans
+
+
 def read_chunk_into(log: Log, index: Index, address: bytes, dest: memoryview) -> None:
-    """Fill ``dest`` with the verified bytes of chunk ``address``. Raises FormatError."""
+    """Fill ``dest`` with the verified bytes of chunk ``address``. Raises FormatError (for the
+    indexed record, after every earlier record of the chunk failed as well)."""
     ref = index.get_chunk(address)
     if ref is None:
         raise FormatError(f"chunk {address.hex()} is not in the store")
+    try:
+        _read_chunk_at(log, ref, address, dest)
+    except FormatError:
+        for older in index.chunk_alternatives(address):
+            try:
+                _read_chunk_at(log, older, address, dest)
+                return
+            except (FormatError, OSError):
+                continue
+        raise
+
+
+def _read_chunk_at(log: Log, ref: ChunkRef, address: bytes, dest: memoryview) -> None:
     f = log.file(ref.loc.seq)
     try:
         if ref.codec == Codec.RAW and ref.loc.length == CHUNK_HEADER_SIZE + len(dest):
@@ -131,6 +166,9 @@ class StateReader:
         for i in needed:
             e = manifest.tensors[i]
             try:
+                # The tree and its chunk records bound the size before anything is allocated.
+                spans = chunk_spans_bounded(self.log, self.index, e) \
+                    if e.inline is None and e.nbytes else []
                 value, view = allocate(e)
                 if e.inline is not None:
                     if e.nbytes:
@@ -138,9 +176,7 @@ class StateReader:
                     addrs = [address_of(e.inline)] if e.nbytes else []
                     if tree_root(e.nbytes, manifest.chunk_size, addrs) != e.root:
                         raise FormatError("inline tensor bytes do not match its root")
-                elif e.nbytes:
-                    tree = read_tree(self.log, self.index, e)
-                    jobs.extend(_Job(e, view[s:t], a) for s, t, a in tree.chunk_spans())
+                jobs.extend(_Job(e, view[s:t], a) for s, t, a in spans)
             except (FormatError, StoreIOError, FileNotFoundError) as err:
                 raise DamagedCheckpointError(f"iteration {it}: tensor {e.path}: {err}") from err
             values[i] = (e, value)

@@ -64,10 +64,12 @@ def boom_npy(marker: str) -> bytes:
 
 
 def append_checkpoint(path: str, iteration: int, doc: dict, chunks: list[bytes] = (),
-                      chunk_size: int = 1 << 20) -> None:
+                      chunk_size: int = 1 << 20,
+                      trees: list[tuple[int, int, list[bytes]]] = ()) -> None:
     """Append a committed checkpoint: RAW chunk records for ``chunks`` (each with its TREE, as a
-    one-chunk tensor), then ``doc`` as the manifest, then a COMMIT naming it -- every checksum and
-    digest valid, as only a malicious (or buggy) writer would produce."""
+    one-chunk tensor), a TREE record for each ``(nbytes, chunk_size, addresses)`` of ``trees``,
+    then ``doc`` as the manifest, then a COMMIT naming it -- every checksum and digest valid, as
+    only a malicious (or buggy) writer would produce."""
     import xxhash
 
     import ckptstore
@@ -82,6 +84,9 @@ def append_checkpoint(path: str, iteration: int, doc: dict, chunks: list[bytes] 
             addr = address_of(raw)
             s.log.append(rec.RecordType.CHUNK, [encode_chunk_header(addr, Codec.RAW, len(raw)), raw], size)
             s.log.append(rec.RecordType.TREE, [encode_tree(make_tree(len(raw), chunk_size, [addr]))], size)
+        for nbytes, tree_chunk_size, addresses in trees:
+            s.log.append(rec.RecordType.TREE, [encode_tree(make_tree(nbytes, tree_chunk_size, addresses))],
+                         size)
         payload = json.dumps(doc).encode()
         mloc = s.log.append(rec.RecordType.MANIFEST, [payload], size)
         s.log.writer.sync()

@@ -556,6 +556,135 @@ def test_deleted_segment_holding_whole_checkpoints(tmp_path, assert_same, victim
     assert _named(report, victim), f"iteration {victim} is lost but not named: {report.lines()}"
 
 
+def _one_per_segment(path: Path, n: int = 5) -> dict[int, object]:
+    """``n`` snapshots, one per segment (no dedup between them); returns the states."""
+    import numpy as np
+
+    states = {i: {"x": np.random.default_rng(i).standard_normal(4000)} for i in range(1, n + 1)}
+    with ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=40_000) as w:
+        for i, st in states.items():
+            w.save(i, st)
+    assert Layout(str(path)).list_segments() == list(range(1, n + 1))
+    return states
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_renamed_segment_does_not_hide_a_missing_one(tmp_path, assert_same, with_index):
+    """§15 step 2: a renamed segment (its header verifies but names another seq) is damage whose
+    ``supersedes`` is known (0 here), so it makes no missing segment "possibly collected": segment
+    4 deleted next to it is certainly missing, and iteration 4, committed only there, is named
+    lost from the index. Without the index no trace of iteration 4 is left: fsck still reports
+    segment 4 as missing with committed checkpoints lost. Iteration 2 (moved with its segment;
+    its commit names a manifest location that is gone) is named from its orphaned manifest."""
+    path = tmp_path / "store"
+    states = _one_per_segment(path)
+    layout = Layout(str(path))
+    os.rename(layout.segment_path(2), layout.segment_path(7))
+    os.unlink(layout.segment_path(4))
+    if not with_index:
+        shutil.rmtree(layout.index_dir)
+    report = check(path)
+    lines = "\n".join(report.lines())
+    assert report.iterations == [1, 3, 5], lines
+    assert any("names sequence 2, file name says 7" in str(d) for d in report.damage), lines
+    for seq in (2, 4):
+        assert any(d.path == layout.segment_path(seq) and "missing: checkpoints committed in it "
+                   "are lost" in d.reason for d in report.damage), lines
+    assert not any("unless a gc collected" in line for line in report.lines()), lines
+    assert sorted(report.lost_iterations) == ([2, 4] if with_index else [2]), lines
+    assert "per the index" in report.lost_iterations.get(4, "per the index"), lines
+    with ckptstore.open(path, "r") as r:
+        for i in (1, 3, 5):
+            assert_same(states[i], r.load(i))
+
+
+def test_damaged_gc_marker_keeps_missing_segments_uncertain(tmp_path, assert_same):
+    """§15 step 2: a gc marker whose header is damaged may supersede anything below it, so the
+    segments its gc collected are reported as possibly collected, and the stale index entries of
+    the iterations that gc dropped (their segments gone) are not evidence of a lost checkpoint.
+    A renamed segment's verified ``supersedes`` bounds the same uncertainty: the marker renamed
+    instead of damaged is no gc marker (W is not taken from a misnamed file), but the old
+    segments up to its ``supersedes`` stay "possibly collected"."""
+    path = tmp_path / "store"
+    states = _one_per_segment(path)
+    layout = Layout(str(path))
+    stale_index = tmp_path / "index-before-gc"
+    shutil.copytree(layout.index_dir, stale_index)
+    with ckptstore.open(path, "a") as w:
+        w.gc(keep_last=2)
+        assert w.iterations() == [4, 5]
+    segs = layout.list_segments()
+    marker = segs[-1]
+    assert min(segs) > 5 and os.path.getsize(layout.segment_path(marker)) == \
+        rec.OVERHEAD + 48  # the record-less marker
+    shutil.rmtree(layout.index_dir)
+    shutil.copytree(stale_index, layout.index_dir)  # names 1..5 in the collected segments
+    for how in ("flip", "rename"):
+        store = tmp_path / how
+        shutil.copytree(path, store)
+        mpath = Layout(str(store)).segment_path(marker)
+        if how == "flip":
+            flip(Path(mpath), 30, 1, random.Random(2))  # inside the header's payload
+        else:
+            os.rename(mpath, Layout(str(store)).segment_path(marker + 3))
+        report = check(store)
+        lines = "\n".join(report.lines())
+        assert report.iterations == [4, 5], f"{how}: {lines}"
+        assert not report.lost_iterations and not report.damaged_iterations, f"{how}: {lines}"
+        assert any(d.path == layout.segment_path(1).replace(str(path), str(store))
+                   and "segments 1..5 are missing (5 files) (unless a gc collected them" in
+                   d.reason for d in report.damage), f"{how}: {lines}"
+        with ckptstore.open(store, "r") as r:
+            for i in (4, 5):
+                assert_same(states[i], r.load(i))
+
+
+def test_damaged_header_of_a_segment_with_records_is_no_gc_marker(tmp_path, assert_same):
+    """§15 step 2: a segment whose header is damaged but which holds valid records after it is no
+    gc marker (a marker is a header record alone), so segment 3 deleted below it is certainly
+    missing and iteration 3, committed only there, is named lost from the index. A damaged
+    header alone (the marker case, test_damaged_gc_marker_keeps_missing_segments_uncertain)
+    keeps it uncertain."""
+    path = tmp_path / "store"
+    states = _one_per_segment(path)
+    layout = Layout(str(path))
+    os.unlink(layout.segment_path(3))
+    flip(Path(layout.segment_path(4)), 30, 1, random.Random(5))  # header payload of segment 4
+    report = check(path)
+    lines = "\n".join(report.lines())
+    assert any(d.path == layout.segment_path(3) and "missing: checkpoints committed in it are "
+               "lost" in d.reason for d in report.damage), lines
+    assert 3 in report.lost_iterations and "per the index" in report.lost_iterations[3], lines
+    assert set(report.iterations) >= {1, 2, 5}, lines
+    with ckptstore.open(path, "r") as r:
+        for i in set(report.iterations) - set(report.damaged_iterations):
+            assert_same(states[i], r.load(i))
+
+
+@pytest.mark.parametrize("content", ["garbage", "segment copy"])
+def test_stray_far_ahead_segment_reports_missing_run_as_one_range(tmp_path, capsys, content):
+    """A stray 0000009999.seg: the thousands of numbers between the last segment and it are one
+    damage line (a range), not one line per number; committed checkpoints are untouched."""
+    path = tmp_path / "store"
+    _one_per_segment(path, 3)
+    layout = Layout(str(path))
+    stray = Path(layout.segment_path(9999))
+    if content == "garbage":
+        stray.write_bytes(random.Random(3).randbytes(300))
+    else:
+        shutil.copyfile(layout.segment_path(2), stray)
+    report = check(path)
+    lines = report.lines()
+    assert not report.clean and report.iterations == [1, 2, 3], lines
+    assert len(lines) < 10, lines
+    missing = [d for d in report.damage if "missing" in d.reason]
+    assert len(missing) == 1 and missing[0].path == layout.segment_path(4), lines
+    assert missing[0].reason.startswith("segments 4..9998 are missing (9995 files)"), lines
+    assert f"{layout.segment_path(4)}: segments 4..9998 are missing" in "\n".join(lines)
+    assert cli_main(["fsck", str(path)]) == 1
+    assert len(capsys.readouterr().out.splitlines()) < 10
+
+
 # ---- commits that are damaged or gone: naming and quarantine -----------------------------------
 
 def _small_store(path: Path, n: int = 4) -> dict[int, Record]:
@@ -717,6 +846,57 @@ def test_damaged_duplicate_commit_of_an_interrupted_gc_loses_nothing(tmp_path, a
     with ckptstore.open(path, "r") as r:
         for i, st in states.items():
             assert_same(st, r.load(i))
+
+
+def test_damaged_later_copy_of_a_chunk_falls_back_to_the_intact_original(tmp_path, assert_same):
+    """§15/§16: chunk payloads are checked on read, so the location replay indexes last for a
+    chunk (here: a copy written by a gc that failed before its marker) may be damaged while the
+    original record is intact. fsck (verified replay) reports the damaged record and no damaged
+    iteration; a reader falls back to the earlier record and loads every iteration bit-exact;
+    after fsck --repair (whose index holds only verified chunks) so does the writer."""
+    import numpy as np
+
+    from ckptstore.storage.fileops import FileOps
+
+    class FailMarkerRename(FileOps):
+        def _rename(self, src, dst):
+            if len(Layout(str(path)).list_gc_temps()) == 1:  # only the marker is left
+                raise OSError(5, "simulated failure before the gc commit point")
+            super()._rename(src, dst)
+
+    path = tmp_path / "store"
+    states = {i: {"x": np.random.default_rng(i).standard_normal(3000)} for i in range(1, 5)}
+    w = ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=1 << 20,
+                       file_ops=FailMarkerRename())
+    for i, st in states.items():
+        w.save(i, st)
+    with pytest.raises(ckptstore.StoreIOError):
+        w.gc(keep_last=2)
+    w.close()
+    layout = Layout(str(path))
+    assert layout.list_segments() == [1, 2]  # the old segment and the renamed copy
+    f = SegmentFile(layout.segment_path(2), 2)
+    try:
+        chunks = [item for item in scan_segment(f, 0) if isinstance(item, ScannedRecord)
+                  and item.type == rec.RecordType.CHUNK]
+    finally:
+        f.close()
+    victim = chunks[len(chunks) // 2]
+    flip(Path(layout.segment_path(2)), victim.loc.payload_offset + CHUNK_HEADER_SIZE + 5, 1,
+         random.Random(4))
+    report = check(path)
+    lines = "\n".join(report.lines())
+    assert report.iterations == [1, 2, 3, 4], lines
+    assert not report.damaged_iterations and not report.lost_iterations, lines
+    assert [(d.path, d.offset) for d in report.damage] == \
+        [(layout.segment_path(2), victim.loc.offset)], lines
+    with ckptstore.open(path, "r") as r:
+        for i, st in states.items():
+            assert_same(st, r.load(i))
+    check(path, repair=True)
+    with ckptstore.open(path, "a") as w:
+        for i, st in states.items():
+            assert_same(st, w.load(i))
 
 
 def test_unknown_store_version(pristine, tmp_path, capsys):

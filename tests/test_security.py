@@ -286,6 +286,53 @@ def test_malicious_store_header_file(tmp_path):
         shutil.rmtree(path)
 
 
+def test_lying_tensor_size_is_refused_before_allocation(tmp_path, monkeypatch):
+    """A manifest entry (and a matching, valid tree) claiming 1 TiB for a tensor whose chunk
+    records hold 4 KiB: every load path refuses it with DamagedCheckpointError naming the chunk
+    record, before anything is allocated for it; the honest tensor next to it still loads through
+    ``keys=``; fsck reports the iteration damaged."""
+    import ckptstore.reader
+    from ckptstore.format.chunk import MAX_CHUNK_SIZE
+    from ckptstore.format.tree import expected_chunks
+
+    path = tmp_path / "store"
+    with ckptstore.open(path, "a") as s:
+        s.save(0, {"w": np.arange(10)})
+    raw = bytes(range(256)) * 16
+    small = bytes(range(200))
+    n, cs = 1 << 40, MAX_CHUNK_SIZE  # 4096 chunk spans (2**48 would need a 16 MiB tree)
+    addrs = [address_of(raw)] * expected_chunks(n, cs)
+    huge = {"path": "huge", "lib": "numpy", "dtype": "|u1", "shape": [n], "nbytes": n,
+            "root": tree_root(n, cs, addrs).hex()}
+    state = {"d": [["huge", {"T": 0}], ["small", {"T": 1}]]}
+    append_checkpoint(str(path), 1, _doc(1, state, [huge, _entry("small", small, inline=False)]),
+                      chunks=[raw, small], trees=[(n, cs, addrs)])
+
+    allocated: list[int] = []
+    real_allocate = ckptstore.reader.allocate
+
+    def recording(entry):
+        allocated.append(entry.nbytes)
+        return real_allocate(entry)
+
+    monkeypatch.setattr(ckptstore.reader, "allocate", recording)
+    for mode in ("r", "a"):
+        with ckptstore.open(path, mode) as s:
+            assert s.iterations() == [0, 1]
+            with pytest.raises(ckptstore.DamagedCheckpointError,
+                               match=r"tensor huge: bytes 0-268435456: the record of chunk "
+                                     rf"{address_of(raw).hex()} at .*0000000001\.seg offset "
+                                     r"\d+ \(4128 payload bytes\) cannot hold 268435456 bytes"):
+                s.load(1)
+            assert n not in allocated
+            assert bytes(s.load(1, keys=["small"])["small"]) == small
+    assert n not in allocated and len(small) in allocated
+    report = check(path)
+    assert not report.clean and list(report.damaged_iterations) == [1]
+    assert any("chunk " + address_of(raw).hex() in p and "holds 4096 bytes, not the span's "
+               "268435456" in p for p in report.damaged_iterations[1]), report.lines()
+
+
 def test_replay_section_cannot_name_code(tmp_path):
     """A base snapshot whose replay section names an optimizer that is code: loading a delta on
     it raises a package error; nothing named by a store is ever imported or evaluated."""

@@ -801,3 +801,20 @@ def test_writer_chunk_size_override(path, assert_same):
         assert r.chunk_size == CHUNK                    # the STORE header is unchanged
         assert_same(state_for(1), r.load(1))
         assert_same(state_for(2), r.load(2))
+
+
+def test_every_package_error_is_exported():
+    """Callers catch errors by ``ckptstore.X``: every public class in ckptstore/errors.py derived
+    from CkptStoreError is exported from the package (and listed in ``__all__``), as the same
+    object."""
+    import inspect
+
+    import ckptstore.errors as errors
+
+    public = {name: cls for name, cls in vars(errors).items()
+              if inspect.isclass(cls) and issubclass(cls, CkptStoreError)
+              and cls.__module__ == errors.__name__ and not name.startswith("_")}
+    assert {"CkptStoreError", "DeltaChainError", "ReplayDivergenceError"} <= set(public)
+    for name, cls in public.items():
+        assert getattr(ckptstore, name, None) is cls, f"ckptstore.{name} is not exported"
+        assert name in ckptstore.__all__, f"{name} is missing from ckptstore.__all__"

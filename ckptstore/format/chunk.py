@@ -77,6 +77,20 @@ def decode_chunk_header(buf: bytes | memoryview) -> ChunkHeader:
     return ChunkHeader(address, codec, raw_length)
 
 
+def max_raw_length(codec: int, payload_length: int) -> int:
+    """The most raw bytes a CHUNK payload of ``payload_length`` bytes with ``codec`` can decode
+    to (§8 C2): what its record can justify allocating before it is read. 0 for a payload
+    shorter than the chunk header or an unknown codec (no chunk decodes from either)."""
+    data = payload_length - CHUNK_HEADER_SIZE
+    if data < 0:
+        return 0
+    if codec == Codec.RAW:
+        return min(data, MAX_CHUNK_SIZE)
+    if codec == Codec.LZ4:
+        return min(_LZ4_MAX_RATIO * data + 64, MAX_CHUNK_SIZE)
+    return 0
+
+
 def choose_encoding(raw: memoryview) -> tuple[Codec, bytes | memoryview]:
     """Return (codec, data) for a raw chunk: lz4 only when it saves at least MIN_SAVING."""
     n = len(raw)

@@ -51,6 +51,9 @@ class IndexBatch:
     position: Position | None = None
     #: Sequence numbers of segments wholly before ``position`` plus its own (for staleness checks).
     segments: tuple[int, ...] | None = None
+    #: (address, location) of chunk records that a later record of the same chunk in this batch
+    #: replaced, in log order (kept by MemoryIndex as fallbacks, see chunk_alternatives)
+    superseded: list[tuple[bytes, ChunkRef]] = field(default_factory=list)
 
 
 _LOC = struct.Struct("<QQQ")
@@ -171,6 +174,15 @@ class Index(ABC):
     @abstractmethod
     def get_chunk(self, address: bytes) -> ChunkRef | None: ...
 
+    def chunk_alternatives(self, address: bytes) -> list[ChunkRef]:
+        """Earlier records of chunk ``address`` that a later one replaced, newest first.
+
+        A chunk's payload check is left for the read path (format.md §15), so the record replay
+        indexed last may be damaged while an earlier copy (a gc copy's original, a rewrite after
+        a failed dedup check) is intact: readers fall back to these. The writer's index keeps
+        one location (default: none here)."""
+        return []
+
     @abstractmethod
     def get_tree(self, root: bytes) -> Loc | None: ...
 
@@ -240,6 +252,7 @@ class MemoryIndex(Index):
 
     def clear(self) -> None:
         self._chunks: dict[bytes, ChunkRef] = {}
+        self._older_chunks: dict[bytes, list[ChunkRef]] = {}
         self._trees: dict[bytes, Loc] = {}
         self._commits: dict[int, CommitEntry] = {}
         self._sorted: list[int] = []
@@ -250,6 +263,9 @@ class MemoryIndex(Index):
 
     def get_chunk(self, address: bytes) -> ChunkRef | None:
         return self._chunks.get(address)
+
+    def chunk_alternatives(self, address: bytes) -> list[ChunkRef]:
+        return self._older_chunks.get(address, [])[::-1]
 
     def get_tree(self, root: bytes) -> Loc | None:
         return self._trees.get(root)
@@ -276,6 +292,13 @@ class MemoryIndex(Index):
         return [(it, self._commits[it].commit.kind) for it in self._sorted]
 
     def apply(self, batch: IndexBatch) -> None:
+        # oldest first: what the index held, then what the batch itself replaced
+        for addr in self._chunks.keys() & batch.chunks.keys():  # iterates the smaller one
+            old = self._chunks[addr]
+            if old != batch.chunks[addr]:
+                self._older_chunks.setdefault(addr, []).append(old)
+        for addr, ref in batch.superseded:
+            self._older_chunks.setdefault(addr, []).append(ref)
         self._chunks.update(batch.chunks)
         self._trees.update(batch.trees)
         for e in batch.commits:

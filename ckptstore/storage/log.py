@@ -39,7 +39,7 @@ from .fileops import FileOps
 from .index import ChunkRef, CommitEntry, Index, IndexBatch, Position
 from .layout import Layout
 from .segments import (CorruptRegion, Loc, ScannedRecord, SegmentFile, SegmentWriter,
-                       read_segment_header, scan_segment)
+                       misnamed_segment_error, read_segment_header_record, scan_segment)
 
 #: Commits per index transaction while replaying a long log.
 _REPLAY_BATCH = 4096
@@ -60,6 +60,8 @@ class Damage:
     address: bytes | None = None
 
     def __str__(self) -> str:
+        if self.record_type is None and self.offset == self.end == 0:
+            return f"{self.path}: {self.reason}"  # a whole file (a missing segment)
         kind = rec.RecordType(self.record_type).name if self.record_type in rec.KNOWN_TYPES else "bytes"
         return f"{self.path} offset {self.offset}: {kind} ({self.end - self.offset} bytes): {self.reason}"
 
@@ -128,6 +130,11 @@ class Log:
         self.headers: dict[int, SegmentHeader] = {}
         self.header_damage: dict[int, FormatError] = {}
         self.foreign: set[int] = set()
+        #: segments whose verified header names another seq (renamed files) -> its ``supersedes``
+        self.misnamed_supersedes: dict[int, int] = {}
+        #: segments with a damaged header that hold a valid record after it: no gc marker (a
+        #: marker is a header record alone, never appended to, §17)
+        self.not_markers: set[int] = set()
         self.watermark = 0
         #: every segment file listed by the last refresh (obsolete and foreign ones included)
         self.present: list[int] = []
@@ -175,7 +182,7 @@ class Log:
             if seq in self.headers or seq in self.header_damage:
                 continue
             try:
-                h = read_segment_header(self.file(seq))
+                h = read_segment_header_record(self.file(seq))
             except FormatError as e:
                 self.header_damage[seq] = e
                 continue
@@ -190,6 +197,11 @@ class Log:
                     "segment belongs to another store").located(self.file(seq).path, 0)
                 self.foreign.add(seq)
                 continue
+            if h.seq != seq:
+                # a renamed file: damage, but its verified header still bounds what it obsoletes
+                self.header_damage[seq] = misnamed_segment_error(self.file(seq), h)
+                self.misnamed_supersedes[seq] = h.supersedes
+                continue
             self.headers[seq] = h
             self.watermark = max(self.watermark, h.supersedes)
         return vanished
@@ -200,6 +212,8 @@ class Log:
             f.close()
         self.headers.pop(seq, None)
         self.header_damage.pop(seq, None)
+        self.misnamed_supersedes.pop(seq, None)
+        self.not_markers.discard(seq)
         self.foreign.discard(seq)
 
     def obsolete_segments(self) -> list[int]:
@@ -212,15 +226,23 @@ class Log:
         seq + 1, gc output follows the watermark, tail cuts delete from the highest down), so every
         seq in ``watermark+1 .. highest present`` must exist. A segment whose header is damaged
         may be a gc marker whose ``supersedes`` is unknown: a missing seq below it may have been
-        collected, so it is returned in the second (uncertain) set as well.
+        collected, so it is returned in the second (uncertain) set as well. A renamed segment
+        (verified header, another seq) is not counted in the watermark either, but its
+        ``supersedes`` is known: only missing seqs up to that value are uncertain because of it.
+        A damaged-header segment that a replay found holding a valid record after its header is
+        no gc marker (a marker is a header record alone) and makes nothing uncertain.
         """
         if not self.present:
             return [], set()
         have = set(self.present)
         missing = [s for s in range(self.watermark + 1, self.present[-1] + 1) if s not in have]
-        damaged = [s for s in self.header_damage if s not in self.foreign]
-        top = max(damaged, default=0)
-        return missing, {s for s in missing if s < top}
+        bound = 0  # every missing seq <= bound may have been collected by a gc
+        for s in self.header_damage:
+            if s in self.foreign or s in self.not_markers:
+                continue
+            known = self.misnamed_supersedes.get(s)
+            bound = max(bound, s - 1 if known is None else known)
+        return missing, {s for s in missing if s <= bound}
 
     def read_payload(self, loc: Loc, verify: bool = True) -> memoryview:
         return self.file(loc.seq).read_payload(loc, verify)
@@ -254,11 +276,6 @@ class Log:
         for seq, err in sorted(self.header_damage.items()):
             if seq > self.watermark and (start is None or seq >= start.seq):
                 damaged(Damage(err.path or "", 0, 0, rec.RecordType.SEGMENT_HEADER, err.reason), seq)
-        report.missing, report.missing_uncertain = self.missing_segments()
-        for seq in report.missing:
-            if seq not in report.missing_uncertain:
-                events.append(_Event((seq, 0), f"segment file {self.layout.segment_path(seq)} "
-                                                   "is missing", True))
         pending_chunks: dict[bytes, ChunkRef] = {}
         pending_trees: dict[bytes, Loc] = {}
         manifests: dict[tuple[int, int], tuple[bytes, int]] = {}
@@ -294,6 +311,8 @@ class Log:
                             suspicious=item.type == rec.RecordType.COMMIT)
                     continue
                 t = item.type
+                if item.loc.offset > 0 and seq in self.header_damage:
+                    self.not_markers.add(seq)
                 if t == rec.RecordType.SEGMENT_HEADER:
                     if item.loc.offset != 0:
                         damaged(Damage(f.path, item.loc.offset, item.loc.end, t,
@@ -304,6 +323,9 @@ class Log:
                     except FormatError as e:
                         damaged(Damage(f.path, item.loc.offset, item.loc.end, t, e.reason), seq)
                         continue
+                    older = pending_chunks.get(ch.address)
+                    if older is not None:
+                        batch.superseded.append((ch.address, older))
                     pending_chunks[ch.address] = ChunkRef(item.loc, int(ch.codec))
                     if verify:
                         report.verified_chunks.add(ch.address)
@@ -341,6 +363,8 @@ class Log:
                         continue
                     named.add(mloc)
                     commit_points.append(((seq, item.loc.offset), mloc))
+                    for addr in batch.chunks.keys() & pending_chunks.keys():
+                        batch.superseded.append((addr, batch.chunks[addr]))
                     batch.chunks.update(pending_chunks)
                     batch.trees.update(pending_trees)
                     pending_chunks.clear()
@@ -357,6 +381,12 @@ class Log:
                 # reserved types (tombstone, deltas, rank streams) are skipped in v1
         if batch.commits:
             index.apply(batch)
+        # after the walk, which found which damaged-header segments hold records (no gc marker)
+        report.missing, report.missing_uncertain = self.missing_segments()
+        for seq in report.missing:
+            if seq not in report.missing_uncertain:
+                events.append(_Event((seq, 0), f"segment file {self.layout.segment_path(seq)} "
+                                                   "is missing", True))
         for seq, off in tail_start:
             size = self.file(seq).size()
             header_only = off == 0 and size == _header_len() and seq in self.headers

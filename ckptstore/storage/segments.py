@@ -122,18 +122,29 @@ class SegmentFile:
 
 def read_segment_header(f: SegmentFile) -> SegmentHeader:
     """Decode the header record at offset 0; raises FormatError located at the file."""
-    loc = Loc(f.seq, 0, SEGMENT_HEADER_SIZE)
+    h = read_segment_header_record(f)
+    if h.seq != f.seq:
+        raise misnamed_segment_error(f, h)
+    return h
+
+
+def read_segment_header_record(f: SegmentFile) -> SegmentHeader:
+    """Decode and verify the header record at offset 0 without comparing its ``seq`` with the
+    file name (a renamed file still has a trustworthy header); raises FormatError located at the
+    file."""
     buf = f.pread(0, SEGMENT_HEADER_RECORD_SIZE)
     try:
         header, payload = rec.decode_record(buf)
         if header.type != rec.RecordType.SEGMENT_HEADER:
             raise CorruptRecordError(f"segment starts with a record of type {header.type}")
-        h = decode_segment_header(payload)
-        if h.seq != f.seq:
-            raise FormatError(f"segment header names sequence {h.seq}, file name says {f.seq}")
-        return h
+        return decode_segment_header(payload)
     except FormatError as e:
-        raise e.located(f.path, loc.offset) from None
+        raise e.located(f.path, 0) from None
+
+
+def misnamed_segment_error(f: SegmentFile, h: SegmentHeader) -> FormatError:
+    return FormatError(f"segment header names sequence {h.seq}, file name says {f.seq}").located(
+        f.path, 0)
 
 
 @dataclass(frozen=True)
