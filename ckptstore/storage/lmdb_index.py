@@ -26,6 +26,7 @@ import lmdb
 from ..errors import IndexUnusable, StoreIOError
 from .fileops import FileOps, wrap_os_error
 from ..format.commit import KINDS
+from .reader_index import revoke_readers
 from .index import (PACKED_COMMIT_SIZE, PACKED_KIND_OFFSET, ChunkRef, CommitEntry, Index,
                     IndexBatch, Position, pack_chunk, pack_commit, pack_loc, unpack_chunk,
                     unpack_commit, unpack_loc)
@@ -73,6 +74,7 @@ class LmdbIndex(Index):
         self._cache_sorted: list[int] | None = None
         self.env: Any = None
         self.ops.makedirs(path)
+        revoke_readers(path)  # a reader of this process holding these files would make LMDB refuse
         try:
             map_size = max(_INITIAL_MAP, _file_size(os.path.join(path, "data.mdb")) * 2)
             self.env = self.ops.index_open(path, map_size=map_size, max_dbs=8, subdir=True,
