@@ -72,7 +72,7 @@ class Store:
 
     def __init__(self, path: str | os.PathLike, mode: str = "a", *, chunk_size: int | None = None,
                  segment_size: int | None = None, file_ops: FileOps | None = None,
-                 load_threads: int = 2) -> None:
+                 load_threads: int = 2, use_index: bool = True) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         self.path = os.fspath(path)
@@ -89,6 +89,8 @@ class Store:
         self._pending_start: Position | None = None
         self._pending_since = 0.0
         self._load_threads = load_threads
+        #: readers: start from the writer's index when it validates (False: always replay the log)
+        self._use_index = use_index
         #: the writer's index was rebuilt from the log by this process, so a read that fails now
         #: fails because of the log, not the index (no second rebuild)
         self._index_rebuilt = False
@@ -116,7 +118,8 @@ class Store:
         """A new view for a reader: the writer's index read-only when it validates against the
         segments ``live`` (replay then starts at its position), else an empty MemoryIndex (full
         replay). Never creates or changes a file (format-spec §16 "Readers")."""
-        snap = IndexSnapshot.open(self.layout.index_dir, self.header.store_id)
+        snap = IndexSnapshot.open(self.layout.index_dir, self.header.store_id) \
+            if self._use_index else None
         if snap is not None:
             index = ReaderIndex(snap, self.header.store_id,
                                 lambda loc: self.log.read_payload(loc))
