@@ -1,4 +1,5 @@
-"""The persistent index: the same content as MemoryIndex, kept in LMDB for the writer.
+"""The persistent index: the same content as MemoryIndex, kept in LMDB by the writer (readers
+open it read-only: storage/reader_index.py).
 
 Layout (named databases, all keys and values little-endian structs unless noted)::
 
@@ -8,8 +9,8 @@ Layout (named databases, all keys and values little-endian structs unless noted)
     trees    root (16)    -> u64 seq, u64 offset, u64 length
     commits  iteration (u64 big-endian, so keys sort numerically) -> packed CommitEntry
 
-The index is a cache: it is validated against the log on every writer open and rebuilt from the
-log when missing, unreadable, foreign or stale. Writes use ``sync=True`` so a committed index
+The index is a cache: it is validated against the log on every writer open (and reader open) and
+rebuilt from the log by the writer when missing, unreadable, foreign or stale. Writes use ``sync=True`` so a committed index
 transaction survives power loss; even so nothing depends on it for correctness.
 """
 
