@@ -91,6 +91,9 @@ class Store:
         self._load_threads = load_threads
         #: readers: start from the writer's index when it validates (False: always replay the log)
         self._use_index = use_index
+        #: readers: iterations a warm view held that the replay after its fallback does not commit
+        #: (their records in the log are damaged or cut): reported as damaged, not as missing
+        self._index_only: set[int] = set()
         #: the writer's index was rebuilt from the log by this process, so a read that fails now
         #: fails because of the log, not the index (no second rebuild)
         self._index_rebuilt = False
@@ -147,6 +150,7 @@ class Store:
                     segs = self.index.segments()
                     reset = segs is None or tuple(s for s in live if s <= start.seq) != segs
                 if reset:
+                    self._index_only = set()
                     self.index.close()
                     self.index = MemoryIndex()  # never left pointing at a closed view
                     self.index, start = self._reader_view(live)
@@ -175,8 +179,13 @@ class Store:
         with self._mutex:
             if not isinstance(self.index, ReaderIndex):
                 return False
+            try:
+                held = set(self.index.iterations())
+            except (CkptStoreError, OSError):
+                held = set()
             self._cold_reader_index()
             self._replay_for_reader()
+            self._index_only = held - set(self.index.iterations())
             return True
 
     def _open_writer(self, chunk_size: int | None, segment_size: int | None) -> None:
@@ -260,13 +269,19 @@ class Store:
         by a replay into memory (reader with a warm view), and the lookup retried."""
         try:
             return fn()
-        except IndexUnusable:
-            if self.mode != "a":
-                if not self._reader_fallback():
-                    raise
-            else:
+        except IndexUnusable as err:
+            if self.mode == "a":
                 self._rebuild_index()
-            return fn()
+                return fn()
+            if not self._reader_fallback():
+                raise
+            out = fn()
+            damage = getattr(err, "log_damage", None)
+            if out is None and damage is not None:
+                # the index names a commit whose record the log holds damaged: a replay does not
+                # commit it, but the caller asked for a checkpoint that was written
+                raise DamagedCheckpointError(damage) from err
+            return out
 
     def _index_start(self) -> Position | None:
         """Where replay can start: the index's position if the index matches the log, else None
@@ -595,6 +610,10 @@ class Store:
         if e is None and self.mode == "r":
             self.refresh()
             e = self._indexed(lambda: self.index.get_commit(iteration))
+        if e is None and iteration in self._index_only:
+            raise DamagedCheckpointError(
+                f"iteration {iteration}: the index names it committed, but the log in {self.path} "
+                "holds no valid commit of it (its records are damaged or cut)")
         if e is None:
             raise NotFoundError(f"iteration {iteration!r} is not committed in {self.path}")
         return e
@@ -661,16 +680,23 @@ class Store:
         fails on a warm index's value, or on what it located, drops the warm view for a full
         replay into memory and retries (once), so only damage in the log reaches the caller."""
         fell_back = False
+        damage: DamagedCheckpointError | None = None
         for attempt in range(_READER_RETRIES):
             try:
                 return fn()
             except CkptStoreError as e:
+                if isinstance(e, NotFoundError) and damage is not None:
+                    # the index named a checkpoint whose records the log holds damaged (a full
+                    # replay does not commit it): report the damage, not a missing iteration
+                    raise damage from e
                 if attempt == _READER_RETRIES - 1:
                     raise
                 if _caused_by_missing_file(e):
                     self.refresh()
                 elif isinstance(e, (IndexUnusable, DamagedCheckpointError)) and not fell_back:
                     fell_back = True
+                    if isinstance(e, DamagedCheckpointError):
+                        damage = e
                     if not self._reader_fallback():
                         raise
                 else:

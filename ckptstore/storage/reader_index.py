@@ -317,13 +317,17 @@ class ReaderIndex(Index):
             return None
         e = unpack_commit(v)
         self.commits_checked += 1
+        where = f"segment {e.loc.seq} offset {e.loc.offset}"
         try:
-            ok = e.commit.iteration == iteration and decode_commit(self._read_commit(e.loc)) == e.commit
-        except FormatError:
-            ok = False
-        if not ok:
+            record = decode_commit(self._read_commit(e.loc))
+        except FormatError as err:
+            bad = IndexUnusable(f"index entry of iteration {iteration} names the COMMIT record at "
+                                f"{where}, which is unreadable: {err}")
+            bad.log_damage = f"iteration {iteration}: its COMMIT record at {where} is damaged: {err}"
+            raise bad from err
+        if e.commit.iteration != iteration or record != e.commit:
             raise IndexUnusable(f"index entry of iteration {iteration} does not match the COMMIT "
-                                f"record at segment {e.loc.seq} offset {e.loc.offset}")
+                                f"record at {where}")
         self._verified[iteration] = e
         return e
 
