@@ -84,7 +84,7 @@ def check(path: str | os.PathLike, *, repair: bool = False,
             _note_lost_by_index(store, indexed, report)
             report.repairs.append("index rebuilt from a fully verified replay of the log")
         return report
-    with Store(path, "r") as store:
+    with Store(path, "r", use_index=False) as store:  # fsck reads the index itself, unlocked
         _verify(store.log, report, progress, rebuild=None)
         indexed = _check_index(path, store, report)
         _note_lost_by_index(store, indexed, report)

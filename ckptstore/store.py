@@ -2,8 +2,9 @@
 
 Lifecycle of a writer (mode "a"): take the lock -> create or read STORE -> finish an interrupted gc
 -> open (or rebuild) the index -> replay the log from the index's position -> cut the uncommitted
-tail -> append. Readers (mode "r") build an in-memory index by replaying the log and never write
-anything under the store directory.
+tail -> append. Readers (mode "r") never write anything under the store directory: they read the
+writer's index read-only when it validates against the log and replay only the log after it, or
+else build an in-memory index by replaying the whole log (format-spec/format.md §16, §18).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .storage.fileops import FileOps, io_errors
 from .storage.index import CommitEntry, Index, IndexBatch, MemoryIndex, Position
 from .storage.layout import Layout
 from .storage.lmdb_index import LmdbIndex
+from .storage.reader_index import IndexSnapshot, ReaderIndex
 from .storage.log import Log, ReplayReport
 from .tensors import leaf_hook, no_leaves
 from .writer import SaveStats, write_snapshot
@@ -71,7 +73,7 @@ class Store:
     def __init__(self, path: str | os.PathLike, mode: str = "a", *, chunk_size: int | None = None,
                  segment_size: int | None = None, file_ops: FileOps | None = None,
                  load_threads: int = 2, host_budget: int | None = None,
-                 max_inflight: int | None = None) -> None:
+                 max_inflight: int | None = None, use_index: bool = True) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         self.path = os.fspath(path)
@@ -88,6 +90,11 @@ class Store:
         self._pending_start: Position | None = None
         self._pending_since = 0.0
         self._load_threads = load_threads
+        #: readers: start from the writer's index when it validates (False: always replay the log)
+        self._use_index = use_index
+        #: readers: iterations a warm view held that the replay after its fallback does not commit
+        #: (their records in the log are damaged or cut): reported as damaged, not as missing
+        self._index_only: set[int] = set()
         #: the writer's index was rebuilt from the log by this process, so a read that fails now
         #: fails because of the log, not the index (no second rebuild)
         self._index_rebuilt = False
@@ -112,31 +119,78 @@ class Store:
         self.segment_size = self.header.segment_size
         self.log = Log(self.layout, self.header.store_id)
         self.index: Index = MemoryIndex()
-        self._replay_for_reader(None)
+        self._replay_for_reader(reset=True)
 
-    def _replay_for_reader(self, start: Position | None) -> None:
-        """Catch the reader's index up with the log from ``start``.
+    def _reader_view(self, live: list[int]) -> tuple[Index, Position | None]:
+        """A new view for a reader: the writer's index read-only when it validates against the
+        segments ``live`` (replay then starts at its position), else an empty MemoryIndex (full
+        replay). Never creates or changes a file (format-spec §16 "Readers")."""
+        snap = IndexSnapshot.open(self.layout.index_dir, self.header.store_id) \
+            if self._use_index else None
+        if snap is not None:
+            index = ReaderIndex(snap, self.header.store_id,
+                                lambda loc: self.log.read_payload(loc))
+            if index.validate(live):
+                return index, index.position()
+            index.close()
+        return MemoryIndex(), None
+
+    def _replay_for_reader(self, reset: bool = False) -> None:
+        """Catch the reader's index up with the log (``reset``: build a new view first).
 
         One directory listing decides both whether a gc happened (the live segments up to the
         index's position differ from those the index was built from: start over) and what is
         replayed, so a gc completing in between cannot mix two segment sets. A gc that deletes a
         segment after that listing makes the scan fail with ENOENT; the scan then starts over on
-        a fresh listing (a few times: each retry needs another gc to race it)."""
+        a fresh listing (a few times: each retry needs another gc to race it). A warm view whose
+        index turns out unusable is replaced by a full replay into memory."""
         for attempt in range(_READER_RETRIES):
             try:
                 live = self.log.refresh_segments()
-                if start is not None:
+                start = self.index.position()
+                if isinstance(self.index, ReaderIndex) and self.index.revoked:
+                    reset = True  # try a new warm view (the writer that revoked it may be gone)
+                if not reset and start is not None:
                     segs = self.index.segments()
-                    if segs is None or tuple(s for s in live if s <= start.seq) != segs:
-                        self.index.clear()
-                        start = None
-                self.last_replay = self.log.replay(self.index, start, live=live)
+                    reset = segs is None or tuple(s for s in live if s <= start.seq) != segs
+                if reset:
+                    self._index_only = set()
+                    self.index.close()
+                    self.index = MemoryIndex()  # never left pointing at a closed view
+                    self.index, start = self._reader_view(live)
+                    reset = False
+                try:
+                    self.last_replay = self.log.replay(self.index, start, live=live)
+                except IndexUnusable:
+                    self._cold_reader_index()
+                    self.last_replay = self.log.replay(self.index, None, live=live)
+                if isinstance(self.index, ReaderIndex):
+                    self.index.renew(live)
                 return
             except (FileNotFoundError, StoreIOError) as e:
                 if not _caused_by_missing_file(e) or attempt == _READER_RETRIES - 1:
                     raise
-                self.index.clear()
-                start = None
+                reset = True
+
+    def _cold_reader_index(self) -> None:
+        """Drop a reader's warm view for an empty MemoryIndex (the caller replays the log)."""
+        self.index.close()
+        self.index = MemoryIndex()
+
+    def _reader_fallback(self) -> bool:
+        """A reader's warm view failed a check: replay the whole log into memory. False when the
+        reader had no warm view (the failure is not the index's)."""
+        with self._mutex:
+            if not isinstance(self.index, ReaderIndex):
+                return False
+            try:
+                held = set(self.index.iterations())
+            except (CkptStoreError, OSError):
+                held = set()
+            self._cold_reader_index()
+            self._replay_for_reader()
+            self._index_only = held - set(self.index.iterations())
+            return True
 
     def _open_writer(self, chunk_size: int | None, segment_size: int | None) -> None:
         self._ops.makedirs(self.path)
@@ -215,14 +269,23 @@ class Store:
             self.last_replay = self.log.replay(self.index, None)
 
     def _indexed(self, fn: Callable[[], Any]) -> Any:
-        """Run an index lookup; a writer whose index turns out unusable rebuilds it and retries."""
+        """Run an index lookup; an index that turns out unusable is rebuilt (writer) or replaced
+        by a replay into memory (reader with a warm view), and the lookup retried."""
         try:
             return fn()
-        except IndexUnusable:
-            if self.mode != "a":
+        except IndexUnusable as err:
+            if self.mode == "a":
+                self._rebuild_index()
+                return fn()
+            if not self._reader_fallback():
                 raise
-            self._rebuild_index()
-            return fn()
+            out = fn()
+            damage = getattr(err, "log_damage", None)
+            if out is None and damage is not None:
+                # the index names a commit whose record the log holds damaged: a replay does not
+                # commit it, but the caller asked for a checkpoint that was written
+                raise DamagedCheckpointError(damage) from err
+            return out
 
     def _index_start(self) -> Position | None:
         """Where replay can start: the index's position if the index matches the log, else None
@@ -621,7 +684,7 @@ class Store:
             self._check_open()
             if self.mode == "a":
                 return
-            self._replay_for_reader(self.index.position())
+            self._replay_for_reader()
 
     def _sync_view(self) -> None:
         """Readers: catch up with the log. Writers: finish a recovery a failure left pending."""
@@ -647,7 +710,11 @@ class Store:
         e = self._indexed(lambda: self.index.get_commit(iteration)) if type(iteration) is int else None
         if e is None and self.mode == "r":
             self.refresh()
-            e = self.index.get_commit(iteration)
+            e = self._indexed(lambda: self.index.get_commit(iteration))
+        if e is None and iteration in self._index_only:
+            raise DamagedCheckpointError(
+                f"iteration {iteration}: the index names it committed, but the log in {self.path} "
+                "holds no valid commit of it (its records are damaged or cut)")
         if e is None:
             raise NotFoundError(f"iteration {iteration!r} is not committed in {self.path}")
         return e
@@ -703,24 +770,48 @@ class Store:
         what it located (DamagedCheckpointError) rebuilds the index from the log once per process
         and retries, so only damage in the log itself reaches the caller.
         """
-        if self.mode == "a":
-            with self._mutex:
-                return self._read_retrying_unlocked(fn)
-        return self._read_retrying_unlocked(fn)
+        if self.mode == "r":
+            return self._read_retrying_reader(fn)
+        with self._mutex:
+            return self._read_retrying_writer(fn)
 
-    def _read_retrying_unlocked(self, fn: Callable[[], Any]) -> Any:
+    def _read_retrying_writer(self, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except CkptStoreError as e:
-            if self.mode == "r":
-                if not _caused_by_missing_file(e):
-                    raise
-                self.refresh()
-            elif isinstance(e, (IndexUnusable, DamagedCheckpointError)) and not self._index_rebuilt:
+            if isinstance(e, (IndexUnusable, DamagedCheckpointError)) and not self._index_rebuilt:
                 self._rebuild_index()
             else:
                 raise
             return fn()
+
+    def _read_retrying_reader(self, fn: Callable[[], Any]) -> Any:
+        """Readers: a read that fails because gc deleted a segment refreshes and retries; one that
+        fails on a warm index's value, or on what it located, drops the warm view for a full
+        replay into memory and retries (once), so only damage in the log reaches the caller."""
+        fell_back = False
+        damage: DamagedCheckpointError | None = None
+        for attempt in range(_READER_RETRIES):
+            try:
+                return fn()
+            except CkptStoreError as e:
+                if isinstance(e, NotFoundError) and damage is not None:
+                    # the index named a checkpoint whose records the log holds damaged (a full
+                    # replay does not commit it): report the damage, not a missing iteration
+                    raise damage from e
+                if attempt == _READER_RETRIES - 1:
+                    raise
+                if _caused_by_missing_file(e):
+                    self.refresh()
+                elif isinstance(e, (IndexUnusable, DamagedCheckpointError)) and not fell_back:
+                    fell_back = True
+                    if isinstance(e, DamagedCheckpointError):
+                        damage = e
+                    if not self._reader_fallback():
+                        raise
+                else:
+                    raise
+        raise AssertionError("unreachable")
 
     def diff(self, a: int, b: int) -> list[TensorDiff]:
         """Compare the tensors of two checkpoints by Merkle roots, then chunk addresses.

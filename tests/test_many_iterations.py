@@ -97,6 +97,62 @@ def test_writer_work_is_bounded(many, monkeypatch, assert_same):
         w.close()
 
 
+class _LogWork:
+    """Counts the records log replays read and the manifests decoded anywhere."""
+
+    def __init__(self, monkeypatch) -> None:
+        from ckptstore.format import manifest as manifest_mod
+        from ckptstore.storage import log as log_mod
+
+        self.records = self.manifests = 0
+        real_scan, real_decode = log_mod.scan_segment, manifest_mod.decode_manifest
+
+        def scan_segment(*a, **k):
+            for item in real_scan(*a, **k):
+                self.records += 1
+                yield item
+
+        def decode_manifest(buf):
+            self.manifests += 1
+            return real_decode(buf)
+
+        monkeypatch.setattr(log_mod, "scan_segment", scan_segment)
+        monkeypatch.setattr(log_mod, "decode_manifest", decode_manifest)
+        monkeypatch.setattr(manifest_mod, "decode_manifest", decode_manifest)
+
+    def take(self) -> tuple[int, int]:
+        out, self.records, self.manifests = (self.records, self.manifests), 0, 0
+        return out
+
+
+def test_warm_reader_does_not_scan_the_log(many, monkeypatch, assert_same):
+    """A reader opens from the writer's index: no log record read, no manifest decoded; listing
+    reads the index once; a load decodes the manifests it needs and checks a few commit entries
+    against the log. A reader without the index would read every record (the control)."""
+    work = _LogWork(monkeypatch)
+    with ckptstore.open(many, mode="r") as r:
+        assert type(r.index).__name__ == "ReaderIndex"
+        assert r.last_replay.commits == 0
+        assert work.take() == (0, 0)
+        top = r.latest()  # N, or more when the writer test ran first (same module store)
+        assert top >= N and r.iterations() == list(range(1, top + 1))
+        assert work.take() == (0, 0)  # refreshes start at the index's position, at the log's end
+        rng = random.Random(7)
+        for i in rng.sample(range(1, N + 1), 20):
+            if r.kind(i) == "snapshot":
+                assert_same(snap(i), r.load(i))
+            else:
+                assert_same(delta(i), r.load_record(i))
+                assert r.base_of(i) == i - (i - 1) % BASE_EVERY
+        records, manifests = work.take()
+        assert records == 0 and manifests <= 20, (records, manifests)
+        assert r.index.commits_checked <= 20 * 2
+    with ckptstore.open(many, mode="r", use_index=False) as r:  # control: a full replay
+        assert r.last_replay.commits == top
+        records, manifests = work.take()
+        assert records >= 2 * top and manifests == top, (records, manifests)
+
+
 def test_reader_refresh_is_bounded(many):
     with ckptstore.open(many, mode="r") as r:
         assert r.latest() == r.iterations()[-1]

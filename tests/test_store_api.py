@@ -51,15 +51,19 @@ def store(path):
     s.close()
 
 
-def snapshot(root) -> dict:
-    """Every file and directory under ``root`` with its size and mtime."""
+def snapshot(root, lock_table: bool = False) -> dict:
+    """Every file and directory under ``root`` with its size and mtime. ``lock_table``: leave out
+    the mtime of ``index/lock.mdb`` (a reader registers in LMDB's reader table there, format-spec
+    §16 "Readers"; its size, and every other file, must not change)."""
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
         st = os.stat(dirpath)
         out[os.path.relpath(dirpath, root) + "/"] = (sorted(dirnames + filenames), st.st_mtime_ns)
         for n in filenames:
             st = os.stat(os.path.join(dirpath, n))
-            out[os.path.relpath(os.path.join(dirpath, n), root)] = (st.st_size, st.st_mtime_ns)
+            rel = os.path.relpath(os.path.join(dirpath, n), root)
+            out[rel] = (st.st_size, None if lock_table and rel == os.path.join("index", "lock.mdb")
+                        else st.st_mtime_ns)
     return out
 
 
@@ -435,9 +439,47 @@ def _exercise_reader(path, n=6):
 
 def test_read_mode_changes_nothing_on_disk(path):
     _fill(path)
+    before = snapshot(path, lock_table=True)
+    _exercise_reader(path)
+    assert snapshot(path, lock_table=True) == before
+
+
+@pytest.mark.parametrize("missing", ["index", "lock.mdb", "data.mdb"])
+def test_reader_never_creates_index_files(path, missing):
+    """Without the writer's index (or one of its two files) a reader replays the log and creates
+    nothing: not the directory, not LMDB's lock file."""
+    _fill(path)
+    target = os.path.join(path, "index") if missing == "index" else os.path.join(path, "index", missing)
+    shutil.rmtree(target) if missing == "index" else os.unlink(target)
     before = snapshot(path)
+    with ckptstore.open(path, mode="r") as r:
+        assert type(r.index).__name__ == "MemoryIndex"
+        assert r.last_replay.commits == 6
     _exercise_reader(path)
     assert snapshot(path) == before
+
+
+def test_reader_skips_the_index_on_a_read_only_filesystem(path, monkeypatch):
+    """On a read-only filesystem LMDB would run without its reader table (unsafe next to a
+    writer on another mount): the reader replays the log instead."""
+    _fill(path)
+    real = os.statvfs
+
+    class RO:
+        def __init__(self, st):
+            self._st = st
+
+        def __getattr__(self, name):
+            return getattr(self._st, name)
+
+        @property
+        def f_flag(self):
+            return self._st.f_flag | os.ST_RDONLY
+
+    monkeypatch.setattr(os, "statvfs", lambda p: RO(real(p)))
+    with ckptstore.open(path, mode="r") as r:
+        assert type(r.index).__name__ == "MemoryIndex" and r.last_replay.commits == 6
+        assert r.iterations() == list(range(1, 7))
 
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_EXCL
@@ -470,11 +512,19 @@ def no_writes(monkeypatch):
                              "truncate", "ftruncate", "write", "pwrite", "pwritev", "writev",
                              "symlink", "link", "chmod", "utime", "fsync", "fdatasync")),
                        (shutil, ("rmtree", "copy", "copy2", "copyfile", "move")),
-                       (fcntl, ("flock", "lockf")), (lmdb, ("open",))):
+                       (fcntl, ("flock", "lockf"))):
         for name in names:
             if hasattr(mod, name):
                 monkeypatch.setattr(mod, name,
                                     lambda *a, _n=f"{mod.__name__}.{name}", **k: refuse(f"{_n}{a!r}"))
+    real_lmdb_open = lmdb.open
+
+    def guarded_lmdb_open(path, *a, **k):  # readers may open the index read-only, nothing else
+        if not k.get("readonly") or k.get("create", True) or not k.get("lock", True):
+            refuse(f"lmdb.open({path!r}, {k!r})")
+        return real_lmdb_open(path, *a, **k)
+
+    monkeypatch.setattr(lmdb, "open", guarded_lmdb_open)
     return violations
 
 
@@ -486,10 +536,10 @@ def filled(tmp_path_factory):
 
 
 def test_read_mode_never_writes_with_guard(filled, no_writes):
-    before = snapshot(filled)
+    before = snapshot(filled, lock_table=True)
     _exercise_reader(filled)
     assert no_writes == []
-    assert snapshot(filled) == before
+    assert snapshot(filled, lock_table=True) == before
 
 
 def test_guard_catches_a_writer(tmp_path, no_writes):

@@ -7,7 +7,9 @@ snapshots (``--base-every``; deltas use group commit, flushed every 64), then ti
 * open in mode "a" with a warm LMDB index (replay starts at the index's position),
 * ``iterations()``, ``latest()`` (first call and repeated calls),
 * ``load`` of random snapshots and ``load_record`` of random deltas,
-* open in mode "r" (readers replay the whole log into memory; no persistent index),
+* open in mode "r" with the writer's index (warm: validated, nothing replayed), then a reader's
+  ``latest()``, ``iterations()`` and random loads,
+* open in mode "r" without the index (``use_index=False``: the whole log replayed into memory),
 * open in mode "a" after deleting the index (full rebuild from the log).
 
 The build runs on /dev/shm by default (fsync is nearly free there), so the figures are CPU cost of
@@ -61,7 +63,7 @@ def timed(fn):
 
 def measure(path: str, n: int, loads: int) -> dict[str, float | int]:
     rng = random.Random(0)
-    out: dict[str, float | int] = {}
+    out: dict[str, float | int | bool] = {}
     t, w = timed(lambda: ckptstore.open(path, "a"))
     out["open_a_warm_s"] = t
     out["open_a_warm_commits_replayed"] = w.last_replay.commits if w.last_replay else -1
@@ -91,12 +93,28 @@ def measure(path: str, n: int, loads: int) -> dict[str, float | int]:
     finally:
         w.close()
     t, r = timed(lambda: ckptstore.open(path, "r"))
-    out["open_r_s"] = t
+    out["open_r_warm_s"] = t
+    out["open_r_warm_commits_replayed"] = r.last_replay.commits if r.last_replay else -1
     try:
-        t, _ = timed(r.latest)
-        out["reader_latest_s"] = t
+        t, latest = timed(r.latest)
+        out["reader_latest_first_s"] = t
+        t, _ = timed(lambda: [r.latest() for _ in range(100)])
+        out["reader_latest_repeat_s"] = t / 100
+        t, its = timed(r.iterations)
+        out["reader_iterations_s"] = t
+        assert latest == its[-1], (latest, its[-1:])
+        sample = rng.sample(its, min(len(its), loads))
+        t, _ = timed(lambda: [r.load_record(i) for i in sample])
+        out["reader_load_record_random_s"] = t / len(sample)
+        snaps = [i for i in sample if r.kind(i) == "snapshot"] or [r.base_of(sample[0])]
+        t, _ = timed(lambda: [r.load(i) for i in snaps])
+        out["reader_load_snapshot_s"] = t / len(snaps)
+        out["reader_index"] = type(r.index).__name__ == "ReaderIndex"
     finally:
         r.close()
+    t, r = timed(lambda: ckptstore.open(path, "r", use_index=False))
+    out["open_r_no_index_s"] = t
+    r.close()
     shutil.rmtree(Layout(path).index_dir)
     t, w = timed(lambda: ckptstore.open(path, "a"))
     out["open_a_rebuild_s"] = t
@@ -120,7 +138,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"n={args.n} base_every={args.base_every} dir={args.dir} (load average {load:.2f})")
     for k, v in res.items():
-        print(f"  {k:32s} {v * 1e3:10.2f} ms" if isinstance(v, float) else f"  {k:32s} {v:10d}")
+        print(f"  {k:32s} {v * 1e3:10.2f} ms" if isinstance(v, float) else f"  {k:32s} {v!s:>10}")
     if not args.reuse:
         shutil.rmtree(args.dir, ignore_errors=True)
 

@@ -1,8 +1,9 @@
 """The index: chunk address -> location, tree root -> location, iteration -> commit.
 
-The index is a cache of what the log says. :class:`MemoryIndex` is built by every open in mode "r"
-(nothing is written); :class:`~ckptstore.storage.lmdb_index.LmdbIndex` persists the same content
-for the writer so reopening does not rescan. Both are filled only through :meth:`Index.apply`,
+The index is a cache of what the log says. :class:`~ckptstore.storage.lmdb_index.LmdbIndex`
+persists it for the writer so reopening does not rescan; a reader uses it read-only through
+:class:`~ckptstore.storage.reader_index.ReaderIndex` when it validates, else builds a
+:class:`MemoryIndex` by replaying the log (nothing is written either way). Both are filled only through :meth:`Index.apply`,
 one batch per commit, so an index never names a chunk or tree that no commit reached.
 """
 

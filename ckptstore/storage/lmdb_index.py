@@ -1,4 +1,5 @@
-"""The persistent index: the same content as MemoryIndex, kept in LMDB for the writer.
+"""The persistent index: the same content as MemoryIndex, kept in LMDB by the writer (readers
+open it read-only: storage/reader_index.py).
 
 Layout (named databases, all keys and values little-endian structs unless noted)::
 
@@ -8,8 +9,8 @@ Layout (named databases, all keys and values little-endian structs unless noted)
     trees    root (16)    -> u64 seq, u64 offset, u64 length
     commits  iteration (u64 big-endian, so keys sort numerically) -> packed CommitEntry
 
-The index is a cache: it is validated against the log on every writer open and rebuilt from the
-log when missing, unreadable, foreign or stale. Writes use ``sync=True`` so a committed index
+The index is a cache: it is validated against the log on every writer open (and reader open) and
+rebuilt from the log by the writer when missing, unreadable, foreign or stale. Writes use ``sync=True`` so a committed index
 transaction survives power loss; even so nothing depends on it for correctness.
 """
 
@@ -26,6 +27,7 @@ import lmdb
 from ..errors import IndexUnusable, StoreIOError
 from .fileops import FileOps, wrap_os_error
 from ..format.commit import KINDS
+from .reader_index import revoke_readers
 from .index import (PACKED_COMMIT_SIZE, PACKED_KIND_OFFSET, ChunkRef, CommitEntry, Index,
                     IndexBatch, Position, pack_chunk, pack_commit, pack_loc, unpack_chunk,
                     unpack_commit, unpack_loc)
@@ -73,6 +75,7 @@ class LmdbIndex(Index):
         self._cache_sorted: list[int] | None = None
         self.env: Any = None
         self.ops.makedirs(path)
+        revoke_readers(path)  # a reader of this process holding these files would make LMDB refuse
         try:
             map_size = max(_INITIAL_MAP, _file_size(os.path.join(path, "data.mdb")) * 2)
             self.env = self.ops.index_open(path, map_size=map_size, max_dbs=8, subdir=True,
