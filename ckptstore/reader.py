@@ -21,7 +21,7 @@ from .format.tree import Tree, decode_tree, tree_root
 from .storage.index import CommitEntry, Index
 from .storage.log import Log
 from .storage.segments import Loc
-from .tensors import allocate, finish
+from .tensors import allocate, finish, into_view
 
 _HEAD = rec.HEADER_SIZE + CHUNK_HEADER_SIZE
 
@@ -92,7 +92,11 @@ class StateReader:
         self.threads = threads
 
     def load(self, entry: CommitEntry, keys: Sequence[Any] | None = None,
-             progress: Callable[[int], None] | None = None) -> Any:
+             progress: Callable[[int], None] | None = None,
+             into: Callable[[TensorEntry], Any] | None = None) -> Any:
+        """The state of ``entry``'s commit. ``into(tensor_entry)`` may return an existing torch
+        tensor (contiguous, CPU, of the entry's dtype and shape) to read that tensor's bytes into
+        instead of a fresh allocation (verified in place like any other); None allocates."""
         manifest = read_manifest(self.log, entry)
         skeleton = manifest.state
         if keys is not None:
@@ -111,7 +115,7 @@ class StateReader:
         if needed and needed[-1] >= len(manifest.tensors):
             raise DamagedCheckpointError(f"iteration {manifest.iteration}: manifest names tensor "
                                          f"{needed[-1]} but lists {len(manifest.tensors)}")
-        values = self._load_tensors(manifest, needed, progress)
+        values = self._load_tensors(manifest, needed, progress, into)
 
         def leaf(i: int, path: Any) -> Any:
             if i not in values:
@@ -124,14 +128,16 @@ class StateReader:
             raise DamagedCheckpointError(f"iteration {manifest.iteration}: {e}") from e
 
     def _load_tensors(self, manifest: Manifest, needed: list[int],
-                      progress: Callable[[int], None] | None) -> dict[int, Any]:
+                      progress: Callable[[int], None] | None,
+                      into: Callable[[TensorEntry], Any] | None = None) -> dict[int, Any]:
         it = manifest.iteration
         values: dict[int, Any] = {}
         jobs: list[_Job] = []
         for i in needed:
             e = manifest.tensors[i]
             try:
-                value, view = allocate(e)
+                given = into(e) if into is not None else None
+                value, view = allocate(e) if given is None else into_view(e, given)
                 if e.inline is not None:
                     if e.nbytes:
                         view[:] = e.inline

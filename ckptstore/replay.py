@@ -97,6 +97,17 @@ def fingerprint(params) -> tuple[str, float]:
     return h.hexdigest(), math.sqrt(sq)
 
 
+def fingerprint_digest(params) -> str:
+    """The xxh3-64 half of :func:`fingerprint` (all an exact replay compares)."""
+    import torch
+
+    h = xxhash.xxh3_64()
+    for p in params:
+        t = p.detach().contiguous().reshape(-1)
+        h.update(memoryview(t.view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
 class _Engine:
     def __init__(self, base_state: dict, base: int) -> None:
         import torch
@@ -119,12 +130,11 @@ class _Engine:
         saved_groups = base_state["optimizer"]["param_groups"]
         groups = [dict({k: v for k, v in g.items() if k not in ("params", "param_names")}, params=ps)
                   for ps, g in zip(groups_params, saved_groups)]
-        defaults = dict(info.get("defaults") or {})
-        try:
-            self.opt = cls(groups, **defaults)
-        except TypeError:
-            self.opt = cls(groups)
+        self._cls = cls
+        self._defaults = dict(info.get("defaults") or {})
+        self.opt = self._make_optimizer(groups)
         self.opt.load_state_dict(base_state["optimizer"])
+        self._sharded = None
         self.params = [p for ps in groups_params for p in ps]
         self.codec = parse_codec(info["codec"])
         self.aliases = dict(info.get("aliases") or {})
@@ -139,8 +149,21 @@ class _Engine:
         self._B = [0.0] * len(groups)   # per group: bound on |momentum buffer error|
         self._torch = torch
 
+    def _make_optimizer(self, groups: list[dict]):
+        try:
+            return self._cls(groups, **self._defaults)
+        except TypeError:
+            return self._cls(groups)
+
     def apply(self, it: int, rec: dict) -> None:
-        torch = self._torch
+        """Replay delta ``it`` (its record ``rec``) onto the state of iteration ``it - 1``."""
+        self.begin(it, rec)
+        self.step()
+        self.end(it, rec)
+
+    def begin(self, it: int, rec: dict) -> None:
+        """Check ``rec`` against the chain, set the hyperparameters in effect at step ``it`` and
+        each parameter's gradient."""
         if it != self.iteration + 1:
             raise DeltaChainError(f"delta {it} does not follow iteration {self.iteration}")
         grads = rec["grads"]
@@ -173,9 +196,19 @@ class _Engine:
             self.report.grad_max_abs_error = max(self.report.grad_max_abs_error, max(group_err or [0.0]))
             if f"lossy codec {rec['codec']}" not in self.report.reasons:
                 self.report.reasons.append(f"lossy codec {rec['codec']}")
-        self.opt.step()
+
+    def step(self) -> None:
+        """``optimizer.step()``, sharded across threads when :meth:`parallel` set that up."""
+        if self._sharded is not None:
+            self._sharded.step()
+        else:
+            self.opt.step()
         for p in self.params:
             p.grad = None
+
+    def end(self, it: int, rec: dict) -> None:
+        """Take the post-step group settings, scheduler, RNG and buffer states of ``it`` and check
+        its fingerprint."""
         for group, after in zip(self.opt.param_groups, rec["groups"]):
             group.update(after)
         for k in ("scheduler", "rng"):
@@ -188,17 +221,40 @@ class _Engine:
         self.report.deltas += 1
         fp = rec.get("fp")
         if fp:
-            digest, norm = fingerprint(self.params)
             self.report.fingerprints_checked += 1
             if self.report.exact:
+                digest = fingerprint_digest(self.params)
                 if digest != fp["xxh3"]:
                     raise ReplayDivergenceError(
                         f"replay diverged at iteration {it}: parameter fingerprint {digest} differs "
                         f"from the recorded {fp['xxh3']} (different torch build, optimizer "
                         "implementation path or damaged record)", it)
             else:
+                _, norm = fingerprint(self.params)
                 rel = abs(norm - fp["norm"]) / max(fp["norm"], 1e-30)
                 self.report.measured_norm_rel_error = max(self.report.measured_norm_rel_error or 0.0, rel)
+
+    def parallel(self, threads: int) -> None:
+        """Shard the optimizer step over ``threads`` threads when its class is per-parameter
+        separable (:data:`ckptstore.recovery.SEPARABLE_OPTIMIZERS`); else keep it sequential."""
+        from .recovery import SEPARABLE_OPTIMIZERS, ShardedStep
+
+        if threads > 1 and len(self.params) > 1 and self.info["optimizer"] in SEPARABLE_OPTIMIZERS:
+            self._sharded = ShardedStep(self.opt, threads, self._make_optimizer)
+
+    def grad_shapes(self) -> list[tuple[tuple[int, ...], Any]] | None:
+        """(shape, dtype) per parameter when gradient buffers may be recycled across deltas
+        (exact codec, separable optimizer: nothing keeps a reference to ``p.grad``)."""
+        from .recovery import SEPARABLE_OPTIMIZERS
+
+        if self.codec.name != "exact" or self.info["optimizer"] not in SEPARABLE_OPTIMIZERS:
+            return None
+        return [(tuple(p.shape), p.dtype) for p in self.params]
+
+    def close(self) -> None:
+        if self._sharded is not None:
+            self._sharded.close()
+            self._sharded = None
 
     def _track_bound(self, group_err: list[float]) -> None:
         """Per-entry error bound for SGD: the step is affine in (grad, param, buffer), so errors
@@ -253,23 +309,67 @@ def _warn(report: ReplayReport) -> None:
         warnings.warn(report.summary(), ApproximateReplayWarning, stacklevel=3)
 
 
-def replay_to(store: "Store", iteration: int) -> dict:
-    """The state at ``iteration``: its chain's base, then every delta up to it replayed."""
+def replay_to(store: "Store", iteration: int, *, threads: int | None = None) -> dict:
+    """The state at ``iteration``: its chain's base, then every delta up to it replayed.
+
+    Records are read ahead in a background thread (:class:`ckptstore.recovery.RecordFeed`) and
+    the optimizer steps are sharded over ``threads`` threads (default: torch's intra-op thread
+    count) when the optimizer allows it; the result is the same as stepping one delta at a time."""
+    _preimport_dynamo()
     eng = _engine_at(store, iteration)
-    for it in range(eng.iteration + 1, iteration + 1):
-        eng.apply(it, _record(store, it))
+    try:
+        _replay_deltas(store, eng, iteration, threads)
+    finally:
+        eng.close()
     _warn(eng.report)
     return eng.current(clone=False)
 
 
-def _record(store: "Store", it: int) -> dict:
+def _replay_deltas(store: "Store", eng: _Engine, last: int, threads: int | None) -> None:
+    from .recovery import RecordFeed
+
+    if eng.iteration >= last:
+        return
+    import torch
+
+    eng.parallel(torch.get_num_threads() if threads is None else threads)
+    feed = RecordFeed(eng.iteration + 1, last, lambda it, into: _record(store, it, into),
+                      eng.grad_shapes())
+    try:
+        for it, rec, bufs in feed:
+            eng.apply(it, rec)
+            del rec
+            feed.release(bufs)
+    finally:
+        feed.close()
+
+
+def _preimport_dynamo() -> None:
+    """torch.optim's first optimizer in a process imports torch._dynamo (seconds, once). Start
+    that import in the background so it overlaps the base snapshot's read."""
+    import sys
+    import threading
+
+    if "torch._dynamo" in sys.modules:
+        return
+
+    def imp() -> None:
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:  # noqa: BLE001 - the optimizer's own import will report it
+            pass
+
+    threading.Thread(target=imp, name="ckptstore-import", daemon=True).start()
+
+
+def _record(store: "Store", it: int, into: Any = None) -> dict:
     try:
         kind = store.kind(it)
     except KeyError:
         raise DeltaChainError(f"delta chain broken: iteration {it} is missing") from None
     if kind != "delta":
         raise DeltaChainError(f"iteration {it} is a {kind}, expected a delta")
-    return store.load_record(it)
+    return store.load_record(it, into=into)
 
 
 def replay_range(store: "Store", start: int, stop: int) -> Iterator[tuple[int, dict]]:

@@ -465,11 +465,13 @@ class Store:
         self._sync_view()
         return self._recoverable_latest()
 
-    def load_record(self, iteration: int, keys: Sequence[Any] | None = None) -> Any:
+    def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
+                    into: Callable[[Any], Any] | None = None) -> Any:
         """The state stored for ``iteration`` as written: for a delta, its delta record (not the
-        replayed state). Same as :meth:`load` for a snapshot."""
+        replayed state). Same as :meth:`load` for a snapshot. ``into``: see
+        :meth:`ckptstore.reader.StateReader.load` (read tensors into existing ones)."""
         reader = StateReader(self.log, self.index, threads=self._load_threads)
-        return self._retry_after_gc(lambda: reader.load(self._entry(iteration), keys, None))
+        return self._retry_after_gc(lambda: reader.load(self._entry(iteration), keys, None, into))
 
     def replay(self, start: int, stop: int, **options: Any):
         """Yield ``(iteration, state)`` for every iteration in ``start..stop`` (inclusive), each
