@@ -30,6 +30,21 @@ if TYPE_CHECKING:
 #: recycled after the step). Checked against torch's implementations (single-tensor, foreach and
 #: fused paths); tests/test_checkpointer.py replays each one bit-exactly through the shards.
 SEPARABLE_OPTIMIZERS = frozenset({"SGD", "Adam", "AdamW", "RMSprop", "Adagrad"})
+#: Below this many parameter entries a sharded step costs more in thread handoffs than it saves.
+PARALLEL_MIN_NUMEL = 1 << 20
+#: At most this many shards (threads) by default.
+MAX_SHARDS = 8
+
+
+def default_shards() -> int:
+    """One shard per CPU this process may run on, at most :data:`MAX_SHARDS`."""
+    import os
+
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, MAX_SHARDS))
 
 _DONE = object()
 

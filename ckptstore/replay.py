@@ -236,11 +236,13 @@ class _Engine:
 
     def parallel(self, threads: int) -> None:
         """Shard the optimizer step over ``threads`` threads when its class is per-parameter
-        separable (:data:`ckptstore.recovery.SEPARABLE_OPTIMIZERS`); else keep it sequential."""
-        from .recovery import SEPARABLE_OPTIMIZERS, ShardedStep
+        separable (:data:`ckptstore.recovery.SEPARABLE_OPTIMIZERS`) and the parameters are
+        large enough to gain from it (``PARALLEL_MIN_NUMEL``); else keep it sequential."""
+        from . import recovery
 
-        if threads > 1 and len(self.params) > 1 and self.info["optimizer"] in SEPARABLE_OPTIMIZERS:
-            self._sharded = ShardedStep(self.opt, threads, self._make_optimizer)
+        if threads > 1 and len(self.params) > 1 and self.info["optimizer"] in recovery.SEPARABLE_OPTIMIZERS \
+                and sum(p.numel() for p in self.params) >= recovery.PARALLEL_MIN_NUMEL:
+            self._sharded = recovery.ShardedStep(self.opt, threads, self._make_optimizer)
 
     def grad_shapes(self) -> list[tuple[tuple[int, ...], Any]] | None:
         """(shape, dtype) per parameter when gradient buffers may be recycled across deltas
@@ -313,8 +315,9 @@ def replay_to(store: "Store", iteration: int, *, threads: int | None = None) -> 
     """The state at ``iteration``: its chain's base, then every delta up to it replayed.
 
     Records are read ahead in a background thread (:class:`ckptstore.recovery.RecordFeed`) and
-    the optimizer steps are sharded over ``threads`` threads (default: torch's intra-op thread
-    count) when the optimizer allows it; the result is the same as stepping one delta at a time."""
+    the optimizer steps are sharded over ``threads`` threads (default: one per CPU, see
+    :func:`ckptstore.recovery.default_shards`) when the optimizer allows it; the result is the
+    same as stepping one delta at a time."""
     _preimport_dynamo()
     eng = _engine_at(store, iteration)
     try:
@@ -326,13 +329,11 @@ def replay_to(store: "Store", iteration: int, *, threads: int | None = None) -> 
 
 
 def _replay_deltas(store: "Store", eng: _Engine, last: int, threads: int | None) -> None:
-    from .recovery import RecordFeed
+    from .recovery import RecordFeed, default_shards
 
     if eng.iteration >= last:
         return
-    import torch
-
-    eng.parallel(torch.get_num_threads() if threads is None else threads)
+    eng.parallel(default_shards() if threads is None else threads)
     feed = RecordFeed(eng.iteration + 1, last, lambda it, into: _record(store, it, into),
                       eng.grad_shapes())
     try:
