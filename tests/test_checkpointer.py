@@ -394,3 +394,81 @@ def test_tied_parameters_and_buffers(tmp_path, assert_same):
         assert_same(saved[t], st["model"])
         assert st["model"]["out.weight"] is st["model"]["emb.weight"]
     store.close()
+
+
+def test_non_separable_optimizer_replays_sequentially(tmp_path, assert_same, monkeypatch):
+    """Only allowlisted per-parameter optimizers are sharded; another replayable one (NAdam here)
+    steps as one optimizer, still bit-exact."""
+    from ckptstore import recovery
+
+    assert "NAdam" not in recovery.SEPARABLE_OPTIMIZERS
+    built = []
+    real = recovery.ShardedStep
+    monkeypatch.setattr(recovery, "ShardedStep", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    store, ck, saved, _ = train(tmp_path / "s", "NAdam", {"lr": 1e-2}, "step", n=12, base_every=100)
+    assert_same(saved[12]["optimizer"], store.load(12)["optimizer"])
+    assert built == []
+    store.close()
+    store, ck, saved, _ = train(tmp_path / "t", "Adam", {"lr": 1e-2}, None, n=3, base_every=100)
+    assert_same(saved[3]["optimizer"], store.load(3)["optimizer"])
+    assert built == [1]  # the allowlisted one is sharded (PARALLEL_MIN_NUMEL is 0 in these tests)
+    store.close()
+
+
+def test_sharded_step_deals_whole_parameters():
+    from ckptstore.recovery import ShardedStep, _deal
+
+    assert _deal([10, 1, 1, 8, 3], 2) == [[0, 1, 2], [3, 4]]  # totals 12 and 11
+    assert _deal([5], 4) == [[0]]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam([{"params": [model[0].weight, model[1].weight], "lr": 0.1},
+                            {"params": [model[0].bias, model[1].bias], "lr": 0.2}])
+    sh = ShardedStep(opt, 3, lambda groups: torch.optim.Adam(groups))
+    try:
+        owned = [p for o, _ in sh.shards for g in o.param_groups for p in g["params"]]
+        assert sorted(map(id, owned)) == sorted(id(p) for p in model.parameters())
+        opt.param_groups[1]["lr"] = 0.3
+        sh.sync_groups()
+        assert all(g["lr"] == (0.1 if gi == 0 else 0.3) for o, gis in sh.shards
+                   for g, gi in zip(o.param_groups, gis))
+    finally:
+        sh.close()
+
+
+def test_replay_error_stops_the_reader_thread(tmp_path):
+    """A delta that fails mid-replay (here a damaged one) surfaces as its typed error and leaves no
+    reader thread behind."""
+    import threading
+
+    path = tmp_path / "s"
+    store, ck, saved, _ = train(path, "SGD", {"lr": 0.05}, None, n=12, base_every=100)
+    store.close()
+    _corrupt_chunks_of(path, 6, "grads/0/g")
+    with ckptstore.open(path, "r") as r:
+        with pytest.raises(ckptstore.DamagedCheckpointError, match="iteration 6"):
+            r.load(12)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckptstore-replay")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rng_state_is_logged_and_restored(tmp_path):
+    """With CUDA initialised, every base and delta carries the CUDA RNG states; restore() puts
+    them back (a training step that draws from the CUDA generator then repeats exactly)."""
+    torch.cuda.init()
+    store, ck, saved, (model, opt, sched) = train(tmp_path / "s", "SGD", {"lr": 0.05}, None, n=6,
+                                                  base_every=4)
+    states = {}
+    for it in (3, 4, 6):
+        rec = store.load_record(it) if store.kind(it) == "delta" else store.load(it)
+        assert "cuda" in rec["rng"] and len(rec["rng"]["cuda"]) == torch.cuda.device_count()
+        states[it] = [s.clone() for s in rec["rng"]["cuda"]]
+    torch.cuda.manual_seed_all(12345)
+    assert ck.restore(6) == 6
+    # the delta record of t holds the RNG states captured when step(t) was called, which the
+    # replayed state of t carries
+    assert all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), states[6]))
+    draw = torch.rand(4, device="cuda")
+    assert ck.restore(6) == 6
+    assert torch.equal(draw, torch.rand(4, device="cuda"))
+    store.close()
