@@ -145,6 +145,10 @@ class _Engine:
             self.report.param_error_bound = None
             self.report.reasons.append(f"trained on {info.get('device')}, replayed on cpu")
         self._sgd = info["optimizer"] == "SGD"
+        from .recovery import SEPARABLE_OPTIMIZERS
+
+        self._decode_bufs: list[Any] | None = [None] * len(self.params) \
+            if info["optimizer"] in SEPARABLE_OPTIMIZERS else None
         self._E = [0.0] * len(groups)   # per group: bound on |param error|
         self._B = [0.0] * len(groups)   # per group: bound on |momentum buffer error|
         self._torch = torch
@@ -163,7 +167,9 @@ class _Engine:
 
     def begin(self, it: int, rec: dict) -> None:
         """Check ``rec`` against the chain, set the hyperparameters in effect at step ``it`` and
-        each parameter's gradient."""
+        each parameter's gradient (lossy payloads decoded into reused buffers when the optimizer
+        keeps no reference to ``p.grad``)."""
+        torch = self._torch
         if it != self.iteration + 1:
             raise DeltaChainError(f"delta {it} does not follow iteration {self.iteration}")
         grads = rec["grads"]
@@ -179,12 +185,20 @@ class _Engine:
         per_param_err = errs.get("max_abs") if lossy else None
         group_err: list[float] = []
         i = 0
+        bufs = self._decode_bufs if codec.name != "exact" else None
         for group, hyper in zip(self.opt.param_groups, rec["hyper"]):
             group.update(hyper)
             d = 0.0
             for p in group["params"]:
                 payload = grads[i]
-                p.grad = None if payload is None else codec.decode(payload, tuple(p.shape), p.dtype)
+                if payload is None:
+                    p.grad = None
+                elif bufs is not None:
+                    if bufs[i] is None:
+                        bufs[i] = torch.empty_like(p, memory_format=torch.contiguous_format)
+                    p.grad = codec.decode_into(payload, bufs[i])
+                else:
+                    p.grad = codec.decode(payload, tuple(p.shape), p.dtype)
                 if per_param_err is not None and payload is not None:
                     d = max(d, float(per_param_err[i]))
                 i += 1
