@@ -95,17 +95,7 @@ class RecordFeed:
                 bufs = self._buffer_set()
                 if self._stop.is_set():
                     return
-                into = None
-                if bufs is not None:
-                    by_path = {f"grads/{i}/g": b for i, b in enumerate(bufs)}
-
-                    def into(entry, by_path=by_path):
-                        b = by_path.pop(entry.path, None)  # each buffer serves one tensor
-                        if b is None or entry.lib != "torch" or tuple(entry.shape) != tuple(b.shape) \
-                                or entry.dtype != str(b.dtype).removeprefix("torch."):
-                            return None
-                        return b
-                rec = self._read(it, into)
+                rec = self._read(it, None if bufs is None else _into(bufs))
                 self._queue.put((it, rec, bufs))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
             self._queue.put((None, e, None))
@@ -134,6 +124,21 @@ class RecordFeed:
         self._window.release()
         self._free.put(None)
         self._thread.join()
+
+
+def _into(bufs: list["torch.Tensor"]) -> Callable[[Any], Any]:
+    """The reader hook that puts exact gradient ``i`` (``grads/i/g``) into ``bufs[i]`` when its
+    shape and dtype match (else the reader allocates, and the codec's check reports it)."""
+    by_path = {f"grads/{i}/g": b for i, b in enumerate(bufs)}
+
+    def into(entry: Any) -> Any:
+        b = by_path.pop(entry.path, None)  # each buffer serves one tensor of one record
+        if b is None or entry.lib != "torch" or tuple(entry.shape) != tuple(b.shape) \
+                or entry.dtype != str(b.dtype).removeprefix("torch."):
+            return None
+        return b
+
+    return into
 
 
 def _deal(sizes: list[int], n: int) -> list[list[int]]:
