@@ -44,6 +44,12 @@ class GradCodec:
                              f"{dtype}{list(shape)}")
         return g
 
+    def decode_into(self, payload: dict, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` into an existing contiguous tensor of the gradient's shape and dtype
+        (the same values; no allocation where the codec allows). Returns the gradient, which is
+        ``out`` unless the payload already holds it (exact)."""
+        return self.decode(payload, tuple(out.shape), out.dtype)
+
     def encode_measured(self, g: torch.Tensor) -> tuple[dict, torch.Tensor | None, EncodeStats | None]:
         """Encode, and for lossy codecs also decode and measure the error. Returns
         (payload, decoded or None, stats or None)."""
@@ -72,6 +78,12 @@ class CastCodec(GradCodec):
         if tuple(g.shape) != tuple(shape):
             raise ValueError("cast gradient payload has the wrong shape")
         return g.to(dtype)
+
+    def decode_into(self, payload: dict, out: torch.Tensor) -> torch.Tensor:
+        g = payload["g"]
+        if tuple(g.shape) != tuple(out.shape):
+            raise ValueError("cast gradient payload has the wrong shape")
+        return out.copy_(g)
 
 
 class TopKCodec(GradCodec):
@@ -102,6 +114,16 @@ class TopKCodec(GradCodec):
         out = torch.zeros(n, dtype=dtype)
         out[idx] = vals.to(dtype)
         return out.reshape(shape)
+
+    def decode_into(self, payload: dict, out: torch.Tensor) -> torch.Tensor:
+        n = out.numel()
+        idx, vals = payload["i"].to(torch.int64), payload["v"]
+        if idx.numel() != vals.numel() or (idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n)):
+            raise ValueError("topk gradient payload has invalid indices")
+        flat = out.view(-1)
+        flat.zero_()
+        flat[idx] = vals.to(out.dtype)
+        return out
 
 
 class Int8Codec(GradCodec):

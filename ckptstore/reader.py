@@ -22,7 +22,7 @@ from .format.tree import Tree, decode_tree, tree_root
 from .storage.index import ChunkRef, CommitEntry, Index
 from .storage.log import Log
 from .storage.segments import Loc
-from .tensors import allocate, finish
+from .tensors import allocate, finish, into_view
 
 _HEAD = rec.HEADER_SIZE + CHUNK_HEADER_SIZE
 
@@ -127,7 +127,11 @@ class StateReader:
         self.threads = threads
 
     def load(self, entry: CommitEntry, keys: Sequence[Any] | None = None,
-             progress: Callable[[int], None] | None = None) -> Any:
+             progress: Callable[[int], None] | None = None,
+             into: Callable[[TensorEntry], Any] | None = None) -> Any:
+        """The state of ``entry``'s commit. ``into(tensor_entry)`` may return an existing torch
+        tensor (contiguous, CPU, of the entry's dtype and shape) to read that tensor's bytes into
+        instead of a fresh allocation (verified in place like any other); None allocates."""
         manifest = read_manifest(self.log, entry)
         skeleton = manifest.state
         if keys is not None:
@@ -146,7 +150,7 @@ class StateReader:
         if needed and needed[-1] >= len(manifest.tensors):
             raise DamagedCheckpointError(f"iteration {manifest.iteration}: manifest names tensor "
                                          f"{needed[-1]} but lists {len(manifest.tensors)}")
-        values = self._load_tensors(manifest, needed, progress)
+        values = self._load_tensors(manifest, needed, progress, into)
 
         def leaf(i: int, path: Any) -> Any:
             if i not in values:
@@ -159,7 +163,8 @@ class StateReader:
             raise DamagedCheckpointError(f"iteration {manifest.iteration}: {e}") from e
 
     def _load_tensors(self, manifest: Manifest, needed: list[int],
-                      progress: Callable[[int], None] | None) -> dict[int, Any]:
+                      progress: Callable[[int], None] | None,
+                      into: Callable[[TensorEntry], Any] | None = None) -> dict[int, Any]:
         it = manifest.iteration
         values: dict[int, Any] = {}
         jobs: list[_Job] = []
@@ -169,7 +174,8 @@ class StateReader:
                 # The tree and its chunk records bound the size before anything is allocated.
                 spans = chunk_spans_bounded(self.log, self.index, e) \
                     if e.inline is None and e.nbytes else []
-                value, view = allocate(e)
+                given = into(e) if into is not None else None
+                value, view = allocate(e) if given is None else into_view(e, given)
                 if e.inline is not None:
                     if e.nbytes:
                         view[:] = e.inline

@@ -124,6 +124,17 @@ def _untrusted(what: str, it_arg: int):
     return wrap
 
 
+def fingerprint_digest(params) -> str:
+    """The xxh3-64 half of :func:`fingerprint` (all an exact replay compares)."""
+    import torch
+
+    h = xxhash.xxh3_64()
+    for p in params:
+        t = p.detach().contiguous().reshape(-1)
+        h.update(memoryview(t.view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
 class _Engine:
     @_untrusted("base snapshot", it_arg=1)
     def __init__(self, base_state: dict, base: int) -> None:
@@ -147,12 +158,11 @@ class _Engine:
         saved_groups = base_state["optimizer"]["param_groups"]
         groups = [dict({k: v for k, v in g.items() if k not in ("params", "param_names")}, params=ps)
                   for ps, g in zip(groups_params, saved_groups)]
-        defaults = dict(info.get("defaults") or {})
-        try:
-            self.opt = cls(groups, **defaults)
-        except TypeError:
-            self.opt = cls(groups)
+        self._cls = cls
+        self._defaults = dict(info.get("defaults") or {})
+        self.opt = self._make_optimizer(groups)
         self.opt.load_state_dict(base_state["optimizer"])
+        self._sharded = None
         self.params = [p for ps in groups_params for p in ps]
         self.codec = parse_codec(info["codec"])
         self.aliases = dict(info.get("aliases") or {})
@@ -163,12 +173,32 @@ class _Engine:
             self.report.param_error_bound = None
             self.report.reasons.append(f"trained on {info.get('device')}, replayed on cpu")
         self._sgd = info["optimizer"] == "SGD"
+        from .recovery import SEPARABLE_OPTIMIZERS
+
+        self._decode_bufs: list[Any] | None = [None] * len(self.params) \
+            if info["optimizer"] in SEPARABLE_OPTIMIZERS else None
         self._E = [0.0] * len(groups)   # per group: bound on |param error|
         self._B = [0.0] * len(groups)   # per group: bound on |momentum buffer error|
         self._torch = torch
 
+    def _make_optimizer(self, groups: list[dict]):
+        try:
+            return self._cls(groups, **self._defaults)
+        except TypeError:
+            return self._cls(groups)
+
     @_untrusted("delta", it_arg=0)
     def apply(self, it: int, rec: dict) -> None:
+        """Replay delta ``it`` (its record ``rec``) onto the state of iteration ``it - 1``."""
+        self.begin(it, rec)
+        self.step()
+        self.end(it, rec)
+
+    @_untrusted("delta", it_arg=0)
+    def begin(self, it: int, rec: dict) -> None:
+        """Check ``rec`` against the chain, set the hyperparameters in effect at step ``it`` and
+        each parameter's gradient (lossy payloads decoded into reused buffers when the optimizer
+        keeps no reference to ``p.grad``)."""
         torch = self._torch
         if it != self.iteration + 1:
             raise DeltaChainError(f"delta {it} does not follow iteration {self.iteration}")
@@ -185,12 +215,20 @@ class _Engine:
         per_param_err = errs.get("max_abs") if lossy else None
         group_err: list[float] = []
         i = 0
+        bufs = self._decode_bufs if codec.name != "exact" else None
         for group, hyper in zip(self.opt.param_groups, rec["hyper"]):
             group.update(hyper)
             d = 0.0
             for p in group["params"]:
                 payload = grads[i]
-                p.grad = None if payload is None else codec.decode(payload, tuple(p.shape), p.dtype)
+                if payload is None:
+                    p.grad = None
+                elif bufs is not None:
+                    if bufs[i] is None:
+                        bufs[i] = torch.empty_like(p, memory_format=torch.contiguous_format)
+                    p.grad = codec.decode_into(payload, bufs[i])
+                else:
+                    p.grad = codec.decode(payload, tuple(p.shape), p.dtype)
                 if per_param_err is not None and payload is not None:
                     d = max(d, float(per_param_err[i]))
                 i += 1
@@ -202,9 +240,20 @@ class _Engine:
             self.report.grad_max_abs_error = max(self.report.grad_max_abs_error, max(group_err or [0.0]))
             if f"lossy codec {rec['codec']}" not in self.report.reasons:
                 self.report.reasons.append(f"lossy codec {rec['codec']}")
-        self.opt.step()
+
+    def step(self) -> None:
+        """``optimizer.step()``, sharded across threads when :meth:`parallel` set that up."""
+        if self._sharded is not None:
+            self._sharded.step()
+        else:
+            self.opt.step()
         for p in self.params:
             p.grad = None
+
+    @_untrusted("delta", it_arg=0)
+    def end(self, it: int, rec: dict) -> None:
+        """Take the post-step group settings, scheduler, RNG and buffer states of ``it`` and check
+        its fingerprint."""
         for group, after in zip(self.opt.param_groups, rec["groups"]):
             group.update(after)
         for k in ("scheduler", "rng"):
@@ -217,17 +266,42 @@ class _Engine:
         self.report.deltas += 1
         fp = rec.get("fp")
         if fp:
-            digest, norm = fingerprint(self.params)
             self.report.fingerprints_checked += 1
             if self.report.exact:
+                digest = fingerprint_digest(self.params)
                 if digest != fp["xxh3"]:
                     raise ReplayDivergenceError(
                         f"replay diverged at iteration {it}: parameter fingerprint {digest} differs "
                         f"from the recorded {fp['xxh3']} (different torch build, optimizer "
                         "implementation path or damaged record)", it)
             else:
+                _, norm = fingerprint(self.params)
                 rel = abs(norm - fp["norm"]) / max(fp["norm"], 1e-30)
                 self.report.measured_norm_rel_error = max(self.report.measured_norm_rel_error or 0.0, rel)
+
+    def parallel(self, threads: int) -> None:
+        """Shard the optimizer step over ``threads`` threads when its class is per-parameter
+        separable (:data:`ckptstore.recovery.SEPARABLE_OPTIMIZERS`) and the parameters are
+        large enough to gain from it (``PARALLEL_MIN_NUMEL``); else keep it sequential."""
+        from . import recovery
+
+        if threads > 1 and len(self.params) > 1 and self.info["optimizer"] in recovery.SEPARABLE_OPTIMIZERS \
+                and sum(p.numel() for p in self.params) >= recovery.PARALLEL_MIN_NUMEL:
+            self._sharded = recovery.ShardedStep(self.opt, threads, self._make_optimizer)
+
+    def grad_shapes(self) -> list[tuple[tuple[int, ...], Any]] | None:
+        """(shape, dtype) per parameter when gradient buffers may be recycled across deltas
+        (exact codec, separable optimizer: nothing keeps a reference to ``p.grad``)."""
+        from .recovery import SEPARABLE_OPTIMIZERS
+
+        if self.codec.name != "exact" or self.info["optimizer"] not in SEPARABLE_OPTIMIZERS:
+            return None
+        return [(tuple(p.shape), p.dtype) for p in self.params]
+
+    def close(self) -> None:
+        if self._sharded is not None:
+            self._sharded.close()
+            self._sharded = None
 
     def _track_bound(self, group_err: list[float]) -> None:
         """Per-entry error bound for SGD: the step is affine in (grad, param, buffer), so errors
@@ -282,23 +356,66 @@ def _warn(report: ReplayReport) -> None:
         warnings.warn(report.summary(), ApproximateReplayWarning, stacklevel=3)
 
 
-def replay_to(store: "Store", iteration: int) -> dict:
-    """The state at ``iteration``: its chain's base, then every delta up to it replayed."""
+def replay_to(store: "Store", iteration: int, *, threads: int | None = None) -> dict:
+    """The state at ``iteration``: its chain's base, then every delta up to it replayed.
+
+    Records are read ahead in a background thread (:class:`ckptstore.recovery.RecordFeed`) and
+    the optimizer steps are sharded over ``threads`` threads (default: one per CPU, see
+    :func:`ckptstore.recovery.default_shards`) when the optimizer allows it; the result is the
+    same as stepping one delta at a time."""
+    _preimport_dynamo()
     eng = _engine_at(store, iteration)
-    for it in range(eng.iteration + 1, iteration + 1):
-        eng.apply(it, _record(store, it))
+    try:
+        _replay_deltas(store, eng, iteration, threads)
+    finally:
+        eng.close()
     _warn(eng.report)
     return eng.current(clone=False)
 
 
-def _record(store: "Store", it: int) -> dict:
+def _replay_deltas(store: "Store", eng: _Engine, last: int, threads: int | None) -> None:
+    from .recovery import RecordFeed, default_shards
+
+    if eng.iteration >= last:
+        return
+    eng.parallel(default_shards() if threads is None else threads)
+    feed = RecordFeed(eng.iteration + 1, last, lambda it, into: _record(store, it, into),
+                      eng.grad_shapes())
+    try:
+        for it, rec, bufs in feed:
+            eng.apply(it, rec)
+            del rec
+            feed.release(bufs)
+    finally:
+        feed.close()
+
+
+def _preimport_dynamo() -> None:
+    """torch.optim's first optimizer in a process imports torch._dynamo (seconds, once). Start
+    that import in the background so it overlaps the base snapshot's read."""
+    import sys
+    import threading
+
+    if "torch._dynamo" in sys.modules:
+        return
+
+    def imp() -> None:
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:  # noqa: BLE001 - the optimizer's own import will report it
+            pass
+
+    threading.Thread(target=imp, name="ckptstore-import", daemon=True).start()
+
+
+def _record(store: "Store", it: int, into: Any = None) -> dict:
     try:
         kind = store.kind(it)
     except KeyError:
         raise DeltaChainError(f"delta chain broken: iteration {it} is missing") from None
     if kind != "delta":
         raise DeltaChainError(f"iteration {it} is a {kind}, expected a delta")
-    return store.load_record(it)
+    return store.load_record(it, into=into)
 
 
 def replay_range(store: "Store", start: int, stop: int) -> Iterator[tuple[int, dict]]:

@@ -654,11 +654,14 @@ class Store:
         self._sync_view()
         return self._recoverable_latest()
 
-    def load_record(self, iteration: int, keys: Sequence[Any] | None = None) -> Any:
+    def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
+                    into: Callable[[Any], Any] | None = None) -> Any:
         """The state stored for ``iteration`` as written: for a delta, its delta record (not the
-        replayed state). Same as :meth:`load` for a snapshot."""
+        replayed state). Same as :meth:`load` for a snapshot. ``into``: see
+        :meth:`ckptstore.reader.StateReader.load` (read tensors into existing ones)."""
         self._await_inflight(iteration)
-        return self._read_retrying(lambda: self._state_reader().load(self._entry(iteration), keys, None))
+        return self._read_retrying(
+            lambda: self._state_reader().load(self._entry(iteration), keys, None, into))
 
     def replay(self, start: int, stop: int, **options: Any):
         """Yield ``(iteration, state)`` for every iteration in ``start..stop`` (inclusive), each

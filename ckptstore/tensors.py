@@ -158,6 +158,21 @@ def allocate(entry: TensorEntry) -> tuple[Any, memoryview]:
     return value, view
 
 
+def into_view(entry: TensorEntry, value: Any) -> tuple[Any, memoryview]:
+    """``value`` (a caller's existing tensor) and a writable flat byte view of it, to be filled
+    with ``entry``'s bytes. Raises FormatError when it cannot hold exactly that tensor."""
+    dtype = TORCH_DTYPES.get(entry.dtype) if entry.lib == "torch" else None
+    if (not isinstance(value, torch.Tensor) or dtype is None or value.dtype != dtype
+            or tuple(value.shape) != tuple(entry.shape) or value.device.type != "cpu"
+            or not value.is_contiguous() or value.requires_grad
+            or value.numel() * value.element_size() != entry.nbytes):
+        raise FormatError(f"tensor {entry.path}: the destination given is not a contiguous CPU "
+                          f"{entry.dtype}{list(entry.shape)} tensor")
+    if not entry.nbytes:
+        return value, _EMPTY
+    return value, memoryview(value.detach().reshape(-1).view(torch.uint8).numpy())
+
+
 def finish(entry: TensorEntry, value: Any) -> Any:
     """Apply what the manifest records beyond bytes (Parameter, requires_grad)."""
     if entry.lib == "torch":

@@ -18,6 +18,25 @@ from ckptstore.torch import Checkpointer
 
 N_ITERS = 100
 BASE_EVERY = 30
+#: iterations the bit-exact test loads: every chain position class (a base, right after a base,
+#: right before the next, mid-chain) in every chain, and the end
+CHECK_ITERS = sorted(set(range(0, N_ITERS + 1, 11)) | {1, 29, 30, 31, 59, 61, 89, 91, 100})
+RANGE = (27, 32)  # store.replay across the base at 30
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_and_sharded_replay(monkeypatch):
+    """Tiny models: one intra-op thread (threads only add handoffs, and an oversubscribed machine
+    makes them very slow). Replay shards the optimizer step whatever the model's size, so the
+    sharded path is the one checked bit for bit (store.replay checks the sequential one)."""
+    from ckptstore import recovery
+
+    monkeypatch.setattr(recovery, "PARALLEL_MIN_NUMEL", 0)
+    monkeypatch.setattr(recovery, "default_shards", lambda: 3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def build(opt_name, opt_kwargs, sched):
@@ -45,7 +64,9 @@ def live_state(model, opt, sched):
     return copy.deepcopy(st)
 
 
-def train(path, opt_name, opt_kwargs, sched, n=N_ITERS, **ck_options):
+def train(path, opt_name, opt_kwargs, sched, n=N_ITERS, keep=None, **ck_options):
+    """Train ``n`` iterations through a Checkpointer; returns the live states saved on the side
+    (at every iteration, or at those in ``keep``)."""
     model, opt, scheduler = build(opt_name, opt_kwargs, sched)
     store = ckptstore.open(path)
     ck = Checkpointer(store, model, opt, scheduler, **ck_options)
@@ -57,7 +78,8 @@ def train(path, opt_name, opt_kwargs, sched, n=N_ITERS, **ck_options):
         loss.backward()
         ck.step(it, meta={"loss": loss.item()})
         opt.zero_grad()
-        saved[it] = live_state(model, opt, scheduler)
+        if keep is None or it in keep:
+            saved[it] = live_state(model, opt, scheduler)
     return store, ck, saved, (model, opt, scheduler)
 
 
@@ -72,6 +94,10 @@ OPTIMIZERS = [
     ("AdamW", {"lr": 1e-2, "foreach": True}),
     ("RMSprop", {"lr": 1e-3, "momentum": 0.9, "centered": True}),
     ("Adagrad", {"lr": 0.05}),
+    # fused kernels exist on CPU for these three (torch >= 2.4)
+    ("SGD", {"lr": 0.05, "momentum": 0.9, "fused": True}),
+    ("Adam", {"lr": 1e-2, "fused": True}),
+    ("AdamW", {"lr": 1e-2, "weight_decay": 0.05, "fused": True}),
 ]
 
 
@@ -79,29 +105,42 @@ OPTIMIZERS = [
 @pytest.mark.parametrize("opt_name,opt_kwargs", OPTIMIZERS,
                          ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for n, kw in OPTIMIZERS])
 def test_bit_exact_point_in_time(tmp_path, assert_same, opt_name, opt_kwargs, sched):
-    if sched == "cosine" and opt_name not in ("AdamW", "SGD"):
+    if sched == "cosine" and (opt_name not in ("AdamW", "SGD") or opt_kwargs.get("fused")):
         pytest.skip("cosine covered with AdamW and SGD")
-    store, ck, saved, _ = train(tmp_path / "s", opt_name, opt_kwargs, sched, base_every=BASE_EVERY,
-                                group_commit=4, fingerprint_every=5)
+    if opt_kwargs.get("fused") and not _fused_on_cpu(opt_name):
+        pytest.skip(f"this torch has no fused {opt_name} on CPU")
+    keep = set(CHECK_ITERS) | set(range(RANGE[0], RANGE[1] + 1)) | {77}
+    store, ck, saved, _ = train(tmp_path / "s", opt_name, opt_kwargs, sched, keep=keep,
+                                base_every=BASE_EVERY, group_commit=4, fingerprint_every=5)
     ck.flush()
     its = store.iterations()
     assert its == list(range(0, N_ITERS + 1))
     assert [i for i in its if store.kind(i) == "snapshot"] == [0, 30, 60, 90]
-    for t in list(range(0, N_ITERS + 1, 11)) + [29, 31, 59, 61, 89, 91, 100]:
+    for t in CHECK_ITERS:  # store.load: records read ahead, optimizer step sharded over 3 threads
         st = store.load(t)
         for k in saved[t]:
             assert_same(saved[t][k], st[k], f"iteration {t} {k}")
-    # replay of a range yields independent, exact states
+    # replay of a range (one delta at a time, unsharded) yields independent, exact states
     seen = []
-    for it, st in store.replay(27, 32):
+    for it, st in store.replay(*RANGE):
         assert_same(saved[it]["model"], st["model"], f"replay {it}")
         assert_same(saved[it]["optimizer"], st["optimizer"], f"replay {it}")
         seen.append(it)
-    assert seen == list(range(27, 33))
+    assert seen == list(range(RANGE[0], RANGE[1] + 1))
     store.close()
     # a fresh reader sees the same
     with ckptstore.open(tmp_path / "s", "r") as r:
         assert_same(saved[77]["model"], r.load(77)["model"])
+
+
+def _fused_on_cpu(opt_name):
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)
+    try:
+        getattr(torch.optim, opt_name)([p], lr=0.1, fused=True).step()
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def test_restore_into_live_objects_and_continue(tmp_path, assert_same):
@@ -366,4 +405,82 @@ def test_tied_parameters_and_buffers(tmp_path, assert_same):
         st = store.load(t)
         assert_same(saved[t], st["model"])
         assert st["model"]["out.weight"] is st["model"]["emb.weight"]
+    store.close()
+
+
+def test_non_separable_optimizer_replays_sequentially(tmp_path, assert_same, monkeypatch):
+    """Only allowlisted per-parameter optimizers are sharded; another replayable one (NAdam here)
+    steps as one optimizer, still bit-exact."""
+    from ckptstore import recovery
+
+    assert "NAdam" not in recovery.SEPARABLE_OPTIMIZERS
+    built = []
+    real = recovery.ShardedStep
+    monkeypatch.setattr(recovery, "ShardedStep", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    store, ck, saved, _ = train(tmp_path / "s", "NAdam", {"lr": 1e-2}, "step", n=12, base_every=100)
+    assert_same(saved[12]["optimizer"], store.load(12)["optimizer"])
+    assert built == []
+    store.close()
+    store, ck, saved, _ = train(tmp_path / "t", "Adam", {"lr": 1e-2}, None, n=3, base_every=100)
+    assert_same(saved[3]["optimizer"], store.load(3)["optimizer"])
+    assert built == [1]  # the allowlisted one is sharded (PARALLEL_MIN_NUMEL is 0 in these tests)
+    store.close()
+
+
+def test_sharded_step_deals_whole_parameters():
+    from ckptstore.recovery import ShardedStep, _deal
+
+    assert _deal([10, 1, 1, 8, 3], 2) == [[0, 1, 2], [3, 4]]  # totals 12 and 11
+    assert _deal([5], 4) == [[0]]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam([{"params": [model[0].weight, model[1].weight], "lr": 0.1},
+                            {"params": [model[0].bias, model[1].bias], "lr": 0.2}])
+    sh = ShardedStep(opt, 3, lambda groups: torch.optim.Adam(groups))
+    try:
+        owned = [p for o, _ in sh.shards for g in o.param_groups for p in g["params"]]
+        assert sorted(map(id, owned)) == sorted(id(p) for p in model.parameters())
+        opt.param_groups[1]["lr"] = 0.3
+        sh.sync_groups()
+        assert all(g["lr"] == (0.1 if gi == 0 else 0.3) for o, gis in sh.shards
+                   for g, gi in zip(o.param_groups, gis))
+    finally:
+        sh.close()
+
+
+def test_replay_error_stops_the_reader_thread(tmp_path):
+    """A delta that fails mid-replay (here a damaged one) surfaces as its typed error and leaves no
+    reader thread behind."""
+    import threading
+
+    path = tmp_path / "s"
+    store, ck, saved, _ = train(path, "SGD", {"lr": 0.05}, None, n=12, base_every=100)
+    store.close()
+    _corrupt_chunks_of(path, 6, "grads/0/g")
+    with ckptstore.open(path, "r") as r:
+        with pytest.raises(ckptstore.DamagedCheckpointError, match="iteration 6"):
+            r.load(12)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckptstore-replay")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rng_state_is_logged_and_restored(tmp_path):
+    """With CUDA initialised, every base and delta carries the CUDA RNG states; restore() puts
+    them back (a training step that draws from the CUDA generator then repeats exactly)."""
+    torch.cuda.init()
+    store, ck, saved, (model, opt, sched) = train(tmp_path / "s", "SGD", {"lr": 0.05}, None, n=6,
+                                                  base_every=4)
+    states = {}
+    for it in (3, 4, 6):
+        rec = store.load_record(it) if store.kind(it) == "delta" else store.load(it)
+        assert "cuda" in rec["rng"] and len(rec["rng"]["cuda"]) == torch.cuda.device_count()
+        states[it] = [s.clone() for s in rec["rng"]["cuda"]]
+    torch.cuda.manual_seed_all(12345)
+    assert ck.restore(6) == 6
+    # the delta record of t holds the RNG states captured when step(t) was called, which the
+    # replayed state of t carries
+    assert all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), states[6]))
+    draw = torch.rand(4, device="cuda")
+    assert ck.restore(6) == 6
+    assert torch.equal(draw, torch.rand(4, device="cuda"))
     store.close()

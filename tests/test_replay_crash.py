@@ -6,11 +6,13 @@ crash may be lost (format-spec/deltas.md, "Group commit" and "Recovery")."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import traceback
 
 import pytest
 
@@ -18,9 +20,10 @@ N = 40
 HERE = os.path.abspath(__file__)
 
 
-def child(path: str, kill_at_append: int, durable_log: str, out: str) -> None:
+def child(path: str, kill_at_append: int | str, durable_log: str, out: str) -> None:
     import torch
 
+    kill_at_append = int(kill_at_append)
     import ckptstore
     from ckptstore.storage.log import Log
     from ckptstore.torch import Checkpointer
@@ -67,6 +70,68 @@ def _run(args, check=True):
     return p
 
 
+def serve() -> None:
+    """Fork server: one JSON list of child() arguments per stdin line; answers the child's exit
+    code (negative: killed by that signal) as one JSON number per line."""
+    import torch
+
+    import ckptstore.torch  # noqa: F401  (preloaded once, as every child needs it)
+
+    torch.set_num_threads(1)
+    torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())  # imports torch._dynamo once, here
+    for line in sys.stdin:
+        args = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                child(*args)
+            except BaseException:  # noqa: BLE001 - reported through the exit code and stderr
+                traceback.print_exc()
+                code = 3
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+
+
+class ForkServer:
+    def __init__(self, workdir) -> None:
+        self.stderr_path = workdir / "forkserver.stderr"
+        self._err = open(self.stderr_path, "w")
+        self.proc = subprocess.Popen([sys.executable, HERE, "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._err, text=True,
+                                     env=dict(os.environ, PYTHONHASHSEED="0"))
+
+    def run(self, args, check=True) -> int:
+        self.proc.stdin.write(json.dumps([str(a) for a in args]) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"fork server died:\n{self.stderr_tail()}")
+        code = json.loads(line)
+        if check and code != 0:
+            raise AssertionError(f"child failed rc={code}:\n{self.stderr_tail()}")
+        return code
+
+    def stderr_tail(self) -> str:
+        self._err.flush()
+        return open(self.stderr_path).read()[-3000:]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self._err.close()
+
+
+@pytest.fixture(scope="module")
+def forkserver(tmp_path_factory):
+    server = ForkServer(tmp_path_factory.mktemp("replay-forkserver"))
+    yield server
+    server.close()
+
+
 def _same_params(a, b):
     import torch
 
@@ -87,7 +152,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, reference, assert_same):
+def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, reference, forkserver, assert_same):
     import torch
 
     import ckptstore
@@ -101,11 +166,11 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, reference, asse
         d = tmp_path / f"t{trial}"
         d.mkdir()
         kill = rnd.randint(1, max(2, n_records))
-        p = _run([d / "s", kill, d / "durable", d / "final.pt"], check=False)
-        if p.returncode == 0:
+        code = forkserver.run([d / "s", kill, d / "durable", d / "final.pt"], check=False)
+        if code == 0:
             assert torch.load(d / "final.pt").keys() == ref_final.keys()
             continue  # the kill point was past the end of this run
-        assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+        assert code == -signal.SIGKILL, forkserver.stderr_tail()
         reported = [int(x) for x in open(d / "durable").read().split() if x != "None"] \
             if os.path.exists(d / "durable") else []
         with ckptstore.open(d / "s", "r") as r:
@@ -121,7 +186,7 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, reference, asse
                     assert_same(a["optimizer"], b["optimizer"], f"trial {trial} iteration {t}")
             finally:
                 ref.close()
-        _run([d / "s", 0, d / "durable2", d / "final.pt"])
+        forkserver.run([d / "s", 0, d / "durable2", d / "final.pt"])
         _same_params(ref_final, torch.load(d / "final.pt"))
         from ckptstore.fsck import check
 
@@ -129,4 +194,7 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, reference, asse
 
 
 if __name__ == "__main__":
-    child(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        child(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
