@@ -20,7 +20,7 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import xxhash
 
@@ -379,7 +379,10 @@ def _replay_deltas(store: "Store", eng: _Engine, last: int, threads: int | None)
     if eng.iteration >= last:
         return
     eng.parallel(default_shards() if threads is None else threads)
-    feed = RecordFeed(eng.iteration + 1, last, lambda it, into: _record(store, it, into),
+    # replay_to runs inside Store.load (which holds the writer's mutex and retries on failure):
+    # the read-ahead thread reads without taking the mutex again.
+    feed = RecordFeed(eng.iteration + 1, last,
+                      lambda it, into: _record(store, it, into, store._load_record_in_replay),
                       eng.grad_shapes())
     try:
         for it, rec, bufs in feed:
@@ -408,14 +411,17 @@ def _preimport_dynamo() -> None:
     threading.Thread(target=imp, name="ckptstore-import", daemon=True).start()
 
 
-def _record(store: "Store", it: int, into: Any = None) -> dict:
+def _record(store: "Store", it: int, into: Any = None,
+            load: Callable[[int, Any], Any] | None = None) -> dict:
+    """Delta record ``it``, checked to be a delta; ``load(it, into)`` reads it (default
+    :meth:`Store.load_record`)."""
     try:
         kind = store.kind(it)
     except KeyError:
         raise DeltaChainError(f"delta chain broken: iteration {it} is missing") from None
     if kind != "delta":
         raise DeltaChainError(f"iteration {it} is a {kind}, expected a delta")
-    return store.load_record(it, into=into)
+    return store.load_record(it, into=into) if load is None else load(it, into)
 
 
 def replay_range(store: "Store", start: int, stop: int) -> Iterator[tuple[int, dict]]:

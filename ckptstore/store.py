@@ -663,6 +663,12 @@ class Store:
         return self._read_retrying(
             lambda: self._state_reader().load(self._entry(iteration), keys, None, into))
 
+    def _load_record_in_replay(self, iteration: int, into: Callable[[Any], Any] | None) -> Any:
+        """:meth:`load_record` for :func:`ckptstore.replay.replay_to` running inside :meth:`load`,
+        which holds the writer's mutex and retries the whole replay: no lock and no retry here,
+        because the replay's read-ahead thread taking the mutex again would deadlock."""
+        return self._state_reader().load(self._entry(iteration), None, None, into)
+
     def replay(self, start: int, stop: int, **options: Any):
         """Yield ``(iteration, state)`` for every iteration in ``start..stop`` (inclusive), each
         reconstructed from the nearest base at or before ``start`` plus the deltas after it.

@@ -4,7 +4,6 @@ corruption and lossy codecs (format-spec/deltas.md)."""
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 
 import pytest

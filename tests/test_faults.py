@@ -29,7 +29,6 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.errors import CkptStoreError
 from ckptstore.fsck import check
 from ckptstore.storage.fileops import FileOps
 

@@ -8,7 +8,6 @@ check: decode, or raise a CkptStoreError, and keep the properties the check asse
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from fuzz import targets  # noqa: E402
 
-from ckptstore.errors import CkptStoreError, DamagedCheckpointError, FormatError  # noqa: E402
+from ckptstore.errors import CkptStoreError, FormatError  # noqa: E402
 
 
 def _inputs() -> list:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import base64
-import io
 import json
 import os
 import subprocess

@@ -33,7 +33,7 @@ import reprlib
 import struct
 from collections import OrderedDict
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from ..errors import FormatError, UnsupportedTypeError
 
