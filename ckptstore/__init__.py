@@ -6,7 +6,7 @@
         state = store.load(100)
 """
 
-from .errors import (ChecksumMismatch, CkptStoreError, CorruptRecordError, DamagedCheckpointError,
+from .errors import (CheckpointAbortedError, ChecksumMismatch, CkptStoreError, CorruptRecordError, DamagedCheckpointError,
                      DeltaChainError, DiskFullError, FormatError, IndexUnusable,
                      IterationOrderError, NotFoundError, ReadOnlyStoreError,
                      ReplayDivergenceError, StoreClosedError, StoreIOError, StoreLockedError,
@@ -36,5 +36,5 @@ __all__ = [
     "UnsupportedVersionError", "StoreNotFoundError", "StoreLockedError", "ReadOnlyStoreError",
     "StoreClosedError", "NotFoundError", "IterationOrderError", "UnsupportedTypeError",
     "StoreIOError", "DiskFullError", "DamagedCheckpointError", "IndexUnusable", "DeltaChainError",
-    "ReplayDivergenceError",
+    "ReplayDivergenceError", "CheckpointAbortedError",
 ]
