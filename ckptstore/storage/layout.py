@@ -72,7 +72,12 @@ class Layout:
         return [os.path.join(self.segment_dir, n) for n in names if n.endswith(GC_TEMP_SUFFIX)]
 
 
+def is_segment_seq(seq: int) -> bool:
+    """Whether ``seq`` can name a segment file (ten decimal digits, from 1)."""
+    return 0 < seq < 10**10
+
+
 def segment_name(seq: int) -> str:
-    if not 0 < seq < 10**10:
+    if not is_segment_seq(seq):
         raise ValueError(f"segment sequence number {seq} out of range")
     return f"{seq:010d}{SEGMENT_SUFFIX}"

@@ -37,7 +37,7 @@ from ..format.manifest import decode_committed_manifest, decode_manifest
 from ..format.tree import decode_tree
 from .fileops import FileOps
 from .index import ChunkRef, CommitEntry, Index, IndexBatch, Position
-from .layout import Layout
+from .layout import Layout, is_segment_seq
 from .segments import (CorruptRegion, Loc, ScannedRecord, SegmentFile, SegmentWriter,
                        misnamed_segment_error, read_segment_header_record, scan_segment)
 
@@ -144,6 +144,9 @@ class Log:
     def file(self, seq: int) -> SegmentFile:
         f = self._files.get(seq)
         if f is None:
+            if not is_segment_seq(seq):  # a location read from a record or the index
+                raise CorruptRecordError(f"a location names segment {seq}, which is out of range "
+                                         f"in {self.layout.segment_dir}")
             f = self._files.setdefault(seq, SegmentFile(self.layout.segment_path(seq), seq))
         return f
 
