@@ -23,6 +23,10 @@ _SCAN_BLOCK = 8 << 20
 SEGMENT_HEADER_RECORD_SIZE = rec.OVERHEAD + SEGMENT_HEADER_SIZE
 
 
+#: Offsets and lengths a read may name (the OS takes a signed 64-bit offset).
+_MAX_FILE_OFFSET = 1 << 63
+
+
 @dataclass(frozen=True)
 class Loc:
     """Where a record lives: segment, offset of its header, payload length."""
@@ -69,9 +73,19 @@ class SegmentFile:
     def size(self) -> int:
         return os.fstat(self.fileno()).st_size
 
+    def _check_span(self, offset: int, n: int) -> None:
+        # offsets and lengths come from records and the index: a damaged or hostile one must be
+        # a located error, not an OverflowError from the OS call
+        if not (0 <= offset < _MAX_FILE_OFFSET and 0 <= n < _MAX_FILE_OFFSET):
+            raise CorruptRecordError(f"read of {n} bytes at offset {offset} is out of range"
+                                     ).located(self.path, offset if offset >= 0 else 0)
+
     def pread(self, offset: int, n: int) -> bytes:
-        """Up to ``n`` bytes at ``offset`` (fewer only at end of file)."""
+        """Up to ``n`` bytes at ``offset`` (fewer only at end of file). Never allocates more than
+        the file holds past ``offset``, whatever ``n`` a damaged length asks for."""
+        self._check_span(offset, n)
         with io_errors("read", self.path):
+            n = max(0, min(n, os.fstat(self.fileno()).st_size - offset))
             out = os.pread(self.fileno(), n, offset)
             while len(out) < n:
                 more = os.pread(self.fileno(), n - len(out), offset + len(out))
@@ -83,6 +97,7 @@ class SegmentFile:
     def readinto(self, offset: int, buffers: Sequence[memoryview]) -> int:
         """Fill ``buffers`` from ``offset``; return bytes read (short only at end of file)."""
         want = sum(len(b) for b in buffers)
+        self._check_span(offset, want)
         with io_errors("read", self.path):
             got = os.preadv(self.fileno(), buffers, offset)
             if got < want:  # rare: continue buffer by buffer
