@@ -406,6 +406,15 @@ class Pipeline:
                 pass
         self.check()
 
+    def request_flush(self) -> None:
+        """Queue a commit of the pending deltas without waiting for it (the group timer,
+        :mod:`ckptstore.grouptimer`): it runs after the jobs already queued, and its failure is
+        reported like any background failure (the rolled-back deltas' futures, then the next call,
+        flush or close)."""
+        with self._cond:
+            self._queue.append(_Job("flush"))
+            self._cond.notify_all()
+
     def wait(self) -> None:
         """Wait until every submitted checkpoint is persisted (snapshots committed, async deltas
         appended); unlike :meth:`flush` this does not commit a group early."""

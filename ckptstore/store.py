@@ -101,6 +101,8 @@ class Store:
         # the asynchronous pipeline (ckptstore/pipeline.py), started by the first async save
         self._pipeline: Any = None
         self._async_limits = (host_budget, max_inflight)
+        # the group-commit timer (ckptstore/grouptimer.py), started by set_group_seconds
+        self._timer: Any = None
         try:
             if mode == "a":
                 self._open_writer(chunk_size, segment_size)
@@ -350,6 +352,10 @@ class Store:
             raise StoreClosedError(f"store {self.path} is closed")
         if self._pipeline is not None:
             self._pipeline.check()  # a background failure not yet reported is raised here, once
+        if self._timer is not None and self._timer.error is not None:
+            err = self._timer.take_error()  # a failed timer commit (no pipeline), once
+            if err is not None:
+                raise err
 
     def _check_writable(self) -> None:
         self._check_open()
@@ -360,11 +366,15 @@ class Store:
         """Wait for in-flight async saves, commit pending deltas, release the writer lock and every
         file. Idempotent. Raises a background failure not reported before (after releasing)."""
         err: BaseException | None = None
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.stop()  # before the mutex: a timer commit in progress finishes first
+            err = timer.take_error()
         if self._pipeline is not None and not self._closed:
             try:
                 self._pipeline.close()
             except BaseException as e:  # noqa: BLE001 - re-raised once the files are released
-                err = e
+                err = err or e
         with self._mutex:
             if not self._closed:
                 try:
@@ -488,12 +498,15 @@ class Store:
         except BaseException:
             self._rollback(start)
             raise
-        if not self._pending:
+        new_group = not self._pending
+        if new_group:
             self._pending_start = start
             self._pending_since = time.monotonic()
         self._pending.append((batch, base))
         if durable:
             self._flush_locked()
+        elif new_group and self._timer is not None:
+            self._timer.poke()
         return stats
 
     def flush(self) -> int | None:
@@ -518,6 +531,34 @@ class Store:
     def pending_age(self) -> float:
         """Seconds since the oldest pending delta was appended (0 when none is pending)."""
         return time.monotonic() - self._pending_since if self._pending else 0.0
+
+    def set_group_seconds(self, seconds: float | None) -> None:
+        """Bound how long a pending delta stays uncommitted: once the oldest pending delta
+        (``save_delta(durable=False)``, or an async delta that does not end its group) is
+        ``seconds`` old, a background timer commits the group without waiting for another save,
+        flush or close; :meth:`durable_iteration` then includes it. ``None`` turns the timer off.
+        With an async pipeline the commit is queued behind the submitted jobs (iteration order);
+        a failure of a timer commit is raised like a background failure: by the rolled-back
+        deltas' futures, then once by the next call on the store, or by flush/close. See
+        :mod:`ckptstore.grouptimer`. Not under the mutex: stopping joins the timer thread."""
+        from .grouptimer import GroupTimer
+
+        if seconds is not None and (isinstance(seconds, bool) or
+                                    not isinstance(seconds, (int, float)) or not seconds >= 0):
+            raise ValueError(f"group_seconds must be a non-negative number or None, not {seconds!r}")
+        self._check_writable()
+        timer = self._timer
+        if seconds is None:
+            if timer is not None:
+                self._timer = None
+                timer.stop()
+                err = timer.take_error()
+                if err is not None:
+                    raise err
+        elif timer is not None:
+            timer.set_seconds(float(seconds))
+        else:
+            self._timer = GroupTimer(self, float(seconds))
 
     def _flush_locked(self) -> None:
         if not self._pending:

@@ -543,3 +543,87 @@ def test_cli_stats(tmp_path, capsys):
     assert float(lines[2].split()[2]) >= 0 and "median stall" in out
     assert main(["stats", str(tmp_path / "s"), "--last", "1"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 3
+
+
+# ---- group-commit timer (ckptstore/grouptimer.py) ----------------------------------------------
+def _deltas_pending(store, asynchronous, its):
+    for it in its:
+        rec = state_for(it)
+        if asynchronous:
+            store.save_delta_async(it, rec, durable=False)
+        else:
+            store.save_delta(it, rec, durable=False)
+    if asynchronous:
+        store.pipeline.wait()  # appended, not committed
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_group_timer_failure_surfaces_on_next_call(tmp_path, asynchronous):
+    """An fsync failure in a timer commit rolls the group back and is raised once by the next
+    call; the store then accepts writes again and the timer keeps working."""
+    ops = FaultyOps()
+    store = open_store(tmp_path / "s", file_ops=ops)
+    store.save(0, state_for(0))
+    futs = []
+    if asynchronous:
+        futs = [store.save_delta_async(it, state_for(it), durable=False) for it in (1, 2, 3)]
+        store.pipeline.wait()
+    else:
+        _deltas_pending(store, False, (1, 2, 3))
+    assert store.pending() == [1, 2, 3]
+    ops.arm("fsync", 1, errno.EIO)
+    store.set_group_seconds(0.2)  # the group is already older than that: the timer commits now
+    time.sleep(1.0)
+    for f in futs:  # the async deltas' futures report the rollback
+        with pytest.raises(CheckpointAbortedError):
+            f.result(timeout=30)
+    with pytest.raises(StoreIOError):
+        store.durable_iteration()  # the next call raises the timer's failure ...
+    assert store.durable_iteration() == 0  # ... once; the group was rolled back
+    assert store.pending() == [] and store.iterations() == [0]
+    _deltas_pending(store, asynchronous, (1, 2))
+    deadline = time.monotonic() + 10
+    while store.durable_iteration() != 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.durable_iteration() == 2
+    store.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckptstore-group:")]
+    with ckptstore.open(tmp_path / "s", "r") as r:
+        assert r.iterations() == [0, 1, 2]
+    assert check(tmp_path / "s").clean
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_group_timer_failure_raised_by_close(tmp_path, asynchronous):
+    ops = FaultyOps()
+    store = open_store(tmp_path / "s", file_ops=ops)
+    store.save(0, state_for(0))
+    _deltas_pending(store, asynchronous, (1,))
+    ops.arm("fsync", 1, errno.EIO)
+    store.set_group_seconds(0.05)
+    time.sleep(0.5)
+    with pytest.raises(StoreIOError):
+        store.close()  # no call reported it: close does, after releasing the store
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckptstore-group:")]
+    with ckptstore.open(tmp_path / "s", "r") as r:
+        assert r.iterations() == [0]
+
+
+def test_group_timer_stops_and_validates(tmp_path):
+    store = open_store(tmp_path / "s")
+    with pytest.raises(ValueError):
+        store.set_group_seconds(-1)
+    with pytest.raises(ValueError):
+        store.set_group_seconds(True)
+    store.save(0, state_for(0))
+    store.set_group_seconds(30.0)
+    _deltas_pending(store, False, (1,))
+    store.set_group_seconds(None)  # off: the thread is joined, the delta stays pending
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckptstore-group:")]
+    time.sleep(0.1)
+    assert store.pending() == [1] and store.durable_iteration() == 0
+    store.close()
+    with ckptstore.open(tmp_path / "s", "r") as r:
+        assert r.iterations() == [0, 1]
+        with pytest.raises(ckptstore.errors.ReadOnlyStoreError):
+            r.set_group_seconds(1.0)

@@ -4,6 +4,8 @@ corruption and lossy codecs (format-spec/deltas.md)."""
 from __future__ import annotations
 
 import copy
+import threading
+import time
 import warnings
 
 import pytest
@@ -208,6 +210,47 @@ def test_group_commit_by_time(tmp_path, asynchronous):
     _settle(store, ck)
     assert store.pending() == [] and store.durable_iteration() == 6
     store.close()
+
+
+def _wait_durable(store, iteration, limit=10.0):
+    """Poll durable_iteration() (no flush) until it reaches ``iteration`` or ``limit`` s pass."""
+    deadline = time.monotonic() + limit
+    while store.durable_iteration() != iteration and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return store.durable_iteration()
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_group_seconds_commits_without_further_steps(tmp_path, assert_same, asynchronous):
+    """Training pauses after step 5: the group timer commits the pending deltas within about
+    group_seconds, with no step, flush or close; a reader sees them."""
+    store, ck, saved, _ = train(tmp_path / "s", "SGD", {"lr": 0.05, "momentum": 0.9}, None, n=5,
+                                base_every=100, group_commit=1000, group_seconds=0.2,
+                                asynchronous=asynchronous)
+    t0 = time.monotonic()
+    time.sleep(1.0)
+    assert _wait_durable(store, 5) == 5
+    assert time.monotonic() - t0 < 5.0
+    assert store.pending() == [] and store.iterations() == list(range(6))
+    if asynchronous:
+        assert ck.last_stats.done() and ck.last_stats.result().iteration == 5
+    with ckptstore.open(tmp_path / "s", "r") as r:
+        assert r.iterations()[-1] == 5 and r.durable_iteration() == 5
+        assert_same(saved[5]["model"], r.load(5)["model"], "iteration 5")
+    # training resumes: the next group is committed by the timer as well, in order
+    model, opt, sched = _
+    for it in (6, 7):
+        x, y = batch(it)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        ck.step(it)
+        opt.zero_grad()
+    assert _wait_durable(store, 7) == 7
+    timers = [t for t in threading.enumerate() if t.name.startswith("ckptstore-group:")]
+    assert len(timers) == 1
+    store.close()
+    timers[0].join(timeout=5)
+    assert not timers[0].is_alive()  # close stopped the timer
+    assert check(tmp_path / "s").clean
 
 
 @pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])

@@ -10,8 +10,11 @@
 ``step(it)`` calls ``optimizer.step()`` and ``scheduler.step()`` itself, then appends the delta
 record of iteration ``it`` (gradients as applied, hyperparameters, scheduler and RNG states,
 non-parameter model state, meta) or, when due, a base snapshot. Deltas are group-committed: one
-fsync pair per ``group_commit`` deltas or ``group_seconds`` seconds, whichever comes first (checked at
-each step); ``store.durable_iteration()`` says what survives a crash now.
+fsync pair per ``group_commit`` deltas or once the oldest uncommitted delta is ``group_seconds``
+old, whichever comes first. The time bound holds without further steps (an eval loop, a data
+stall): ``group_seconds`` starts the store's group-commit timer (``Store.set_group_seconds``,
+:mod:`ckptstore.grouptimer`), which commits from a background thread. ``store.durable_iteration()``
+says what survives a crash now.
 
 By default (``asynchronous=True``) every record goes through the store's pipeline
 (:mod:`ckptstore.pipeline`): ``step`` only snapshots into host buffers and returns a future; the
@@ -93,6 +96,10 @@ class Checkpointer:
             raise ValueError('base_every must be a positive int or "auto"')
         if type(group_commit) is not int or group_commit < 1:
             raise ValueError("group_commit must be a positive int")
+        if group_seconds is not None and (isinstance(group_seconds, bool) or
+                                          not isinstance(group_seconds, (int, float)) or
+                                          not group_seconds >= 0):
+            raise ValueError("group_seconds must be a non-negative number or None")
         if capture not in ("hooks", "step"):
             raise ValueError('capture must be "hooks" or "step"')
         self.store = store
@@ -159,6 +166,9 @@ class Checkpointer:
             if capture == "hooks":
                 for i, p in enumerate(self._params):
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+        if group_seconds is not None:
+            # the time bound holds between steps too (the store's timer stays set after close)
+            self.store.set_group_seconds(group_seconds)
 
     # ---- state ----------------------------------------------------------------------------
     def _replay_info(self) -> dict:
@@ -491,6 +501,8 @@ class Checkpointer:
                     digest, norm = fingerprint(self._params)
                     record["fp"] = {"xxh3": digest, "norm": norm}
                 now = time.monotonic()
+                if self._group_n and not pipe.pending_deltas():
+                    self._group_n = 0  # the group timer (or a flush) committed the group
                 if self._group_n == 0:
                     self._group_t0 = now
                 self._group_n += 1
