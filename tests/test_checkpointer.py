@@ -212,7 +212,7 @@ def test_group_commit_by_time(tmp_path, asynchronous):
     store.close()
 
 
-def _wait_durable(store, iteration, limit=10.0):
+def _wait_durable(store, iteration, limit=60.0):
     """Poll durable_iteration() (no flush) until it reaches ``iteration`` or ``limit`` s pass."""
     deadline = time.monotonic() + limit
     while store.durable_iteration() != iteration and time.monotonic() < deadline:
@@ -230,7 +230,9 @@ def test_group_seconds_commits_without_further_steps(tmp_path, assert_same, asyn
     t0 = time.monotonic()
     time.sleep(1.0)
     assert _wait_durable(store, 5) == 5
-    assert time.monotonic() - t0 < 5.0
+    # generous: a loaded 2-core CI machine may delay the timer thread; without the timer the
+    # deltas would stay pending forever (group_commit=1000)
+    assert time.monotonic() - t0 < 60.0
     assert store.pending() == [] and store.iterations() == list(range(6))
     if asynchronous:
         assert ck.last_stats.done() and ck.last_stats.result().iteration == 5

@@ -258,6 +258,52 @@ class Checkpointer:
                     self.capture_counts["ddp"] += 1
             off += n
 
+    def _encode_grads(self) -> tuple[list[Any], dict[str, Any]]:
+        """Every parameter's gradient through the codec (None where a parameter has none), and
+        the encoding error the record states for a lossy codec. With ``apply_decoded`` the
+        decoded gradient replaces ``p.grad``, so training applies exactly what is logged."""
+        grads: list[Any] = []
+        max_err: list[float] = []
+        err_l2 = g_l2 = 0.0
+        for p in self._params:
+            if p.grad is None:
+                grads.append(None)
+                max_err.append(0.0)
+                continue
+            payload, dec, st = self.codec.encode_measured(p.grad)
+            grads.append(payload)
+            if st is not None:
+                max_err.append(st.max_abs_error)
+                err_l2 += st.l2_error ** 2
+                g_l2 += st.l2_grad ** 2
+                if self.apply_decoded:
+                    p.grad.copy_(dec)
+            else:
+                max_err.append(0.0)
+        return grads, {"max_abs": max_err, "l2": err_l2 ** 0.5, "grad_l2": g_l2 ** 0.5}
+
+    def _delta_record(self, iteration: int, grads: list[Any], hyper: list[dict], rng: Any,
+                      err: dict[str, Any]) -> dict[str, Any]:
+        """The delta record of ``iteration`` (format-spec/deltas.md), built after
+        ``optimizer.step()`` and ``scheduler.step()``: ``hyper`` and ``rng`` were taken before."""
+        record: dict[str, Any] = {
+            "v": REPLAY_VERSION, "codec": self.codec.name, "lossy": self.codec.lossy,
+            "applied": self.apply_decoded and self.codec.lossy, "grads": grads, "hyper": hyper,
+            "groups": [{k: v for k, v in g.items() if k != "params"}
+                       for g in self.optimizer.param_groups],
+            "rng": rng,
+            "buffers": {k: v for k, v in self.model.state_dict().items()
+                        if k not in self._param_names and k not in self._aliases},
+        }
+        if self.scheduler is not None:
+            record["scheduler"] = self.scheduler.state_dict()
+        if self.codec.lossy:
+            record["err"] = err
+        if self.fingerprint_every and iteration % self.fingerprint_every == 0:
+            digest, norm = fingerprint(self._params)
+            record["fp"] = {"xxh3": digest, "norm": norm}
+        return record
+
     def _take_grads(self) -> tuple[list[Any], Any]:
         """Gradient payloads for the delta record, in slots of a host arena (ownership passes to
         the caller, who hands it to the pipeline)."""
@@ -364,24 +410,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         rng = capture_rng()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        grads: list[Any] = []
-        max_err: list[float] = []
-        err_l2 = g_l2 = 0.0
-        for p in self._params:
-            if p.grad is None:
-                grads.append(None)
-                max_err.append(0.0)
-                continue
-            payload, dec, st = self.codec.encode_measured(p.grad)
-            grads.append(payload)
-            if st is not None:
-                max_err.append(st.max_abs_error)
-                err_l2 += st.l2_error ** 2
-                g_l2 += st.l2_grad ** 2
-                if self.apply_decoded:
-                    p.grad.copy_(dec)
-            else:
-                max_err.append(0.0)
+        grads, err = self._encode_grads()
         t_step = time.perf_counter()
         self.optimizer.step()
         if self.scheduler is not None:
@@ -391,22 +420,7 @@ class Checkpointer:
         if due:
             stats = self.save_base(iteration, meta)
         else:
-            record: dict[str, Any] = {
-                "v": REPLAY_VERSION, "codec": self.codec.name, "lossy": self.codec.lossy,
-                "applied": self.apply_decoded and self.codec.lossy, "grads": grads, "hyper": hyper,
-                "groups": [{k: v for k, v in g.items() if k != "params"}
-                           for g in self.optimizer.param_groups],
-                "rng": rng,
-                "buffers": {k: v for k, v in self.model.state_dict().items()
-                            if k not in self._param_names and k not in self._aliases},
-            }
-            if self.scheduler is not None:
-                record["scheduler"] = self.scheduler.state_dict()
-            if self.codec.lossy:
-                record["err"] = {"max_abs": max_err, "l2": err_l2 ** 0.5, "grad_l2": g_l2 ** 0.5}
-            if self.fingerprint_every and iteration % self.fingerprint_every == 0:
-                digest, norm = fingerprint(self._params)
-                record["fp"] = {"xxh3": digest, "norm": norm}
+            record = self._delta_record(iteration, grads, hyper, rng, err)
             stats = self.store.save_delta(iteration, record, meta, durable=False)
             self._last = iteration
             if len(self.store.pending()) >= self.group_commit or (
@@ -450,27 +464,11 @@ class Checkpointer:
         rng = capture_rng()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         arena = None
-        max_err: list[float] = []
-        err_l2 = g_l2 = 0.0
         if self._capture_grads:
             grads, arena = self._take_grads()
+            err = {"max_abs": [], "l2": 0.0, "grad_l2": 0.0}
         else:
-            grads = []
-            for p in self._params:
-                if p.grad is None:
-                    grads.append(None)
-                    max_err.append(0.0)
-                    continue
-                payload, dec, st = self.codec.encode_measured(p.grad)
-                grads.append(payload)
-                if st is not None:
-                    max_err.append(st.max_abs_error)
-                    err_l2 += st.l2_error ** 2
-                    g_l2 += st.l2_grad ** 2
-                    if self.apply_decoded:
-                        p.grad.copy_(dec)
-                else:
-                    max_err.append(0.0)
+            grads, err = self._encode_grads()
         try:
             self.optimizer.step()
             if self.scheduler is not None:
@@ -483,23 +481,7 @@ class Checkpointer:
                 self._last = iteration
                 fut = self.save_base(iteration, meta)
             else:
-                record: dict[str, Any] = {
-                    "v": REPLAY_VERSION, "codec": self.codec.name, "lossy": self.codec.lossy,
-                    "applied": self.apply_decoded and self.codec.lossy, "grads": grads,
-                    "hyper": hyper,
-                    "groups": [{k: v for k, v in g.items() if k != "params"}
-                               for g in self.optimizer.param_groups],
-                    "rng": rng,
-                    "buffers": {k: v for k, v in self.model.state_dict().items()
-                                if k not in self._param_names and k not in self._aliases},
-                }
-                if self.scheduler is not None:
-                    record["scheduler"] = self.scheduler.state_dict()
-                if self.codec.lossy:
-                    record["err"] = {"max_abs": max_err, "l2": err_l2 ** 0.5, "grad_l2": g_l2 ** 0.5}
-                if self.fingerprint_every and iteration % self.fingerprint_every == 0:
-                    digest, norm = fingerprint(self._params)
-                    record["fp"] = {"xxh3": digest, "norm": norm}
+                record = self._delta_record(iteration, grads, hyper, rng, err)
                 now = time.monotonic()
                 if self._group_n and not pipe.pending_deltas():
                     self._group_n = 0  # the group timer (or a flush) committed the group
