@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ckptstore  # noqa: E402
-from bench_delta import build, fwd_bwd  # noqa: E402
+from bench_delta import add_model_args, build, fwd_bwd  # noqa: E402
 from ckptstore.torch import Checkpointer  # noqa: E402
 
 
@@ -181,13 +181,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=100, help="base / full checkpoint interval")
     ap.add_argument("--group-commit", type=int, default=10, help="deltas per fsync group")
     ap.add_argument("--dir", default="/tmp/bench_async")
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--ctx", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=0)
+    add_model_args(ap)
     ap.add_argument("--skip-dcp", action="store_true")
     args = ap.parse_args()
     if args.threads:

@@ -125,11 +125,8 @@ def run_ckpt(args, codec, path, iters, group_commit=1):
     return sorted(times)[len(times) // 2], written, base_bytes, (model, opt)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--k", type=int, default=50)
-    ap.add_argument("--dir", default="/tmp/bench_delta")
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The GPT-style model's size and the torch thread count (shared with bench_async.py)."""
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -137,6 +134,14 @@ def main():
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--k", type=int, default=50)
+    ap.add_argument("--dir", default="/tmp/bench_delta")
+    add_model_args(ap)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
