@@ -258,6 +258,17 @@ class Checkpointer:
                     self.capture_counts["ddp"] += 1
             off += n
 
+    def _check_follows(self, iteration: int, top: int | None) -> None:
+        """Refuse ``iteration`` unless it follows the last logged iteration and the store holds
+        nothing at or after it (``top``: its newest committed or pending iteration). Checked
+        before ``optimizer.step()``, so a refused step leaves the live objects untouched."""
+        if iteration != self._last + 1:
+            raise DeltaChainError(f"Checkpointer.step({iteration}): the last logged iteration is "
+                                  f"{self._last}; iterations must follow each other")
+        if top is not None and top >= iteration:
+            raise DeltaChainError(f"Checkpointer.step({iteration}): {self.store.path} already holds "
+                                  f"iteration {top} (restored {self._last}); iterations must increase")
+
     def _encode_grads(self) -> tuple[list[Any], dict[str, Any]]:
         """Every parameter's gradient through the codec (None where a parameter has none), and
         the encoding error the record states for a lossy codec. With ``apply_decoded`` the
@@ -398,15 +409,8 @@ class Checkpointer:
                 self.save_base(iteration - 1)  # the state before this step starts the chain
             else:
                 self._last, self._base = latest, self.store.base_of(latest)
-        if iteration != self._last + 1:
-            raise DeltaChainError(f"Checkpointer.step({iteration}): the last logged iteration is "
-                                  f"{self._last}; iterations must follow each other")
         pending = self.store.pending()
-        top = pending[-1] if pending else self.store.index.latest()
-        if top is not None and top >= iteration:
-            # checked before optimizer.step(): a refused step leaves the live objects untouched
-            raise DeltaChainError(f"Checkpointer.step({iteration}): {self.store.path} already holds "
-                                  f"iteration {top} (restored {self._last}); iterations must increase")
+        self._check_follows(iteration, pending[-1] if pending else self.store.index.latest())
         t0 = time.perf_counter()
         rng = capture_rng()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -453,13 +457,7 @@ class Checkpointer:
             else:
                 self._last, self._base = latest, self.store.base_of(latest)
             self._resync = False
-        if iteration != self._last + 1:
-            raise DeltaChainError(f"Checkpointer.step({iteration}): the last logged iteration is "
-                                  f"{self._last}; iterations must follow each other")
-        top = pipe.tail()
-        if top is not None and top >= iteration:
-            raise DeltaChainError(f"Checkpointer.step({iteration}): {self.store.path} already holds "
-                                  f"iteration {top} (restored {self._last}); iterations must increase")
+        self._check_follows(iteration, pipe.tail())
         t0 = time.perf_counter()
         rng = capture_rng()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
