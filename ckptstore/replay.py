@@ -175,8 +175,12 @@ class _Engine:
         self._sgd = info["optimizer"] == "SGD"
         from .recovery import SEPARABLE_OPTIMIZERS
 
-        self._decode_bufs: list[Any] | None = [None] * len(self.params) \
-            if info["optimizer"] in SEPARABLE_OPTIMIZERS else None
+        #: per window slot, per parameter: reused lossy-decode buffers (separable optimizers only:
+        #: they keep no reference to ``p.grad``)
+        self._decode_sets: list[list[Any]] | None = [] if info["optimizer"] in SEPARABLE_OPTIMIZERS else None
+        self._tiled: Any = None
+        #: deltas per tiled window (1: step by step); set by :meth:`parallel`
+        self._window = 1
         self._E = [0.0] * len(groups)   # per group: bound on |param error|
         self._B = [0.0] * len(groups)   # per group: bound on |momentum buffer error|
         self._torch = torch
@@ -199,9 +203,22 @@ class _Engine:
         """Check ``rec`` against the chain, set the hyperparameters in effect at step ``it`` and
         each parameter's gradient (lossy payloads decoded into reused buffers when the optimizer
         keeps no reference to ``p.grad``)."""
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        hypers, grads = self.prepare(it, rec, 0, settings)
+        for group, hyper in zip(self.opt.param_groups, hypers):
+            group.update(hyper)
+        for p, g in zip(self.params, grads):
+            p.grad = g
+
+    @_untrusted("delta", it_arg=0)
+    def prepare(self, it: int, rec: dict, slot: int, settings: list[dict]) -> tuple[list[dict], list[Any]]:
+        """Check ``rec`` (the ``slot``-th delta after the engine's iteration) against the chain and
+        decode its gradients (lossy payloads into slot ``slot``'s reused buffers). ``settings``:
+        each group's settings before the step, updated in place with the record's hyperparameters.
+        Returns (per group: the record's hyperparameters, per parameter: its gradient or None)."""
         torch = self._torch
-        if it != self.iteration + 1:
-            raise DeltaChainError(f"delta {it} does not follow iteration {self.iteration}")
+        if it != self.iteration + 1 + slot:
+            raise DeltaChainError(f"delta {it} does not follow iteration {self.iteration + slot}")
         grads = rec["grads"]
         if len(grads) != len(self.params) or len(rec["hyper"]) != len(self.opt.param_groups):
             raise DeltaChainError(f"delta {it} does not match the optimizer of its base")
@@ -214,32 +231,78 @@ class _Engine:
         errs = rec.get("err") or {}
         per_param_err = errs.get("max_abs") if lossy else None
         group_err: list[float] = []
+        out: list[Any] = []
         i = 0
-        bufs = self._decode_bufs if codec.name != "exact" else None
-        for group, hyper in zip(self.opt.param_groups, rec["hyper"]):
-            group.update(hyper)
+        bufs = None
+        if self._decode_sets is not None and codec.name != "exact":
+            while len(self._decode_sets) <= slot:
+                self._decode_sets.append([None] * len(self.params))
+            bufs = self._decode_sets[slot]
+        hypers = [dict(h) for h in rec["hyper"]]
+        for group, hyper, cur in zip(self.opt.param_groups, hypers, settings):
+            cur.update(hyper)
             d = 0.0
             for p in group["params"]:
                 payload = grads[i]
                 if payload is None:
-                    p.grad = None
+                    out.append(None)
                 elif bufs is not None:
                     if bufs[i] is None:
                         bufs[i] = torch.empty_like(p, memory_format=torch.contiguous_format)
-                    p.grad = codec.decode_into(payload, bufs[i])
+                    out.append(codec.decode_into(payload, bufs[i]))
                 else:
-                    p.grad = codec.decode(payload, tuple(p.shape), p.dtype)
+                    out.append(codec.decode(payload, tuple(p.shape), p.dtype))
                 if per_param_err is not None and payload is not None:
                     d = max(d, float(per_param_err[i]))
                 i += 1
             group_err.append(d)
         if lossy:
-            self._track_bound(group_err)
+            self._track_bound(group_err, settings)
             self.report.exact = False
             self.report.lossy_steps += 1
             self.report.grad_max_abs_error = max(self.report.grad_max_abs_error, max(group_err or [0.0]))
             if f"lossy codec {rec['codec']}" not in self.report.reasons:
                 self.report.reasons.append(f"lossy codec {rec['codec']}")
+        return hypers, out
+
+    def tiled_ready(self) -> bool:
+        """Whether the next deltas may run as a tiled window (:class:`ckptstore.recovery.TiledSteps`)."""
+        from .recovery import TiledSteps
+
+        return self._window > 1 and TiledSteps.ready(self.opt, self.params)
+
+    def apply_window(self, items: list[tuple[int, dict]]) -> None:
+        """Replay consecutive deltas ``items`` ((iteration, record), in order) as one tiled window:
+        the same result as :meth:`apply` on each in turn (see TiledSteps for why), with each
+        tile's data read once per window. The caller checks :meth:`tiled_ready` first, and ends a
+        window at a record with a fingerprint (only the window's last state is ever whole)."""
+        from .recovery import TiledSteps
+
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        steps, hypers = [], []
+        for slot, (it, rec) in enumerate(items):
+            h, grads = self.prepare(it, rec, slot, settings)
+            steps.append(([dict(c) for c in settings], grads))
+            hypers.append(h)
+            self._after(it, rec, settings)
+        if self._tiled is None:
+            self._tiled = TiledSteps(self.opt, self.params, self._make_optimizer)
+        try:
+            self._tiled.run(steps)
+        except _MALFORMED as e:
+            raise DamagedCheckpointError(
+                f"deltas {items[0][0]}..{items[-1][0]}: malformed replay record ({type(e).__name__}: "
+                f"{str(e)[:200]})") from e
+        for (it, rec), h in zip(items, hypers):
+            for group, hyper in zip(self.opt.param_groups, h):
+                group.update(hyper)
+            self.end(it, rec)
+
+    @_untrusted("delta", it_arg=0)
+    def _after(self, it: int, rec: dict, settings: list[dict]) -> None:
+        """``settings`` take delta ``it``'s post-step group values (as :meth:`end` does)."""
+        for cur, after in zip(settings, rec["groups"]):
+            cur.update(after)
 
     def step(self) -> None:
         """``optimizer.step()``, sharded across threads when :meth:`parallel` set that up."""
@@ -288,6 +351,12 @@ class _Engine:
         if threads > 1 and len(self.params) > 1 and self.info["optimizer"] in recovery.SEPARABLE_OPTIMIZERS \
                 and sum(p.numel() for p in self.params) >= recovery.PARALLEL_MIN_NUMEL:
             self._sharded = recovery.ShardedStep(self.opt, threads, self._make_optimizer)
+        self._window = recovery.window_size(self.params)
+
+    @property
+    def window(self) -> int:
+        """Deltas per tiled window (1: step by step)."""
+        return self._window
 
     def grad_shapes(self) -> list[tuple[tuple[int, ...], Any]] | None:
         """(shape, dtype) per parameter when gradient buffers may be recycled across deltas
@@ -302,21 +371,25 @@ class _Engine:
         if self._sharded is not None:
             self._sharded.close()
             self._sharded = None
+        if self._tiled is not None:
+            self._tiled.close()
+            self._tiled = None
 
-    def _track_bound(self, group_err: list[float]) -> None:
+    def _track_bound(self, group_err: list[float], settings: list[dict]) -> None:
         """Per-entry error bound for SGD: the step is affine in (grad, param, buffer), so errors
-        propagate linearly: E' = |1 - lr*wd| E + lr * s, s = step error (see deltas.md)."""
+        propagate linearly: E' = |1 - lr*wd| E + lr * s, s = step error (see deltas.md).
+        ``settings``: each group's settings in effect for the step."""
         if not self._sgd or self.report.param_error_bound is None:
             self.report.param_error_bound = None
             return
-        for gi, (group, d) in enumerate(zip(self.opt.param_groups, group_err)):
+        for gi, (main, group, d) in enumerate(zip(self.opt.param_groups, settings, group_err)):
             lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
             mu, damp = float(group.get("momentum", 0.0)), float(group.get("dampening", 0.0))
             E, B = self._E[gi], self._B[gi]
             d_eff = d + abs(wd) * E
             if mu != 0.0:
                 first = any("momentum_buffer" not in self.opt.state.get(p, {}) or
-                            self.opt.state[p].get("momentum_buffer") is None for p in group["params"])
+                            self.opt.state[p].get("momentum_buffer") is None for p in main["params"])
                 B = d_eff if first else mu * B + abs(1 - damp) * d_eff
                 s = d_eff + mu * B if group.get("nesterov") else B
             else:
@@ -380,16 +453,39 @@ def _replay_deltas(store: "Store", eng: _Engine, last: int, threads: int | None)
         return
     eng.parallel(default_shards() if threads is None else threads)
     # replay_to runs inside Store.load (which holds the writer's mutex and retries on failure):
-    # the read-ahead thread reads without taking the mutex again.
+    # the read-ahead thread reads without taking the mutex again. A tiled window holds up to
+    # ``eng.window`` records' gradient buffers at once, plus two being read ahead.
     feed = RecordFeed(eng.iteration + 1, last,
                       lambda it, into: _record(store, it, into, store._load_record_in_replay),
-                      eng.grad_shapes())
+                      eng.grad_shapes(), buffers=eng.window + 2)
+    window: list[tuple[int, dict, Any]] = []
+
+    def run_window() -> None:
+        if len(window) == 1:
+            eng.apply(window[0][0], window[0][1])
+        else:
+            eng.apply_window([(it, rec) for it, rec, _ in window])
+        for _, _, bufs in window:
+            feed.release(bufs)
+        window.clear()
+
     try:
         for it, rec, bufs in feed:
-            eng.apply(it, rec)
+            if not window and not eng.tiled_ready():
+                eng.apply(it, rec)
+                del rec
+                feed.release(bufs)
+                continue
+            window.append((it, rec, bufs))
             del rec
-            feed.release(bufs)
+            # a fingerprinted delta ends its window: it is checked against the whole state
+            if len(window) >= eng.window or it == last or \
+                    (isinstance(window[-1][1], dict) and window[-1][1].get("fp")):
+                run_window()
+        if window:
+            run_window()
     finally:
+        window.clear()
         feed.close()
 
 

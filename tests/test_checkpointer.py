@@ -25,15 +25,22 @@ CHECK_ITERS = sorted(set(range(0, N_ITERS + 1, 11)) | {1, 29, 30, 31, 59, 61, 89
 RANGE = (27, 32)  # store.replay across the base at 30
 
 
+#: tile size for the tests' tiny models: cuts parameters into 64-element pieces (the smallest
+#: cut) and packs pieces of several parameters into one tile
+TEST_TILE_NUMEL = 100
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_and_sharded_replay(monkeypatch):
     """Tiny models: one intra-op thread (threads only add handoffs, and an oversubscribed machine
-    makes them very slow). Replay shards the optimizer step whatever the model's size, so the
-    sharded path is the one checked bit for bit (store.replay checks the sequential one)."""
+    makes them very slow). Replay shards the optimizer step whatever the model's size, and runs
+    steady-state windows tile by tile with tiles of TEST_TILE_NUMEL entries, so both paths are the
+    ones checked bit for bit (store.replay checks the sequential one)."""
     from ckptstore import recovery
 
     monkeypatch.setattr(recovery, "PARALLEL_MIN_NUMEL", 0)
     monkeypatch.setattr(recovery, "default_shards", lambda: 3)
+    monkeypatch.setattr(recovery, "TILE_NUMEL", TEST_TILE_NUMEL)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -102,14 +109,24 @@ OPTIMIZERS = [
 ]
 
 
-@pytest.mark.parametrize("sched", [None, "step", "cosine"])
+@pytest.mark.parametrize("sched", [None, "step", "cosine", "none-untiled"])
 @pytest.mark.parametrize("opt_name,opt_kwargs", OPTIMIZERS,
                          ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for n, kw in OPTIMIZERS])
-def test_bit_exact_point_in_time(tmp_path, assert_same, opt_name, opt_kwargs, sched):
+def test_bit_exact_point_in_time(tmp_path, assert_same, monkeypatch, opt_name, opt_kwargs, sched):
     if sched == "cosine" and (opt_name not in ("AdamW", "SGD") or opt_kwargs.get("fused")):
         pytest.skip("cosine covered with AdamW and SGD")
     if opt_kwargs.get("fused") and not _fused_on_cpu(opt_name):
         pytest.skip(f"this torch has no fused {opt_name} on CPU")
+    from ckptstore import recovery
+
+    tiled = sched != "none-untiled"
+    if not tiled:  # every step through the sharded step-by-step path
+        sched = None
+        monkeypatch.setattr(recovery, "window_size", lambda params: 1)
+    windows = []
+    run = recovery.TiledSteps.run
+    monkeypatch.setattr(recovery.TiledSteps, "run", lambda self, steps: (windows.append(len(steps)),
+                                                                          run(self, steps))[1])
     keep = set(CHECK_ITERS) | set(range(RANGE[0], RANGE[1] + 1)) | {77}
     store, ck, saved, _ = train(tmp_path / "s", opt_name, opt_kwargs, sched, keep=keep,
                                 base_every=BASE_EVERY, group_commit=4, fingerprint_every=5)
@@ -121,6 +138,8 @@ def test_bit_exact_point_in_time(tmp_path, assert_same, opt_name, opt_kwargs, sc
         st = store.load(t)
         for k in saved[t]:
             assert_same(saved[t][k], st[k], f"iteration {t} {k}")
+    # steady-state deltas ran as tiled windows (ending at each fingerprint, every 5 iterations)
+    assert (max(windows, default=0) == 5) == tiled, windows
     # replay of a range (one delta at a time, unsharded) yields independent, exact states
     seen = []
     for it, st in store.replay(*RANGE):

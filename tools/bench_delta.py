@@ -141,6 +141,8 @@ def main():
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--k", type=int, default=50)
     ap.add_argument("--dir", default="/tmp/bench_delta")
+    ap.add_argument("--restore-only", action="store_true", help="skip the step-time runs")
+    ap.add_argument("--codecs", default="exact,topk:0.01")
     add_model_args(ap)
     args = ap.parse_args()
     if args.threads:
@@ -165,7 +167,8 @@ def main():
     print(f"full checkpoint (model+optimizer, torch.save): {full_bytes / 2**20:.1f} MiB, "
           f"torch.load {t_load * 1e3:.0f} ms")
 
-    for codec in ("exact", "topk:0.01"):
+    codecs = args.codecs.split(",")
+    for codec in ([] if args.restore_only else codecs):
         path = os.path.join(args.dir, f"store-{codec.replace(':', '')}")
         step, written, base_bytes, _ = run_ckpt(args, codec, path, args.iters)
         per = sorted(written)[len(written) // 2]
@@ -175,7 +178,7 @@ def main():
               f"{base_bytes / 2**20:.1f} MiB")
         shutil.rmtree(path, ignore_errors=True)
 
-    for codec in ("exact", "topk:0.01"):
+    for codec in codecs:
         path = os.path.join(args.dir, f"restore-{codec.replace(':', '')}")
         _, _, _, (m, o) = run_ckpt(args, codec, path, args.k, group_commit=10)
         times, loads, cpu = [], [], []
