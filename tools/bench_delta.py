@@ -5,9 +5,11 @@ A GPT-style model (~25M parameters by default) trained with AdamW on CPU:
 1. plain training loop (no checkpoints)                         -> step time
 2. Checkpointer every iteration, codec exact and topk:0.01      -> step-time ratio, bytes per delta
 3. a full checkpoint (model + optimizer) with torch.save        -> its size and torch.load time
-4. restore of base + K deltas (K=50) via store.load             -> vs torch.load of the full file
+4. restore of base + K deltas (K=50) via store.load             -> vs torch.load of the full file,
+   both from a warm page cache and from a cold one (files evicted first, as after a crash)
 
     python tools/bench_delta.py [--iters 8] [--k 50] [--dir /tmp/bench_delta] [--layers 6 --dim 512]
+                                [--restore-only] [--codecs exact,topk:0.01]
 """
 
 from __future__ import annotations
@@ -82,6 +84,20 @@ def fwd_bwd(model, args, it):
 
 def dir_bytes(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def evict(path):
+    """Drop ``path`` (a file, or every file under a directory) from the page cache, so the next
+    read comes from the disk: a restore after a crash usually starts cold."""
+    files = [path] if os.path.isfile(path) else \
+        [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def seg_bytes(path):
@@ -181,27 +197,32 @@ def main():
     for codec in codecs:
         path = os.path.join(args.dir, f"restore-{codec.replace(':', '')}")
         _, _, _, (m, o) = run_ckpt(args, codec, path, args.k, group_commit=10)
-        times, loads, cpu = [], [], []
-        for _ in range(3):  # torch.load interleaved with the restores: the machine may be shared
-            t0 = time.perf_counter()
-            torch.load(full, weights_only=False)
-            loads.append(time.perf_counter() - t0)
-            with ckptstore.open(path, "r") as r:
-                c0, t0 = time.process_time(), time.perf_counter()
-                import warnings
+        for cache in ("warm", "cold"):
+            times, loads, cpu = [], [], []
+            for _ in range(3):  # torch.load interleaved with the restores: the machine may be shared
+                if cache == "cold":
+                    evict(full)
+                t0 = time.perf_counter()
+                torch.load(full, weights_only=False)
+                loads.append(time.perf_counter() - t0)
+                if cache == "cold":
+                    evict(path)
+                with ckptstore.open(path, "r") as r:
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    import warnings
 
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    st = r.load(args.k)
-                times.append(time.perf_counter() - t0)
-                cpu.append(time.process_time() - c0)
-        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-        exact = all(torch.equal(a, st["model"][k]) for k, a in m.state_dict().items())
-        print(f"[{codec}] restore base+{args.k} (store.load, median of 3): {med(times):.2f} s "
-              f"(CPU {med(cpu):.2f} s) = {med(times) / med(loads):.1f}x torch.load of the full "
-              f"checkpoint ({med(loads) * 1e3:.0f} ms, same run); "
-              f"{'bit-exact' if exact else 'approximate (lossy codec)'}; store "
-              f"{seg_bytes(path) / 2**20:.0f} MiB")
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        st = r.load(args.k)
+                    times.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
+            med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+            exact = all(torch.equal(a, st["model"][k]) for k, a in m.state_dict().items())
+            print(f"[{codec}] restore base+{args.k}, {cache} page cache (store.load, median of 3): "
+                  f"{med(times):.2f} s (CPU {med(cpu):.2f} s) = {med(times) / med(loads):.1f}x torch.load "
+                  f"of the full checkpoint ({med(loads) * 1e3:.0f} ms, same run, {cache}); "
+                  f"{'bit-exact' if exact else 'approximate (lossy codec)'}; store "
+                  f"{seg_bytes(path) / 2**20:.0f} MiB", flush=True)
         shutil.rmtree(path, ignore_errors=True)
 
 
