@@ -478,9 +478,10 @@ def _replay_engine(base: Any, iteration: int) -> Any:
 
 
 def check_delta(data: bytes) -> None:
-    """replay.py + gradcodecs.py: a delta record (any skeleton over the real record's tensors plus
-    odd ones) applied by the replay engine to the real base either replays or raises a package
-    error (DamagedCheckpointError, DeltaChainError, ReplayDivergenceError)."""
+    """replay.py + gradcodecs.py + recovery.py: a delta record (any skeleton over the real
+    record's tensors plus odd ones) applied by the replay engine to the real base, step by step
+    and as the two steps of a tiled window after the real delta 1, either replays or raises a
+    package error (DamagedCheckpointError, DeltaChainError, ReplayDivergenceError)."""
     fx = delta_fixture()
     _, body = _split(data)
     ok, node = _json(body)
@@ -492,6 +493,13 @@ def check_delta(data: bytes) -> None:
     ok, eng = _decodes(lambda: _replay_engine(copy.deepcopy(fx["base"]), 0))
     _require(ok, "the engine refused the real base")
     if _decodes(lambda: eng.apply(1, record))[0]:
+        _decodes(lambda: eng.current(clone=False))
+    ok, eng = _decodes(lambda: _replay_engine(copy.deepcopy(fx["base"]), 0))
+    _require(ok, "the engine refused the real base")
+    ok, _ = _decodes(lambda: eng.apply(1, copy.deepcopy(fx["records"][1])))
+    _require(ok, "the engine refused the real delta 1")
+    window = [(2, record), (3, copy.deepcopy(record))]
+    if _decodes(lambda: eng.apply_window(window))[0]:
         _decodes(lambda: eng.current(clone=False))
 
 
