@@ -528,3 +528,60 @@ def test_cuda_rng_state_is_logged_and_restored(tmp_path):
     assert ck.restore(6) == 6
     assert torch.equal(draw, torch.rand(4, device="cuda"))
     store.close()
+
+
+# ---- sync path: a failed write or commit restarts the chain (like the async path) ------------
+@pytest.mark.parametrize("op,err,at,lost", [("write", "ENOSPC", 8, ()), ("fsync", "EIO", 8, (7, 8)),
+                                            ("write", "EIO", 15, (13, 14))],
+                         ids=["delta-write-ENOSPC", "group-fsync-EIO", "base-write-EIO"])
+def test_sync_failure_restarts_chain_with_a_base(tmp_path, assert_same, op, err, at, lost):
+    """A write (or group fsync) failing inside step(at) on the synchronous path is raised to the
+    caller after optimizer.step(); what was committed before stays intact, the next step writes a
+    base of the live state (the chain restarts) and every later iteration replays bit-exact.
+    ``at`` = 15 is a base-snapshot step (base_every=15). ``lost``: the uncommitted deltas of the
+    group the failure rolled back (groups of 3: 7-9, 13-15); a failed delta write keeps the
+    deltas appended before it (7 is committed with the restart)."""
+    import errno as errno_mod
+
+    from test_faults import FaultyOps
+
+    ops = FaultyOps()
+    model, opt, sched = build("Adam", {"lr": 1e-2}, "step")
+    store = ckptstore.open(tmp_path / "s", file_ops=ops)
+    ck = Checkpointer(store, model, opt, sched, base_every=15, group_commit=3,
+                      fingerprint_every=5, asynchronous=False)
+    assert ck.restore() == 0
+    saved = {0: live_state(model, opt, sched)}
+    failed = None
+    for it in range(1, 31):
+        if it == at:
+            ops.arm(op, 1, getattr(errno_mod, err))
+        x, y = batch(it)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        try:
+            ck.step(it)
+        except ckptstore.StoreIOError:
+            failed = it
+            committed_then = store.iterations()
+        finally:
+            opt.zero_grad()
+        saved[it] = live_state(model, opt, sched)  # the step was applied either way
+    # the fsync of a group fails in the step that commits it (the first flush at or after 8)
+    assert failed == (9 if op == "fsync" else at)
+    ck.flush()
+    its = store.iterations()
+    assert set(committed_then) <= set(its)  # nothing committed before the failure was lost
+    assert store.kind(failed) == "snapshot"  # the step after the failure restarted the chain
+    assert set(range(failed, 31)) <= set(its)
+    assert its == [i for i in range(31) if i not in lost]
+    for t in its:
+        st = store.load(t)
+        for k in saved[t]:
+            assert_same(saved[t][k], st[k], f"iteration {t} {k}")
+    seen = [it for it, _ in store.replay(failed - 1 if failed - 1 in its else failed, 20)]
+    assert seen[-1] == 20
+    store.close()
+    assert check(tmp_path / "s").clean
+    with ckptstore.open(tmp_path / "s", "r") as r:
+        assert r.iterations() == its
+        assert_same(saved[30]["model"], r.load(30)["model"])
