@@ -50,6 +50,8 @@ def build(opt_name, opt_kwargs, sched):
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
     elif sched == "cosine":
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50)
+    elif sched == "multistep":  # milestones: a collections.Counter (12 counts twice)
+        scheduler = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[5, 12, 12, 33], gamma=0.5)
     return model, opt, scheduler
 
 
@@ -585,3 +587,48 @@ def test_sync_failure_restarts_chain_with_a_base(tmp_path, assert_same, op, err,
     with ckptstore.open(tmp_path / "s", "r") as r:
         assert r.iterations() == its
         assert_same(saved[30]["model"], r.load(30)["model"])
+
+
+# ---- MultiStepLR: its Counter state is stored as a dict, restored as a Counter ------------------
+def test_multisteplr_bit_exact_and_resume(tmp_path, assert_same):
+    """MultiStepLR keeps ``milestones`` in a collections.Counter: stored as a plain dict (the
+    format holds no Counter; format-spec/deltas.md "Scheduler state"), loaded bit-exact as that
+    dict, and restored into the live scheduler as a working Counter."""
+    from collections import Counter
+
+    from ckptstore.torch import counters_like
+    from ckptstore.torch.checkpointer import plain_counters
+
+    store, ck, saved, (model, opt, sched) = train(tmp_path / "full", "Adam", {"lr": 1e-2},
+                                                  "multistep", n=40, base_every=15, group_commit=2)
+    ck.flush()
+    assert [i for i in store.iterations() if store.kind(i) == "snapshot"] == [0, 15, 30]
+    lrs = {t: saved[t]["optimizer"]["param_groups"][0]["lr"] for t in (4, 5, 12, 33)}
+    assert lrs == {4: 1e-2, 5: 5e-3, 12: 1.25e-3, 33: 6.25e-4}  # 12 counts twice
+    for t in (1, 5, 12, 14, 15, 16, 29, 30, 33, 40):
+        st = store.load(t)
+        assert_same(saved[t]["model"], st["model"], f"iteration {t} model")
+        assert_same(saved[t]["optimizer"], st["optimizer"], f"iteration {t} optimizer")
+        assert type(st["scheduler"]["milestones"]) is dict
+        assert_same(plain_counters(saved[t]["scheduler"]), st["scheduler"], f"iteration {t} sched")
+        back = counters_like(st["scheduler"], sched.state_dict())
+        assert_same(saved[t]["scheduler"], back, f"iteration {t} scheduler as Counter")
+    store.close()
+
+    # interrupted at 26 (a delta), resumed by restore(): same final state as the uninterrupted run
+    s2, ck2, _, _ = train(tmp_path / "resumed", "Adam", {"lr": 1e-2}, "multistep", n=26,
+                          base_every=15, group_commit=2)
+    s2.close()
+    store2, ck3, saved2, (model2, opt2, sched2) = train(tmp_path / "resumed", "Adam", {"lr": 1e-2},
+                                                        "multistep", n=40, base_every=15,
+                                                        group_commit=2)
+    assert min(saved2) == 26  # restore() resumed at 26
+    assert type(sched2.milestones) is Counter and sched2.milestones[7] == 0
+    assert sched2.milestones == Counter({5: 1, 12: 2, 33: 1})
+    assert_same(saved[40]["model"], model2.state_dict(), "resumed final model")
+    assert_same(saved[40]["optimizer"], opt2.state_dict(), "resumed final optimizer")
+    assert_same(saved[40]["scheduler"], sched2.state_dict(), "resumed final scheduler")
+    # the restored scheduler works with Counter semantics: the closed form (step(epoch)) uses
+    # milestones.elements()
+    assert sched2._get_closed_form_lr() == [opt2.param_groups[0]["initial_lr"] * 0.5 ** 4]
+    store2.close()

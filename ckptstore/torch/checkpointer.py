@@ -33,6 +33,7 @@ import random
 import threading
 import time
 import weakref
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,36 @@ def restore_rng(rng: dict) -> None:
     random.setstate(rng["python"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def plain_counters(state: Any) -> Any:
+    """``state`` (a scheduler's ``state_dict()``) with every ``collections.Counter`` in it (dicts,
+    lists, tuples; MultiStepLR's ``milestones``) turned into a plain dict of the same items, in the
+    same order: the state encoding holds no Counter (format-spec/deltas.md, "Scheduler state").
+    Containers on the way are copied; everything else is shared."""
+    t = type(state)
+    if t is Counter:
+        return dict(state)
+    if t is dict:
+        return {k: plain_counters(v) for k, v in state.items()}
+    if t is list:
+        return [plain_counters(v) for v in state]
+    if t is tuple:
+        return tuple(plain_counters(v) for v in state)
+    return state
+
+
+def counters_like(loaded: Any, live: Any) -> Any:
+    """Undo :func:`plain_counters` for a state read back: where the live scheduler's state holds a
+    Counter at the same place and ``loaded`` holds a plain dict, make that dict a Counter again
+    (missing keys then read as 0, ``elements()`` works), keeping its item order."""
+    if type(live) is Counter and type(loaded) is dict:
+        return Counter(loaded)
+    if type(live) is dict and type(loaded) is dict:
+        return {k: counters_like(v, live[k]) if k in live else v for k, v in loaded.items()}
+    if type(live) in (list, tuple) and type(loaded) is type(live) and len(loaded) == len(live):
+        return type(loaded)(counters_like(a, b) for a, b in zip(loaded, live))
+    return loaded
 
 
 def _json_defaults(defaults: dict) -> dict:
@@ -181,7 +212,7 @@ class Checkpointer:
     def state(self, iteration: int) -> dict:
         st: dict[str, Any] = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.scheduler is not None:
-            st["scheduler"] = self.scheduler.state_dict()
+            st["scheduler"] = plain_counters(self.scheduler.state_dict())
         st["rng"] = capture_rng()
         st["iteration"] = iteration
         st[REPLAY_KEY] = self._replay_info()
@@ -308,7 +339,7 @@ class Checkpointer:
                         if k not in self._param_names and k not in self._aliases},
         }
         if self.scheduler is not None:
-            record["scheduler"] = self.scheduler.state_dict()
+            record["scheduler"] = plain_counters(self.scheduler.state_dict())
         if self.codec.lossy:
             record["err"] = err
         if self.fingerprint_every and iteration % self.fingerprint_every == 0:
@@ -377,7 +408,8 @@ class Checkpointer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
+            self.scheduler.load_state_dict(counters_like(state["scheduler"],
+                                                         self.scheduler.state_dict()))
         restore_rng(state["rng"])
         self._last = target
         self._base = self.store.base_of(target)
