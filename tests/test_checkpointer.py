@@ -123,7 +123,7 @@ def test_bit_exact_point_in_time(tmp_path, assert_same, opt_name, opt_kwargs, sc
         st = store.load(t)
         for k in saved[t]:
             assert_same(saved[t][k], st[k], f"iteration {t} {k}")
-    # replay of a range (one delta at a time, unsharded) yields independent, exact states
+    # replay of a range (records read ahead, steps unsharded) yields independent, exact states
     seen = []
     for it, st in store.replay(*RANGE):
         assert_same(saved[it]["model"], st["model"], f"replay {it}")
@@ -632,3 +632,113 @@ def test_multisteplr_bit_exact_and_resume(tmp_path, assert_same):
     # milestones.elements()
     assert sched2._get_closed_form_lr() == [opt2.param_groups[0]["initial_lr"] * 0.5 ** 4]
     store2.close()
+
+
+# ---- store.replay(start, stop): records read ahead, same states as stepping one at a time --------
+def _feed_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("ckptstore-replay")]
+
+
+def _stepping(store, start, stop):
+    """The previous replay_range (one record read at a time, in the caller's thread): the
+    reference the read-ahead version must reproduce exactly."""
+    from ckptstore import replay as R
+
+    eng = R._engine_at(store, start)
+    it = eng.iteration
+    if it == start:
+        yield it, eng.current(clone=True)
+    while it < stop:
+        it += 1
+        if store.kind(it) == "snapshot":
+            eng = R._Engine(store.load(it), it)
+        else:
+            eng.apply(it, R._record(store, it))
+        if it >= start:
+            R._warn(eng.report)
+            yield it, eng.current(clone=True)
+
+
+def _collect(gen):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = list(gen)
+    return out, [str(x.message) for x in w if issubclass(x.category, ApproximateReplayWarning)]
+
+
+@pytest.mark.parametrize("codec", ["exact", "int8"])
+def test_replay_range_reads_ahead_and_matches_stepping(tmp_path, assert_same, monkeypatch, codec):
+    store, ck, saved, _ = train(tmp_path / "s", "SGD", {"lr": 0.05, "momentum": 0.9}, None, n=40,
+                                base_every=15, codec=codec)
+    ck.flush()
+    want, want_warn = _collect(_stepping(store, 12, 33))  # crosses the bases at 15 and 30
+    got, got_warn = _collect(store.replay(12, 33))
+    assert [i for i, _ in got] == list(range(12, 34)) == [i for i, _ in want]
+    assert got_warn == want_warn and (len(got_warn) > 0) == (codec != "exact")
+    for (i, a), (_, b) in zip(want, got):
+        assert_same(a, b, f"iteration {i}")  # the whole state, replay_report included
+        if codec == "exact":
+            assert_same(saved[i]["model"], b["model"], f"iteration {i} vs training")
+    # a state from the base itself, and a range inside one chain
+    assert [i for i, _ in store.replay(15, 16)] == [15, 16]
+    assert [i for i, _ in store.replay(3, 3)] == [3] and list(store.replay(5, 4)) == []
+
+    # read ahead: while the caller holds state k, the feed thread has read k + 1 (and beyond)
+    reads = []
+    orig = store.load_record
+
+    def logged(it, *a, **kw):
+        reads.append((it, threading.current_thread().name))
+        return orig(it, *a, **kw)
+
+    monkeypatch.setattr(store, "load_record", logged)
+    held = []
+    for it, st in store.replay(17, 25):
+        deadline = time.monotonic() + 30
+        while it < 25 and not any(r == it + 1 for r, _ in reads) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert it == 25 or any(r == it + 1 for r, _ in reads), f"record {it + 1} not read ahead"
+        for t in st["model"].values():  # yielded states are independent copies
+            t.add_(1.0)
+        held.append((it, st))
+    assert {name for _, name in reads} == {"ckptstore-replay-feed"}
+    ref = dict(want)
+    for it, st in held:  # nothing the feed or the engine reused changed an earlier state
+        for k, t in st["model"].items():
+            assert torch.equal(t, ref[it]["model"][k] + 1.0), f"iteration {it} {k}"
+    assert not _feed_threads()
+    store.close()
+
+
+def test_replay_range_early_exit_and_errors_stop_the_feed(tmp_path, assert_same):
+    path = tmp_path / "s"
+    store, ck, saved, _ = train(path, "Adam", {"lr": 1e-2}, None, n=30, base_every=100)
+    store.close()
+    with ckptstore.open(path, "r") as r:
+        for it, _ in r.replay(2, 28):  # break
+            if it == 4:
+                break
+        assert not _feed_threads()
+        gen = r.replay(1, 28)  # close()
+        assert next(gen)[0] == 1 and next(gen)[0] == 2
+        gen.close()
+        assert not _feed_threads()
+        with pytest.raises(ZeroDivisionError):  # an exception in the loop body
+            for it, _ in r.replay(1, 28):
+                if it == 3:
+                    1 / 0
+        assert not _feed_threads()
+        with pytest.raises(ckptstore.NotFoundError):  # past the end: raised after every state
+            seen = []
+            for it, _ in r.replay(27, 35):
+                seen.append(it)
+        assert seen == [27, 28, 29, 30] and not _feed_threads()
+    _corrupt_chunks_of(path, 12, "grads/2/g")
+    with ckptstore.open(path, "r") as r:
+        seen = []
+        with pytest.raises(ckptstore.DamagedCheckpointError, match="12"):
+            for it, st in r.replay(9, 20):
+                assert_same(saved[it]["model"], st["model"], f"iteration {it}")
+                seen.append(it)
+        assert seen == [9, 10, 11]  # the states before the damaged delta, then its error
+        assert not _feed_threads()
