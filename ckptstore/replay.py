@@ -522,19 +522,55 @@ def _record(store: "Store", it: int, into: Any = None,
 
 def replay_range(store: "Store", start: int, stop: int) -> Iterator[tuple[int, dict]]:
     """Yield (iteration, state) for start..stop inclusive. Each state is an independent copy.
-    A base snapshot met on the way restarts the engine from it (no replay needed past it)."""
+    A base snapshot met on the way restarts the engine from it (no replay needed past it).
+
+    The records after the base (delta records, and any base snapshot met on the way) are read
+    ahead by a background thread (:class:`ckptstore.recovery.RecordFeed`, two records ahead),
+    overlapping the optimizer steps, the copies and the caller's own work between items; what is
+    yielded is what stepping one record at a time yields, and a failing read is raised at its
+    iteration, after every state before it. The records are read into fresh tensors (no recycled
+    gradient buffers), so nothing a yielded state holds is ever reused. Closing the generator
+    early (``break``, ``close()``, an exception in the loop body) stops and joins that thread."""
+    from .recovery import RecordFeed
+
     if stop < start:
         return
-    eng = _engine_at(store, start)
-    it = eng.iteration
-    if it == start:
-        yield it, eng.current(clone=True)
-    while it < stop:
-        it += 1
+    base = store.base_of(start)
+    if store.kind(base) != "snapshot":
+        raise DeltaChainError(f"iteration {start}: chain does not start from a snapshot")
+    feed = RecordFeed(base + 1, stop, lambda it, _into: _read_ahead(store, it))
+    eng: _Engine | None = None
+    try:
+        eng = _Engine(store.load(base), base)  # the feed reads the first records meanwhile
+        if base == start:
+            yield base, eng.current(clone=True)
+        for it, (kind, data), _ in feed:
+            if kind == "snapshot":
+                eng.close()
+                eng = _Engine(data, it)
+            else:
+                eng.apply(it, data)
+            del data
+            if it >= start:
+                _warn(eng.report)
+                yield it, eng.current(clone=True)
+    finally:
+        feed.close()
+        if eng is not None:
+            eng.close()
+
+
+def _read_ahead(store: "Store", it: int) -> tuple[str, Any]:
+    """What :func:`replay_range` needs of iteration ``it``, read in the feed's thread:
+    ``("snapshot", state)`` for a base snapshot, else ``("delta", record)``. A missing iteration
+    raises NotFoundError, a non-delta, non-snapshot one DeltaChainError (as stepping did).
+
+    Readers (mode "r") hold the store's mutex for the read, so the loop body's calls on the same
+    Store cannot swap the reader's index view mid-read (writers' reads take it themselves, and
+    must not hold it across ``kind``: it may wait for the async pipeline, which needs it)."""
+    import contextlib
+
+    with store._mutex if store.mode == "r" else contextlib.nullcontext():
         if store.kind(it) == "snapshot":
-            eng = _Engine(store.load(it), it)
-        else:
-            eng.apply(it, _record(store, it))
-        if it >= start:
-            _warn(eng.report)
-            yield it, eng.current(clone=True)
+            return "snapshot", store.load(it)
+        return "delta", _record(store, it)

@@ -490,11 +490,14 @@ class Store:
         w = self.log.writer
         start = self.index.position() if not self._pending or w is None else Position(w.seq, w.offset)
         try:
+            # chunks and trees of the group's earlier deltas deduplicate too (their records
+            # precede this one and are cut only together with it: write_snapshot's invariant)
             batch, stats = write_snapshot(self.log, self.index, iteration, skeleton, meta_skeleton,
                                           leaves, chunk_size=self.chunk_size,
                                           segment_size=self.segment_size, kind="delta",
                                           extra={"prev": prev, "base": base, **(extra or {})},
-                                          defer_commit=True, stats_field=stats_field)
+                                          defer_commit=True, stats_field=stats_field,
+                                          pending=[b for b, _ in self._pending])
         except BaseException:
             self._rollback(start)
             raise

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import xxhash
 
@@ -80,7 +80,8 @@ def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: 
                    leaves: list[ArrayLeaf], *, chunk_size: int, segment_size: int,
                    progress: Callable[[int], None] | None = None, kind: str = "snapshot",
                    extra: dict | None = None, defer_commit: bool = False,
-                   stats_field: str | None = None) -> tuple[IndexBatch, SaveStats]:
+                   stats_field: str | None = None,
+                   pending: Sequence[IndexBatch] = ()) -> tuple[IndexBatch, SaveStats]:
     """Append one checkpoint and make it durable. Returns the index batch to apply and stats.
 
     ``kind``/``extra``: manifest kind ("delta" for gradient deltas, format-spec/deltas.md) and its
@@ -90,6 +91,12 @@ def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: 
     ``stats_field``: name of a dict in ``extra`` (the async pipeline's "pipeline" field,
     format-spec/format.md section 10) that receives ``dedup_bytes`` and ``write_s`` (seconds spent
     hashing, compressing and appending before the manifest) just before the manifest is encoded.
+    ``pending``: the batches of the earlier, not yet committed deltas of this group commit; their
+    new chunks and trees deduplicate like indexed ones. Safe by this invariant: their records lie
+    in the log before this save's, are made durable by the same fsync before any COMMIT of the
+    group, and are only ever cut together with this save (a group rollback cuts from the group's
+    start; a failed save cuts from its own start, after them), so a commit never names a record
+    the log does not keep before it.
 
     The caller owns rollback: on any exception nothing has been committed, and the log must be cut
     back to where this save began.
@@ -102,6 +109,8 @@ def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: 
     entries: list[TensorEntry] = []
     roots: list[tuple[str, bytes]] = []
     written = dedup = n_written = n_dedup = 0
+    in_group_chunks = [b.chunks for b in pending]
+    in_group_trees = [b.trees for b in pending]
 
     def append(rtype: int, parts: list) -> Loc:
         nonlocal written
@@ -123,7 +132,8 @@ def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: 
                 piece = view[start:start + chunk_size]
                 addr = address_of(piece)
                 addresses.append(addr)
-                if addr in new_chunks or stored_chunk(log, index, addr):
+                if addr in new_chunks or any(addr in c for c in in_group_chunks) or \
+                        stored_chunk(log, index, addr):
                     dedup += len(piece)
                     n_dedup += 1
                 else:
@@ -135,7 +145,8 @@ def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: 
                     progress(len(piece))
             tree = make_tree(nbytes, chunk_size, addresses)
             root = tree.root
-            if root not in new_trees and not stored_tree(log, index, root):
+            if root not in new_trees and not any(root in t for t in in_group_trees) and \
+                    not stored_tree(log, index, root):
                 new_trees[root] = append(rec.RecordType.TREE, [encode_tree(tree)])
         entries.append(TensorEntry(leaf.name, leaf.lib, leaf.dtype, leaf.shape, nbytes, root, inline,
                                    leaf.param, leaf.requires_grad))

@@ -57,6 +57,8 @@ def build(opt_name, opt_kwargs, sched):
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
     elif sched == "cosine":
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50)
+    elif sched == "multistep":  # milestones: a collections.Counter (12 counts twice)
+        scheduler = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[5, 12, 12, 33], gamma=0.5)
     return model, opt, scheduler
 
 
@@ -140,7 +142,7 @@ def test_bit_exact_point_in_time(tmp_path, assert_same, monkeypatch, opt_name, o
             assert_same(saved[t][k], st[k], f"iteration {t} {k}")
     # steady-state deltas ran as tiled windows (ending at each fingerprint, every 5 iterations)
     assert (max(windows, default=0) == 5) == tiled, windows
-    # replay of a range (one delta at a time, unsharded) yields independent, exact states
+    # replay of a range (records read ahead, steps unsharded) yields independent, exact states
     seen = []
     for it, st in store.replay(*RANGE):
         assert_same(saved[it]["model"], st["model"], f"replay {it}")
@@ -547,3 +549,216 @@ def test_cuda_rng_state_is_logged_and_restored(tmp_path):
     assert ck.restore(6) == 6
     assert torch.equal(draw, torch.rand(4, device="cuda"))
     store.close()
+
+
+# ---- sync path: a failed write or commit restarts the chain (like the async path) ------------
+@pytest.mark.parametrize("op,err,at,lost", [("write", "ENOSPC", 8, ()), ("fsync", "EIO", 8, (7, 8)),
+                                            ("write", "EIO", 15, (13, 14))],
+                         ids=["delta-write-ENOSPC", "group-fsync-EIO", "base-write-EIO"])
+def test_sync_failure_restarts_chain_with_a_base(tmp_path, assert_same, op, err, at, lost):
+    """A write (or group fsync) failing inside step(at) on the synchronous path is raised to the
+    caller after optimizer.step(); what was committed before stays intact, the next step writes a
+    base of the live state (the chain restarts) and every later iteration replays bit-exact.
+    ``at`` = 15 is a base-snapshot step (base_every=15). ``lost``: the uncommitted deltas of the
+    group the failure rolled back (groups of 3: 7-9, 13-15); a failed delta write keeps the
+    deltas appended before it (7 is committed with the restart)."""
+    import errno as errno_mod
+
+    from test_faults import FaultyOps
+
+    ops = FaultyOps()
+    model, opt, sched = build("Adam", {"lr": 1e-2}, "step")
+    store = ckptstore.open(tmp_path / "s", file_ops=ops)
+    ck = Checkpointer(store, model, opt, sched, base_every=15, group_commit=3,
+                      fingerprint_every=5, asynchronous=False)
+    assert ck.restore() == 0
+    saved = {0: live_state(model, opt, sched)}
+    failed = None
+    for it in range(1, 31):
+        if it == at:
+            ops.arm(op, 1, getattr(errno_mod, err))
+        x, y = batch(it)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        try:
+            ck.step(it)
+        except ckptstore.StoreIOError:
+            failed = it
+            committed_then = store.iterations()
+        finally:
+            opt.zero_grad()
+        saved[it] = live_state(model, opt, sched)  # the step was applied either way
+    # the fsync of a group fails in the step that commits it (the first flush at or after 8)
+    assert failed == (9 if op == "fsync" else at)
+    ck.flush()
+    its = store.iterations()
+    assert set(committed_then) <= set(its)  # nothing committed before the failure was lost
+    assert store.kind(failed) == "snapshot"  # the step after the failure restarted the chain
+    assert set(range(failed, 31)) <= set(its)
+    assert its == [i for i in range(31) if i not in lost]
+    for t in its:
+        st = store.load(t)
+        for k in saved[t]:
+            assert_same(saved[t][k], st[k], f"iteration {t} {k}")
+    seen = [it for it, _ in store.replay(failed - 1 if failed - 1 in its else failed, 20)]
+    assert seen[-1] == 20
+    store.close()
+    assert check(tmp_path / "s").clean
+    with ckptstore.open(tmp_path / "s", "r") as r:
+        assert r.iterations() == its
+        assert_same(saved[30]["model"], r.load(30)["model"])
+
+
+# ---- MultiStepLR: its Counter state is stored as a dict, restored as a Counter ------------------
+def test_multisteplr_bit_exact_and_resume(tmp_path, assert_same):
+    """MultiStepLR keeps ``milestones`` in a collections.Counter: stored as a plain dict (the
+    format holds no Counter; format-spec/deltas.md "Scheduler state"), loaded bit-exact as that
+    dict, and restored into the live scheduler as a working Counter."""
+    from collections import Counter
+
+    from ckptstore.torch import counters_like
+    from ckptstore.torch.checkpointer import plain_counters
+
+    store, ck, saved, (model, opt, sched) = train(tmp_path / "full", "Adam", {"lr": 1e-2},
+                                                  "multistep", n=40, base_every=15, group_commit=2)
+    ck.flush()
+    assert [i for i in store.iterations() if store.kind(i) == "snapshot"] == [0, 15, 30]
+    lrs = {t: saved[t]["optimizer"]["param_groups"][0]["lr"] for t in (4, 5, 12, 33)}
+    assert lrs == {4: 1e-2, 5: 5e-3, 12: 1.25e-3, 33: 6.25e-4}  # 12 counts twice
+    for t in (1, 5, 12, 14, 15, 16, 29, 30, 33, 40):
+        st = store.load(t)
+        assert_same(saved[t]["model"], st["model"], f"iteration {t} model")
+        assert_same(saved[t]["optimizer"], st["optimizer"], f"iteration {t} optimizer")
+        assert type(st["scheduler"]["milestones"]) is dict
+        assert_same(plain_counters(saved[t]["scheduler"]), st["scheduler"], f"iteration {t} sched")
+        back = counters_like(st["scheduler"], sched.state_dict())
+        assert_same(saved[t]["scheduler"], back, f"iteration {t} scheduler as Counter")
+    store.close()
+
+    # interrupted at 26 (a delta), resumed by restore(): same final state as the uninterrupted run
+    s2, ck2, _, _ = train(tmp_path / "resumed", "Adam", {"lr": 1e-2}, "multistep", n=26,
+                          base_every=15, group_commit=2)
+    s2.close()
+    store2, ck3, saved2, (model2, opt2, sched2) = train(tmp_path / "resumed", "Adam", {"lr": 1e-2},
+                                                        "multistep", n=40, base_every=15,
+                                                        group_commit=2)
+    assert min(saved2) == 26  # restore() resumed at 26
+    assert type(sched2.milestones) is Counter and sched2.milestones[7] == 0
+    assert sched2.milestones == Counter({5: 1, 12: 2, 33: 1})
+    assert_same(saved[40]["model"], model2.state_dict(), "resumed final model")
+    assert_same(saved[40]["optimizer"], opt2.state_dict(), "resumed final optimizer")
+    assert_same(saved[40]["scheduler"], sched2.state_dict(), "resumed final scheduler")
+    # the restored scheduler works with Counter semantics: the closed form (step(epoch)) uses
+    # milestones.elements()
+    assert sched2._get_closed_form_lr() == [opt2.param_groups[0]["initial_lr"] * 0.5 ** 4]
+    store2.close()
+
+
+# ---- store.replay(start, stop): records read ahead, same states as stepping one at a time --------
+def _feed_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("ckptstore-replay")]
+
+
+def _stepping(store, start, stop):
+    """The previous replay_range (one record read at a time, in the caller's thread): the
+    reference the read-ahead version must reproduce exactly."""
+    from ckptstore import replay as R
+
+    eng = R._engine_at(store, start)
+    it = eng.iteration
+    if it == start:
+        yield it, eng.current(clone=True)
+    while it < stop:
+        it += 1
+        if store.kind(it) == "snapshot":
+            eng = R._Engine(store.load(it), it)
+        else:
+            eng.apply(it, R._record(store, it))
+        if it >= start:
+            R._warn(eng.report)
+            yield it, eng.current(clone=True)
+
+
+def _collect(gen):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = list(gen)
+    return out, [str(x.message) for x in w if issubclass(x.category, ApproximateReplayWarning)]
+
+
+@pytest.mark.parametrize("codec", ["exact", "int8"])
+def test_replay_range_reads_ahead_and_matches_stepping(tmp_path, assert_same, monkeypatch, codec):
+    store, ck, saved, _ = train(tmp_path / "s", "SGD", {"lr": 0.05, "momentum": 0.9}, None, n=40,
+                                base_every=15, codec=codec)
+    ck.flush()
+    want, want_warn = _collect(_stepping(store, 12, 33))  # crosses the bases at 15 and 30
+    got, got_warn = _collect(store.replay(12, 33))
+    assert [i for i, _ in got] == list(range(12, 34)) == [i for i, _ in want]
+    assert got_warn == want_warn and (len(got_warn) > 0) == (codec != "exact")
+    for (i, a), (_, b) in zip(want, got):
+        assert_same(a, b, f"iteration {i}")  # the whole state, replay_report included
+        if codec == "exact":
+            assert_same(saved[i]["model"], b["model"], f"iteration {i} vs training")
+    # a state from the base itself, and a range inside one chain
+    warnings.simplefilter("ignore", ApproximateReplayWarning)  # (restored by pytest after the test)
+    assert [i for i, _ in store.replay(15, 16)] == [15, 16]
+    assert [i for i, _ in store.replay(3, 3)] == [3] and list(store.replay(5, 4)) == []
+
+    # read ahead: while the caller holds state k, the feed thread has read k + 1 (and beyond)
+    reads = []
+    orig = store.load_record
+
+    def logged(it, *a, **kw):
+        reads.append((it, threading.current_thread().name))
+        return orig(it, *a, **kw)
+
+    monkeypatch.setattr(store, "load_record", logged)
+    held = []
+    for it, st in store.replay(17, 25):
+        deadline = time.monotonic() + 30
+        while it < 25 and not any(r == it + 1 for r, _ in reads) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert it == 25 or any(r == it + 1 for r, _ in reads), f"record {it + 1} not read ahead"
+        for t in st["model"].values():  # yielded states are independent copies
+            t.add_(1.0)
+        held.append((it, st))
+    assert {name for _, name in reads} == {"ckptstore-replay-feed"}
+    ref = dict(want)
+    for it, st in held:  # nothing the feed or the engine reused changed an earlier state
+        for k, t in st["model"].items():
+            assert torch.equal(t, ref[it]["model"][k] + 1.0), f"iteration {it} {k}"
+    assert not _feed_threads()
+    store.close()
+
+
+def test_replay_range_early_exit_and_errors_stop_the_feed(tmp_path, assert_same):
+    path = tmp_path / "s"
+    store, ck, saved, _ = train(path, "Adam", {"lr": 1e-2}, None, n=30, base_every=100)
+    store.close()
+    with ckptstore.open(path, "r") as r:
+        for it, _ in r.replay(2, 28):  # break
+            if it == 4:
+                break
+        assert not _feed_threads()
+        gen = r.replay(1, 28)  # close()
+        assert next(gen)[0] == 1 and next(gen)[0] == 2
+        gen.close()
+        assert not _feed_threads()
+        with pytest.raises(ZeroDivisionError):  # an exception in the loop body
+            for it, _ in r.replay(1, 28):
+                if it == 3:
+                    1 / 0
+        assert not _feed_threads()
+        with pytest.raises(ckptstore.NotFoundError):  # past the end: raised after every state
+            seen = []
+            for it, _ in r.replay(27, 35):
+                seen.append(it)
+        assert seen == [27, 28, 29, 30] and not _feed_threads()
+    _corrupt_chunks_of(path, 12, "grads/2/g")
+    with ckptstore.open(path, "r") as r:
+        seen = []
+        with pytest.raises(ckptstore.DamagedCheckpointError, match="12"):
+            for it, st in r.replay(9, 20):
+                assert_same(saved[it]["model"], st["model"], f"iteration {it}")
+                seen.append(it)
+        assert seen == [9, 10, 11]  # the states before the damaged delta, then its error
+        assert not _feed_threads()

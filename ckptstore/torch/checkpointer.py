@@ -33,6 +33,7 @@ import random
 import threading
 import time
 import weakref
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,36 @@ def restore_rng(rng: dict) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
+def plain_counters(state: Any) -> Any:
+    """``state`` (a scheduler's ``state_dict()``) with every ``collections.Counter`` in it (dicts,
+    lists, tuples; MultiStepLR's ``milestones``) turned into a plain dict of the same items, in the
+    same order: the state encoding holds no Counter (format-spec/deltas.md, "Scheduler state").
+    Containers on the way are copied; everything else is shared."""
+    t = type(state)
+    if t is Counter:
+        return dict(state)
+    if t is dict:
+        return {k: plain_counters(v) for k, v in state.items()}
+    if t is list:
+        return [plain_counters(v) for v in state]
+    if t is tuple:
+        return tuple(plain_counters(v) for v in state)
+    return state
+
+
+def counters_like(loaded: Any, live: Any) -> Any:
+    """Undo :func:`plain_counters` for a state read back: where the live scheduler's state holds a
+    Counter at the same place and ``loaded`` holds a plain dict, make that dict a Counter again
+    (missing keys then read as 0, ``elements()`` works), keeping its item order."""
+    if type(live) is Counter and type(loaded) is dict:
+        return Counter(loaded)
+    if type(live) is dict and type(loaded) is dict:
+        return {k: counters_like(v, live[k]) if k in live else v for k, v in loaded.items()}
+    if type(live) in (list, tuple) and type(loaded) is type(live) and len(loaded) == len(live):
+        return type(loaded)(counters_like(a, b) for a, b in zip(loaded, live))
+    return loaded
+
+
 def _json_defaults(defaults: dict) -> dict:
     return {k: v for k, v in defaults.items()
             if v is None or type(v) in (bool, int, float, str, tuple)}
@@ -79,7 +110,8 @@ class Checkpointer:
     ``asynchronous``: write through the store's async pipeline (default); ``step`` and
     ``save_base`` then return futures resolved when the record is durable. A background failure is
     raised by the next ``step`` (before ``optimizer.step()``); the step after it restarts the chain
-    with a base snapshot of the live state when deltas were lost.
+    with a base snapshot of the live state when deltas were lost. The synchronous path does the
+    same after a failed write or commit (see :meth:`step`).
     ``capture``: "hooks" (default: copy gradients during backward, exact codec only) or "step".
     """
 
@@ -180,7 +212,7 @@ class Checkpointer:
     def state(self, iteration: int) -> dict:
         st: dict[str, Any] = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.scheduler is not None:
-            st["scheduler"] = self.scheduler.state_dict()
+            st["scheduler"] = plain_counters(self.scheduler.state_dict())
         st["rng"] = capture_rng()
         st["iteration"] = iteration
         st[REPLAY_KEY] = self._replay_info()
@@ -307,7 +339,7 @@ class Checkpointer:
                         if k not in self._param_names and k not in self._aliases},
         }
         if self.scheduler is not None:
-            record["scheduler"] = self.scheduler.state_dict()
+            record["scheduler"] = plain_counters(self.scheduler.state_dict())
         if self.codec.lossy:
             record["err"] = err
         if self.fingerprint_every and iteration % self.fingerprint_every == 0:
@@ -376,7 +408,8 @@ class Checkpointer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
+            self.scheduler.load_state_dict(counters_like(state["scheduler"],
+                                                         self.scheduler.state_dict()))
         restore_rng(state["rng"])
         self._last = target
         self._base = self.store.base_of(target)
@@ -400,40 +433,79 @@ class Checkpointer:
     def step(self, iteration: int, meta: dict | None = None):
         """Apply the optimizer step for ``iteration`` (gradients must be in ``p.grad``), step the
         scheduler, and log the iteration: a delta record, or a base snapshot when due.
-        Returns SaveStats, or with ``asynchronous`` a future resolved when the record is durable."""
+        Returns SaveStats, or with ``asynchronous`` a future resolved when the record is durable.
+
+        Failures (both paths): an error met before ``optimizer.step()`` (an earlier background
+        failure, a refused iteration) leaves the live objects untouched: retry ``iteration``.
+        An error met after it (the record of ``iteration`` could not be written or committed)
+        is raised once the store is back to its last committed state; the live objects did take
+        the step, so continue with ``iteration + 1``, whose step first writes a base snapshot of
+        the live state (the chain restarts) when records were lost."""
         if self.asynchronous:
             return self._step_async(iteration, meta)
-        if self._last is None:
-            latest = self.store.latest()
-            if latest is None:
-                self.save_base(iteration - 1)  # the state before this step starts the chain
-            else:
-                self._last, self._base = latest, self.store.base_of(latest)
+        if self._resync or self._last is None:
+            self._restart_sync(iteration)
+        else:
+            try:
+                self.store._check_writable()  # a failed group-timer commit, before optimizer.step
+            except BaseException:
+                self._resync = True
+                raise
         pending = self.store.pending()
         self._check_follows(iteration, pending[-1] if pending else self.store.index.latest())
         t0 = time.perf_counter()
         rng = capture_rng()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         grads, err = self._encode_grads()
-        t_step = time.perf_counter()
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        t_step = time.perf_counter() - t_step
-        due = iteration - (self._base if self._base is not None else 0) >= self.interval()
-        if due:
-            stats = self.save_base(iteration, meta)
-        else:
-            record = self._delta_record(iteration, grads, hyper, rng, err)
-            stats = self.store.save_delta(iteration, record, meta, durable=False)
+        try:
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            due = iteration - (self._base if self._base is not None else 0) >= self.interval()
+            if due:
+                stats = self.save_base(iteration, meta)
+            else:
+                record = self._delta_record(iteration, grads, hyper, rng, err)
+                stats = self.store.save_delta(iteration, record, meta, durable=False)
+                self._last = iteration
+                if len(self.store.pending()) >= self.group_commit or (
+                        self.group_seconds is not None and
+                        self.store.pending_age() >= self.group_seconds):
+                    self.store.flush()
+                # replaying a delta costs about its read (~ its write) plus the optimizer step
+                self._ema("_delta_cost", time.perf_counter() - t0)
+        except BaseException:
+            # the store rolled the failed record (or group) back; the live objects hold the state
+            # of ``iteration``: the next step restarts the chain from them
             self._last = iteration
-            if len(self.store.pending()) >= self.group_commit or (
-                    self.group_seconds is not None and self.store.pending_age() >= self.group_seconds):
-                self.store.flush()
-            # replaying a delta costs about its read (~ its write) plus the optimizer step
-            self._ema("_delta_cost", time.perf_counter() - t0)
+            self._resync = True
+            raise
         self.last_stats = stats
         return stats
+
+    def _check_resumes(self, iteration: int) -> None:
+        """Before a chain restart: ``iteration`` must follow the live objects' iteration, or the
+        base written for ``iteration - 1`` would be labelled with the wrong iteration."""
+        if self._last is not None and iteration != self._last + 1:
+            raise DeltaChainError(f"Checkpointer.step({iteration}): the live state is that of "
+                                  f"iteration {self._last}; iterations must follow each other")
+
+    def _restart_sync(self, iteration: int) -> None:
+        """Synchronous path, before the first step or after a failure (``_resync``): find where
+        the store's chain ends. Unless it ends at ``iteration - 1`` (a first step resumes from
+        the latest iteration instead), the live state, that of ``iteration - 1``, starts a new
+        chain as a base snapshot. Raises before ``optimizer.step()``; ``_resync`` stays set."""
+        self._check_resumes(iteration)
+        latest = self.store.latest()  # after a failed rollback this recovers (cuts pending deltas)
+        if self._resync and self.store.pending():
+            # deltas appended before the failed one are intact: commit them (chain continuity)
+            self.store.flush()
+            latest = self.store.latest()
+        if latest is None or (self._resync and latest != iteration - 1):
+            self.save_base(iteration - 1)
+        else:
+            self._last, self._base = latest, self.store.base_of(latest)
+        self._resync = False
 
     def flush(self) -> int | None:
         """Commit pending deltas now; returns store.durable_iteration()."""
@@ -449,6 +521,7 @@ class Checkpointer:
         tail = pipe.tail()
         if self._resync or self._last is None or tail is None or tail < self._last:
             # (a tail behind the last step: a failure reported through another call lost records)
+            self._check_resumes(iteration)
             latest = self.store.latest()
             if latest is None or latest != iteration - 1:
                 # empty store, or records lost to a background failure: the live state (that of
