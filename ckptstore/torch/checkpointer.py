@@ -42,7 +42,7 @@ import torch
 from ..errors import DeltaChainError, NotFoundError
 from ..pipeline import ALIGN
 from ..gradcodecs import parse_codec
-from ..replay import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION, fingerprint
+from ..replay import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION, fingerprint, fingerprint_digest
 
 
 def capture_rng() -> dict:
@@ -343,8 +343,12 @@ class Checkpointer:
         if self.codec.lossy:
             record["err"] = err
         if self.fingerprint_every and iteration % self.fingerprint_every == 0:
-            digest, norm = fingerprint(self._params)
-            record["fp"] = {"xxh3": digest, "norm": norm}
+            # the norm serves only replays that cannot compare bits (deltas.md, "fp")
+            if self.codec.lossy or self._device != "cpu":
+                digest, norm = fingerprint(self._params)
+                record["fp"] = {"xxh3": digest, "norm": norm}
+            else:
+                record["fp"] = {"xxh3": fingerprint_digest(self._params)}
         return record
 
     def _take_grads(self) -> tuple[list[Any], Any]:
