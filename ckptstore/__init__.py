@@ -26,7 +26,11 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> Store:  
 
     Options: ``chunk_size`` and ``segment_size`` (bytes; defaults 4 MiB and 1 GiB, recorded in the
     STORE file at creation, overridable per writer), ``file_ops`` (the I/O seam, for fault
-    injection), ``load_threads`` (parallel chunk reads, default 2).
+    injection), ``load_threads`` (parallel chunk reads, default 2), ``evict_written`` (writers,
+    default True: advise the kernel with posix_fadvise DONTNEED to write back and drop the page
+    cache of what was written, every 32 MiB and after each fsync, so the writer reuses a few cache
+    pages instead of filling fresh ones; advice only, it never discards data or fails a write;
+    False leaves the page cache alone, e.g. when the checkpoints just written are read back soon).
     """
     return Store(path, mode, **options)
 

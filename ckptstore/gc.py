@@ -101,7 +101,8 @@ class _Compactor:
             self.writer.sync()
             self.writer.close()
         path = self.store.layout.gc_temp_path(self.seq)
-        self.writer = SegmentWriter.create(path, self.seq, self.store.header.store_id, self.ops, supersedes)
+        self.writer = SegmentWriter.create(path, self.seq, self.store.header.store_id, self.ops,
+                                           supersedes, self.store.evict_written)
         self.temps.append((self.seq, path))
         self.seq += 1
         return self.writer

@@ -73,13 +73,17 @@ class Store:
     def __init__(self, path: str | os.PathLike, mode: str = "a", *, chunk_size: int | None = None,
                  segment_size: int | None = None, file_ops: FileOps | None = None,
                  load_threads: int = 2, host_budget: int | None = None,
-                 max_inflight: int | None = None, use_index: bool = True) -> None:
+                 max_inflight: int | None = None, use_index: bool = True,
+                 evict_written: bool = True) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         self.path = os.fspath(path)
         self.mode = mode
         self.layout = Layout(self.path)
         self._ops = file_ops or FileOps()
+        #: writers: advise the kernel to write back and drop the pages of what was written
+        #: (SegmentWriter); readers never advise
+        self.evict_written = evict_written
         self._lock_fd: int | None = None
         self._closed = False
         self._mutex = threading.RLock()
@@ -204,7 +208,7 @@ class Store:
         self.segment_size = segment_size or self.header.segment_size
         if not 0 < self.chunk_size <= MAX_CHUNK_SIZE:
             raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK_SIZE}")
-        self.log = Log(self.layout, self.header.store_id, self._ops)
+        self.log = Log(self.layout, self.header.store_id, self._ops, self.evict_written)
         self._finish_interrupted_gc()
         self.index = self._open_index()
         self._recover()

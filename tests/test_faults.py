@@ -608,6 +608,42 @@ def test_every_write_short(sc: Scenario, tmp_path, assert_same):
     assert check(path).clean
 
 
+class _FailedAdvice(SweepOps):
+    """Every page-cache advice fails (EIO); no other call does. Records the files advised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.advised: list[str] = []
+
+    def advise_written(self, fd, path, offset, length):
+        self.advised.append(path)
+        assert super().advise_written(fd, path, offset, length) is False
+        return False
+
+    def _advise(self, fd, offset, length):
+        raise OSError(errno.EIO, "injected advice failure")
+
+
+@pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_failed_advice_is_harmless(sc: Scenario, tmp_path, assert_same):
+    """The sweep does not count page-cache advice (FileOps.advise_written swallows its errors, it
+    is not a write): here it fails at every call of every write path and nothing differs."""
+    path = tmp_path / "s"
+    sc.prepare(path)
+    ops = _FailedAdvice()
+    s = sc.open(path, ops)
+    sc.act(s)
+    s.close()
+    assert ops.advised, "the write path issued no advice"
+    if sc.name == "gc":
+        assert any(p.endswith(".gc-tmp") for p in ops.advised), ops.advised
+    if sc.name == "tail-quarantine":
+        assert any(p.endswith(".tail") for p in ops.advised), ops.advised
+    TOTALS["failed advice (harmless)"] += len(ops.advised)
+    reader_check(path, sc.after, assert_same, verify=sc.verify)
+    assert check(path).clean
+
+
 class _Dribble(FileOps):
     """Every write stores at most 7 bytes (a pathological but legal pwritev)."""
 

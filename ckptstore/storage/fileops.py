@@ -17,6 +17,11 @@ unlink, and each commit of an LMDB index transaction, passes through exactly one
     _ftruncate, _rename, _unlink
     _index_open  open (and create) the LMDB environment of the index
     _index_commit  commit an LMDB write transaction (LMDB's own writes and fsyncs happen here)
+
+One more hook is advice, not I/O the store relies on: ``_advise`` (posix_fadvise DONTNEED over
+bytes already written, see :meth:`FileOps.advise_written`). Its failure is swallowed, so the
+sweep does not count it as a failing call; tests/test_faults.py fails it at every call of every
+write path instead and checks that nothing changes.
 """
 
 from __future__ import annotations
@@ -116,6 +121,20 @@ class FileOps:
         with io_errors("unlink", path):
             self._unlink(path)
 
+    def advise_written(self, fd: int, path: str, offset: int, length: int) -> bool:
+        """Advice, never an error: tell the kernel that ``length`` bytes at ``offset`` of ``fd``
+        (already written) will not be read soon (POSIX_FADV_DONTNEED). Linux starts writeback of
+        the dirty pages and drops the clean ones; dirty data is never discarded, so no outcome of
+        this call can lose or change a byte. Returns False when the advice failed or is not
+        available (the OSError is swallowed). ``path`` is for subclasses that log or observe."""
+        if length <= 0:  # posix_fadvise reads length 0 as "to the end of the file"
+            return False
+        try:
+            self._advise(fd, offset, length)
+        except OSError:
+            return False
+        return True
+
     def write_file_atomic(self, path: str, data: bytes) -> None:
         """temp file -> write -> fsync -> rename over ``path`` -> fsync the directory."""
         tmp = f"{path}.tmp"
@@ -163,6 +182,11 @@ class FileOps:
 
     def _index_commit(self, txn: Any) -> None:
         txn.commit()
+
+    def _advise(self, fd: int, offset: int, length: int) -> None:
+        if not hasattr(os, "posix_fadvise"):  # macOS: no such call; the advice is simply skipped
+            raise OSError(errno.ENOSYS, "posix_fadvise is not available")
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
     def _pwritev(self, fd: int, buffers: Sequence[bytes | memoryview], offset: int) -> int:
         return os.pwritev(fd, buffers, offset)

@@ -122,10 +122,13 @@ class ReplayReport:
 class Log:
     """Segment files of one store. Read methods are thread-safe; append methods are not."""
 
-    def __init__(self, layout: Layout, store_id: bytes, ops: FileOps | None = None) -> None:
+    def __init__(self, layout: Layout, store_id: bytes, ops: FileOps | None = None,
+                 evict_written: bool = False) -> None:
         self.layout = layout
         self.store_id = store_id
         self.ops = ops
+        #: the writer (and quarantine copies) advise the kernel to drop written pages (SegmentWriter)
+        self.evict_written = evict_written
         self._files: dict[int, SegmentFile] = {}
         self.headers: dict[int, SegmentHeader] = {}
         self.header_damage: dict[int, FormatError] = {}
@@ -445,12 +448,12 @@ class Log:
             if live:
                 seq = live[-1]
                 self.writer = SegmentWriter.reopen(self.layout.segment_path(seq), seq,
-                                                   _header_len(), self.ops)
+                                                   _header_len(), self.ops, self.evict_written)
             else:
                 self.roll(segment_size)
             return
         self.writer = SegmentWriter.reopen(self.layout.segment_path(position.seq), position.seq,
-                                           position.offset, self.ops)
+                                           position.offset, self.ops, self.evict_written)
 
     def roll(self, segment_size: int, supersedes: int = 0) -> SegmentWriter:
         """Start a new segment after every existing one (fsyncing the old one first)."""
@@ -462,7 +465,7 @@ class Log:
             self.writer.close()
             self.writer = None  # never leave a closed writer behind if create() fails
         self.writer = SegmentWriter.create(self.layout.segment_path(seq), seq, self.store_id,
-                                           self.ops, supersedes)
+                                           self.ops, supersedes, self.evict_written)
         self.ops.fsync_dir(self.layout.segment_dir)
         self.headers[seq] = SegmentHeader(FORMAT_VERSION, seq, self.store_id, supersedes)
         return self.writer
@@ -526,6 +529,8 @@ class Log:
                     self.ops.writev(fd, dest, [block], pos - start)
                     pos += len(block)
                 self.ops.fsync(fd, dest)
+                if self.evict_written:
+                    self.ops.advise_written(fd, dest, 0, size - start)
             finally:
                 os.close(fd)
         self.ops.fsync_dir(self.layout.quarantine_dir)
