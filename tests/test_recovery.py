@@ -154,3 +154,13 @@ def test_window_size_bounded_by_memory():
     assert window_size([torch.zeros(10)]) == 16
     assert window_size([torch.zeros(1 << 28)]) == 1  # 1 GiB of gradient: step by step
     assert 1 < window_size([torch.zeros(27_000_000)]) < 16
+
+
+def test_parameter_norm_is_float64_accurate():
+    from ckptstore.replay import parameter_norm
+
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(300_001, generator=g) * 1e3, torch.randn(7, 5, generator=g).half(),
+              torch.arange(5), torch.randn(3, dtype=torch.float64, generator=g)]
+    exact = sum(float(p.double().square().sum()) for p in params if p.is_floating_point()) ** 0.5
+    assert abs(parameter_norm(params) - exact) <= 1e-6 * exact  # float32 partial sums
