@@ -357,15 +357,20 @@ class _Engine:
                 self.report.measured_norm_rel_error = max(self.report.measured_norm_rel_error or 0.0, rel)
 
     def parallel(self, threads: int) -> None:
-        """Shard the optimizer step over ``threads`` threads when its class is per-parameter
-        separable (:data:`ckptstore.recovery.SEPARABLE_OPTIMIZERS`) and the parameters are
-        large enough to gain from it (``PARALLEL_MIN_NUMEL``); else keep it sequential."""
+        """Choose how steps run. Steady-state deltas of a separable optimizer
+        (:data:`ckptstore.recovery.SEPARABLE_OPTIMIZERS`) run as tiled windows when a window
+        holds more than one delta (:func:`ckptstore.recovery.window_size`); else, with ``threads``
+        > 1 and parameters large enough to gain (``PARALLEL_MIN_NUMEL``), each step is sharded
+        over ``threads`` threads; else steps run sequentially. The two are exclusive: the
+        sharding pool's threads each start their own OpenMP team for torch's intra-op work, and
+        with those teams alive the tiled windows' ops ran 2x slower here (2 cores)."""
         from . import recovery
 
-        if threads > 1 and len(self.params) > 1 and self.info["optimizer"] in recovery.SEPARABLE_OPTIMIZERS \
+        self._window = recovery.window_size(self.params)
+        if self._window == 1 and threads > 1 and len(self.params) > 1 \
+                and self.info["optimizer"] in recovery.SEPARABLE_OPTIMIZERS \
                 and sum(p.numel() for p in self.params) >= recovery.PARALLEL_MIN_NUMEL:
             self._sharded = recovery.ShardedStep(self.opt, threads, self._make_optimizer)
-        self._window = recovery.window_size(self.params)
 
     @property
     def window(self) -> int:

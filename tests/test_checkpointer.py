@@ -136,7 +136,7 @@ def test_bit_exact_point_in_time(tmp_path, assert_same, monkeypatch, opt_name, o
     its = store.iterations()
     assert its == list(range(0, N_ITERS + 1))
     assert [i for i in its if store.kind(i) == "snapshot"] == [0, 30, 60, 90]
-    for t in CHECK_ITERS:  # store.load: records read ahead, optimizer step sharded over 3 threads
+    for t in CHECK_ITERS:  # store.load: records read ahead, tiled windows (or steps sharded over 3 threads)
         st = store.load(t)
         for k in saved[t]:
             assert_same(saved[t][k], st[k], f"iteration {t} {k}")
@@ -487,6 +487,9 @@ def test_non_separable_optimizer_replays_sequentially(tmp_path, assert_same, mon
     assert built == []
     store.close()
     store, ck, saved, _ = train(tmp_path / "t", "Adam", {"lr": 1e-2}, None, n=3, base_every=100)
+    assert_same(saved[3]["optimizer"], store.load(3)["optimizer"])
+    assert built == []  # tiled windows apply: never sharded as well (replay.py, parallel)
+    monkeypatch.setattr(recovery, "window_size", lambda params: 1)
     assert_same(saved[3]["optimizer"], store.load(3)["optimizer"])
     assert built == [1]  # the allowlisted one is sharded (PARALLEL_MIN_NUMEL is 0 in these tests)
     store.close()
