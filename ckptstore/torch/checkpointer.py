@@ -351,6 +351,14 @@ class Checkpointer:
                 record["fp"] = {"xxh3": fingerprint_digest(self._params)}
         return record
 
+    def _optimizer_step(self, iteration: int) -> bool:
+        """The optimizer's and scheduler's step for ``iteration``; whether a base snapshot is due
+        there (instead of a delta)."""
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return iteration - (self._base if self._base is not None else 0) >= self.interval()
+
     def _take_grads(self) -> tuple[list[Any], Any]:
         """Gradient payloads for the delta record, in slots of a host arena (ownership passes to
         the caller, who hands it to the pipeline)."""
@@ -462,11 +470,7 @@ class Checkpointer:
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         grads, err = self._encode_grads()
         try:
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-            due = iteration - (self._base if self._base is not None else 0) >= self.interval()
-            if due:
+            if self._optimizer_step(iteration):
                 stats = self.save_base(iteration, meta)
             else:
                 record = self._delta_record(iteration, grads, hyper, rng, err)
@@ -545,11 +549,7 @@ class Checkpointer:
         else:
             grads, err = self._encode_grads()
         try:
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-            due = iteration - (self._base if self._base is not None else 0) >= self.interval()
-            if due:
+            if self._optimizer_step(iteration):
                 owned, arena = arena, None
                 if owned is not None:
                     pipe.pool.release(owned)
