@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import datetime
 import errno
+import gc
 import os
 import random
 import signal
@@ -477,6 +478,7 @@ def _ddp_worker(rank: int, init: str, path: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))
+    ddp = None
     try:
         model, _ = _tiny()
         ddp = DDP(model, bucket_cap_mb=0.0002)  # several buckets for a tiny model
@@ -501,6 +503,12 @@ def _ddp_worker(rank: int, init: str, path: str, out: str) -> None:
             store.close()
             torch.save({"live": live, "counts": ck.capture_counts}, out)
     finally:
+        # DDP's reducer must not hold the last reference to the process group: its destructor
+        # would join gloo's threads with the GIL held while one of them waits for the GIL to free
+        # the comm hook's last callback (a deadlock at exit, 2 runs in 5 here; pytorch#56297).
+        # Released through the registry, the group is destroyed with the GIL released.
+        ddp = None
+        gc.collect()
         dist.destroy_process_group()
 
 
