@@ -7,7 +7,9 @@ Foreground, in the caller (its duration is the *stall* training sees):
   2. take a slot (at most ``max_inflight`` checkpoints snapshotted but not yet persisted) and host
      memory from the :class:`HostPool` (at most ``host_budget`` bytes of staging buffers). When
      either is full the caller waits: *backpressure*, reported as ``wait_s``;
-  3. copy every tensor into one reused host arena (CUDA tensors: a pinned arena, copies issued on a
+  3. copy every tensor into one reused host arena (CPU tensors: one batched ``_foreach_copy_`` into
+     destination views cached per arena and state structure, so a repeated structure costs no
+     per-tensor Python work beyond flattening; CUDA tensors: a pinned arena, copies issued on a
      side stream after it waits for the training stream, which then waits for the copies on the
      GPU, not on the CPU; the persister synchronises on the copy event before reading);
   4. enqueue the job and return a :class:`concurrent.futures.Future`.
@@ -42,7 +44,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -110,12 +112,19 @@ class AsyncStats:
 
 
 class Arena:
-    """One reusable host staging buffer (pinned when CUDA is available)."""
+    """One reusable host staging buffer (pinned when CUDA is available).
+
+    It caches the typed destination views of the last few :class:`_Layout` s copied into it, so a
+    state whose structure repeats (every save of a training run) builds no views."""
+
+    _MAX_VIEWS = 4
 
     def __init__(self, capacity: int, pin: bool) -> None:
         self.capacity = capacity
-        self.buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+        with torch.inference_mode(False):  # a normal tensor: copies into it work in any mode
+            self.buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
         self._ptr = self.buf.untyped_storage().data_ptr()
+        self._views: dict[_Layout, list] = {}
 
     def slice(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buf[offset:offset + nbytes]
@@ -123,6 +132,45 @@ class Arena:
     def holds(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and t.device.type == "cpu" and \
             t.untyped_storage().data_ptr() == self._ptr
+
+    def views(self, layout: "_Layout") -> list:
+        """The destination of every leaf of ``layout``: a torch tensor (torch leaves) or a numpy
+        array (numpy leaves) of the leaf's dtype and shape, viewing its slice of this arena."""
+        v = self._views.get(layout)
+        if v is None:
+            if len(self._views) >= self._MAX_VIEWS:
+                self._views.clear()
+            with torch.inference_mode(False):  # cached views are used in and out of that mode
+                v = self._views[layout] = [self._view(off, leaf) for off, leaf in
+                                           zip(layout.offsets, layout.key)]
+        return v
+
+    def _view(self, offset: int, leaf: tuple) -> Any:
+        lib, dtype, shape, nbytes = leaf
+        dst = self.slice(offset, nbytes)
+        if lib == "torch":
+            return dst.view(TORCH_DTYPES[dtype]).view(shape)
+        return dst.numpy().view(np.dtype(dtype)).reshape(shape)
+
+
+@dataclass(frozen=True, eq=False)
+class _Layout:
+    """Where the copied leaves of a state of one structure lie in an arena: ``key`` is each leaf's
+    (lib, dtype, shape, nbytes) in order, ``offsets`` its ALIGN-aligned offset, ``total`` the bytes
+    needed. Layouts are compared by identity (a cached layout is found by its key)."""
+
+    key: tuple
+    offsets: tuple[int, ...]
+    total: int
+
+    @classmethod
+    def of(cls, key: tuple) -> "_Layout":
+        offsets = []
+        off = 0
+        for leaf in key:
+            offsets.append(off)
+            off += _align(leaf[3])
+        return cls(key, tuple(offsets), off)
 
 
 class HostPool:
@@ -192,46 +240,57 @@ class _Job:
 
 
 def _snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool, own_bytes: int,
-                     streams: dict) -> tuple[list[ArrayLeaf], Arena | None, list, int, float]:
-    """Copy every leaf not already in an owned arena into one arena from ``pool``. Returns the new
-    leaves, the arena (None when nothing was copied), CUDA events to wait for, bytes copied and
-    the seconds spent waiting for memory."""
-    todo = [i for i, lf in enumerate(leaves)
-            if lf.nbytes and not any(a.holds(lf.value) for a in owned)]
-    total = sum(_align(leaves[i].nbytes) for i in todo)
-    if not total:
-        return list(leaves), None, [], 0, 0.0
-    arena, waited = pool.acquire(total, own=own_bytes)
-    out = list(leaves)
+                     streams: dict, layouts: dict) -> tuple[list[ArrayLeaf], Arena | None, list, int, float]:
+    """Copy every leaf not already in an owned arena into one arena from ``pool``. Returns the
+    leaves (the same list: each copied leaf's ``value`` now views the arena; ``leaves`` is the
+    caller's fresh flatten output), the arena (None when nothing was copied), CUDA events to wait
+    for, bytes copied and the seconds spent waiting for memory. ``layouts``: the caller's cache of
+    :class:`_Layout` by key, reused while the state's structure (dtypes, shapes) repeats.
+
+    CPU tensors are copied by one ``torch._foreach_copy_`` into views of their own dtype and shape
+    (no Python call per tensor; a same-dtype copy moves bits, NaN payloads included, and resolves
+    strided, conjugate and negative views)."""
+    if owned:
+        todo = [lf for lf in leaves if lf.nbytes and not any(a.holds(lf.value) for a in owned)]
+    else:
+        todo = [lf for lf in leaves if lf.nbytes]
+    if not todo:
+        return leaves, None, [], 0, 0.0
+    key = tuple([(lf.lib, lf.dtype, lf.shape, lf.nbytes) for lf in todo])
+    layout = layouts.get(key)
+    if layout is None:
+        if len(layouts) >= 16:
+            layouts.clear()
+        layout = layouts[key] = _Layout.of(key)
+    arena, waited = pool.acquire(layout.total, own=own_bytes)
     events: list = []
-    cuda_copies: dict[Any, list] = {}
-    off = 0
     try:
-        for i in todo:
-            lf = leaves[i]
-            dst = arena.slice(off, lf.nbytes)
-            off += _align(lf.nbytes)
-            if lf.lib == "torch":
-                src = lf.value.detach()
-                typed = dst.view(TORCH_DTYPES[lf.dtype]).view(lf.shape)
-                if src.device.type == "cuda":
-                    cuda_copies.setdefault(src.device, []).append((typed, src))
-                elif src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() \
-                        and not src.is_neg():
-                    dst.copy_(src.reshape(-1).view(torch.uint8))  # a byte copy: NaN bits kept
-                else:
-                    typed.copy_(src)  # strided, conjugate/negative views: resolved into dst
-                out[i] = replace(lf, value=typed)
+        cpu_dst: list[torch.Tensor] = []
+        cpu_src: list[torch.Tensor] = []
+        cuda_copies: dict[Any, list] = {}
+        for lf, dst in zip(todo, arena.views(layout)):
+            src = lf.value
+            if lf.lib != "torch":
+                dst.reshape(-1).view(np.uint8)[:] = \
+                    np.ascontiguousarray(src).reshape(-1).view(np.uint8)  # a byte copy
+            elif src.is_cpu:
+                cpu_dst.append(dst)
+                cpu_src.append(src)
+            elif src.is_cuda:
+                cuda_copies.setdefault(src.device, []).append((dst, src.detach()))
             else:
-                a = dst.numpy()
-                a[:] = np.ascontiguousarray(lf.value).reshape(-1).view(np.uint8)
-                out[i] = replace(lf, value=a.view(np.dtype(lf.dtype)).reshape(lf.shape))
+                with torch.no_grad():
+                    dst.copy_(src)
+            lf.value = dst
+        if cpu_dst:
+            with torch.no_grad():
+                torch._foreach_copy_(cpu_dst, cpu_src)
         for dev, pairs in cuda_copies.items():
             events.append(_cuda_copy(dev, pairs, streams))
     except BaseException:
         pool.release(arena)
         raise
-    return out, arena, events, total, waited
+    return leaves, arena, events, layout.total, waited
 
 
 def _cuda_copy(device: Any, pairs: list, streams: dict) -> Any:
@@ -276,6 +335,7 @@ class Pipeline:
         self._tail_known = False
         self._history: deque[AsyncStats] = deque(maxlen=10_000)
         self._streams: dict = {}
+        self._layouts: dict[tuple, _Layout] = {}  # snapshot layouts by structure (_snapshot_leaves)
         self._thread = threading.Thread(target=self._run, name=f"ckptstore-persist:{store.path}",
                                         daemon=True)
         self._thread.start()
@@ -321,7 +381,7 @@ class Pipeline:
             ts = time.perf_counter()
             own = sum(a.capacity for a in owned)
             job.leaves, arena, job.events, copied, waited = _snapshot_leaves(
-                leaves, owned, self.pool, own, self._streams)
+                leaves, owned, self.pool, own, self._streams, self._layouts)
             if arena is not None:
                 job.arenas.append(arena)
             wait += waited

@@ -69,21 +69,29 @@ class ArrayLeaf:
         return memoryview(a.reshape(-1).view(np.uint8))
 
 
+#: torch dtype -> its name in TORCH_DTYPES (a dict lookup instead of str() per tensor)
+_TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in TORCH_DTYPES.items()}
+
+
 def _torch_leaf(t: torch.Tensor, path: Path) -> ArrayLeaf:
-    where = format_path(path)
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise UnsupportedTypeError(f"tensor subclass {type(t).__qualname__} at {where} is not supported")
+    # the common case (a dense tensor of a known dtype) pays for no path formatting: every save
+    # flattens hundreds of tensors in the caller's thread (the async stall)
+    kind = type(t)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+        raise UnsupportedTypeError(f"tensor subclass {kind.__qualname__} at {format_path(path)} "
+                                   "is not supported")
     if t.layout != torch.strided:
-        raise UnsupportedTypeError(f"{t.layout} tensor at {where}: only strided (dense) tensors are supported")
+        raise UnsupportedTypeError(f"{t.layout} tensor at {format_path(path)}: only strided (dense) "
+                                   "tensors are supported")
     if t.is_nested or t.is_quantized:
-        raise UnsupportedTypeError(f"nested or quantized tensor at {where} is not supported")
-    if t.device.type == "meta":
-        raise UnsupportedTypeError(f"meta tensor at {where} has no data to save")
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in TORCH_DTYPES:
-        raise UnsupportedTypeError(f"tensor dtype {t.dtype} at {where} is not supported")
-    return ArrayLeaf(path, "torch", name, tuple(t.shape), t.numel() * t.element_size(), t,
-                     param=isinstance(t, torch.nn.Parameter), requires_grad=t.requires_grad)
+        raise UnsupportedTypeError(f"nested or quantized tensor at {format_path(path)} is not supported")
+    if t.is_meta:
+        raise UnsupportedTypeError(f"meta tensor at {format_path(path)} has no data to save")
+    name = _TORCH_DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise UnsupportedTypeError(f"tensor dtype {t.dtype} at {format_path(path)} is not supported")
+    return ArrayLeaf(path, "torch", name, tuple(t.shape), t.nbytes, t,
+                     param=kind is torch.nn.Parameter, requires_grad=t.requires_grad)
 
 
 def _numpy_leaf(a: np.ndarray, path: Path) -> ArrayLeaf:

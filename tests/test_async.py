@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import datetime
 import errno
+import gc
 import os
 import random
 import signal
@@ -304,6 +305,71 @@ def test_backpressure_budget_and_buffer_reuse(tmp_path):
     assert one > 0
 
 
+def _shaped_states():
+    """States whose structure changes from one to the next (shape, dtype at equal byte size,
+    numpy byte order, an added key, a removed key, a strided leaf), then repeats: snapshot
+    layouts are cached by structure and every change must miss the cache."""
+    g = torch.Generator().manual_seed(7)
+
+    def base(**kw):
+        st = {"a": torch.randn(100, generator=g), "b": torch.arange(50) * 3, "c": [torch.randn(3, 4, generator=g)],
+              "np": np.arange(40, dtype="<f8") * 0.5, "nan": torch.full((5,), 0x7FA00001, dtype=torch.int32).view(torch.float32)}
+        st.update(kw)
+        return st
+
+    yield base()
+    yield base()  # same structure, new values
+    yield base(a=torch.randn(120, generator=g))  # shape
+    yield base(a=torch.randn(10, 10, generator=g))  # same bytes, other shape
+    yield base(a=torch.randn(50, generator=g).double())  # same bytes, other dtype
+    yield base(np=np.arange(40, dtype=">f8") * 0.25)  # numpy byte order
+    st = base()
+    yield {"a": st["a"], "new": torch.randn(7, 3, generator=g).half(), **{k: v for k, v in st.items() if k != "a"}}
+    yield {k: v for k, v in base().items() if k != "b"}  # removed key
+    yield base(c=[torch.randn(4, 3, generator=g).t()])  # a strided leaf where a contiguous one was
+    yield base(a=torch.randn(100, generator=g).to(torch.bfloat16).float())  # back to the first layout
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_snapshot_layout_cache_follows_structure_changes(tmp_path, assert_same, in_flight):
+    """Every save stores exactly the state it was given when consecutive states differ in
+    structure: one after another (the same arena reused with another layout) and all in flight
+    at once (each in its own arena), live tensors overwritten right after each save_async."""
+    ops = GateOps()
+    expected = {}
+    with open_store(tmp_path / "s", file_ops=ops, max_inflight=16) as store:
+        if in_flight:
+            ops.gate.clear()
+        futs = []
+        for i, st in enumerate(_shaped_states(), start=1):
+            expected[i] = _materialize(st)
+            futs.append(store.save_async(i, st))
+            _mutate(st)
+            if not in_flight:
+                futs[-1].result(timeout=60)
+        ops.gate.set()
+        for f in futs:
+            f.result(timeout=60)
+        for i, exp in expected.items():
+            assert_same(exp, store.load(i), f"iteration {i}")
+        if not in_flight:
+            assert store.pipeline.pool.allocations == 1  # one arena served every layout
+
+
+def test_save_async_inside_and_outside_inference_mode(tmp_path, assert_same):
+    """The pooled arena and its cached views are created in inference mode by the first save and
+    reused by saves outside it (and the reverse): copies into them work in both modes."""
+    with open_store(tmp_path / "s") as store:
+        expected = {}
+        for i, inference in enumerate([True, False, True, False], start=1):
+            st = {"w": torch.randn(64, 8), "p": torch.nn.Parameter(torch.randn(10))}
+            expected[i] = _materialize(st)
+            with torch.inference_mode(inference):
+                store.save_async(i, st).result(timeout=60)
+        for i, exp in expected.items():
+            assert_same(exp, store.load(i), f"iteration {i}")
+
+
 def test_save_async_on_reader_and_closed_store(tmp_path):
     with open_store(tmp_path / "s") as store:
         store.save_async(1, {"a": torch.ones(3)}).result(timeout=30)
@@ -477,6 +543,7 @@ def _ddp_worker(rank: int, init: str, path: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))
+    ddp = None
     try:
         model, _ = _tiny()
         ddp = DDP(model, bucket_cap_mb=0.0002)  # several buckets for a tiny model
@@ -501,6 +568,12 @@ def _ddp_worker(rank: int, init: str, path: str, out: str) -> None:
             store.close()
             torch.save({"live": live, "counts": ck.capture_counts}, out)
     finally:
+        # DDP's reducer must not hold the last reference to the process group: its destructor
+        # would join gloo's threads with the GIL held while one of them waits for the GIL to free
+        # the comm hook's last callback (a deadlock at exit, 2 runs in 5 here; pytorch#56297).
+        # Released through the registry, the group is destroyed with the GIL released.
+        ddp = None
+        gc.collect()
         dist.destroy_process_group()
 
 
