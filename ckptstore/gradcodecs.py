@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -50,6 +51,11 @@ class GradCodec:
         ``out`` unless the payload already holds it (exact)."""
         return self.decode(payload, tuple(out.shape), out.dtype)
 
+    def slicer(self, payload: dict, out_like: torch.Tensor) -> "GradSlices | None":
+        """A checked view of ``payload`` that decodes any 1-d range of the flat gradient on its own
+        (what :meth:`decode_into` would put there), or None when this codec or payload cannot."""
+        return None
+
     def encode_measured(self, g: torch.Tensor) -> tuple[dict, torch.Tensor | None, EncodeStats | None]:
         """Encode, and for lossy codecs also decode and measure the error. Returns
         (payload, decoded or None, stats or None)."""
@@ -61,6 +67,18 @@ class GradCodec:
         stats = EncodeStats(float(err.abs().max()) if err.numel() else 0.0,
                             float(err.norm()), float(g.detach().double().norm()))
         return payload, dec, stats
+
+
+class GradSlices:
+    """Decodes ranges ``[a, b)`` of one flat gradient into caller-provided 1-d buffers.
+    Invariant: ``into(a, b, out)`` writes exactly what a whole decode holds at ``a..b``."""
+
+    def __init__(self, fill: "Callable[[int, int, torch.Tensor], None]") -> None:
+        self._fill = fill
+
+    def into(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        self._fill(a, b, out)
+        return out
 
 
 class CastCodec(GradCodec):
@@ -84,6 +102,13 @@ class CastCodec(GradCodec):
         if tuple(g.shape) != tuple(out.shape):
             raise ValueError("cast gradient payload has the wrong shape")
         return out.copy_(g)
+
+    def slicer(self, payload: dict, out_like: torch.Tensor) -> GradSlices | None:
+        g = payload["g"]
+        if tuple(g.shape) != tuple(out_like.shape):
+            raise ValueError("cast gradient payload has the wrong shape")
+        flat = g.reshape(-1)
+        return GradSlices(lambda a, b, out: out.copy_(flat[a:b]))
 
 
 class TopKCodec(GradCodec):
@@ -124,6 +149,24 @@ class TopKCodec(GradCodec):
         flat.zero_()
         flat[idx] = vals.to(out.dtype)
         return out
+
+    def slicer(self, payload: dict, out_like: torch.Tensor) -> GradSlices | None:
+        """Ranges located by binary search in the indices; only for strictly increasing indices
+        (what :meth:`encode` writes), else None (a whole decode)."""
+        n = out_like.numel()
+        idx, vals = payload["i"].to(torch.int64), payload["v"]
+        if idx.numel() != vals.numel() or (idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n)):
+            raise ValueError("topk gradient payload has invalid indices")
+        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            return None
+        vals = vals.to(out_like.dtype)
+
+        def fill(a: int, b: int, out: torch.Tensor) -> None:
+            lo, hi = torch.searchsorted(idx, torch.tensor([a, b], dtype=torch.int64)).tolist()
+            out.zero_()
+            out[idx[lo:hi] - a] = vals[lo:hi]
+
+        return GradSlices(fill)
 
 
 class Int8Codec(GradCodec):

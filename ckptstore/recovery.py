@@ -317,8 +317,9 @@ class TiledSteps:
 
     def run(self, steps: list[tuple[list[dict], list[Any]]]) -> None:
         """Apply ``steps`` in order; each is (per main group: the settings in effect for that step,
-        per parameter: its gradient). The caller applies each step's post-step group settings to
-        the main optimizer afterwards, as for a plain step."""
+        per parameter: its gradient: a tensor, None, or a :class:`ckptstore.gradcodecs.GradSlices`
+        decoded tile by tile into a reused buffer). The caller applies each step's post-step group
+        settings to the main optimizer afterwards, as for a plain step."""
         import torch
 
         state = self.optimizer.state
@@ -334,18 +335,48 @@ class TiledSteps:
                                 for k, x in state.get(p, {}).items()}
                 placed.append(dict(opt.state[v]))
         n = 0
+        scratch: dict[Any, Any] = {}  # dtype -> one tile's worth of buffer for sliced decodes
         for opt, views, gis in self.tiles:
+            into = self._scratch_views(views, scratch, steps)
             for hyper, grads in steps:
                 for g, gi in zip(opt.param_groups, gis):
                     g.update(hyper[gi])
-                for i, a, b, v in views:
+                for (i, a, b, v), buf in zip(views, into):
                     g = grads[i]
-                    v.grad = None if g is None else g.reshape(-1)[a:b]
+                    v.grad = None if g is None else g.reshape(-1)[a:b] if isinstance(g, torch.Tensor) \
+                        else g.into(a, b, buf)
                 opt.step()
             for i, a, b, v in views:
                 v.grad = None
                 self._write_back(self.params[i], a, b, opt.state.get(v, {}), placed[n])
                 n += 1
+
+    @staticmethod
+    def _scratch_views(views: list, scratch: dict, steps: list) -> list:
+        """Per view, a 1-d buffer for a sliced (lossy) gradient decode: slices of one growing
+        buffer per dtype, reused by every step and tile (no optimizer keeps ``p.grad``, see
+        SEPARABLE_OPTIMIZERS). None for views whose gradients are all plain tensors."""
+        import torch
+
+        need = [any(g[i] is not None and not isinstance(g[i], torch.Tensor) for _, g in steps)
+                for i, _, _, _ in views]
+        if not any(need):
+            return [None] * len(views)
+        total: dict[Any, int] = {}
+        for (_, a, b, v), nd in zip(views, need):
+            if nd:
+                total[v.dtype] = total.get(v.dtype, 0) + b - a
+        for dt, n in total.items():
+            if dt not in scratch or scratch[dt].numel() < n:
+                scratch[dt] = torch.empty(n, dtype=dt)
+        out, off = [], dict.fromkeys(total, 0)
+        for (_, a, b, v), nd in zip(views, need):
+            if nd:
+                out.append(scratch[v.dtype][off[v.dtype]:off[v.dtype] + b - a])
+                off[v.dtype] += b - a
+            else:
+                out.append(None)
+        return out
 
     def _write_back(self, p: Any, a: int, b: int, st: dict, placed: dict) -> None:
         """Scalar state from a parameter's first slice to the main state; a full-size state tensor

@@ -225,11 +225,14 @@ class _Engine:
             p.grad = g
 
     @_untrusted("delta", it_arg=0)
-    def prepare(self, it: int, rec: dict, slot: int, settings: list[dict]) -> tuple[list[dict], list[Any]]:
+    def prepare(self, it: int, rec: dict, slot: int, settings: list[dict],
+                sliced: bool = False) -> tuple[list[dict], list[Any]]:
         """Check ``rec`` (the ``slot``-th delta after the engine's iteration) against the chain and
-        decode its gradients (lossy payloads into slot ``slot``'s reused buffers). ``settings``:
-        each group's settings before the step, updated in place with the record's hyperparameters.
-        Returns (per group: the record's hyperparameters, per parameter: its gradient or None)."""
+        decode its gradients (lossy payloads into slot ``slot``'s reused buffers; with ``sliced``,
+        lossy payloads whose codec decodes ranges on their own stay encoded, as checked
+        :class:`ckptstore.gradcodecs.GradSlices` for a tiled window). ``settings``: each group's
+        settings before the step, updated in place with the record's hyperparameters. Returns
+        (per group: the record's hyperparameters, per parameter: its gradient or None)."""
         torch = self._torch
         if it != self.iteration + 1 + slot:
             raise DeltaChainError(f"delta {it} does not follow iteration {self.iteration + slot}")
@@ -258,8 +261,11 @@ class _Engine:
             d = 0.0
             for p in group["params"]:
                 payload = grads[i]
+                lazy = codec.slicer(payload, p) if sliced and payload is not None and codec.lossy else None
                 if payload is None:
                     out.append(None)
+                elif lazy is not None:
+                    out.append(lazy)
                 elif bufs is not None:
                     if bufs[i] is None:
                         bufs[i] = torch.empty_like(p, memory_format=torch.contiguous_format)
@@ -295,7 +301,7 @@ class _Engine:
         settings = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
         steps, hypers = [], []
         for slot, (it, rec) in enumerate(items):
-            h, grads = self.prepare(it, rec, slot, settings)
+            h, grads = self.prepare(it, rec, slot, settings, True)
             steps.append(([dict(c) for c in settings], grads))
             hypers.append(h)
             self._after(it, rec, settings)

@@ -414,7 +414,15 @@ def test_lossy_adam_reports_measured_error(tmp_path, codec):
 
 
 @pytest.mark.parametrize("codec", ["bf16", "topk:0.05", "int8"])
-def test_training_on_decoded_gradients_replays_exactly(tmp_path, assert_same, codec):
+def test_training_on_decoded_gradients_replays_exactly(tmp_path, assert_same, monkeypatch, codec):
+    """Bit-exact through tiled windows, where bf16 and topk payloads are decoded tile by tile
+    (GradSlices) and int8 ones whole."""
+    from ckptstore import gradcodecs
+
+    sliced = []
+    into = gradcodecs.GradSlices.into
+    monkeypatch.setattr(gradcodecs.GradSlices, "into", lambda self, a, b, out: (sliced.append(b - a),
+                                                                                into(self, a, b, out))[1])
     store, ck, saved, _ = train(tmp_path / "s", "AdamW", {"lr": 1e-2}, "step", n=35,
                                 base_every=20, codec=codec, apply_decoded=True, fingerprint_every=3)
     with warnings.catch_warnings():
@@ -424,6 +432,7 @@ def test_training_on_decoded_gradients_replays_exactly(tmp_path, assert_same, co
             assert "replay_report" not in st
             for k in saved[t]:
                 assert_same(saved[t][k], st[k], f"{t} {k}")
+    assert bool(sliced) == (codec != "int8")
     store.close()
 
 

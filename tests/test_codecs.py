@@ -764,3 +764,30 @@ def test_error_hierarchy():
     assert not issubclass(FormatError, (ValueError, KeyError))
     e = ChecksumMismatch("tree root", "aa", "bb")
     assert e.expected == "aa" and e.got == "bb" and "tree root" in str(e)
+
+
+def test_grad_slices_match_whole_decodes():
+    """gradcodecs slicers (tiled replay windows) write exactly what a whole decode holds."""
+    import torch
+
+    from ckptstore.gradcodecs import parse_codec
+
+    g = torch.Generator().manual_seed(5)
+    grad = torch.randn(37, 101, generator=g)
+    for name in ("bf16", "fp16", "topk:0.07"):
+        codec = parse_codec(name)
+        payload = codec.encode(grad)
+        whole = codec.decode_into(payload, torch.empty_like(grad)).reshape(-1)
+        sl = codec.slicer(payload, grad)
+        for a, b in ((0, 64), (64, 1000), (1000, grad.numel()), (5, 5), (0, grad.numel())):
+            out = torch.full((b - a,), float("nan"))
+            assert torch.equal(sl.into(a, b, out), whole[a:b]), (name, a, b)
+    codec = parse_codec("topk:0.07")
+    payload = codec.encode(grad)
+    shuffled = {"i": payload["i"].flip(0), "v": payload["v"].flip(0)}
+    assert codec.slicer(shuffled, grad) is None  # not increasing: the whole decode is used
+    bad = {"i": payload["i"] + grad.numel(), "v": payload["v"]}
+    with pytest.raises(ValueError):
+        codec.slicer(bad, grad)
+    assert parse_codec("exact").slicer({"g": grad}, grad) is None
+    assert parse_codec("int8").slicer(parse_codec("int8").encode(grad), grad) is None
