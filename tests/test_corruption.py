@@ -810,12 +810,10 @@ def test_lost_commit_inside_a_group_commit(tmp_path, where):
     assert "chain broken at iteration 3 (lost)" in report.damaged_iterations[4][0], lines
 
 
-def test_damaged_duplicate_commit_of_an_interrupted_gc_loses_nothing(tmp_path, assert_same):
-    """A gc that failed before its marker leaves copies next to the old segments: every kept
-    checkpoint is committed twice. Damage to a copy's COMMIT is damage, but its iteration is still
-    committed (the original), so nothing may be reported lost."""
-    import numpy as np
-
+def _store_after_gc_failed_before_marker(path, states: dict) -> Layout:
+    """Save ``states`` (iteration -> state) in segment 1, then run a gc keeping the last two that
+    fails just before its marker rename (its commit point): segment 2 is the renamed copy, so
+    every kept checkpoint is committed twice. Returns the store's layout."""
     from ckptstore.storage.fileops import FileOps
 
     class FailMarkerRename(FileOps):
@@ -824,8 +822,6 @@ def test_damaged_duplicate_commit_of_an_interrupted_gc_loses_nothing(tmp_path, a
                 raise OSError(5, "simulated failure before the gc commit point")
             super()._rename(src, dst)
 
-    path = tmp_path / "store"
-    states = {i: {"x": np.full(3000, i, dtype=np.float32)} for i in range(1, 5)}
     w = ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=1 << 20,
                        file_ops=FailMarkerRename())
     for i, st in states.items():
@@ -835,6 +831,18 @@ def test_damaged_duplicate_commit_of_an_interrupted_gc_loses_nothing(tmp_path, a
     w.close()
     layout = Layout(str(path))
     assert layout.list_segments() == [1, 2]  # the old segment and the renamed copy
+    return layout
+
+
+def test_damaged_duplicate_commit_of_an_interrupted_gc_loses_nothing(tmp_path, assert_same):
+    """A gc that failed before its marker leaves copies next to the old segments: every kept
+    checkpoint is committed twice. Damage to a copy's COMMIT is damage, but its iteration is still
+    committed (the original), so nothing may be reported lost."""
+    import numpy as np
+
+    path = tmp_path / "store"
+    states = {i: {"x": np.full(3000, i, dtype=np.float32)} for i in range(1, 5)}
+    layout = _store_after_gc_failed_before_marker(path, states)
     copy = {it: r for it, r in build_commit_map(path).items() if r.seq == 2}
     assert sorted(copy) == [3, 4]
     flip(Path(layout.segment_path(2)), copy[3].offset + 9, 1, random.Random(1))
@@ -856,25 +864,9 @@ def test_damaged_later_copy_of_a_chunk_falls_back_to_the_intact_original(tmp_pat
     after fsck --repair (whose index holds only verified chunks) so does the writer."""
     import numpy as np
 
-    from ckptstore.storage.fileops import FileOps
-
-    class FailMarkerRename(FileOps):
-        def _rename(self, src, dst):
-            if len(Layout(str(path)).list_gc_temps()) == 1:  # only the marker is left
-                raise OSError(5, "simulated failure before the gc commit point")
-            super()._rename(src, dst)
-
     path = tmp_path / "store"
     states = {i: {"x": np.random.default_rng(i).standard_normal(3000)} for i in range(1, 5)}
-    w = ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=1 << 20,
-                       file_ops=FailMarkerRename())
-    for i, st in states.items():
-        w.save(i, st)
-    with pytest.raises(ckptstore.StoreIOError):
-        w.gc(keep_last=2)
-    w.close()
-    layout = Layout(str(path))
-    assert layout.list_segments() == [1, 2]  # the old segment and the renamed copy
+    layout = _store_after_gc_failed_before_marker(path, states)
     f = SegmentFile(layout.segment_path(2), 2)
     try:
         chunks = [item for item in scan_segment(f, 0) if isinstance(item, ScannedRecord)
