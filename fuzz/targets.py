@@ -477,25 +477,36 @@ def _replay_engine(base: Any, iteration: int) -> Any:
     return _Engine(base, iteration)
 
 
+def _fuzzed_state(data: bytes, pool: list[Any]) -> tuple[bool, Any]:
+    """(True, state) for a fuzzed JSON skeleton over ``pool``'s tensors that decodes, else
+    (False, None)."""
+    _, body = _split(data)
+    ok, node = _json(body)
+    if not ok:
+        return False, None
+    return _decodes(lambda: unflatten(node, _pool_leaf(pool)))
+
+
+def _real_base_engine(fx: dict[str, Any]) -> Any:
+    """A replay engine on a copy of the fixture's real base (it must accept it)."""
+    ok, eng = _decodes(lambda: _replay_engine(copy.deepcopy(fx["base"]), 0))
+    _require(ok, "the engine refused the real base")
+    return eng
+
+
 def check_delta(data: bytes) -> None:
     """replay.py + gradcodecs.py + recovery.py: a delta record (any skeleton over the real
     record's tensors plus odd ones) applied by the replay engine to the real base, step by step
     and as the two steps of a tiled window after the real delta 1, either replays or raises a
     package error (DamagedCheckpointError, DeltaChainError, ReplayDivergenceError)."""
     fx = delta_fixture()
-    _, body = _split(data)
-    ok, node = _json(body)
+    ok, record = _fuzzed_state(data, fx["delta_pool"])
     if not ok:
         return
-    ok, record = _decodes(lambda: unflatten(node, _pool_leaf(fx["delta_pool"])))
-    if not ok:
-        return
-    ok, eng = _decodes(lambda: _replay_engine(copy.deepcopy(fx["base"]), 0))
-    _require(ok, "the engine refused the real base")
+    eng = _real_base_engine(fx)
     if _decodes(lambda: eng.apply(1, record))[0]:
         _decodes(lambda: eng.current(clone=False))
-    ok, eng = _decodes(lambda: _replay_engine(copy.deepcopy(fx["base"]), 0))
-    _require(ok, "the engine refused the real base")
+    eng = _real_base_engine(fx)
     ok, _ = _decodes(lambda: eng.apply(1, copy.deepcopy(fx["records"][1])))
     _require(ok, "the engine refused the real delta 1")
     window = [(2, record), (3, copy.deepcopy(record))]
@@ -508,11 +519,7 @@ def check_replay_base(data: bytes) -> None:
     given to the replay engine, then the real delta 1 applied: either replays or raises a package
     error."""
     fx = delta_fixture()
-    _, body = _split(data)
-    ok, node = _json(body)
-    if not ok:
-        return
-    ok, base = _decodes(lambda: unflatten(node, _pool_leaf(fx["base_pool"])))
+    ok, base = _fuzzed_state(data, fx["base_pool"])
     if not ok:
         return
     ok, eng = _decodes(lambda: _replay_engine(base, 0))
