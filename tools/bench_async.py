@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ckptstore  # noqa: E402
-from bench_delta import add_model_args, build, fwd_bwd  # noqa: E402
+from bench_delta import add_model_args, build, fwd_bwd, setup  # noqa: E402
 from ckptstore.torch import Checkpointer  # noqa: E402
 
 
@@ -184,15 +184,7 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--skip-dcp", action="store_true")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.makedirs(args.dir, exist_ok=True)
-    model, _ = build(args)
-    n_params = sum(p.numel() for p in model.parameters())
-    del model
-    print(f"model: GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}: {n_params / 1e6:.1f}M "
-          f"parameters; AdamW; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
+    setup(args, f", {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
     print(f"{args.iters} iterations per peer; checkpoint interval {args.every}; ckptstore group "
           f"commit {args.group_commit}", flush=True)
 

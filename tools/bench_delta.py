@@ -152,6 +152,18 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=0)
 
 
+def setup(args, extra: str = "") -> None:
+    """Apply the thread count, create ``args.dir`` and print the model line (shared with
+    bench_async.py); ``extra`` is appended to that line."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.makedirs(args.dir, exist_ok=True)
+    model, _ = build(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}: {n_params / 1e6:.1f}M "
+          f"parameters; AdamW; torch {torch.__version__}, {torch.get_num_threads()} threads{extra}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=8)
@@ -161,13 +173,7 @@ def main():
     ap.add_argument("--codecs", default="exact,topk:0.01")
     add_model_args(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.makedirs(args.dir, exist_ok=True)
-    model, opt = build(args)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}: {n_params / 1e6:.1f}M "
-          f"parameters; AdamW; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    setup(args)
 
     plain, model, opt = run_plain(args)
     full = os.path.join(args.dir, "full.pt")
