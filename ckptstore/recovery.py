@@ -258,7 +258,9 @@ class TiledSteps:
     """
 
     def __init__(self, optimizer: "torch.optim.Optimizer", params: list, make: Callable[[list], Any],
-                 tile_numel: int | None = None) -> None:
+                 tile_numel: int | None = None, threads: int = 1) -> None:
+        from .native.adam import AdamWindow
+
         tile_numel = TILE_NUMEL if tile_numel is None else tile_numel
         cut = max(TILE_ALIGN, tile_numel // TILE_ALIGN * TILE_ALIGN)
         self.optimizer = optimizer
@@ -287,6 +289,10 @@ class TiledSteps:
             groups = [dict({k: v for k, v in optimizer.param_groups[gi].items() if k != "params"},
                            params=[v for i, _, _, v in views if gi_of[id(params[i])] == gi]) for gi in gis]
             self.tiles.append((make(groups), views, gis))
+        #: the native kernel for Adam/AdamW windows (None: torch's ops only)
+        self._native = AdamWindow(optimizer, make, threads) if AdamWindow.supports(optimizer) else None
+        self._slices = [[(i, a, b) for i, a, b, _ in views] for _, views, _ in self.tiles]
+        self._group_of = [gi_of[id(p)] for p in params]
 
     @staticmethod
     def ready(optimizer: "torch.optim.Optimizer", params: list) -> bool:
@@ -322,6 +328,8 @@ class TiledSteps:
         settings to the main optimizer afterwards, as for a plain step."""
         import torch
 
+        if self._native is not None and self._native.run(self._slices, self.params, self._group_of, steps):
+            return
         state = self.optimizer.state
         # every tile's slice state is made before any tile runs: a tile's write-back replaces a
         # parameter's scalar state, which later tiles of that parameter must not start from
@@ -397,6 +405,8 @@ class TiledSteps:
     def close(self) -> None:
         for opt, views, _ in self.tiles:
             opt.state.clear()
+        if self._native is not None:
+            self._native.close()
 
 
 def _steady_tensor(v: Any, p: Any) -> bool:

@@ -195,6 +195,8 @@ class _Engine:
         self._tiled: Any = None
         #: deltas per tiled window (1: step by step); set by :meth:`parallel`
         self._window = 1
+        #: threads for a tiled window's native kernel calls; set by :meth:`parallel`
+        self._threads = 1
         self._E = [0.0] * len(groups)   # per group: bound on |param error|
         self._B = [0.0] * len(groups)   # per group: bound on |momentum buffer error|
         self._torch = torch
@@ -306,7 +308,7 @@ class _Engine:
             hypers.append(h)
             self._after(it, rec, settings)
         if self._tiled is None:
-            self._tiled = TiledSteps(self.opt, self.params, self._make_optimizer)
+            self._tiled = TiledSteps(self.opt, self.params, self._make_optimizer, threads=self._threads)
         try:
             self._tiled.run(steps)
         except _MALFORMED as e:
@@ -373,6 +375,7 @@ class _Engine:
         from . import recovery
 
         self._window = recovery.window_size(self.params)
+        self._threads = max(1, threads)
         if self._window == 1 and threads > 1 and len(self.params) > 1 \
                 and self.info["optimizer"] in recovery.SEPARABLE_OPTIMIZERS \
                 and sum(p.numel() for p in self.params) >= recovery.PARALLEL_MIN_NUMEL:
