@@ -111,7 +111,7 @@ OPTIMIZERS = [
 ]
 
 
-@pytest.mark.parametrize("sched", [None, "step", "cosine", "none-untiled"])
+@pytest.mark.parametrize("sched", [None, "step", "cosine", "none-untiled", "none-torch-tiled"])
 @pytest.mark.parametrize("opt_name,opt_kwargs", OPTIMIZERS,
                          ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for n, kw in OPTIMIZERS])
 def test_bit_exact_point_in_time(tmp_path, assert_same, monkeypatch, opt_name, opt_kwargs, sched):
@@ -120,11 +120,22 @@ def test_bit_exact_point_in_time(tmp_path, assert_same, monkeypatch, opt_name, o
     if opt_kwargs.get("fused") and not _fused_on_cpu(opt_name):
         pytest.skip(f"this torch has no fused {opt_name} on CPU")
     from ckptstore import recovery
+    from ckptstore.native import adam as native_adam
 
+    native_ok = opt_name in ("Adam", "AdamW") and not (opt_kwargs.get("fused") or opt_kwargs.get("amsgrad"))
+    if sched == "none-torch-tiled":  # Adam/AdamW windows through torch's ops, not the native kernel
+        if not native_ok:
+            pytest.skip("only Adam/AdamW windows have a native kernel")
+        sched = None
+        native_ok = False
+        monkeypatch.setenv("CKPTSTORE_NATIVE", "0")
     tiled = sched != "none-untiled"
     if not tiled:  # every step through the sharded step-by-step path
         sched = None
+        native_ok = False
         monkeypatch.setattr(recovery, "window_size", lambda params: 1)
+    native_ok = native_ok and native_adam._load() is not None
+    native_steps = native_adam.stats["steps"]
     windows = []
     run = recovery.TiledSteps.run
     monkeypatch.setattr(recovery.TiledSteps, "run", lambda self, steps: (windows.append(len(steps)),
@@ -140,8 +151,10 @@ def test_bit_exact_point_in_time(tmp_path, assert_same, monkeypatch, opt_name, o
         st = store.load(t)
         for k in saved[t]:
             assert_same(saved[t][k], st[k], f"iteration {t} {k}")
-    # steady-state deltas ran as tiled windows (ending at each fingerprint, every 5 iterations)
+    # steady-state deltas ran as tiled windows (ending at each fingerprint, every 5 iterations),
+    # Adam's and AdamW's through the native kernel where this machine can build it
     assert (max(windows, default=0) == 5) == tiled, windows
+    assert (native_adam.stats["steps"] > native_steps) == native_ok
     # replay of a range (records read ahead, steps unsharded) yields independent, exact states
     seen = []
     for it, st in store.replay(*RANGE):
@@ -415,9 +428,12 @@ def test_lossy_adam_reports_measured_error(tmp_path, codec):
 
 @pytest.mark.parametrize("codec", ["bf16", "topk:0.05", "int8"])
 def test_training_on_decoded_gradients_replays_exactly(tmp_path, assert_same, monkeypatch, codec):
-    """Bit-exact through tiled windows, where bf16 and topk payloads are decoded tile by tile
-    (GradSlices) and int8 ones whole."""
+    """Bit-exact through tiled windows (the native kernel where it builds), where bf16 and topk
+    payloads are decoded tile by tile (GradSlices) and int8 ones whole."""
     from ckptstore import gradcodecs
+    from ckptstore.native import adam as native_adam
+
+    native_steps = native_adam.stats["steps"]
 
     sliced = []
     into = gradcodecs.GradSlices.into
@@ -433,6 +449,7 @@ def test_training_on_decoded_gradients_replays_exactly(tmp_path, assert_same, mo
             for k in saved[t]:
                 assert_same(saved[t][k], st[k], f"{t} {k}")
     assert bool(sliced) == (codec != "int8")
+    assert (native_adam.stats["steps"] > native_steps) == (native_adam._load() is not None)
     store.close()
 
 

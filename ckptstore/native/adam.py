@@ -217,14 +217,21 @@ class AdamWindow:
         parameter's group index. Returns False, having changed nothing, when the kernel may not
         run this window. Lossy slices of tile t+1 are decoded (on this thread, with torch ops)
         while the kernel threads run tile t."""
+        import torch
+
         plans = self._plan(params, gis, steps)
         if plans is None:
             return False
         fn = _load()[0]
-        scratch: list[dict] = [{}, {}]
+        scratch: list[Any] = [None, None]  # two flat buffers for lossy slices, tile t uses t % 2
         pending: list = []
         for t, tile in enumerate(tiles):
-            calls = [self._call(params[i], a, b, plans[i], steps, i, scratch[t % 2])
+            need = sum((b - a) * len(plans[i].applied) for i, a, b in tile if plans[i] is not None
+                       and any(not isinstance(steps[s][1][i], torch.Tensor) for s in plans[i].applied))
+            if need and (scratch[t % 2] is None or scratch[t % 2].numel() < need):
+                scratch[t % 2] = torch.empty(need, dtype=torch.float32)
+            free = [0]
+            calls = [self._call(params[i], a, b, plans[i], steps, i, scratch[t % 2], free)
                      for i, a, b in tile if plans[i] is not None]
             self._wait(pending)
             pending = self._submit(fn, calls)
@@ -290,9 +297,9 @@ class AdamWindow:
         return plans
 
     def _call(self, p: "torch.Tensor", a: int, b: int, plan: _ParamPlan, steps: list, i: int,
-              scratch: dict) -> _Call:
-        """The kernel call for entries ``a..b`` of parameter ``i``; lossy gradient slices are
-        decoded into ``scratch`` buffers (reused every other tile)."""
+              scratch: Any, free: list[int]) -> _Call:
+        """The kernel call for entries ``a..b`` of parameter ``i``. Lossy gradient slices are
+        decoded into ``scratch`` from offset ``free[0]`` on (advanced past what they use)."""
         import torch
 
         st = self.optimizer.state[p]
@@ -302,9 +309,8 @@ class AdamWindow:
             if isinstance(g, torch.Tensor):
                 ptrs.append(g.data_ptr() + 4 * a)
                 continue
-            buf = scratch.get((i, a, s))
-            if buf is None or buf.numel() != b - a:
-                buf = scratch[(i, a, s)] = torch.empty(b - a, dtype=torch.float32)
+            buf = scratch[free[0]:free[0] + b - a]
+            free[0] += b - a
             g.into(a, b, buf)
             ptrs.append(buf.data_ptr())
             keep.append(buf)
