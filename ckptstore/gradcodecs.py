@@ -74,8 +74,12 @@ class GradSlices:
     """Decodes ranges ``[a, b)`` of one flat gradient into caller-provided 1-d buffers.
     Invariant: ``into(a, b, out)`` writes exactly what a whole decode holds at ``a..b``."""
 
-    def __init__(self, fill: "Callable[[int, int, torch.Tensor], None]") -> None:
+    def __init__(self, fill: "Callable[[int, int, torch.Tensor], None]",
+                 sparse: "tuple[np.ndarray, np.ndarray] | None" = None) -> None:
         self._fill = fill
+        #: for sparse payloads: (positions: int64, strictly increasing, in range; values: the
+        #: output dtype), zero elsewhere, so a consumer may skip the dense decode
+        self.sparse = sparse
 
     def into(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
         self._fill(a, b, out)
@@ -156,15 +160,18 @@ class TopKCodec(GradCodec):
         (what :meth:`encode` writes), else None (a whole decode)."""
         n = out_like.numel()
         idx, vals = payload["i"].to(torch.int64), payload["v"]
-        if idx.numel() != vals.numel() or (idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n)):
+        if idx.numel() != vals.numel():
             raise ValueError("topk gradient payload has invalid indices")
-        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        # numpy: payloads are small and many; torch's per-op dispatch costs more than the work
+        idx_np = idx.numpy()
+        if idx_np.size and (int(idx_np.min()) < 0 or int(idx_np.max()) >= n):
+            raise ValueError("topk gradient payload has invalid indices")
+        if idx_np.size > 1 and not bool((idx_np[1:] > idx_np[:-1]).all()):
             return None
         vals = vals.to(out_like.dtype)
         if out_like.dtype in (torch.float32, torch.float64, torch.float16):
-            # numpy: these ranges are small (a tile) and many; torch's per-op dispatch and its
-            # intra-op threads cost more than the work (measured 3x slower in a tiled replay)
-            idx_np, vals_np = idx.numpy(), vals.numpy()
+            # (ranges are a tile: torch's dispatch and intra-op threads cost 3x the work here)
+            vals_np = vals.numpy()
 
             def fill(a: int, b: int, out: torch.Tensor) -> None:
                 lo, hi = np.searchsorted(idx_np, (a, b)).tolist()
@@ -172,7 +179,7 @@ class TopKCodec(GradCodec):
                 dense.fill(0)
                 dense[idx_np[lo:hi] - a] = vals_np[lo:hi]
 
-            return GradSlices(fill)
+            return GradSlices(fill, (idx_np, vals_np))
 
         def fill_torch(a: int, b: int, out: torch.Tensor) -> None:
             lo, hi = torch.searchsorted(idx, torch.tensor([a, b], dtype=torch.int64)).tolist()

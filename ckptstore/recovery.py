@@ -330,6 +330,9 @@ class TiledSteps:
 
         if self._native is not None and self._native.run(self._slices, self.params, self._group_of, steps):
             return
+        if not TiledSteps.ready(self.optimizer, self.params):  # a window the native kernel started
+            self._run_whole(steps)                             # (AdamWindow.can_start) but declined
+            return
         state = self.optimizer.state
         # every tile's slice state is made before any tile runs: a tile's write-back replaces a
         # parameter's scalar state, which later tiles of that parameter must not start from
@@ -358,6 +361,22 @@ class TiledSteps:
                 v.grad = None
                 self._write_back(self.params[i], a, b, opt.state.get(v, {}), placed[n])
                 n += 1
+
+    def _run_whole(self, steps: list[tuple[list[dict], list[Any]]]) -> None:
+        """``steps`` one after another on whole tensors with the main optimizer (state not steady:
+        a step may create it, which slices cannot)."""
+        import torch
+
+        for hyper, grads in steps:
+            for g, h in zip(self.optimizer.param_groups, hyper):
+                g.update(h)
+            for p, g in zip(self.params, grads):
+                if g is not None and not isinstance(g, torch.Tensor):
+                    g = g.into(0, p.numel(), torch.empty(p.numel(), dtype=p.dtype))
+                p.grad = None if g is None else g.view(p.shape)
+            self.optimizer.step()
+        for p in self.params:
+            p.grad = None
 
     @staticmethod
     def _scratch_views(views: list, scratch: dict, steps: list) -> list:

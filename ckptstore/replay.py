@@ -289,9 +289,11 @@ class _Engine:
 
     def tiled_ready(self) -> bool:
         """Whether the next deltas may run as a tiled window (:class:`ckptstore.recovery.TiledSteps`)."""
+        from .native.adam import AdamWindow
         from .recovery import TiledSteps
 
-        return self._window > 1 and TiledSteps.ready(self.opt, self.params)
+        return self._window > 1 and (TiledSteps.ready(self.opt, self.params)
+                                     or AdamWindow.can_start(self.opt, self.params))
 
     def apply_window(self, items: list[tuple[int, dict]]) -> None:
         """Replay consecutive deltas ``items`` ((iteration, record), in order) as one tiled window:

@@ -180,7 +180,7 @@ def test_build_cache_is_private_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("CKPTSTORE_KERNEL_CACHE", str(cache))
     monkeypatch.setattr(build, "_loaded", {})
     lib = build.load("adam_steps")
-    assert lib is not None and lib.ckpt_adam_abi() == 1
+    assert lib is not None and lib.ckpt_adam_abi() == 2
     files = list(cache.iterdir())
     assert len(files) == 1 and files[0].suffix == ".so"
     assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700

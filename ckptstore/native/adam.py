@@ -39,6 +39,8 @@ VML_MODE = 0x00140102
 DECOUPLED, WEIGHT_DECAY, MAXIMIZE = 1, 2, 4
 #: float32 scalars per step, in the kernel's order (adam_steps.c)
 SCALARS = 8
+#: most steps per kernel call (CKPT_MAX_STEPS in adam_steps.c, which does nothing past it)
+MAX_STEPS = 64
 #: kernel calls are split at multiples of this many entries (cache lines of float32)
 SPLIT_ALIGN = 64
 
@@ -55,14 +57,14 @@ def _load() -> tuple[Any, int | None] | None:
     with _lib_lock:
         if _kernel is None:
             lib = build.load("adam_steps")
-            if lib is None or lib.ckpt_adam_abi() != 1:
+            if lib is None or lib.ckpt_adam_abi() != 2:
                 _kernel = (None, None)
             else:
                 fn = lib.ckpt_adam_steps
                 fn.restype = None
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_longlong]
+                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong]
                 _kernel = (fn, _torch_vsqrt())
         return None if _kernel[0] is None else _kernel
 
@@ -149,15 +151,41 @@ def _step_values(step0: "torch.Tensor", k: int) -> tuple[list[float], "torch.Ten
     return out, t
 
 
+def _new_step() -> "torch.Tensor":
+    """A fresh ``step`` state entry, as torch's Adam makes it (capturable and fused off)."""
+    import torch
+    from torch.optim import optimizer as torch_optimizer
+
+    scalar_dtype = getattr(torch_optimizer, "_get_scalar_dtype", lambda: torch.float32)()
+    return torch.tensor(0.0, dtype=scalar_dtype)
+
+
+def _init_state(st: dict, p: "torch.Tensor") -> None:
+    """Fill the empty state ``st`` of ``p`` as torch's Adam does at its first step: ``step``,
+    ``exp_avg``, ``exp_avg_sq``, in that order."""
+    import torch
+
+    st["step"] = _new_step()
+    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+class _Grad(ctypes.Structure):
+    """adam_steps.c's ckpt_grad: a dense gradient, or a sparse one (positions, values, count)."""
+
+    _fields_ = [("dense", ctypes.c_void_p), ("idx", ctypes.c_void_p), ("vals", ctypes.c_void_p),
+                ("count", ctypes.c_int64)]
+
+
 class _Call:
-    """One kernel call: ``k`` steps over ``n`` entries. Holds every buffer its pointers refer to,
-    so they outlive the call."""
+    """One kernel call: ``len(grads)`` steps over ``n`` entries, sparse positions relative to
+    ``origin``. Holds every buffer its pointers refer to, so they outlive the call."""
 
-    __slots__ = ("p", "m", "v", "grads", "n", "scalars", "flags", "vsqrt", "keep")
+    __slots__ = ("p", "m", "v", "grads", "origin", "n", "scalars", "flags", "vsqrt", "keep")
 
-    def __init__(self, p: int, m: int, v: int, grads: ctypes.Array, n: int, scalars: np.ndarray,
-                 flags: int, vsqrt: int | None, keep: tuple) -> None:
-        self.p, self.m, self.v, self.grads, self.n = p, m, v, grads, n
+    def __init__(self, p: int, m: int, v: int, grads: ctypes.Array, origin: int, n: int,
+                 scalars: np.ndarray, flags: int, vsqrt: int | None, keep: tuple) -> None:
+        self.p, self.m, self.v, self.grads, self.origin, self.n = p, m, v, grads, origin, n
         self.scalars, self.flags, self.vsqrt, self.keep = scalars, flags, vsqrt, keep
 
     def split(self, parts: int) -> list["_Call"]:
@@ -167,13 +195,14 @@ class _Call:
         size = -(-self.n // parts // SPLIT_ALIGN) * SPLIT_ALIGN
         out = []
         for a in range(0, self.n, size):
-            grads = (ctypes.c_void_p * len(self.grads))(*[g + 4 * a for g in self.grads])
-            out.append(_Call(self.p + 4 * a, self.m + 4 * a, self.v + 4 * a, grads,
+            grads = (_Grad * len(self.grads))(*[
+                _Grad(g.dense + 4 * a if g.dense else None, g.idx, g.vals, g.count) for g in self.grads])
+            out.append(_Call(self.p + 4 * a, self.m + 4 * a, self.v + 4 * a, grads, self.origin + a,
                              min(size, self.n - a), self.scalars, self.flags, self.vsqrt, self.keep))
         return out
 
     def __call__(self, fn: Any) -> None:
-        fn(self.p, self.m, self.v, ctypes.addressof(self.grads), self.n, len(self.grads),
+        fn(self.p, self.m, self.v, ctypes.addressof(self.grads), self.origin, self.n, len(self.grads),
            self.scalars.ctypes.data, self.flags, self.vsqrt, VML_MODE)
 
 
@@ -228,6 +257,7 @@ class AdamWindow:
         for t, tile in enumerate(tiles):
             need = sum((b - a) * len(plans[i].applied) for i, a, b in tile if plans[i] is not None
                        and any(not isinstance(steps[s][1][i], torch.Tensor) for s in plans[i].applied))
+            # (an upper bound: sparse slices take no scratch)
             if need and (scratch[t % 2] is None or scratch[t % 2].numel() < need):
                 scratch[t % 2] = torch.empty(need, dtype=torch.float32)
             free = [0]
@@ -253,6 +283,8 @@ class AdamWindow:
         if loaded is None:
             return None
         fn, vsqrt = loaded
+        if len(steps) > MAX_STEPS:
+            return None
         for hyper, grads in steps:
             if not all(_eligible_group(h) for h in hyper):
                 return None
@@ -271,15 +303,23 @@ class AdamWindow:
             roots[gi] = root
         plans: list[_ParamPlan | None] = []
         memo: dict[tuple, _ParamPlan] = {}
+        fresh: list[tuple[int, int]] = []  # (first step with a gradient, index): state to create
         state = self.optimizer.state
         for i, p in enumerate(params):
             st = state.get(p) or {}
-            step = st.get("step")
-            if not (p.dtype == torch.float32 and _flat_f32(st.get("exp_avg"), p)
-                    and _flat_f32(st.get("exp_avg_sq"), p) and isinstance(step, torch.Tensor)
-                    and step.dim() == 0 and step.device.type == "cpu"):
-                return None
             applied = tuple(s for s, (_, grads) in enumerate(steps) if grads[i] is not None)
+            if not st:  # torch creates the state at the parameter's first step with a gradient
+                if not (p.dtype == torch.float32 and p.is_contiguous() and p.device.type == "cpu"):
+                    return None
+                step = _new_step()
+                if applied:
+                    fresh.append((applied[0], i))
+            else:
+                step = st.get("step")
+                if not (p.dtype == torch.float32 and _flat_f32(st.get("exp_avg"), p)
+                        and _flat_f32(st.get("exp_avg_sq"), p) and isinstance(step, torch.Tensor)
+                        and step.dim() == 0 and step.device.type == "cpu"):
+                    return None
             if any(isinstance(steps[s][1][i], torch.Tensor) and steps[s][1][i].numel() != p.numel()
                    for s in applied):
                 return None
@@ -294,7 +334,22 @@ class AdamWindow:
                 memo[key] = _ParamPlan(applied, np.asarray(rows, dtype=np.float32).reshape(-1),
                                        _flags(steps[applied[0]][0][gi], self.cls_name), roots[gi], final)
             plans.append(memo[key])
+        for _, i in sorted(fresh):  # in the order torch's steps would create them
+            _init_state(state[params[i]], params[i])
         return plans
+
+    @staticmethod
+    def can_start(optimizer: "torch.optim.Optimizer", params: list) -> bool:
+        """Whether a window may start before any parameter has state (the first deltas after a
+        base taken before the first step): :meth:`supports`, no state at all, float32 contiguous
+        CPU parameters and groups of settings the kernel handles. The window creates the state
+        as torch's first step would (verified with the rest, see :func:`_verified`)."""
+        import torch
+
+        return AdamWindow.supports(optimizer) and not any(optimizer.state.get(p) for p in params) \
+            and all(p.dtype == torch.float32 and p.is_contiguous() and p.device.type == "cpu"
+                    and p.numel() for p in params) \
+            and all(_eligible_group(g) for g in optimizer.param_groups) and _load() is not None
 
     def _call(self, p: "torch.Tensor", a: int, b: int, plan: _ParamPlan, steps: list, i: int,
               scratch: Any, free: list[int]) -> _Call:
@@ -303,21 +358,26 @@ class AdamWindow:
         import torch
 
         st = self.optimizer.state[p]
-        ptrs, keep = [], []
+        grads, keep = [], []
         for s in plan.applied:
             g = steps[s][1][i]
             if isinstance(g, torch.Tensor):
-                ptrs.append(g.data_ptr() + 4 * a)
+                grads.append(_Grad(g.data_ptr() + 4 * a, None, None, 0))
+                continue
+            sparse = g.sparse
+            if sparse is not None and sparse[1].dtype == np.float32:
+                idx, vals = sparse
+                grads.append(_Grad(None, idx.ctypes.data, vals.ctypes.data, idx.size))
+                keep.append(sparse)
                 continue
             buf = scratch[free[0]:free[0] + b - a]
             free[0] += b - a
             g.into(a, b, buf)
-            ptrs.append(buf.data_ptr())
+            grads.append(_Grad(buf.data_ptr(), None, None, 0))
             keep.append(buf)
-        grads = (ctypes.c_void_p * len(ptrs))(*ptrs)
         return _Call(p.data_ptr() + 4 * a, st["exp_avg"].data_ptr() + 4 * a,
-                     st["exp_avg_sq"].data_ptr() + 4 * a, grads, b - a, plan.scalars, plan.flags,
-                     plan.vsqrt, tuple(keep))
+                     st["exp_avg_sq"].data_ptr() + 4 * a, (_Grad * len(grads))(*grads), a, b - a,
+                     plan.scalars, plan.flags, plan.vsqrt, tuple(keep))
 
     def _submit(self, fn: Any, calls: list[_Call]) -> list:
         if self._pool is None:
@@ -351,6 +411,8 @@ def _flat_f32(t: Any, p: "torch.Tensor") -> bool:
 
 #: calibration tensor sizes: a lone entry, scalar tails, a vector body, one split across threads
 CALIBRATION_SIZES = (1, 37, 4099, 70001)
+#: calibration steps, from no state (the first ones create it, with extreme bias corrections)
+CALIBRATION_STEPS = 5
 
 
 def _verified(fn: Any, vsqrt: int | None, sig: tuple, make: Callable[[list], Any],
@@ -358,8 +420,10 @@ def _verified(fn: Any, vsqrt: int | None, sig: tuple, make: Callable[[list], Any
     """For configuration ``sig``: the square root with which the kernel reproduces torch's
     steps bit for bit on this machine (torch's vmsSqrt address, or None for sqrtf), or False
     when neither does. Decided once per process and configuration, on calibration tensors stepped
-    by ``make``'s optimizer with ``group``'s settings: two steps to create the state, then three
-    with the learning rate changing, compared with three kernel steps from the same state."""
+    by ``make``'s optimizer with ``group``'s settings: CALIBRATION_STEPS steps from no state, the
+    learning rate changing every step, against the state :func:`_init_state` creates and the
+    kernel's steps. Compared: every bit of parameters and moments, the step count (value and
+    dtype) and the state's key order."""
     with _lib_lock:
         if sig in _verdicts:
             return _verdicts[sig]
@@ -377,17 +441,12 @@ def _verified(fn: Any, vsqrt: int | None, sig: tuple, make: Callable[[list], Any
         return g.masked_fill_(silent[n] | (torch.rand(n, generator=gen) < 0.05), 0.0)
 
     settings = {k: v for k, v in group.items() if k != "params"}
-    live = [torch.randn(n, generator=gen) for n in CALIBRATION_SIZES]
+    initial = [torch.randn(n, generator=gen) for n in CALIBRATION_SIZES]
+    live = [p.clone() for p in initial]
     opt = make([dict(settings, params=live)])
-    grads = [[grad(n) for n in CALIBRATION_SIZES] for _ in range(5)]
-    for s in range(2):
-        for p, g in zip(live, grads[s]):
-            p.grad = g
-        opt.step()
-    start = [(p.clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone(),
-              opt.state[p]["step"].clone()) for p in live]
     hypers = []
-    for s in range(2, 5):
+    grads = [[grad(n) for n in CALIBRATION_SIZES] for _ in range(CALIBRATION_STEPS)]
+    for s in range(CALIBRATION_STEPS):  # from no state: the first steps create it
         opt.param_groups[0]["lr"] = settings["lr"] * (1 + 0.25 * s)
         hypers.append(dict(opt.param_groups[0]))
         for p, g in zip(live, grads[s]):
@@ -396,16 +455,21 @@ def _verified(fn: Any, vsqrt: int | None, sig: tuple, make: Callable[[list], Any
     verdict: int | None | bool = False
     for root in ([vsqrt] if vsqrt is not None else []) + [None]:
         same = True
-        for (p0, m0, v0, step0), p, g in zip(start, live, zip(*grads[2:])):
-            P, M, V = p0.clone(), m0.clone(), v0.clone()
-            values, _ = _step_values(step0, 3)
+        for p0, p, g in zip(initial, live, zip(*grads)):
+            P, st = p0.clone(), {}
+            _init_state(st, P)
+            values, final = _step_values(st["step"], CALIBRATION_STEPS)
             scalars = np.asarray([_row(h, sv) for h, sv in zip(hypers, values)], dtype=np.float32)
-            ptrs = (ctypes.c_void_p * 3)(*[x.data_ptr() for x in g])
-            _Call(P.data_ptr(), M.data_ptr(), V.data_ptr(), ptrs, P.numel(), scalars.reshape(-1),
-                  _flags(hypers[0], sig[0]), root, ())(fn)
-            st = opt.state[p]
-            same = same and all(torch.equal(x.view(torch.int32), y.view(torch.int32))
-                                for x, y in ((P, p), (M, st["exp_avg"]), (V, st["exp_avg_sq"])))
+            dense = (_Grad * CALIBRATION_STEPS)(*[_Grad(x.data_ptr(), None, None, 0) for x in g])
+            _Call(P.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(), dense, 0,
+                  P.numel(), scalars.reshape(-1), _flags(hypers[0], sig[0]), root, ())(fn)
+            st["step"] = final
+            ref = opt.state[p]
+            same = same and list(st) == list(ref) and final.dtype == ref["step"].dtype \
+                and float(final) == float(ref["step"]) \
+                and all(torch.equal(x.view(torch.int32), y.view(torch.int32))
+                        for x, y in ((P, p), (st["exp_avg"], ref["exp_avg"]),
+                                     (st["exp_avg_sq"], ref["exp_avg_sq"])))
         if same:
             verdict = root
             break

@@ -31,7 +31,17 @@ enum { CKPT_DECOUPLED = 1, CKPT_WEIGHT_DECAY = 2, CKPT_MAXIMIZE = 4 };
 enum { CKPT_SCALARS = 8 }; /* per step: wd_mul, wd, w, beta2, 1-beta2, bc2_sqrt, eps, -step_size */
 #define BLOCK 4096
 
-int ckpt_adam_abi(void) { return 1; }
+int ckpt_adam_abi(void) { return 2; }
+
+/* A step's gradient over the call's n entries: dense (values at dense[0..n)), or sparse (the
+ * entries at positions idx[j] - origin, strictly increasing, values vals[j]; zero elsewhere:
+ * a topk payload without its dense decode). */
+typedef struct {
+    const float *dense;
+    const int64_t *idx;
+    const float *vals;
+    int64_t count;
+} ckpt_grad;
 
 /* +0 or a positive subnormal: the lanes vsqrt is slow on and sqrtf gets right */
 static inline int tiny(float x) {
@@ -67,17 +77,46 @@ static void block_sqrt(const float *restrict v, float *restrict root, int n, ckp
     for (int j = 0; j < k; j++) root[at[j]] = packed_root[j];
 }
 
+/* First j with idx[j] >= x. */
+static int64_t lower_bound(const int64_t *idx, int64_t count, int64_t x) {
+    int64_t lo = 0, hi = count;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (idx[mid] < x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+/* k steps over n entries; sparse gradients' positions are relative to `origin`. At most
+ * CKPT_MAX_STEPS steps per call. */
+enum { CKPT_MAX_STEPS = 64 };
 void ckpt_adam_steps(float *restrict p, float *restrict m, float *restrict v,
-                     const float *const *grads, int64_t n, int k, const float *scalars,
-                     int flags, ckpt_vsqrt_fn vsqrt, long long vsqrt_mode) {
+                     const ckpt_grad *grads, int64_t origin, int64_t n, int k,
+                     const float *scalars, int flags, ckpt_vsqrt_fn vsqrt, long long vsqrt_mode) {
     float root[BLOCK] __attribute__((aligned(64)));
+    float sparse_block[BLOCK] __attribute__((aligned(64)));
+    int64_t cursor[CKPT_MAX_STEPS];
+    if (k > CKPT_MAX_STEPS) return;
+    for (int s = 0; s < k; s++)
+        cursor[s] = grads[s].dense ? 0 : lower_bound(grads[s].idx, grads[s].count, origin);
     const int decoupled = flags & CKPT_DECOUPLED, decay = flags & CKPT_WEIGHT_DECAY;
     const float sign = (flags & CKPT_MAXIMIZE) ? -1.0f : 1.0f;
     for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
         const int nb = (int)(n - i0 < BLOCK ? n - i0 : BLOCK);
         float *restrict pb = p + i0, *restrict mb = m + i0, *restrict vb = v + i0;
         for (int s = 0; s < k; s++) {
-            const float *restrict g = grads[s] + i0;
+            const float *restrict g;
+            if (grads[s].dense) {
+                g = grads[s].dense + i0;
+            } else {  /* scatter this block's entries into a zeroed block */
+                const int64_t end = origin + i0 + nb;
+                memset(sparse_block, 0, sizeof(float) * (size_t)nb);
+                int64_t j = cursor[s];
+                for (; j < grads[s].count && grads[s].idx[j] < end; j++)
+                    sparse_block[grads[s].idx[j] - origin - i0] = grads[s].vals[j];
+                cursor[s] = j;
+                g = sparse_block;
+            }
             const float *c = scalars + CKPT_SCALARS * s;
             const float wd_mul = c[0], wd = c[1], w = c[2], beta2 = c[3], one_minus_beta2 = c[4],
                         bc2_sqrt = c[5], eps = c[6], neg_step = c[7];
