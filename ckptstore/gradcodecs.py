@@ -163,7 +163,7 @@ class TopKCodec(GradCodec):
         if idx.numel() != vals.numel():
             raise ValueError("topk gradient payload has invalid indices")
         # numpy: payloads are small and many; torch's per-op dispatch costs more than the work
-        idx_np = idx.numpy()
+        idx_np = np.ascontiguousarray(idx.numpy())
         if idx_np.size and (int(idx_np.min()) < 0 or int(idx_np.max()) >= n):
             raise ValueError("topk gradient payload has invalid indices")
         if idx_np.size > 1 and not bool((idx_np[1:] > idx_np[:-1]).all()):
@@ -171,7 +171,7 @@ class TopKCodec(GradCodec):
         vals = vals.to(out_like.dtype)
         if out_like.dtype in (torch.float32, torch.float64, torch.float16):
             # (ranges are a tile: torch's dispatch and intra-op threads cost 3x the work here)
-            vals_np = vals.numpy()
+            vals_np = np.ascontiguousarray(vals.numpy())
 
             def fill(a: int, b: int, out: torch.Tensor) -> None:
                 lo, hi = np.searchsorted(idx_np, (a, b)).tolist()
