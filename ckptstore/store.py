@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .errors import (CkptStoreError, DamagedCheckpointError, DeltaChainError, FormatError,
-                     IndexUnusable, IterationOrderError, NotFoundError, ReadOnlyStoreError,
-                     StoreClosedError, StoreIOError, StoreLockedError, StoreNotFoundError,
-                     UnsupportedTypeError)
+from .errors import (CheckpointAbortedError, CkptStoreError, DamagedCheckpointError,
+                     DeltaChainError, FormatError, IndexUnusable, IterationOrderError,
+                     NotFoundError, ReadOnlyStoreError, StoreClosedError, StoreIOError,
+                     StoreLockedError, StoreNotFoundError, UnsupportedTypeError)
 from .format.header import (FORMAT_VERSION, STORE_HEADER_SIZE, StoreHeader, decode_store_header,
                             encode_store_header)
 from .format.chunk import MAX_CHUNK_SIZE
@@ -88,6 +88,8 @@ class Store:
         self._closed = False
         self._mutex = threading.RLock()
         self._needs_recovery = False
+        #: where a failed rollback should have cut the log (retried before pending deltas commit)
+        self._rollback_to: Position | None = None
         self.last_replay: ReplayReport | None = None
         # group commit of deltas (format-spec/deltas.md): appended, not yet committed
         self._pending: list[tuple[IndexBatch, int]] = []  # (batch with loc-less commit, base)
@@ -570,6 +572,7 @@ class Store:
     def _flush_locked(self) -> None:
         if not self._pending:
             return
+        self._resume_pending()
         pending, self._pending = self._pending, []
         assert self.log.writer is not None
         merged = IndexBatch()
@@ -726,13 +729,41 @@ class Store:
         return replay_range(self, start, stop, **options)
 
     def _rollback(self, start: Position | None) -> None:
-        """Cut the log back to ``start`` after a failed save; on failure, recover before next save."""
+        """Cut the log back to ``start`` after a failed save; on failure, recover before next save
+        (or, with deltas pending before ``start``, retry the cut at the next commit: see
+        :meth:`_resume_pending`)."""
         try:
             self.log.discard_after(start, quarantine=False)
             if self.log.writer is None or (start is not None and self.log.writer.seq != start.seq):
                 self.log.open_writer(start, self.segment_size)
         except (CkptStoreError, OSError):
             self._needs_recovery = True
+            self._rollback_to = start
+
+    def _resume_pending(self) -> None:
+        """Before pending deltas are committed after a failed rollback: the log past them holds
+        whatever the failed save left, so no COMMIT may follow it. Retry the cut back to the end
+        of the pending deltas (where the failed save started); if it fails again, recover (which
+        cuts the pending deltas with the tail: they were never committed) and raise
+        CheckpointAbortedError naming them. format-spec/deltas.md, "Group commit"."""
+        if not self._needs_recovery or not self._pending:
+            return
+        target = self._rollback_to
+        if target is not None:
+            try:
+                self.log.discard_after(target, quarantine=False)
+                if self.log.writer is None or self.log.writer.seq != target.seq:
+                    self.log.open_writer(target, self.segment_size)
+                self._needs_recovery = False
+                return
+            except (CkptStoreError, OSError):
+                pass
+        lost = [b.commits[0].commit.iteration for b, _ in self._pending]
+        self._recover()
+        raise CheckpointAbortedError(
+            f"deltas {lost} of {self.path} were appended but not committed: a failed save left the "
+            "log past them in an unknown state and cutting it back failed again; recovery cut them "
+            "(the latest durable iteration is unchanged)")
 
     # ---- reading ------------------------------------------------------------------------------
     def refresh(self) -> None:

@@ -17,7 +17,7 @@ import ckptstore
 from ckptstore.fsck import check
 from ckptstore.format.chunk import address_of
 
-from _crashkit import CHUNK_SIZE, SEGMENT_SIZE, KillOps, _Journal, read_journal
+from _crashkit import CHUNK_SIZE, SEGMENT_SIZE, KillOps, _Journal, die, read_journal
 from test_crash import _dies_by_sigkill
 from test_faults import FaultyOps
 
@@ -216,3 +216,164 @@ def test_sigkill_during_groups_with_deduplicated_chunks(tmp_path, assert_same):
         outcomes.add(its[-1])
         shutil.rmtree(path)
     assert {0, 3, 6} <= outcomes  # kills before, between and after the group commits
+
+
+# ---- a failed rollback with deltas pending before the failed one --------------------------------
+def _fail_delta_2_and_its_rollback(s, ops, truncate_failures: int):
+    """Delta 1 pending; delta 2 fails writing its second chunk and the rollback's cut fails too
+    (``truncate_failures`` truncates fail in a row): the log past delta 1 is in an unknown state.
+    Returns where delta 2 started (the end of delta 1's records)."""
+    s.save_delta(1, rec(101), durable=False)
+    end_of_1 = (s.log.writer.seq, s.log.writer.offset)
+    then = None
+    for _ in range(truncate_failures):
+        then = ("truncate", 1, errno.EIO, False, then)
+    ops.arm("write", 2, errno.ENOSPC, then=then)
+    with pytest.raises(ckptstore.DiskFullError):
+        s.save_delta(2, rec(101, h=arr(202)), durable=False)
+    assert s._needs_recovery and s.pending() == [1]
+    return end_of_1
+
+
+@pytest.mark.parametrize("commit", ["flush", "save"])
+def test_commit_after_failed_rollback_cuts_first_then_commits_survivors(tmp_path, assert_same, commit):
+    """The pending delta survives, but its COMMIT must not follow the failed delta's records: the
+    cut is retried first, and the commit lands exactly where delta 2 had started."""
+    path = tmp_path / "s"
+    with_base(path)
+    ops = FaultyOps()
+    s = open_store(path, file_ops=ops)
+    end_of_1 = _fail_delta_2_and_its_rollback(s, ops, truncate_failures=1)
+    if commit == "flush":
+        assert s.flush() == 1
+    else:  # a snapshot commits the pending group first
+        s.save(2, {"w": arr(2)})
+    loc = s.index.get_commit(1).loc
+    assert (loc.seq, loc.offset) == end_of_1
+    assert s.pending() == [] and not s._needs_recovery
+    if commit == "flush":
+        s.save_delta(2, rec(101, h=arr(202)))  # the writer goes on
+    s.close()
+    assert check(path).clean
+    with ckptstore.open(path, "r") as r:
+        assert r.iterations() == [0, 1, 2]
+        assert_same(rec(101), r.load_record(1))
+
+
+@pytest.mark.parametrize("damage", ["flip", "torn"])
+def test_damaged_leftover_of_failed_delta_is_cut_before_the_commit(tmp_path, assert_same, damage):
+    """What the failed save left past delta 1 is damaged (bytes flipped inside its chunk record,
+    or a torn record header at the end): the retried cut removes it whatever it holds, the
+    commit lands right after delta 1, and the store is clean."""
+    path = tmp_path / "s"
+    with_base(path)
+    ops = FaultyOps()
+    s = open_store(path, file_ops=ops)
+    seq, off = _fail_delta_2_and_its_rollback(s, ops, truncate_failures=1)
+    seg = s.log.layout.segment_path(seq)
+    size = os.path.getsize(seg)
+    assert size > off  # the failed delta's first chunk record is still there
+    with open(seg, "r+b") as f:
+        if damage == "flip":
+            f.seek(off + (size - off) // 2)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0xFF]))
+        else:
+            f.seek(size)
+            f.write(b"CKPR" + os.urandom(9))  # the first bytes of a record header, then nothing
+    assert s.flush() == 1
+    loc = s.index.get_commit(1).loc
+    assert (loc.seq, loc.offset) == (seq, off)
+    s.close()
+    assert check(path).clean
+    with ckptstore.open(path, "r") as r:
+        assert r.iterations() == [0, 1]
+        assert_same(rec(101), r.load_record(1))
+
+
+def test_commit_after_rollback_failing_twice_aborts_the_pending_deltas(tmp_path, assert_same):
+    """If the cut fails again, the pending delta is not committed on top of an unknown tail:
+    recovery cuts it with the tail and flush says so (CheckpointAbortedError naming it)."""
+    path = tmp_path / "s"
+    with_base(path)
+    ops = FaultyOps()
+    s = open_store(path, file_ops=ops)
+    _fail_delta_2_and_its_rollback(s, ops, truncate_failures=2)
+    with pytest.raises(ckptstore.CheckpointAbortedError, match=r"deltas \[1\]") as info:
+        s.flush()
+    assert str(path) in str(info.value)
+    assert s.pending() == [] and s.iterations() == [0] and s.durable_iteration() == 0
+    s.save_delta(1, rec(101))  # the store is usable again
+    s.close()
+    assert check(path).clean
+    with ckptstore.open(path, "r") as r:
+        assert r.iterations() == [0, 1]
+        assert_same(rec(101), r.load_record(1))
+
+
+def test_sigkill_while_committing_after_a_failed_rollback(tmp_path, assert_same):
+    """SIGKILL at every write, fsync and truncate of the retried cut and the group's commit
+    (torn writes included): the store opens clean, delta 1 is either committed or cut, and
+    nothing of the failed delta 2 is ever visible."""
+    template = tmp_path / "template"
+    with_base(template)
+
+    class FailThenKill(KillOps):
+        """FaultyOps' two failures, then KillOps' SIGKILL counted from ``armed``."""
+
+        def __init__(self, target, nth, tear, after):
+            super().__init__(target, nth, tear, after, armed=False)
+            self.faults = FaultyOps()
+
+        def _pwritev(self, fd, buffers, offset):
+            err = self.faults._hit("write")
+            if err is not None:
+                raise OSError(err, os.strerror(err))
+            return super()._pwritev(fd, buffers, offset)
+
+        def _ftruncate(self, fd, length):
+            err = self.faults._hit("truncate")
+            if err is not None:
+                raise OSError(err, os.strerror(err))
+            return super()._ftruncate(fd, length)
+
+    def workload(path, ops, journal=None) -> None:
+        s = open_store(path, file_ops=ops)
+        _fail_delta_2_and_its_rollback(s, ops.faults, truncate_failures=1)
+        ops.armed = True
+        s.flush()
+        if journal is not None:
+            journal("durable 1")
+        s.save_delta(2, rec(101, h=arr(202)))
+        if journal is not None:
+            journal("durable 2")
+        s.close()
+
+    kills = [(target, n, tear, after) for target in ("write", "fsync", "truncate")
+             for n in range(1, 7) for tear, after in ((0.5, False), (0.0, True))]
+    outcomes = set()
+    for target, nth, tear, after in kills:
+        path = tmp_path / f"{target}-{nth}-{int(after)}"
+        shutil.copytree(template, path)
+        jpath = str(path) + ".journal"
+        where = f"kill at {target} #{nth}{' (after)' if after else ''}"
+
+        def victim():
+            workload(path, FailThenKill(target, nth, tear, after), _Journal(jpath))
+            die()  # a kill past the last call of this kind: end the same way
+
+        _dies_by_sigkill(victim)
+        report = check(path)
+        assert report.clean, f"{where}: {report.lines()}"
+        durable = max([int(a) for _, e, a in read_journal(jpath) if e == "durable"], default=0)
+        with open_store(path) as w:
+            its = w.iterations()
+            assert its == list(range(len(its))) and its[-1] >= durable, f"{where}: {its}"
+            if 1 in its:
+                assert_same(rec(101), w.load_record(1), where)
+            if 2 in its:
+                assert_same(rec(101, h=arr(202)), w.load_record(2), where)
+        outcomes.add(its[-1])
+        shutil.rmtree(path)
+    assert outcomes == {0, 1, 2}, outcomes
