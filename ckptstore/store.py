@@ -521,7 +521,9 @@ class Store:
     def flush(self) -> int | None:
         """Commit every pending delta: fsync their records, append their COMMIT records, fsync
         (the group's commit point). Also waits for every in-flight async save (and commits async
-        deltas). Returns :meth:`durable_iteration`."""
+        deltas). Returns :meth:`durable_iteration`. Raises CheckpointAbortedError, naming them,
+        when pending deltas cannot be committed because a failed save's leftovers could not be cut
+        (recovery then cut the pending deltas too; what was durable stays durable)."""
         if self._pipeline is not None:
             self._pipeline.flush()
         with self._mutex:
