@@ -116,6 +116,36 @@ class CastCodec(GradCodec):
         return GradSlices(lambda a, b, out: out.copy_(flat[a:b]))
 
 
+#: below this many entries ``topk`` selects exactly k (torch.topk); above, by a sampled threshold
+EXACT_TOPK_MAX = 1 << 16
+#: entries sampled to estimate the threshold (the top 1% of 2^16 samples is ~655 of them: the
+#: count lands within ~10% of k)
+TOPK_SAMPLE = 1 << 16
+
+
+def _largest(mags: torch.Tensor, k: int) -> torch.Tensor:
+    """Strictly increasing flat indices of about ``k`` entries of largest magnitude ``mags``: all
+    entries at or above a threshold, so every chosen magnitude is >= every dropped one.
+
+    Exactly k (torch.topk, then sorted) for small tensors, and whenever the sampled threshold
+    misses (fewer than k/2 or more than 2k chosen: ties, e.g. mostly zeros). Else the threshold
+    is the matching quantile of a fixed-seed random sample: one pass instead of a selection over
+    every entry (27M entries: ~80 ms against ~550 ms on 2 cores). The sample uses its own
+    generator, never the global RNG, so training's random stream is untouched."""
+    n = mags.numel()
+    if n > EXACT_TOPK_MAX and k < n // 2:
+        gen = torch.Generator().manual_seed(n)
+        sample = mags[torch.randint(0, n, (TOPK_SAMPLE,), generator=gen)]
+        keep = max(1, round(TOPK_SAMPLE * k / n))
+        threshold = torch.kthvalue(sample, TOPK_SAMPLE - keep + 1).values
+        chosen = mags >= threshold if bool(threshold > 0) else mags > 0
+        count = int(chosen.sum())
+        if k // 2 <= count <= 2 * k:
+            return chosen.nonzero().squeeze(1)
+    idx = torch.topk(mags, k, sorted=False).indices
+    return torch.sort(idx).values
+
+
 class TopKCodec(GradCodec):
     lossy = True
 
@@ -131,8 +161,7 @@ class TopKCodec(GradCodec):
         if n == 0:
             return {"i": torch.zeros(0, dtype=torch.int32), "v": flat.clone()}
         k = max(1, math.ceil(self.fraction * n))
-        idx = torch.topk(flat.abs(), k, sorted=False).indices
-        idx, _ = torch.sort(idx)
+        idx = _largest(flat.abs(), k)
         vals = flat[idx]
         return {"i": idx.to(torch.int32 if n < 2**31 else torch.int64), "v": vals}
 

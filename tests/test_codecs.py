@@ -6,6 +6,7 @@ error or an lz4 error) and must never allocate according to a length field it ha
 
 from __future__ import annotations
 
+import math
 import base64
 import json
 import random
@@ -791,3 +792,39 @@ def test_grad_slices_match_whole_decodes():
         codec.slicer(bad, grad)
     assert parse_codec("exact").slicer({"g": grad}, grad) is None
     assert parse_codec("int8").slicer(parse_codec("int8").encode(grad), grad) is None
+
+
+def test_topk_selection_on_large_tensors():
+    """Above EXACT_TOPK_MAX entries topk keeps every entry at or above a sampled threshold:
+    about k of them, strictly increasing, none smaller than any dropped one; deterministic; the
+    global RNG is untouched; ties (mostly zeros) fall back to exactly k."""
+    import torch
+
+    from ckptstore import gradcodecs
+    from ckptstore.gradcodecs import parse_codec
+
+    codec = parse_codec("topk:0.01")
+    g = torch.Generator().manual_seed(9)
+    grad = torch.randn(1_000_003, generator=g) * torch.rand(1_000_003, generator=g)
+    k = 10_001
+    rng_before = torch.get_rng_state()
+    payload = codec.encode(grad)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    idx = payload["i"].to(torch.int64)
+    assert k * 0.8 <= idx.numel() <= k * 1.2
+    assert bool((idx[1:] > idx[:-1]).all())
+    kept = torch.zeros(grad.numel(), dtype=torch.bool)
+    kept[idx] = True
+    assert float(grad.abs()[kept].min()) >= float(grad.abs()[~kept].max())
+    assert torch.equal(payload["v"], grad[idx])
+    again = codec.encode(grad.clone())
+    assert torch.equal(again["i"], payload["i"]) and torch.equal(again["v"], payload["v"])
+    # 0.2% nonzero: the sampled threshold is 0 and keeps too few; exactly k instead
+    sparse = torch.zeros(1_000_003)
+    sparse[::500] = torch.randn(sparse[::500].numel(), generator=g)
+    assert codec.encode(sparse)["i"].numel() == k
+    # small tensors: exactly k, as torch.topk picks them
+    small = torch.randn(gradcodecs.EXACT_TOPK_MAX, generator=g)
+    p = codec.encode(small)
+    assert p["i"].numel() == math.ceil(0.01 * small.numel())
+    assert set(p["i"].tolist()) == set(torch.topk(small.abs(), p["i"].numel()).indices.tolist())
