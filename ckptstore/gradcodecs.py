@@ -57,9 +57,11 @@ class GradCodec:
         (what :meth:`decode_into` would put there), or None when this codec or payload cannot."""
         return None
 
-    def encode_measured(self, g: torch.Tensor) -> tuple[dict, torch.Tensor | None, EncodeStats | None]:
+    def encode_measured(self, g: torch.Tensor, decoded: bool = True
+                        ) -> tuple[dict, torch.Tensor | None, EncodeStats | None]:
         """Encode, and for lossy codecs also decode and measure the error. Returns
-        (payload, decoded or None, stats or None)."""
+        (payload, decoded or None, stats or None); ``decoded=False``: the caller does not need
+        the decoded gradient (a codec may then skip making it)."""
         payload = self.encode(g)
         if not self.lossy:
             return payload, None, None
@@ -146,6 +148,20 @@ def _largest(mags: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(idx).values
 
 
+#: entries per float32 partial sum in :func:`sum_of_squares`
+SQUARES_CHUNK = 1 << 16
+
+
+def sum_of_squares(t: torch.Tensor) -> float:
+    """Sum of squares of a floating-point tensor's entries: float32 dot products over runs of
+    SQUARES_CHUNK entries, summed in float64 (within 1e-6 of a float64 sum, at a float32 pass's
+    cost; a float32 sum of 27M squares was 0.16% off, a float64 copy 15x slower)."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.float()  # half types: a float32 copy (no half dot kernel on every CPU build)
+    return math.fsum(float(c.dot(c)) for c in flat.split(SQUARES_CHUNK))
+
+
 class TopKCodec(GradCodec):
     lossy = True
 
@@ -164,6 +180,23 @@ class TopKCodec(GradCodec):
         idx = _largest(flat.abs(), k)
         vals = flat[idx]
         return {"i": idx.to(torch.int32 if n < 2**31 else torch.int64), "v": vals}
+
+    def encode_measured(self, g: torch.Tensor, decoded: bool = True
+                        ) -> tuple[dict, torch.Tensor | None, EncodeStats | None]:
+        """What the generic path measures, without its float64 copies: the decode is exact at
+        the kept entries and zero elsewhere, so the error is the dropped entries themselves."""
+        flat = g.detach().reshape(-1)
+        n = flat.numel()
+        if n == 0 or not flat.is_floating_point():
+            return super().encode_measured(g, decoded)
+        mags = flat.abs()
+        idx = _largest(mags, max(1, math.ceil(self.fraction * n)))
+        payload = {"i": idx.to(torch.int32 if n < 2**31 else torch.int64), "v": flat[idx]}
+        grad_sq = sum_of_squares(flat)
+        mags[idx] = 0  # now the dropped entries only
+        stats = EncodeStats(float(mags.max()), math.sqrt(sum_of_squares(mags)), math.sqrt(grad_sq))
+        dec = self.decode(payload, tuple(g.shape), g.dtype) if decoded else None
+        return payload, dec, stats
 
     def decode(self, payload: dict, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = math.prod(shape)

@@ -92,24 +92,11 @@ def fingerprint(params) -> tuple[str, float]:
     return fingerprint_digest(params), parameter_norm(params)
 
 
-#: entries per float32 partial sum in :func:`parameter_norm`
-_NORM_CHUNK = 1 << 16
-
-
 def parameter_norm(params) -> float:
     """The float64-accumulated L2 norm of the floating-point parameters (see :func:`fingerprint`)."""
-    import torch
+    from .gradcodecs import sum_of_squares
 
-    sq = 0.0
-    for p in params:
-        t = p.detach().reshape(-1)
-        if not t.is_floating_point():
-            continue
-        if t.dtype not in (torch.float32, torch.float64):
-            t = t.float()  # half types: a float32 copy (no half dot kernel on every CPU build)
-        for c in t.split(_NORM_CHUNK):
-            sq += float(c.dot(c))
-    return math.sqrt(sq)
+    return math.sqrt(sum(sum_of_squares(p) for p in params if p.is_floating_point()))
 
 
 #: What the engine (and torch under it) raises on a record that has the wrong structure.

@@ -828,3 +828,24 @@ def test_topk_selection_on_large_tensors():
     p = codec.encode(small)
     assert p["i"].numel() == math.ceil(0.01 * small.numel())
     assert set(p["i"].tolist()) == set(torch.topk(small.abs(), p["i"].numel()).indices.tolist())
+
+
+@pytest.mark.parametrize("n", [1000, 300_001])
+def test_topk_measured_error_matches_the_generic_measurement(n):
+    """TopKCodec.encode_measured skips the float64 decode-and-subtract: same payload, the same
+    largest error, norms within 1e-6 (float32 partial sums, see sum_of_squares), and the decode
+    only when asked for."""
+    import torch
+
+    from ckptstore.gradcodecs import GradCodec, parse_codec
+
+    codec = parse_codec("topk:0.02")
+    g = torch.randn(n, generator=torch.Generator().manual_seed(n)).reshape(-1, 1)
+    fast_payload, fast_dec, fast = codec.encode_measured(g)
+    slow_payload, slow_dec, slow = GradCodec.encode_measured(codec, g)
+    assert torch.equal(fast_payload["i"], slow_payload["i"]) and torch.equal(fast_payload["v"], slow_payload["v"])
+    assert torch.equal(fast_dec, slow_dec)
+    assert fast.max_abs_error == slow.max_abs_error
+    assert fast.l2_error == pytest.approx(slow.l2_error, rel=1e-6)
+    assert fast.l2_grad == pytest.approx(slow.l2_grad, rel=1e-6)
+    assert codec.encode_measured(g, decoded=False)[1] is None

@@ -313,7 +313,7 @@ class Checkpointer:
                 grads.append(None)
                 max_err.append(0.0)
                 continue
-            payload, dec, st = self.codec.encode_measured(p.grad)
+            payload, dec, st = self.codec.encode_measured(p.grad, self.apply_decoded)
             grads.append(payload)
             if st is not None:
                 max_err.append(st.max_abs_error)
