@@ -140,10 +140,9 @@ def _largest(mags: torch.Tensor, k: int) -> torch.Tensor:
         sample = mags[torch.randint(0, n, (TOPK_SAMPLE,), generator=gen)]
         keep = max(1, round(TOPK_SAMPLE * k / n))
         threshold = torch.kthvalue(sample, TOPK_SAMPLE - keep + 1).values
-        chosen = mags >= threshold if bool(threshold > 0) else mags > 0
-        count = int(chosen.sum())
-        if k // 2 <= count <= 2 * k:
-            return chosen.nonzero().squeeze(1)
+        chosen = (mags >= threshold if bool(threshold > 0) else mags > 0).nonzero().squeeze(1)
+        if k // 2 <= chosen.numel() <= 2 * k:
+            return chosen
     idx = torch.topk(mags, k, sorted=False).indices
     return torch.sort(idx).values
 
