@@ -1,6 +1,6 @@
 """Pipelined, parallel recovery for :mod:`ckptstore.replay` (format-spec/deltas.md, "Replay").
 
-Two pieces, both pure speed: neither changes what replay computes.
+Pure speed: nothing here changes what replay computes.
 
 * :class:`RecordFeed` reads delta records in a background thread, a few iterations ahead of the
   optimizer steps (reads and xxh3 verification release the GIL, so they overlap the steps). For the
@@ -13,6 +13,8 @@ Two pieces, both pure speed: neither changes what replay computes.
   are sharded: their step updates each parameter from that parameter's gradient and state alone,
   so a shard computes, op for op, what the whole step computes for its parameters. Anything
   else (a global gradient norm, LBFGS's closure, an optimizer not listed) steps sequentially.
+* :class:`TiledSteps` runs a window of steady-state steps tile by tile; Adam and AdamW windows
+  go through the native kernel (:mod:`ckptstore.native.adam`) where it is verified bit-exact.
 """
 
 from __future__ import annotations

@@ -8,12 +8,14 @@ square root (MKL's ``vmsSqrt`` when this torch build exports it, which is what t
 and scalars rounded from the same Python doubles torch computes. Whether that holds on this
 machine and torch build is not assumed: before a configuration is used, :func:`_verified` runs
 torch's own optimizer and the kernel side by side on calibration tensors (odd sizes, magnitudes
-from denormal to large, zeros) and compares every bit of the parameters and both moments. A
-configuration that differs anywhere is never used; the window runs on torch's ops instead.
+from subnormal to large, zeros), from no state, and compares every bit of the parameters and both
+moments, the step count and the state's keys. A configuration that differs anywhere is never
+used; the window runs on torch's ops instead.
 
 Only what was verified runs here: Adam or AdamW with float (not tensor) hyperparameters,
 ``amsgrad``, ``capturable``, ``differentiable`` and ``fused`` off, float32 contiguous CPU
-parameters, gradients and moments. Everything else returns None from :meth:`AdamWindow.plan`.
+parameters, gradients and moments, at most MAX_STEPS steps. For anything else
+:meth:`AdamWindow.run` returns False and changes nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ SPLIT_ALIGN = 64
 
 _lib_lock = threading.Lock()
 _kernel: tuple[Any, int | None] | None = None
-_verdicts: dict[tuple, int | None] = {}   # configuration -> square root to use (see _verified)
+_verdicts: dict[tuple, int | None | bool] = {}  # configuration -> its sqrt, or False (_verified)
 #: windows and steps run by the kernel in this process (for tests and benchmarks)
 stats = {"windows": 0, "steps": 0}
 
