@@ -7,8 +7,9 @@ together with the error measured at encode time.
 
     exact        {"g": grad}                                   bit-exact
     bf16 / fp16  {"g": grad cast to bfloat16 / float16}        lossy (round to nearest)
-    topk:F       {"i": int32/int64 flat indices, "v": values}  lossy: keeps the max(1, ceil(F*n))
-                                                               entries of largest magnitude
+    topk:F       {"i": int32/int64 flat indices, "v": values}  lossy: keeps about k = max(1,
+                                                               ceil(F*n)) entries of largest
+                                                               magnitude (exactly k up to 2^16)
     int8         {"q": int8 codes, "s": float32 scale per      lossy: |error| <= scale/2 per entry
                   chunk of 1024 entries}
 """
