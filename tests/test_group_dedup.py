@@ -235,6 +235,15 @@ def _fail_delta_2_and_its_rollback(s, ops, truncate_failures: int):
     return end_of_1
 
 
+def _close_and_check(s, path, iterations: list[int], assert_same) -> None:
+    """Close the writer; the store is clean, a reader sees ``iterations`` and delta 1 intact."""
+    s.close()
+    assert check(path).clean
+    with ckptstore.open(path, "r") as r:
+        assert r.iterations() == iterations
+        assert_same(rec(101), r.load_record(1))
+
+
 @pytest.mark.parametrize("commit", ["flush", "save"])
 def test_commit_after_failed_rollback_cuts_first_then_commits_survivors(tmp_path, assert_same, commit):
     """The pending delta survives, but its COMMIT must not follow the failed delta's records: the
@@ -253,11 +262,7 @@ def test_commit_after_failed_rollback_cuts_first_then_commits_survivors(tmp_path
     assert s.pending() == [] and not s._needs_recovery
     if commit == "flush":
         s.save_delta(2, rec(101, h=arr(202)))  # the writer goes on
-    s.close()
-    assert check(path).clean
-    with ckptstore.open(path, "r") as r:
-        assert r.iterations() == [0, 1, 2]
-        assert_same(rec(101), r.load_record(1))
+    _close_and_check(s, path, [0, 1, 2], assert_same)
 
 
 @pytest.mark.parametrize("damage", ["flip", "torn"])
@@ -285,11 +290,7 @@ def test_damaged_leftover_of_failed_delta_is_cut_before_the_commit(tmp_path, ass
     assert s.flush() == 1
     loc = s.index.get_commit(1).loc
     assert (loc.seq, loc.offset) == (seq, off)
-    s.close()
-    assert check(path).clean
-    with ckptstore.open(path, "r") as r:
-        assert r.iterations() == [0, 1]
-        assert_same(rec(101), r.load_record(1))
+    _close_and_check(s, path, [0, 1], assert_same)
 
 
 def test_commit_after_rollback_failing_twice_aborts_the_pending_deltas(tmp_path, assert_same):
@@ -305,11 +306,7 @@ def test_commit_after_rollback_failing_twice_aborts_the_pending_deltas(tmp_path,
     assert str(path) in str(info.value)
     assert s.pending() == [] and s.iterations() == [0] and s.durable_iteration() == 0
     s.save_delta(1, rec(101))  # the store is usable again
-    s.close()
-    assert check(path).clean
-    with ckptstore.open(path, "r") as r:
-        assert r.iterations() == [0, 1]
-        assert_same(rec(101), r.load_record(1))
+    _close_and_check(s, path, [0, 1], assert_same)
 
 
 def test_sigkill_while_committing_after_a_failed_rollback(tmp_path, assert_same):
