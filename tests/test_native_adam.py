@@ -200,3 +200,40 @@ def test_step_counts_follow_torch_float32_arithmetic():
     row = np.asarray(adam._row({"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.1, "eps": 1e-8}, 3.0),
                      dtype=np.float32)
     assert row.shape == (adam.SCALARS,) and row[7] < 0  # the last scalar is -step_size
+
+
+@pytest.mark.parametrize("codec", [None, "topk:0.05"])
+def test_window_from_empty_state(monkeypatch, codec, assert_same):
+    """A window may start before the optimizer has state (the first deltas after a run's first
+    base): the kernel creates the state as torch's first step does; where it declines, the
+    window runs as whole-tensor steps (slices cannot create state). Both match torch's steps."""
+    def make(groups):
+        return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05)
+
+    def fresh():
+        g = torch.Generator().manual_seed(0)
+        params = [torch.randn(s, generator=g) for s in SHAPES]
+        return make([{"params": params[:3]}, {"params": params[3:], "lr": 5e-3}]), params
+
+    for declined in (False, True):
+        if declined:
+            monkeypatch.setattr(adam.AdamWindow, "_plan", lambda self, *a: None)
+        elif adam._load() is None:
+            continue
+        (plain, pp), (tiled, tp) = fresh(), fresh()
+        assert adam.AdamWindow.can_start(tiled, tp) == (adam._load() is not None)
+        steps = []
+        for s in range(4):
+            grads = _grads(s, codec)
+            for p, gr in zip(pp, grads):
+                p.grad = None if gr is None else gr if codec is None else gr[1]
+            plain.step()
+            full = [{k: v for k, v in g.items() if k != "params"} for g in tiled.param_groups]
+            steps.append((full, [gr if gr is None or codec is None else gr[0] for gr in grads]))
+        before = adam.stats["steps"]
+        tiler = TiledSteps(tiled, tp, make, tile_numel=1000, threads=2)
+        tiler.run(steps)
+        tiler.close()
+        assert adam.stats["steps"] == before + (0 if declined else 4)
+        assert_same(pp, tp)
+        assert_same(plain.state_dict(), tiled.state_dict())
