@@ -141,7 +141,9 @@ def _largest(mags: torch.Tensor, k: int) -> torch.Tensor:
         sample = mags[torch.randint(0, n, (TOPK_SAMPLE,), generator=gen)]
         keep = max(1, round(TOPK_SAMPLE * k / n))
         threshold = torch.kthvalue(sample, TOPK_SAMPLE - keep + 1).values
-        chosen = (mags >= threshold if bool(threshold > 0) else mags > 0).nonzero().squeeze(1)
+        # "not below" rather than ">=": NaN entries are kept, as torch.topk keeps them
+        below = mags < threshold if bool(threshold > 0) else mags <= 0
+        chosen = below.logical_not_().nonzero().squeeze(1)
         if k // 2 <= chosen.numel() <= 2 * k:
             return chosen
     idx = torch.topk(mags, k, sorted=False).indices
@@ -150,6 +152,9 @@ def _largest(mags: torch.Tensor, k: int) -> torch.Tensor:
 
 #: entries per float32 partial sum in :func:`sum_of_squares`
 SQUARES_CHUNK = 1 << 16
+#: a float32 run's sum of squares outside this range may have overflowed (inf) or lost precision
+#: to subnormal squares (every square below 1e-30 only if the sum is): recomputed in float64
+SQUARES_SAFE = (1e-30, 1e30)
 
 
 def sum_of_squares(t: torch.Tensor) -> float:
@@ -159,7 +164,14 @@ def sum_of_squares(t: torch.Tensor) -> float:
     flat = t.detach().reshape(-1)
     if flat.dtype not in (torch.float32, torch.float64):
         flat = flat.float()  # half types: a float32 copy (no half dot kernel on every CPU build)
-    return math.fsum(float(c.dot(c)) for c in flat.split(SQUARES_CHUNK))
+    total = []
+    for c in flat.split(SQUARES_CHUNK):
+        sq = float(c.dot(c))
+        if flat.dtype == torch.float32 and not SQUARES_SAFE[0] <= sq <= SQUARES_SAFE[1]:
+            # squares that overflow or fall into subnormals in float32: this run in float64
+            sq = float(c.double().square().sum())
+        total.append(sq)
+    return math.fsum(total)
 
 
 class TopKCodec(GradCodec):
@@ -198,20 +210,33 @@ class TopKCodec(GradCodec):
         dec = self.decode(payload, tuple(g.shape), g.dtype) if decoded else None
         return payload, dec, stats
 
+    @staticmethod
+    def _checked(payload: dict, n: int) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+        """(indices as int64, the same as a contiguous numpy array, values) of a payload for a
+        gradient of ``n`` entries: both 1-d tensors of one length, every index in ``[0, n)``;
+        else ValueError. (What the encoder writes; a 2-d index tensor would pass an increasing
+        check that compares rows, not entries.)"""
+        idx, vals = payload["i"], payload["v"]
+        if not (isinstance(idx, torch.Tensor) and isinstance(vals, torch.Tensor)) \
+                or idx.dim() != 1 or vals.dim() != 1 or idx.numel() != vals.numel() \
+                or idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError("topk gradient payload has invalid indices")
+        idx = idx.to(torch.int64)
+        # numpy: payloads are small and many; torch's per-op dispatch costs more than the work
+        idx_np = np.ascontiguousarray(idx.numpy())
+        if idx_np.size and (int(idx_np.min()) < 0 or int(idx_np.max()) >= n):
+            raise ValueError("topk gradient payload has invalid indices")
+        return idx, idx_np, vals
+
     def decode(self, payload: dict, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = math.prod(shape)
-        idx, vals = payload["i"].to(torch.int64), payload["v"]
-        if idx.numel() != vals.numel() or (idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n)):
-            raise ValueError("topk gradient payload has invalid indices")
+        idx, _, vals = self._checked(payload, n)
         out = torch.zeros(n, dtype=dtype)
         out[idx] = vals.to(dtype)
         return out.reshape(shape)
 
     def decode_into(self, payload: dict, out: torch.Tensor) -> torch.Tensor:
-        n = out.numel()
-        idx, vals = payload["i"].to(torch.int64), payload["v"]
-        if idx.numel() != vals.numel() or (idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n)):
-            raise ValueError("topk gradient payload has invalid indices")
+        idx, _, vals = self._checked(payload, out.numel())
         flat = out.view(-1)
         flat.zero_()
         flat[idx] = vals.to(out.dtype)
@@ -220,14 +245,7 @@ class TopKCodec(GradCodec):
     def slicer(self, payload: dict, out_like: torch.Tensor) -> GradSlices | None:
         """Ranges located by binary search in the indices; only for strictly increasing indices
         (what :meth:`encode` writes), else None (a whole decode)."""
-        n = out_like.numel()
-        idx, vals = payload["i"].to(torch.int64), payload["v"]
-        if idx.numel() != vals.numel():
-            raise ValueError("topk gradient payload has invalid indices")
-        # numpy: payloads are small and many; torch's per-op dispatch costs more than the work
-        idx_np = np.ascontiguousarray(idx.numpy())
-        if idx_np.size and (int(idx_np.min()) < 0 or int(idx_np.max()) >= n):
-            raise ValueError("topk gradient payload has invalid indices")
+        idx, idx_np, vals = self._checked(payload, out_like.numel())
         if idx_np.size > 1 and not bool((idx_np[1:] > idx_np[:-1]).all()):
             return None
         vals = vals.to(out_like.dtype)

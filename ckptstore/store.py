@@ -90,6 +90,8 @@ class Store:
         self._needs_recovery = False
         #: where a failed rollback should have cut the log (retried before pending deltas commit)
         self._rollback_to: Position | None = None
+        #: pending deltas a recovery cut, not yet reported (by the next flush or save_delta)
+        self._aborted: list[int] = []
         self.last_replay: ReplayReport | None = None
         # group commit of deltas (format-spec/deltas.md): appended, not yet committed
         self._pending: list[tuple[IndexBatch, int]] = []  # (batch with loc-less commit, base)
@@ -336,10 +338,28 @@ class Store:
             self.log.discard_after(position, quarantine=report.tail_suspicious)
         self.log.open_writer(position, self.segment_size)
         self._needs_recovery = False
+        self._rollback_to = None
 
     def _recover_if_needed(self) -> None:
-        if self._needs_recovery:
-            self._recover()
+        """Finish what a failed save left: re-cut to the end of the pending deltas when that is
+        where the failed rollback should have cut (they survive), else recover, which cuts them
+        too; those are reported by the next flush or save_delta (:meth:`_raise_aborted`)."""
+        if not self._needs_recovery:
+            return
+        if self._pending and self._recut_pending():
+            return
+        lost = [b.commits[0].commit.iteration for b, _ in self._pending]
+        self._recover()
+        self._aborted.extend(lost)
+
+    def _raise_aborted(self) -> None:
+        """Raise CheckpointAbortedError for pending deltas a recovery cut since the last call."""
+        if self._aborted:
+            lost, self._aborted = self._aborted, []
+            raise CheckpointAbortedError(
+                f"deltas {lost} of {self.path} were appended but not committed: a failed save left "
+                "the log past them in an unknown state and cutting it back failed again; recovery "
+                "cut them (the latest durable iteration is unchanged)")
 
     def _release(self) -> None:
         log = getattr(self, "log", None)
@@ -476,6 +496,7 @@ class Store:
                          stats_field: str | None = None) -> SaveStats:
         """The body of :meth:`save_delta` for a flattened record; the caller holds the mutex."""
         self._recover_if_needed()
+        self._raise_aborted()
         if self._pending:
             prev = self._pending[-1][0].commits[0].commit.iteration
             base = self._pending[-1][1]
@@ -572,9 +593,10 @@ class Store:
             self._timer = GroupTimer(self, float(seconds))
 
     def _flush_locked(self) -> None:
+        self._recover_if_needed()
+        self._raise_aborted()
         if not self._pending:
             return
-        self._resume_pending()
         pending, self._pending = self._pending, []
         assert self.log.writer is not None
         merged = IndexBatch()
@@ -732,8 +754,7 @@ class Store:
 
     def _rollback(self, start: Position | None) -> None:
         """Cut the log back to ``start`` after a failed save; on failure, recover before next save
-        (or, with deltas pending before ``start``, retry the cut at the next commit: see
-        :meth:`_resume_pending`)."""
+        (or, with deltas pending before ``start``, retry the cut first: see :meth:`_recut_pending`)."""
         try:
             self.log.discard_after(start, quarantine=False)
             if self.log.writer is None or (start is not None and self.log.writer.seq != start.seq):
@@ -742,30 +763,23 @@ class Store:
             self._needs_recovery = True
             self._rollback_to = start
 
-    def _resume_pending(self) -> None:
-        """Before pending deltas are committed after a failed rollback: the log past them holds
-        whatever the failed save left, so no COMMIT may follow it. Retry the cut back to the end
-        of the pending deltas (where the failed save started); if it fails again, recover (which
-        cuts the pending deltas with the tail: they were never committed) and raise
-        CheckpointAbortedError naming them. format-spec/deltas.md, "Group commit"."""
-        if not self._needs_recovery or not self._pending:
-            return
+    def _recut_pending(self) -> bool:
+        """After a failed rollback with deltas pending before it: the log past them holds whatever
+        the failed save left, so no COMMIT may follow it. Retry the cut back to the end of the
+        pending deltas (where the failed save started); True when it worked (the pending deltas
+        may commit). format-spec/deltas.md, "Group commit"."""
         target = self._rollback_to
-        if target is not None:
-            try:
-                self.log.discard_after(target, quarantine=False)
-                if self.log.writer is None or self.log.writer.seq != target.seq:
-                    self.log.open_writer(target, self.segment_size)
-                self._needs_recovery = False
-                return
-            except (CkptStoreError, OSError):
-                pass
-        lost = [b.commits[0].commit.iteration for b, _ in self._pending]
-        self._recover()
-        raise CheckpointAbortedError(
-            f"deltas {lost} of {self.path} were appended but not committed: a failed save left the "
-            "log past them in an unknown state and cutting it back failed again; recovery cut them "
-            "(the latest durable iteration is unchanged)")
+        if target is None:
+            return False
+        try:
+            self.log.discard_after(target, quarantine=False)
+            if self.log.writer is None or self.log.writer.seq != target.seq:
+                self.log.open_writer(target, self.segment_size)
+        except (CkptStoreError, OSError):
+            return False
+        self._needs_recovery = False
+        self._rollback_to = None
+        return True
 
     # ---- reading ------------------------------------------------------------------------------
     def refresh(self) -> None:

@@ -849,3 +849,44 @@ def test_topk_measured_error_matches_the_generic_measurement(n):
     assert fast.l2_error == pytest.approx(slow.l2_error, rel=1e-6)
     assert fast.l2_grad == pytest.approx(slow.l2_grad, rel=1e-6)
     assert codec.encode_measured(g, decoded=False)[1] is None
+
+
+def test_topk_payload_must_be_one_dimensional():
+    """A 2-d index tensor would pass an increasing check that compares rows (found in review:
+    unsorted positions then reached the native kernel). Every topk decode path refuses it."""
+    import torch
+
+    from ckptstore.gradcodecs import parse_codec
+
+    codec = parse_codec("topk:0.5")
+    grad = torch.zeros(1 << 12)
+    bad = {"i": torch.tensor([[4095, 0]], dtype=torch.int32), "v": torch.tensor([[1.0, 2.0]])}
+    for call in (lambda: codec.slicer(bad, grad), lambda: codec.decode(bad, (1 << 12,), torch.float32),
+                 lambda: codec.decode_into(bad, grad.clone())):
+        with pytest.raises(ValueError, match="invalid indices"):
+            call()
+    with pytest.raises(ValueError, match="invalid indices"):
+        codec.slicer({"i": torch.tensor([1.0, 2.0]), "v": torch.tensor([1.0, 2.0])}, grad)
+
+
+@pytest.mark.parametrize("scale", [1e21, 1e-22, 1.0])
+def test_sum_of_squares_outside_float32_range(scale):
+    """Squares that overflow or turn subnormal in float32 are summed in float64 instead."""
+    import torch
+
+    from ckptstore.gradcodecs import sum_of_squares
+
+    t = torch.randn(200_003, generator=torch.Generator().manual_seed(1)) * scale
+    exact = float(t.double().square().sum())
+    assert sum_of_squares(t) == pytest.approx(exact, rel=1e-6)
+
+
+def test_topk_keeps_nan_entries_like_torch_topk():
+    import torch
+
+    from ckptstore.gradcodecs import parse_codec
+
+    g = torch.randn(1 << 20, generator=torch.Generator().manual_seed(2))
+    g[12345] = float("nan")
+    idx = parse_codec("topk:0.01").encode(g)["i"].to(torch.int64)
+    assert 12345 in set(idx.tolist())

@@ -293,6 +293,41 @@ def test_damaged_leftover_of_failed_delta_is_cut_before_the_commit(tmp_path, ass
     _close_and_check(s, path, [0, 1], assert_same)
 
 
+@pytest.mark.parametrize("call", ["iterations", "durable_iteration", "latest"])
+def test_any_call_after_a_failed_rollback_keeps_the_pending_deltas(tmp_path, assert_same, call):
+    """Not only flush: whatever call finishes the failed save's recovery re-cuts to the end of
+    the pending deltas first, so they stay pending and commit later."""
+    path = tmp_path / "s"
+    with_base(path)
+    ops = FaultyOps()
+    s = open_store(path, file_ops=ops)
+    seq, off = _fail_delta_2_and_its_rollback(s, ops, truncate_failures=1)
+    getattr(s, call)()
+    assert s.pending() == [1] and not s._needs_recovery
+    s.save_delta(2, rec(101, h=arr(202)), durable=False)  # the retry joins the group
+    assert s.flush() == 2
+    loc = s.index.get_commit(1).loc
+    assert (loc.seq, loc.offset) > (seq, off)  # delta 2's records came first, then the commits
+    _close_and_check(s, path, [0, 1, 2], assert_same)
+
+
+def test_pending_deltas_cut_by_a_recovery_are_reported_by_the_next_save_delta(tmp_path, assert_same):
+    """The cut fails twice and a read-side call runs the recovery (which cuts the pending delta):
+    the next save_delta says so, naming it, instead of a puzzling chain error; then the writer
+    goes on from the durable iteration."""
+    path = tmp_path / "s"
+    with_base(path)
+    ops = FaultyOps()
+    s = open_store(path, file_ops=ops)
+    _fail_delta_2_and_its_rollback(s, ops, truncate_failures=2)
+    assert s.iterations() == [0] and s.pending() == []
+    with pytest.raises(ckptstore.CheckpointAbortedError, match=r"deltas \[1\]"):
+        s.save_delta(2, rec(101, h=arr(202)), durable=False)
+    assert s.flush() == 0  # reported once
+    s.save_delta(1, rec(101))
+    _close_and_check(s, path, [0, 1], assert_same)
+
+
 def test_commit_after_rollback_failing_twice_aborts_the_pending_deltas(tmp_path, assert_same):
     """If the cut fails again, the pending delta is not committed on top of an unknown tail:
     recovery cuts it with the tail and flush says so (CheckpointAbortedError naming it)."""

@@ -180,7 +180,7 @@ def test_build_cache_is_private_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("CKPTSTORE_KERNEL_CACHE", str(cache))
     monkeypatch.setattr(build, "_loaded", {})
     lib = build.load("adam_steps")
-    assert lib is not None and lib.ckpt_adam_abi() == 2
+    assert lib is not None and lib.ckpt_adam_abi() == 3
     files = list(cache.iterdir())
     assert len(files) == 1 and files[0].suffix == ".so"
     assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700
@@ -237,3 +237,41 @@ def test_window_from_empty_state(monkeypatch, codec, assert_same):
         assert adam.stats["steps"] == before + (0 if declined else 4)
         assert_same(pp, tp)
         assert_same(plain.state_dict(), tiled.state_dict())
+
+
+def test_cache_writable_by_others_is_not_used(monkeypatch, tmp_path):
+    """Whatever library sits in the cache gets loaded: a directory others may write is refused."""
+    if build._compiler() is None:
+        pytest.skip("no C compiler")
+    cache = tmp_path / "shared"
+    cache.mkdir()
+    os.chmod(cache, 0o777)
+    monkeypatch.setenv("CKPTSTORE_KERNEL_CACHE", str(cache))
+    monkeypatch.setattr(build, "_loaded", {})
+    assert build.load("adam_steps") is None
+    assert list(cache.iterdir()) == []
+
+
+def test_kernel_never_writes_outside_its_range_on_unsorted_positions():
+    """Defence in depth below the payload checks: sparse positions out of order (which the
+    codecs refuse) still only ever touch entries inside the call's range."""
+    _kernel()
+    fn, vsqrt = adam._load()
+    n, guard = 8192, 4096
+    p, m, v = (torch.zeros(n + 2 * guard) for _ in range(3))
+    for t in (p, m, v):
+        t[:guard] = 7.0
+        t[guard + n:] = 7.0
+    idx = np.array([8000, 5, 9000, -3, 4096], dtype=np.int64)  # unsorted, some out of range
+    backwards = idx[::-1].copy()
+    vals = np.ones(idx.size, dtype=np.float32)
+    grads = (adam._Grad * 2)(adam._Grad(None, idx.ctypes.data, vals.ctypes.data, idx.size),
+                            adam._Grad(None, backwards.ctypes.data, vals.ctypes.data, idx.size))
+    row = adam._row({"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0, "eps": 1e-8}, 1.0)
+    scalars = np.asarray([row, row], dtype=np.float32).reshape(-1)
+    call = adam._Call(p.data_ptr() + 4 * guard, m.data_ptr() + 4 * guard, v.data_ptr() + 4 * guard,
+                      grads, 0, n, scalars, 0, vsqrt, (idx, backwards, vals))
+    for part in call.split(2):
+        part(fn)
+    for t in (p, m, v):
+        assert bool((t[:guard] == 7.0).all()) and bool((t[guard + n:] == 7.0).all())

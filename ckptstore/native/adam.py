@@ -59,7 +59,7 @@ def _load() -> tuple[Any, int | None] | None:
     with _lib_lock:
         if _kernel is None:
             lib = build.load("adam_steps")
-            if lib is None or lib.ckpt_adam_abi() != 2:
+            if lib is None or lib.ckpt_adam_abi() != 3:
                 _kernel = (None, None)
             else:
                 fn = lib.ckpt_adam_steps
@@ -248,14 +248,28 @@ class AdamWindow:
         parameter's group index. Returns False, having changed nothing, when the kernel may not
         run this window. Lossy slices of tile t+1 are decoded (on this thread, with torch ops)
         while the kernel threads run tile t."""
-        import torch
-
         plans = self._plan(params, gis, steps)
         if plans is None:
             return False
         fn = _load()[0]
         scratch: list[Any] = [None, None]  # two flat buffers for lossy slices, tile t uses t % 2
         pending: list = []
+        try:
+            self._run_tiles(fn, tiles, params, plans, steps, scratch, pending)
+        finally:  # queued calls write through raw pointers: never leave before they are done
+            self._wait(pending, raise_first=False)
+        state = self.optimizer.state
+        for p, plan in zip(params, plans):
+            if plan is not None:
+                state[p]["step"].copy_(plan.final_step)
+        stats["windows"] += 1
+        stats["steps"] += len(steps)
+        return True
+
+    def _run_tiles(self, fn: Any, tiles: list, params: list, plans: list, steps: list,
+                   scratch: list, pending: list) -> None:
+        import torch
+
         for t, tile in enumerate(tiles):
             need = sum((b - a) * len(plans[i].applied) for i, a, b in tile if plans[i] is not None
                        and any(not isinstance(steps[s][1][i], torch.Tensor) for s in plans[i].applied))
@@ -266,15 +280,8 @@ class AdamWindow:
             calls = [self._call(params[i], a, b, plans[i], steps, i, scratch[t % 2], free)
                      for i, a, b in tile if plans[i] is not None]
             self._wait(pending)
-            pending = self._submit(fn, calls)
+            pending.extend(self._submit(fn, calls))
         self._wait(pending)
-        state = self.optimizer.state
-        for p, plan in zip(params, plans):
-            if plan is not None:
-                state[p]["step"].copy_(plan.final_step)
-        stats["windows"] += 1
-        stats["steps"] += len(steps)
-        return True
 
     def _plan(self, params: list, gis: list[int], steps: list) -> list[_ParamPlan | None] | None:
         """Per parameter, its plan (None: no gradient in this window); None when anything in the
@@ -393,10 +400,17 @@ class AdamWindow:
         return [self._pool.submit(part, fn) for c in calls for part in c.split(self.threads)]
 
     @staticmethod
-    def _wait(pending: list) -> None:
+    def _wait(pending: list, raise_first: bool = True) -> None:
+        """Wait for every queued call; the first failure is raised once all are done."""
+        error = None
         for f in pending:
-            f.result()
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others
+                error = error or e
         pending.clear()
+        if error is not None and raise_first:
+            raise error
 
     def close(self) -> None:
         if self._pool is not None:

@@ -25,13 +25,15 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef void (*ckpt_vsqrt_fn)(int n, const float *in, float *out, long long mode);
+/* n as 64 bits: right for MKL's LP64 (int n: the callee reads the low half of the register)
+ * and ILP64 (MKL_INT64 n) interfaces alike, since n <= BLOCK */
+typedef void (*ckpt_vsqrt_fn)(long long n, const float *in, float *out, long long mode);
 
 enum { CKPT_DECOUPLED = 1, CKPT_WEIGHT_DECAY = 2, CKPT_MAXIMIZE = 4 };
 enum { CKPT_SCALARS = 8 }; /* per step: wd_mul, wd, w, beta2, 1-beta2, bc2_sqrt, eps, -step_size */
 #define BLOCK 4096
 
-int ckpt_adam_abi(void) { return 2; }
+int ckpt_adam_abi(void) { return 3; }
 
 /* A step's gradient over the call's n entries: dense (values at dense[0..n)), or sparse (the
  * entries at positions idx[j] - origin, strictly increasing, values vals[j]; zero elsewhere:
@@ -112,8 +114,12 @@ void ckpt_adam_steps(float *restrict p, float *restrict m, float *restrict v,
                 const int64_t end = origin + i0 + nb;
                 memset(sparse_block, 0, sizeof(float) * (size_t)nb);
                 int64_t j = cursor[s];
-                for (; j < grads[s].count && grads[s].idx[j] < end; j++)
-                    sparse_block[grads[s].idx[j] - origin - i0] = grads[s].vals[j];
+                for (; j < grads[s].count && grads[s].idx[j] < end; j++) {
+                    /* the caller passes increasing positions; skipping any below the block
+                     * keeps every write inside it even if one did not */
+                    const int64_t at = grads[s].idx[j] - origin - i0;
+                    if (at >= 0) sparse_block[at] = grads[s].vals[j];
+                }
                 cursor[s] = j;
                 g = sparse_block;
             }

@@ -12,7 +12,8 @@ Invariants:
   a home directory shared by a cluster's nodes);
 * a library appears in the cache only whole: it is compiled to a temporary name in the cache
   directory, then renamed over the final name (concurrent builders race harmlessly);
-* the cache directory is created private to the user (mode 0700), because whatever library is
+* the cache directory is created private to the user (mode 0700), and neither it nor the library
+  is used unless this user owns it and no one else may write it, because whatever library is
   there gets loaded into the process.
 """
 
@@ -89,6 +90,12 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _private(path: Path) -> bool:
+    """Owned by this user and writable by no one else (whatever is there gets loaded)."""
+    st = os.stat(path)
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _build_and_load(name: str) -> ctypes.CDLL | None:
     src = Path(__file__).with_name(f"{name}.c")
     cc = _compiler()
@@ -102,6 +109,10 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
                                         platform.machine()]).encode()).hexdigest()[:20]
         out_dir = cache_dir()
         out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not _private(out_dir):
+            log.info("native kernel %s not built: %s is not a directory only this user can write",
+                     name, out_dir)
+            return None
         target = out_dir / f"{name}-{key}.so"
         if not target.exists():
             fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out_dir)
@@ -116,6 +127,9 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
+        if not _private(target):
+            log.info("native kernel %s not loaded: %s is writable by another user", name, target)
+            return None
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         log.info("native kernel %s unavailable: %s", name, e)
