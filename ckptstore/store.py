@@ -755,27 +755,26 @@ class Store:
     def _rollback(self, start: Position | None) -> None:
         """Cut the log back to ``start`` after a failed save; on failure, recover before next save
         (or, with deltas pending before ``start``, retry the cut first: see :meth:`_recut_pending`)."""
+        if not self._cut_back(start):
+            self._needs_recovery = True
+            self._rollback_to = start
+
+    def _cut_back(self, start: Position | None) -> bool:
+        """Cut the log after ``start`` and put the writer there; False when that failed."""
         try:
             self.log.discard_after(start, quarantine=False)
             if self.log.writer is None or (start is not None and self.log.writer.seq != start.seq):
                 self.log.open_writer(start, self.segment_size)
         except (CkptStoreError, OSError):
-            self._needs_recovery = True
-            self._rollback_to = start
+            return False
+        return True
 
     def _recut_pending(self) -> bool:
         """After a failed rollback with deltas pending before it: the log past them holds whatever
         the failed save left, so no COMMIT may follow it. Retry the cut back to the end of the
         pending deltas (where the failed save started); True when it worked (the pending deltas
         may commit). format-spec/deltas.md, "Group commit"."""
-        target = self._rollback_to
-        if target is None:
-            return False
-        try:
-            self.log.discard_after(target, quarantine=False)
-            if self.log.writer is None or self.log.writer.seq != target.seq:
-                self.log.open_writer(target, self.segment_size)
-        except (CkptStoreError, OSError):
+        if self._rollback_to is None or not self._cut_back(self._rollback_to):
             return False
         self._needs_recovery = False
         self._rollback_to = None
