@@ -188,10 +188,13 @@ class TopKCodec(GradCodec):
         n = flat.numel()
         if n == 0:
             return {"i": torch.zeros(0, dtype=torch.int32), "v": flat.clone()}
-        k = max(1, math.ceil(self.fraction * n))
-        idx = _largest(flat.abs(), k)
-        vals = flat[idx]
-        return {"i": idx.to(torch.int32 if n < 2**31 else torch.int64), "v": vals}
+        return self._payload(flat, flat.abs())
+
+    def _payload(self, flat: torch.Tensor, mags: torch.Tensor) -> dict:
+        """The payload of a non-empty flat gradient whose magnitudes are ``mags``."""
+        n = flat.numel()
+        idx = _largest(mags, max(1, math.ceil(self.fraction * n)))
+        return {"i": idx.to(torch.int32 if n < 2**31 else torch.int64), "v": flat[idx]}
 
     def encode_measured(self, g: torch.Tensor, decoded: bool = True
                         ) -> tuple[dict, torch.Tensor | None, EncodeStats | None]:
@@ -202,10 +205,9 @@ class TopKCodec(GradCodec):
         if n == 0 or not flat.is_floating_point():
             return super().encode_measured(g, decoded)
         mags = flat.abs()
-        idx = _largest(mags, max(1, math.ceil(self.fraction * n)))
-        payload = {"i": idx.to(torch.int32 if n < 2**31 else torch.int64), "v": flat[idx]}
+        payload = self._payload(flat, mags)
         grad_sq = sum_of_squares(flat)
-        mags[idx] = 0  # now the dropped entries only
+        mags[payload["i"].to(torch.int64)] = 0  # now the dropped entries only
         stats = EncodeStats(float(mags.max()), math.sqrt(sum_of_squares(mags)), math.sqrt(grad_sq))
         dec = self.decode(payload, tuple(g.shape), g.dtype) if decoded else None
         return payload, dec, stats
