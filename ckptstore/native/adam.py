@@ -21,6 +21,7 @@ parameters, gradients and moments, at most MAX_STEPS steps. For anything else
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -71,6 +72,7 @@ def _load() -> tuple[Any, int | None] | None:
         return None if _kernel[0] is None else _kernel
 
 
+@functools.lru_cache(maxsize=None)
 def _torch_library() -> ctypes.CDLL | None:
     """torch's CPU library (already loaded), where a statically linked MKL exports its C API."""
     import torch
@@ -83,9 +85,17 @@ def _torch_library() -> ctypes.CDLL | None:
 
 def _torch_vsqrt() -> int | None:
     """Address of MKL's ``vmsSqrt`` (what torch.sqrt calls on float32), if torch exports it."""
-    lib = _torch_library()
-    fn = getattr(lib, "vmsSqrt", None) if lib is not None else None
+    fn = getattr(_torch_library(), "vmsSqrt", None)
     return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+
+@functools.lru_cache(maxsize=None)
+def _mkl_set_threads_local() -> Any:
+    """MKL's ``MKL_Set_Num_Threads_Local(int) -> int`` from torch's library, or None."""
+    fn = getattr(_torch_library(), "MKL_Set_Num_Threads_Local", None)
+    if fn is not None:
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+    return fn
 
 
 def mkl_sequential() -> int | None:
@@ -93,19 +103,13 @@ def mkl_sequential() -> int | None:
     (to restore with :func:`mkl_restore`), None without MKL. Why: vmsSqrt called from a thread
     that is not torch's starts an OpenMP team of its own, whose spinning workers then slowed
     every thread's vmsSqrt 15x (measured: 0.6 -> 9.6 ns per entry, 2-core EPYC)."""
-    lib = _torch_library()
-    fn = getattr(lib, "MKL_Set_Num_Threads_Local", None) if lib is not None else None
-    if fn is None:
-        return None
-    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
-    return int(fn(1))
+    fn = _mkl_set_threads_local()
+    return None if fn is None else int(fn(1))
 
 
 def mkl_restore(previous: int | None) -> None:
     if previous is not None:
-        fn = _torch_library().MKL_Set_Num_Threads_Local
-        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
-        fn(previous)
+        _mkl_set_threads_local()(previous)
 
 
 def _flags(group: dict, cls_name: str) -> int:
