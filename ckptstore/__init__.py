@@ -15,7 +15,7 @@ import os as _os
 from typing import Any as _Any
 
 from .store import CheckpointInfo, Store, TensorDiff
-from .writer import SaveStats
+from .engine.write_path import SaveStats
 
 __version__ = "0.1.0"
 

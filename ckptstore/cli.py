@@ -151,7 +151,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from .fsck import check
+    from .ops.fsck import check
 
     with _progress("fsck", None) as tick:
         report = check(args.path, repair=args.repair, progress=tick)

@@ -98,7 +98,7 @@ def _reference(iterations: int) -> dict:
 
 def run_demo(path: str, iterations: int = 60, crash_at: int = 37) -> int:
     import ckptstore
-    from ckptstore.fsck import check
+    from ckptstore.ops.fsck import check
 
     if not 0 < crash_at <= iterations:
         raise ValueError("crash_at must be within 1..iterations")

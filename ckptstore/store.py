@@ -28,7 +28,7 @@ from .format import records as rec
 from .format.commit import KIND_DELTA, KIND_NAMES, encode_commit
 from .format.manifest import Manifest
 from .format.state import flatten, format_path, leaf_paths, path_name
-from .reader import StateReader, read_manifest, read_tree
+from .engine.read_path import StateReader, read_manifest, read_tree
 from .storage.fileops import FileOps, io_errors
 from .storage.index import CommitEntry, Index, IndexBatch, MemoryIndex, Position
 from .storage.layout import Layout
@@ -36,7 +36,7 @@ from .storage.lmdb_index import LmdbIndex
 from .storage.reader_index import IndexSnapshot, ReaderIndex
 from .storage.log import Log, ReplayReport
 from .tensors import leaf_hook, no_leaves
-from .writer import SaveStats, write_snapshot
+from .engine.write_path import SaveStats, write_snapshot
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 DEFAULT_SEGMENT_SIZE = 1 << 30
@@ -572,8 +572,8 @@ class Store:
         With an async pipeline the commit is queued behind the submitted jobs (iteration order);
         a failure of a timer commit is raised like a background failure: by the rolled-back
         deltas' futures, then once by the next call on the store, or by flush/close. See
-        :mod:`ckptstore.grouptimer`. Not under the mutex: stopping joins the timer thread."""
-        from .grouptimer import GroupTimer
+        :mod:`ckptstore.ops.grouptimer`. Not under the mutex: stopping joins the timer thread."""
+        from .ops.grouptimer import GroupTimer
 
         if seconds is not None and (isinstance(seconds, bool) or
                                     not isinstance(seconds, (int, float)) or not seconds >= 0):
@@ -638,7 +638,7 @@ class Store:
             return self._pipeline
         with self._mutex:
             if self._pipeline is None:
-                from .pipeline import Pipeline
+                from .ops.pipeline import Pipeline
 
                 budget, inflight = self._async_limits
                 self._pipeline = Pipeline(self, host_budget=budget, max_inflight=inflight)
@@ -647,11 +647,11 @@ class Store:
     def save_async(self, iteration: int, state: Any, meta: dict | None = None):
         """Snapshot ``state`` into host buffers and return a ``concurrent.futures.Future`` at once;
         hashing, compression, writing, fsync and commit run in a background thread, in iteration
-        order. The future's result (an :class:`ckptstore.pipeline.AsyncStats`) is set when the
+        order. The future's result (an :class:`ckptstore.ops.pipeline.AsyncStats`) is set when the
         checkpoint is durable. Mutating the live tensors after this returns does not affect what
         is stored. A background failure is raised by the future, by the next call on the store
         and by flush/close; the failed checkpoint (and anything queued after it) is rolled back.
-        See :mod:`ckptstore.pipeline`."""
+        See :mod:`ckptstore.ops.pipeline`."""
         return self.pipeline.submit("snapshot", iteration, state, meta)
 
     def save_delta_async(self, iteration: int, record: Any, meta: dict | None = None, *,
@@ -733,7 +733,7 @@ class Store:
                     into: Callable[[Any], Any] | None = None) -> Any:
         """The state stored for ``iteration`` as written: for a delta, its delta record (not the
         replayed state). Same as :meth:`load` for a snapshot. ``into``: see
-        :meth:`ckptstore.reader.StateReader.load` (read tensors into existing ones)."""
+        :meth:`ckptstore.engine.read_path.StateReader.load` (read tensors into existing ones)."""
         self._await_inflight(iteration)
         return self._read_retrying(
             lambda: self._state_reader().load(self._entry(iteration), keys, None, into))
@@ -748,7 +748,7 @@ class Store:
         """Yield ``(iteration, state)`` for every iteration in ``start..stop`` (inclusive), each
         reconstructed from the nearest base at or before ``start`` plus the deltas after it.
         See :func:`ckptstore.replay.replay_range` for options and reports."""
-        from .replay import replay_range
+        from .replay.replayer import replay_range
 
         return replay_range(self, start, stop, **options)
 
@@ -848,7 +848,7 @@ class Store:
         Writers: an iteration still in flight in the async pipeline is waited for."""
         self._await_inflight(iteration)
         if self._entry(iteration).commit.kind == KIND_DELTA:
-            from .replay import replay_to
+            from .replay.replayer import replay_to
 
             state = self._read_retrying(lambda: replay_to(self, iteration))
             if keys is not None:
@@ -955,8 +955,8 @@ class Store:
     # ---- maintenance ------------------------------------------------------------------------
     def gc(self, keep_last: int, keep_every: int | None = None,
            progress: Callable[[int], None] | None = None):
-        """Apply a retention policy, then compact. See :mod:`ckptstore.gc`."""
-        from .gc import collect
+        """Apply a retention policy, then compact. See :mod:`ckptstore.ops.gc`."""
+        from .ops.gc import collect
 
         self._drain_async()
         with self._mutex:

@@ -27,9 +27,9 @@ import xxhash  # noqa: E402,F401
 
 with atheris.instrument_imports(include=["ckptstore", "fuzz"]):
     import ckptstore  # noqa: F401
-    import ckptstore.fsck  # noqa: F401
-    import ckptstore.gradcodecs  # noqa: F401
-    import ckptstore.reader  # noqa: F401
+    import ckptstore.ops.fsck  # noqa: F401
+    import ckptstore.replay.gradcodecs  # noqa: F401
+    import ckptstore.engine.read_path  # noqa: F401
     import ckptstore.replay  # noqa: F401
     import ckptstore.storage.log  # noqa: F401
     import ckptstore.storage.segments  # noqa: F401

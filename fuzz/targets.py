@@ -472,7 +472,7 @@ def _pool_leaf(pool: list[Any]) -> Callable[[int, Any], Any]:
 
 
 def _replay_engine(base: Any, iteration: int) -> Any:
-    from ckptstore.replay import _Engine
+    from ckptstore.replay.replayer import _Engine
 
     return _Engine(base, iteration)
 
@@ -537,7 +537,7 @@ def check_store_open(data: bytes) -> None:
 
     import ckptstore
     from ckptstore.format.header import FORMAT_VERSION, StoreHeader
-    from ckptstore.fsck import check
+    from ckptstore.ops.fsck import check
 
     fix, body = _split(data)
     if fix:

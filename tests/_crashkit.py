@@ -212,7 +212,7 @@ def read_journal(path: str) -> list[tuple[float, str, str]]:
 
 def _child(cmd: dict) -> None:
     import ckptstore
-    from ckptstore.gc import retained
+    from ckptstore.ops.gc import retained
 
     journal = _Journal(cmd["journal"])
     journal("start")
@@ -261,7 +261,7 @@ def _child(cmd: dict) -> None:
 
 def serve() -> None:
     import ckptstore  # noqa: F401  (preloaded once; each trial forks from here)
-    import ckptstore.gc  # noqa: F401
+    import ckptstore.ops.gc  # noqa: F401
 
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -103,7 +103,7 @@ def append_checkpoint(path: str, iteration: int, doc: dict, chunks: list[bytes] 
 def _operations(spec: dict) -> list[tuple[str, Any]]:
     import ckptstore
     from ckptstore.cli import main as cli
-    from ckptstore.fsck import check
+    from ckptstore.ops.fsck import check
 
     path, out = spec["path"], spec["out"]
     ops: list[tuple[str, Any]] = []

@@ -23,7 +23,7 @@ import torch
 
 import ckptstore
 from ckptstore.errors import CheckpointAbortedError, DiskFullError, IterationOrderError, StoreIOError
-from ckptstore.fsck import check
+from ckptstore.ops.fsck import check
 
 from _crashkit import CHUNK_SIZE, SEGMENT_SIZE, KillOps, state_for
 from test_faults import FaultyOps

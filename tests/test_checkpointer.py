@@ -13,7 +13,7 @@ import torch
 
 import ckptstore
 from ckptstore.errors import DeltaChainError, IterationOrderError, ReplayDivergenceError
-from ckptstore.fsck import check
+from ckptstore.ops.fsck import check
 from ckptstore.replay import ApproximateReplayWarning
 from ckptstore.torch import Checkpointer
 
@@ -36,7 +36,7 @@ def _one_thread_and_sharded_replay(monkeypatch):
     makes them very slow). Replay shards the optimizer step whatever the model's size, and runs
     steady-state windows tile by tile with tiles of TEST_TILE_NUMEL entries, so both paths are the
     ones checked bit for bit (store.replay checks the sequential one)."""
-    from ckptstore import recovery
+    from ckptstore.replay import parallel as recovery
 
     monkeypatch.setattr(recovery, "PARALLEL_MIN_NUMEL", 0)
     monkeypatch.setattr(recovery, "default_shards", lambda: 3)
@@ -119,8 +119,8 @@ def test_bit_exact_point_in_time(tmp_path, assert_same, monkeypatch, opt_name, o
         pytest.skip("cosine covered with AdamW and SGD")
     if opt_kwargs.get("fused") and not _fused_on_cpu(opt_name):
         pytest.skip(f"this torch has no fused {opt_name} on CPU")
-    from ckptstore import recovery
-    from ckptstore.native import adam as native_adam
+    from ckptstore.replay import parallel as recovery
+    from ckptstore.replay.native import adam as native_adam
 
     native_ok = opt_name in ("Adam", "AdamW") and not (opt_kwargs.get("fused") or opt_kwargs.get("amsgrad"))
     if sched == "none-torch-tiled":  # Adam/AdamW windows through torch's ops, not the native kernel
@@ -333,7 +333,7 @@ def _corrupt_chunks_of(store_path, iteration, tensor_suffix):
     with ckptstore.open(store_path, "r") as r:
         m = r.manifest(iteration)
         entry = next(t for t in m.tensors if t.path.endswith(tensor_suffix) and t.inline is None)
-        from ckptstore.reader import read_tree
+        from ckptstore.engine.read_path import read_tree
 
         tree = read_tree(r.log, r.index, entry)
         ref = r.index.get_chunk(tree.addresses[0])
@@ -431,8 +431,8 @@ def test_training_on_decoded_gradients_replays_exactly(tmp_path, assert_same, mo
     """Bit-exact through tiled windows (the native kernel where it builds), where bf16 and topk
     payloads are decoded tile by tile (GradSlices; topk goes sparse to the native kernel) and
     int8 ones whole."""
-    from ckptstore import gradcodecs
-    from ckptstore.native import adam as native_adam
+    from ckptstore.replay import gradcodecs
+    from ckptstore.replay.native import adam as native_adam
 
     native_steps = native_adam.stats["steps"]
 
@@ -505,7 +505,7 @@ def test_tied_parameters_and_buffers(tmp_path, assert_same):
 def test_non_separable_optimizer_replays_sequentially(tmp_path, assert_same, monkeypatch):
     """Only allowlisted per-parameter optimizers are sharded; another replayable one (NAdam here)
     steps as one optimizer, still bit-exact."""
-    from ckptstore import recovery
+    from ckptstore.replay import parallel as recovery
 
     assert "NAdam" not in recovery.SEPARABLE_OPTIMIZERS
     built = []
@@ -525,7 +525,7 @@ def test_non_separable_optimizer_replays_sequentially(tmp_path, assert_same, mon
 
 
 def test_sharded_step_deals_whole_parameters():
-    from ckptstore.recovery import ShardedStep, _deal
+    from ckptstore.replay.parallel import ShardedStep, _deal
 
     assert _deal([10, 1, 1, 8, 3], 2) == [[0, 1, 2], [3, 4]]  # totals 12 and 11
     assert _deal([5], 4) == [[0]]
@@ -693,7 +693,7 @@ def _feed_threads():
 def _stepping(store, start, stop):
     """The previous replay_range (one record read at a time, in the caller's thread): the
     reference the read-ahead version must reproduce exactly."""
-    from ckptstore import replay as R
+    from ckptstore.replay import replayer as R
 
     eng = R._engine_at(store, start)
     it = eng.iteration

@@ -771,7 +771,7 @@ def test_grad_slices_match_whole_decodes():
     """gradcodecs slicers (tiled replay windows) write exactly what a whole decode holds."""
     import torch
 
-    from ckptstore.gradcodecs import parse_codec
+    from ckptstore.replay.gradcodecs import parse_codec
 
     g = torch.Generator().manual_seed(5)
     grad = torch.randn(37, 101, generator=g)
@@ -800,8 +800,8 @@ def test_topk_selection_on_large_tensors():
     global RNG is untouched; ties (mostly zeros) fall back to exactly k."""
     import torch
 
-    from ckptstore import gradcodecs
-    from ckptstore.gradcodecs import parse_codec
+    from ckptstore.replay import gradcodecs
+    from ckptstore.replay.gradcodecs import parse_codec
 
     codec = parse_codec("topk:0.01")
     g = torch.Generator().manual_seed(9)
@@ -837,7 +837,7 @@ def test_topk_measured_error_matches_the_generic_measurement(n):
     only when asked for."""
     import torch
 
-    from ckptstore.gradcodecs import GradCodec, parse_codec
+    from ckptstore.replay.gradcodecs import GradCodec, parse_codec
 
     codec = parse_codec("topk:0.02")
     g = torch.randn(n, generator=torch.Generator().manual_seed(n)).reshape(-1, 1)
@@ -856,7 +856,7 @@ def test_topk_payload_must_be_one_dimensional():
     unsorted positions then reached the native kernel). Every topk decode path refuses it."""
     import torch
 
-    from ckptstore.gradcodecs import parse_codec
+    from ckptstore.replay.gradcodecs import parse_codec
 
     codec = parse_codec("topk:0.5")
     grad = torch.zeros(1 << 12)
@@ -874,7 +874,7 @@ def test_sum_of_squares_outside_float32_range(scale):
     """Squares that overflow or turn subnormal in float32 are summed in float64 instead."""
     import torch
 
-    from ckptstore.gradcodecs import sum_of_squares
+    from ckptstore.replay.gradcodecs import sum_of_squares
 
     t = torch.randn(200_003, generator=torch.Generator().manual_seed(1)) * scale
     exact = float(t.double().square().sum())
@@ -884,7 +884,7 @@ def test_sum_of_squares_outside_float32_range(scale):
 def test_topk_keeps_nan_entries_like_torch_topk():
     import torch
 
-    from ckptstore.gradcodecs import parse_codec
+    from ckptstore.replay.gradcodecs import parse_codec
 
     g = torch.randn(1 << 20, generator=torch.Generator().manual_seed(2))
     g[12345] = float("nan")

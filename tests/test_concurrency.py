@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.fsck import check
+from ckptstore.ops.fsck import check
 
 CHUNK = 16 << 10
 

@@ -33,7 +33,7 @@ from ckptstore.format.commit import decode_commit
 from ckptstore.format.header import StoreHeader, decode_store_header, encode_store_header
 from ckptstore.format.manifest import decode_manifest
 from ckptstore.format.tree import decode_tree
-from ckptstore.fsck import check
+from ckptstore.ops.fsck import check
 from ckptstore.storage.layout import Layout
 from ckptstore.storage.segments import ScannedRecord, SegmentFile, scan_segment
 

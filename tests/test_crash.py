@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 import ckptstore
-from ckptstore.fsck import check
+from ckptstore.ops.fsck import check
 from ckptstore.storage.fileops import FileOps
 from ckptstore.storage.layout import Layout
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.fsck import check
+from ckptstore.ops.fsck import check
 from ckptstore.storage import segments
 from ckptstore.storage.fileops import FileOps
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.fsck import check
+from ckptstore.ops.fsck import check
 from ckptstore.storage.fileops import FileOps
 
 

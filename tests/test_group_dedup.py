@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.fsck import check
+from ckptstore.ops.fsck import check
 from ckptstore.format.chunk import address_of
 
 from _crashkit import CHUNK_SIZE, SEGMENT_SIZE, KillOps, _Journal, die, read_journal

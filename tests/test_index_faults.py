@@ -17,7 +17,7 @@ import torch
 
 import ckptstore
 from ckptstore.format.commit import KIND_DELTA
-from ckptstore.fsck import check
+from ckptstore.ops.fsck import check
 from ckptstore.storage import lmdb_index
 from ckptstore.storage.index import unpack_chunk, unpack_commit, unpack_loc
 

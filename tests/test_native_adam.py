@@ -1,4 +1,4 @@
-"""ckptstore.native: the Adam/AdamW replay kernel computes torch's bits or is not used.
+"""ckptstore.replay.native: the Adam/AdamW replay kernel computes torch's bits or is not used.
 
 The kernel is optional (it needs a C compiler); tests that need it skip with the reason when this
 machine cannot build it. The fallbacks (no compiler, switched off, a configuration whose bits
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore.gradcodecs import parse_codec
-from ckptstore.native import adam, build
-from ckptstore.recovery import TiledSteps
+from ckptstore.replay.gradcodecs import parse_codec
+from ckptstore.replay.native import adam, build
+from ckptstore.replay.parallel import TiledSteps
 
 #: odd sizes, a 0-d parameter, and one big enough for torch to split ops between threads
 SHAPES = [(1000,), (3, 129), (7,), (), (4099,), (70001,)]

@@ -1,4 +1,4 @@
-"""ckptstore.recovery.TiledSteps: a window of optimizer steps run tile by tile computes the same
+"""ckptstore.replay.parallel.TiledSteps: a window of optimizer steps run tile by tile computes the same
 bits as the same steps run one after another on whole tensors (format-spec/deltas.md, "Pipelined
 and parallel replay"). The store-level proof is tests/test_checkpointer.py; these tests drive the
 tiler directly on awkward shapes, changing hyperparameters and missing gradients."""
@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from ckptstore.recovery import TILE_ALIGN, TiledSteps, window_size
+from ckptstore.replay.parallel import TILE_ALIGN, TiledSteps, window_size
 
 CONFIGS = [
     ("SGD", {"lr": 0.05}),

@@ -188,7 +188,7 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, reference, fork
                 ref.close()
         forkserver.run([d / "s", 0, d / "durable2", d / "final.pt"])
         _same_params(ref_final, torch.load(d / "final.pt"))
-        from ckptstore.fsck import check
+        from ckptstore.ops.fsck import check
 
         assert check(d / "s").clean
 

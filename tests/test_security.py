@@ -29,7 +29,7 @@ import torch
 import ckptstore
 from ckptstore.cli import main as cli
 from ckptstore.format.chunk import address_of
-from ckptstore.fsck import check
+from ckptstore.ops.fsck import check
 from ckptstore.format.tree import tree_root
 
 HERE = Path(__file__).parent
@@ -300,7 +300,7 @@ def test_lying_tensor_size_is_refused_before_allocation(tmp_path, monkeypatch):
     records hold 4 KiB: every load path refuses it with DamagedCheckpointError naming the chunk
     record, before anything is allocated for it; the honest tensor next to it still loads through
     ``keys=``; fsck reports the iteration damaged."""
-    import ckptstore.reader
+    import ckptstore.engine.read_path
     from ckptstore.format.chunk import MAX_CHUNK_SIZE
     from ckptstore.format.tree import expected_chunks
 
@@ -318,13 +318,13 @@ def test_lying_tensor_size_is_refused_before_allocation(tmp_path, monkeypatch):
                       chunks=[raw, small], trees=[(n, cs, addrs)])
 
     allocated: list[int] = []
-    real_allocate = ckptstore.reader.allocate
+    real_allocate = ckptstore.engine.read_path.allocate
 
     def recording(entry):
         allocated.append(entry.nbytes)
         return real_allocate(entry)
 
-    monkeypatch.setattr(ckptstore.reader, "allocate", recording)
+    monkeypatch.setattr(ckptstore.engine.read_path, "allocate", recording)
     for mode in ("r", "a"):
         with ckptstore.open(path, mode) as s:
             assert s.iterations() == [0, 1]
@@ -345,7 +345,7 @@ def test_lying_tensor_size_is_refused_before_allocation(tmp_path, monkeypatch):
 def test_replay_section_cannot_name_code(tmp_path):
     """A base snapshot whose replay section names an optimizer that is code: loading a delta on
     it raises a package error; nothing named by a store is ever imported or evaluated."""
-    from ckptstore.replay import REPLAY_KEY
+    from ckptstore.format.delta import REPLAY_KEY
     from ckptstore.torch import Checkpointer
 
     marker = tmp_path / "PWNED"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ckptstore
-import ckptstore.reader
+import ckptstore.engine.read_path
 from ckptstore import (CkptStoreError, DamagedCheckpointError, FormatError, IterationOrderError,
                        NotFoundError, ReadOnlyStoreError, StoreClosedError, StoreLockedError,
                        StoreNotFoundError, UnsupportedVersionError)
@@ -148,13 +148,13 @@ def test_partial_load_reads_only_requested_keys(store, monkeypatch, assert_same)
              "s": "scalar", "tiny": torch.ones(3)}
     store.save(1, state)
     read: list[bytes] = []
-    real = ckptstore.reader.read_chunk_into
+    real = ckptstore.engine.read_path.read_chunk_into
 
     def spy(log, index, address, dest):
         read.append(address)
         return real(log, index, address, dest)
 
-    monkeypatch.setattr(ckptstore.reader, "read_chunk_into", spy)
+    monkeypatch.setattr(ckptstore.engine.read_path, "read_chunk_into", spy)
 
     def addresses(t):
         b = t.contiguous().view(torch.uint8).numpy().tobytes()

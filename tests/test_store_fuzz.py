@@ -33,7 +33,7 @@ import ckptstore
 from ckptstore.errors import CkptStoreError
 from ckptstore.format import records as rec
 from ckptstore.format.commit import decode_commit
-from ckptstore.fsck import check
+from ckptstore.ops.fsck import check
 from ckptstore.storage.layout import Layout
 from ckptstore.storage.segments import ScannedRecord, SegmentFile, scan_segment
 

@@ -13,11 +13,11 @@ non-parameter model state, meta) or, when due, a base snapshot. Deltas are group
 fsync pair per ``group_commit`` deltas or once the oldest uncommitted delta is ``group_seconds``
 old, whichever comes first. The time bound holds without further steps (an eval loop, a data
 stall): ``group_seconds`` starts the store's group-commit timer (``Store.set_group_seconds``,
-:mod:`ckptstore.grouptimer`), which commits from a background thread. ``store.durable_iteration()``
+:mod:`ckptstore.ops.grouptimer`), which commits from a background thread. ``store.durable_iteration()``
 says what survives a crash now.
 
 By default (``asynchronous=True``) every record goes through the store's pipeline
-(:mod:`ckptstore.pipeline`): ``step`` only snapshots into host buffers and returns a future; the
+(:mod:`ckptstore.ops.pipeline`): ``step`` only snapshots into host buffers and returns a future; the
 write, fsync and commit run in the background. With the exact codec the gradients are captured
 layer by layer while backward runs (``register_post_accumulate_grad_hook`` copies each parameter's
 gradient into a pooled host buffer as soon as it is accumulated), so ``step`` copies only what
@@ -40,9 +40,10 @@ import numpy as np
 import torch
 
 from ..errors import DeltaChainError, NotFoundError
-from ..pipeline import ALIGN
-from ..gradcodecs import parse_codec
-from ..replay import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION, fingerprint, fingerprint_digest
+from ..ops.pipeline import ALIGN
+from ..replay.gradcodecs import parse_codec
+from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
+from ..replay.replayer import fingerprint, fingerprint_digest
 
 
 def capture_rng() -> dict:
@@ -102,7 +103,7 @@ class Checkpointer:
     ``base_every``: an int (a base snapshot every that many iterations) or "auto" (chosen from the
     measured base-write and per-delta replay costs so the worst-case recovery time, base load plus
     replay of every delta since, stays under ``target_recovery_s``).
-    ``codec``: "exact" | "bf16" | "fp16" | "topk:F" | "int8" (ckptstore.gradcodecs).
+    ``codec``: "exact" | "bf16" | "fp16" | "topk:F" | "int8" (ckptstore.replay.gradcodecs).
     ``apply_decoded``: with a lossy codec, train on the decoded gradient (it is copied into
     ``p.grad`` before ``optimizer.step()``), so replay is exact again.
     ``fingerprint_every``: record an xxh3 fingerprint of the parameters every k iterations (0: never);

@@ -30,7 +30,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-log = logging.getLogger("ckptstore.native")
+log = logging.getLogger("ckptstore.replay.native")
 
 #: -ffp-contract=off: only explicit fmaf() calls fuse, so the kernels round exactly as written.
 #: -fno-math-errno lets sqrtf vectorize. Never -ffast-math.

@@ -12,17 +12,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 
-from .errors import DamagedCheckpointError, FormatError, NotFoundError, StoreIOError
-from .format import records as rec
-from .format.chunk import (CHUNK_HEADER_SIZE, Codec, address_of, decode_chunk_data,
+from ..errors import DamagedCheckpointError, FormatError, NotFoundError, StoreIOError
+from ..format import records as rec
+from ..format.chunk import (CHUNK_HEADER_SIZE, Codec, address_of, decode_chunk_data,
                            decode_chunk_header, max_raw_length)
-from .format.manifest import Manifest, TensorEntry, decode_committed_manifest
-from .format.state import top_level_items, leaf_indices, unflatten
-from .format.tree import Tree, decode_tree, tree_root
-from .storage.index import ChunkRef, CommitEntry, Index
-from .storage.log import Log
-from .storage.segments import Loc
-from .tensors import allocate, finish, into_view
+from ..format.manifest import Manifest, TensorEntry, decode_committed_manifest
+from ..format.state import top_level_items, leaf_indices, unflatten
+from ..format.tree import Tree, decode_tree, tree_root
+from ..storage.index import ChunkRef, CommitEntry, Index
+from ..storage.log import Log
+from ..storage.segments import Loc
+from ..tensors import allocate, finish, into_view
 
 _HEAD = rec.HEADER_SIZE + CHUNK_HEADER_SIZE
 

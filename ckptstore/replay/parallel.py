@@ -14,7 +14,7 @@ Pure speed: nothing here changes what replay computes.
   so a shard computes, op for op, what the whole step computes for its parameters. Anything
   else (a global gradient norm, LBFGS's closure, an optimizer not listed) steps sequentially.
 * :class:`TiledSteps` runs a window of steady-state steps tile by tile; Adam and AdamW windows
-  go through the native kernel (:mod:`ckptstore.native.adam`) where it is verified bit-exact.
+  go through the native kernel (:mod:`ckptstore.replay.native.adam`) where it is verified bit-exact.
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ class TiledSteps:
 
     def run(self, steps: list[tuple[list[dict], list[Any]]]) -> None:
         """Apply ``steps`` in order; each is (per main group: the settings in effect for that step,
-        per parameter: its gradient: a tensor, None, or a :class:`ckptstore.gradcodecs.GradSlices`
+        per parameter: its gradient: a tensor, None, or a :class:`ckptstore.replay.gradcodecs.GradSlices`
         decoded tile by tile into a reused buffer). The caller applies each step's post-step group
         settings to the main optimizer afterwards, as for a plain step."""
         import torch

@@ -2,5 +2,5 @@
 
 Nothing here is needed for correctness: every kernel has a pure-torch equivalent that runs when
 the kernel is unavailable (no compiler, ``CKPTSTORE_NATIVE=0``) or when it has not been shown to
-reproduce torch's results bit for bit on this machine (see :mod:`ckptstore.native.adam`).
+reproduce torch's results bit for bit on this machine (see :mod:`ckptstore.replay.native.adam`).
 """

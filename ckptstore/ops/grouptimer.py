@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .store import Store
+    from ..store import Store
 
 
 class GroupTimer:

@@ -27,16 +27,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 
-from .errors import DamagedCheckpointError, FormatError
-from .format import records as rec
-from .format.chunk import decode_chunk
-from .format.commit import Commit, encode_commit
-from .format.manifest import decode_committed_manifest
-from .format.tree import decode_tree
-from .storage.segments import SEGMENT_HEADER_RECORD_SIZE, Loc, SegmentWriter
+from ..errors import DamagedCheckpointError, FormatError
+from ..format import records as rec
+from ..format.chunk import decode_chunk
+from ..format.commit import Commit, encode_commit
+from ..format.manifest import decode_committed_manifest
+from ..format.tree import decode_tree
+from ..storage.segments import SEGMENT_HEADER_RECORD_SIZE, Loc, SegmentWriter
 
 if TYPE_CHECKING:
-    from .store import Store
+    from ..store import Store
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def with_chains(store: "Store", keep: list[int]) -> list[int]:
     """Add to ``keep`` every iteration a kept delta needs: its predecessors back to its base
     snapshot (format-spec/deltas.md, "Garbage collection"). A base is never removed while a
     retained delta depends on it."""
-    from .format.commit import KIND_DELTA
+    from ..format.commit import KIND_DELTA
 
     out = set(keep)
     for it in keep:

@@ -26,13 +26,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import DamagedCheckpointError, FormatError
-from .format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header
-from .storage.index import ChunkRef, CommitEntry, Index, MemoryIndex
-from .storage.layout import Layout
-from .storage.log import Damage, Log, ReplayReport
-from .reader import read_manifest, read_tree
-from .store import Store
+from ..errors import DamagedCheckpointError, FormatError
+from ..format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header
+from ..storage.index import ChunkRef, CommitEntry, Index, MemoryIndex
+from ..storage.layout import Layout
+from ..storage.log import Damage, Log, ReplayReport
+from ..engine.read_path import read_manifest, read_tree
+from ..store import Store
 
 
 @dataclass
@@ -212,7 +212,7 @@ def _note_lost_by_index(store: Store, indexed: tuple[bytes, dict[int, CommitEntr
 def _check_chains(index: Index, report: FsckReport) -> None:
     """Deltas (format-spec/deltas.md) are recoverable only through their whole chain: name every
     delta whose predecessor is damaged, missing or itself unrecoverable."""
-    from .format.commit import KIND_DELTA
+    from ..format.commit import KIND_DELTA
 
     bad: set[int] = set(report.damaged_iterations)
     for it in report.iterations:
@@ -337,8 +337,8 @@ def _index_commits(index_dir: str) -> tuple[bytes, dict[int, CommitEntry]] | Non
 
     import lmdb
 
-    from .storage.index import unpack_commit
-    from .storage.lmdb_index import INDEX_FORMAT
+    from ..storage.index import unpack_commit
+    from ..storage.lmdb_index import INDEX_FORMAT
 
     try:
         env = lmdb.open(index_dir, readonly=True, lock=False, max_dbs=8, subdir=True)

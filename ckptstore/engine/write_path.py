@@ -20,17 +20,17 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-from .errors import FormatError, IndexUnusable
-from .format import records as rec
-from .format.chunk import (CHUNK_HEADER_SIZE, address_of, choose_encoding, decode_chunk_header,
+from ..errors import FormatError, IndexUnusable
+from ..format import records as rec
+from ..format.chunk import (CHUNK_HEADER_SIZE, address_of, choose_encoding, decode_chunk_header,
                            encode_chunk_header)
-from .format.commit import COMMIT_SIZE, KIND_DELTA, KIND_SNAPSHOT, Commit, encode_commit
-from .format.manifest import INLINE_MAX, Manifest, TensorEntry, encode_manifest
-from .format.tree import decode_tree, encode_tree, make_tree, snapshot_root, tree_root
-from .storage.index import ChunkRef, CommitEntry, Index, IndexBatch, Position
-from .storage.log import Log
-from .storage.segments import Loc
-from .tensors import ArrayLeaf
+from ..format.commit import COMMIT_SIZE, KIND_DELTA, KIND_SNAPSHOT, Commit, encode_commit
+from ..format.manifest import INLINE_MAX, Manifest, TensorEntry, encode_manifest
+from ..format.tree import decode_tree, encode_tree, make_tree, snapshot_root, tree_root
+from ..storage.index import ChunkRef, CommitEntry, Index, IndexBatch, Position
+from ..storage.log import Log
+from ..storage.segments import Loc
+from ..tensors import ArrayLeaf
 
 
 @dataclass(frozen=True)

@@ -50,13 +50,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .errors import (CheckpointAbortedError, DeltaChainError, IterationOrderError)
-from .format.state import flatten
-from .tensors import TORCH_DTYPES, ArrayLeaf, leaf_hook
-from .writer import SaveStats
+from ..errors import (CheckpointAbortedError, DeltaChainError, IterationOrderError)
+from ..format.state import flatten
+from ..tensors import TORCH_DTYPES, ArrayLeaf, leaf_hook
+from ..engine.write_path import SaveStats
 
 if TYPE_CHECKING:
-    from .store import Store
+    from ..store import Store
 
 #: Name of the manifest field that records a pipeline checkpoint's statistics (format.md section 10).
 STATS_FIELD = "pipeline"
@@ -346,7 +346,7 @@ class Pipeline:
         """Snapshot ``state`` and queue it; see the module docstring. ``owned``: arenas holding
         tensors of ``state`` already copied by the caller; they pass to the job (released by the
         pipeline whatever happens)."""
-        from .store import flatten_meta
+        from ..store import flatten_meta
 
         t0 = time.perf_counter()
         owned = list(owned or [])
@@ -468,7 +468,7 @@ class Pipeline:
 
     def request_flush(self) -> None:
         """Queue a commit of the pending deltas without waiting for it (the group timer,
-        :mod:`ckptstore.grouptimer`): it runs after the jobs already queued, and its failure is
+        :mod:`ckptstore.ops.grouptimer`): it runs after the jobs already queued, and its failure is
         reported like any background failure (the rolled-back deltas' futures, then the next call,
         flush or close)."""
         with self._cond:

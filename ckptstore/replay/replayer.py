@@ -24,16 +24,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import xxhash
 
-from .errors import CkptStoreError, DamagedCheckpointError, DeltaChainError, ReplayDivergenceError
+from ..errors import CkptStoreError, DamagedCheckpointError, DeltaChainError, ReplayDivergenceError
+from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
 
 if TYPE_CHECKING:
-    from .store import Store
+    from ..store import Store
 
-REPLAY_KEY = "ckptstore.replay"
-REPLAY_VERSION = 1
-#: The optimizers replay may construct (deterministic step from params, grads and state).
-OPTIMIZER_NAMES = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam",
-                   "RAdam", "Rprop")
 
 
 def optimizer_class(name: str):
@@ -174,7 +170,7 @@ class _Engine:
             self.report.param_error_bound = None
             self.report.reasons.append(f"trained on {info.get('device')}, replayed on cpu")
         self._sgd = info["optimizer"] == "SGD"
-        from .recovery import SEPARABLE_OPTIMIZERS
+        from .parallel import SEPARABLE_OPTIMIZERS
 
         #: per window slot, per parameter: reused lossy-decode buffers (separable optimizers only:
         #: they keep no reference to ``p.grad``)
@@ -219,7 +215,7 @@ class _Engine:
         """Check ``rec`` (the ``slot``-th delta after the engine's iteration) against the chain and
         decode its gradients (lossy payloads into slot ``slot``'s reused buffers; with ``sliced``,
         lossy payloads whose codec decodes ranges on their own stay encoded, as checked
-        :class:`ckptstore.gradcodecs.GradSlices` for a tiled window). ``settings``: each group's
+        :class:`ckptstore.replay.gradcodecs.GradSlices` for a tiled window). ``settings``: each group's
         settings before the step, updated in place with the record's hyperparameters. Returns
         (per group: the record's hyperparameters, per parameter: its gradient or None)."""
         torch = self._torch
@@ -275,9 +271,9 @@ class _Engine:
         return hypers, out
 
     def tiled_ready(self) -> bool:
-        """Whether the next deltas may run as a tiled window (:class:`ckptstore.recovery.TiledSteps`)."""
+        """Whether the next deltas may run as a tiled window (:class:`ckptstore.replay.parallel.TiledSteps`)."""
         from .native.adam import AdamWindow
-        from .recovery import TiledSteps
+        from .parallel import TiledSteps
 
         return self._window > 1 and (TiledSteps.ready(self.opt, self.params)
                                      or AdamWindow.can_start(self.opt, self.params))
@@ -287,7 +283,7 @@ class _Engine:
         the same result as :meth:`apply` on each in turn (see TiledSteps for why), with each
         tile's data read once per window. The caller checks :meth:`tiled_ready` first, and ends a
         window at a record with a fingerprint (only the window's last state is ever whole)."""
-        from .recovery import TiledSteps
+        from .parallel import TiledSteps
 
         settings = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
         steps, hypers = [], []
@@ -355,13 +351,13 @@ class _Engine:
 
     def parallel(self, threads: int) -> None:
         """Choose how steps run. Steady-state deltas of a separable optimizer
-        (:data:`ckptstore.recovery.SEPARABLE_OPTIMIZERS`) run as tiled windows when a window
-        holds more than one delta (:func:`ckptstore.recovery.window_size`); else, with ``threads``
+        (:data:`ckptstore.replay.parallel.SEPARABLE_OPTIMIZERS`) run as tiled windows when a window
+        holds more than one delta (:func:`ckptstore.replay.parallel.window_size`); else, with ``threads``
         > 1 and parameters large enough to gain (``PARALLEL_MIN_NUMEL``), each step is sharded
         over ``threads`` threads; else steps run sequentially. The two are exclusive: the
         sharding pool's threads each start their own OpenMP team for torch's intra-op work, and
         with those teams alive the tiled windows' ops ran 2x slower here (2 cores)."""
-        from . import recovery
+        from . import parallel as recovery
 
         self._window = recovery.window_size(self.params)
         self._threads = max(1, threads)
@@ -378,7 +374,7 @@ class _Engine:
     def grad_shapes(self) -> list[tuple[tuple[int, ...], Any]] | None:
         """(shape, dtype) per parameter when gradient buffers may be recycled across deltas
         (exact codec, separable optimizer: nothing keeps a reference to ``p.grad``)."""
-        from .recovery import SEPARABLE_OPTIMIZERS
+        from .parallel import SEPARABLE_OPTIMIZERS
 
         if self.codec.name != "exact" or self.info["optimizer"] not in SEPARABLE_OPTIMIZERS:
             return None
@@ -449,9 +445,9 @@ def _warn(report: ReplayReport) -> None:
 def replay_to(store: "Store", iteration: int, *, threads: int | None = None) -> dict:
     """The state at ``iteration``: its chain's base, then every delta up to it replayed.
 
-    Records are read ahead in a background thread (:class:`ckptstore.recovery.RecordFeed`) and
+    Records are read ahead in a background thread (:class:`ckptstore.replay.parallel.RecordFeed`) and
     the optimizer steps are sharded over ``threads`` threads (default: one per CPU, see
-    :func:`ckptstore.recovery.default_shards`) when the optimizer allows it; the result is the
+    :func:`ckptstore.replay.parallel.default_shards`) when the optimizer allows it; the result is the
     same as stepping one delta at a time."""
     _preimport_dynamo()
     eng = _engine_at(store, iteration)
@@ -464,7 +460,7 @@ def replay_to(store: "Store", iteration: int, *, threads: int | None = None) -> 
 
 
 def _replay_deltas(store: "Store", eng: _Engine, last: int, threads: int | None) -> None:
-    from .recovery import RecordFeed, default_shards
+    from .parallel import RecordFeed, default_shards
 
     if eng.iteration >= last:
         return
@@ -542,13 +538,13 @@ def replay_range(store: "Store", start: int, stop: int) -> Iterator[tuple[int, d
     A base snapshot met on the way restarts the engine from it (no replay needed past it).
 
     The records after the base (delta records, and any base snapshot met on the way) are read
-    ahead by a background thread (:class:`ckptstore.recovery.RecordFeed`, two records ahead),
+    ahead by a background thread (:class:`ckptstore.replay.parallel.RecordFeed`, two records ahead),
     overlapping the optimizer steps, the copies and the caller's own work between items; what is
     yielded is what stepping one record at a time yields, and a failing read is raised at its
     iteration, after every state before it. The records are read into fresh tensors (no recycled
     gradient buffers), so nothing a yielded state holds is ever reused. Closing the generator
     early (``break``, ``close()``, an exception in the loop body) stops and joins that thread."""
-    from .recovery import RecordFeed
+    from .parallel import RecordFeed
 
     if stop < start:
         return

@@ -35,7 +35,7 @@ from . import build
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("ckptstore.native")
+log = logging.getLogger("ckptstore.replay.native")
 
 #: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: the mode torch's vml wrapper passes to MKL
 VML_MODE = 0x00140102
@@ -247,7 +247,7 @@ class AdamWindow:
 
     def run(self, tiles: list[list[tuple[int, int, int]]], params: list, gis: list[int],
             steps: list[tuple[list[dict], list[Any]]]) -> bool:
-        """Apply ``steps`` (as :meth:`ckptstore.recovery.TiledSteps.run` takes them) tile by
+        """Apply ``steps`` (as :meth:`ckptstore.replay.parallel.TiledSteps.run` takes them) tile by
         tile. ``tiles``: per tile, its (parameter index, start, stop) slices; ``gis``: each
         parameter's group index. Returns False, having changed nothing, when the kernel may not
         run this window. Lossy slices of tile t+1 are decoded (on this thread, with torch ops)
