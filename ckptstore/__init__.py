@@ -14,8 +14,8 @@ from .errors import (CheckpointAbortedError, ChecksumMismatch, CkptStoreError, C
 import os as _os
 from typing import Any as _Any
 
-from .store import CheckpointInfo, Store, TensorDiff
 from .engine.write_path import SaveStats
+from .store import CheckpointInfo, Store, TensorDiff
 
 __version__ = "0.1.0"
 

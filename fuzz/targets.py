@@ -472,9 +472,9 @@ def _pool_leaf(pool: list[Any]) -> Callable[[int, Any], Any]:
 
 
 def _replay_engine(base: Any, iteration: int) -> Any:
-    from ckptstore.replay.replayer import _Engine
+    from ckptstore.replay.replayer import _StateReplayer
 
-    return _Engine(base, iteration)
+    return _StateReplayer(base, iteration)
 
 
 def _fuzzed_state(data: bytes, pool: list[Any]) -> tuple[bool, Any]:

@@ -95,7 +95,7 @@ def append_checkpoint(path: str, iteration: int, doc: dict, chunks: list[bytes] 
         s.log.append(rec.RecordType.COMMIT, [encode_commit(c)], size)
         s.log.writer.sync()
         s.index.clear()  # the next open rebuilds the index from the log
-        s._needs_recovery = True
+        s.engine.mark_unclean()
 
 
 # ---- the audited run (a separate process: audit hooks cannot be removed) ----------------------

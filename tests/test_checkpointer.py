@@ -695,14 +695,14 @@ def _stepping(store, start, stop):
     reference the read-ahead version must reproduce exactly."""
     from ckptstore.replay import replayer as R
 
-    eng = R._engine_at(store, start)
+    eng = R._replayer_at(store, start)
     it = eng.iteration
     if it == start:
         yield it, eng.current(clone=True)
     while it < stop:
         it += 1
         if store.kind(it) == "snapshot":
-            eng = R._Engine(store.load(it), it)
+            eng = R._StateReplayer(store.load(it), it)
         else:
             eng.apply(it, R._record(store, it))
         if it >= start:

@@ -524,14 +524,14 @@ def _trial(sc: Scenario, template: Path, path: Path, k: int, kind: str, assert_s
                                verify=sc.verify)
             allowed = [sc.before, sc.after, *sc.extra_states]
             assert set(its) in allowed, f"after the fault a reader lists {its}, not one of {allowed}"
-        if store is not None and sc.same_object and k % 2 == 0 and not store._closed:
+        if store is not None and sc.same_object and k % 2 == 0 and not store.closed:
             sc.act(store)  # the fault cleared: the same object finishes the job
         else:
             if store is not None:
                 store.close()
             store = sc.open(path, ops)
             sc.act(store)
-    if store is not None and not store._closed:
+    if store is not None and not store.closed:
         store.close()
     reader_check(path, sc.after, assert_same, verify=sc.verify)
     report = check(path)

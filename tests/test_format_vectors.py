@@ -293,7 +293,7 @@ def test_segment_vector(v, tmp_path):
     (store / "STORE").write_bytes(_bytes(BY_NAME["store_header_v1"]))
     (store / "segments" / "0000000001.seg").write_bytes(buf)
     with ckptstore.open(store, mode="r") as r:
-        report = r.last_replay
+        report = r.last_scan
         assert r.iterations() == e["iterations"]
         assert report.tail_bytes == e["tail_bytes"]
         assert report.tail_suspicious == e.get("tail_suspicious", False)

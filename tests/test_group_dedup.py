@@ -231,7 +231,7 @@ def _fail_delta_2_and_its_rollback(s, ops, truncate_failures: int):
     ops.arm("write", 2, errno.ENOSPC, then=then)
     with pytest.raises(ckptstore.DiskFullError):
         s.save_delta(2, rec(101, h=arr(202)), durable=False)
-    assert s._needs_recovery and s.pending() == [1]
+    assert s.engine.needs_recovery and s.pending() == [1]
     return end_of_1
 
 
@@ -259,7 +259,7 @@ def test_commit_after_failed_rollback_cuts_first_then_commits_survivors(tmp_path
         s.save(2, {"w": arr(2)})
     loc = s.index.get_commit(1).loc
     assert (loc.seq, loc.offset) == end_of_1
-    assert s.pending() == [] and not s._needs_recovery
+    assert s.pending() == [] and not s.engine.needs_recovery
     if commit == "flush":
         s.save_delta(2, rec(101, h=arr(202)))  # the writer goes on
     _close_and_check(s, path, [0, 1, 2], assert_same)
@@ -303,7 +303,7 @@ def test_any_call_after_a_failed_rollback_keeps_the_pending_deltas(tmp_path, ass
     s = open_store(path, file_ops=ops)
     seq, off = _fail_delta_2_and_its_rollback(s, ops, truncate_failures=1)
     getattr(s, call)()
-    assert s.pending() == [1] and not s._needs_recovery
+    assert s.pending() == [1] and not s.engine.needs_recovery
     s.save_delta(2, rec(101, h=arr(202)), durable=False)  # the retry joins the group
     assert s.flush() == 2
     loc = s.index.get_commit(1).loc

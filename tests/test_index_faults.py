@@ -65,7 +65,7 @@ def test_deleted_index_is_rebuilt(tmp_path, assert_same):
         _save(w, range(1, 6))
     shutil.rmtree(_index_dir(path))
     with ckptstore.open(path) as w:
-        assert w.last_replay.commits == 5  # rebuilt by a full replay
+        assert w.last_scan.commits == 5  # rebuilt by a full replay
         _save(w, [6])
     _assert_intact(path, range(1, 7), assert_same)
 
@@ -122,7 +122,7 @@ def test_index_from_an_older_state_of_the_store(tmp_path, assert_same):
         _save(w, range(1, 5))
     _older_index_put_back(path, lambda w: _save(w, range(5, 20)))  # several new segments
     with ckptstore.open(path) as w:
-        assert w.last_replay.commits == 15  # caught up from the old position, no rebuild
+        assert w.last_scan.commits == 15  # caught up from the old position, no rebuild
         _save(w, [20])
     _assert_intact(path, range(1, 21), assert_same)
 
@@ -156,7 +156,7 @@ def test_map_full_grows_the_map(tmp_path, assert_same, monkeypatch):
         assert w.index.env.info()["map_size"] > 64 << 10
     shutil.rmtree(_index_dir(path))
     with ckptstore.open(path) as w:  # rebuild: one big replay batch into a tiny map
-        assert w.last_replay.commits == 79
+        assert w.last_scan.commits == 79
         assert w.iterations() == list(range(1, 80))
     _assert_intact(path, range(1, 80), assert_same)
 
@@ -237,7 +237,7 @@ def test_position_value_malformed(tmp_path, assert_same):
     _rewrite(path, b"meta", lambda items: next(kv for kv in items if kv[0] == b"position"),
              lambda v: v[:5])
     with ckptstore.open(path) as w:
-        assert w.last_replay.commits == 3  # rebuilt
+        assert w.last_scan.commits == 3  # rebuilt
         _save(w, [4])
     _assert_intact(path, range(1, 5), assert_same)
 

@@ -69,7 +69,7 @@ def test_writer_work_is_bounded(many, monkeypatch, assert_same):
     w = ckptstore.open(many)
     opened = time.perf_counter() - t0
     try:
-        assert w.last_replay.commits == 0  # warm index: nothing replayed
+        assert w.last_scan.commits == 0  # warm index: nothing replayed
         assert opened < 5.0, f"opening took {opened:.2f} s"  # generous; typically milliseconds
         assert count.take() == (0, 0)
         assert w.latest() == N
@@ -132,7 +132,7 @@ def test_warm_reader_does_not_scan_the_log(many, monkeypatch, assert_same):
     work = _LogWork(monkeypatch)
     with ckptstore.open(many, mode="r") as r:
         assert type(r.index).__name__ == "ReaderIndex"
-        assert r.last_replay.commits == 0
+        assert r.last_scan.commits == 0
         assert work.take() == (0, 0)
         top = r.latest()  # N, or more when the writer test ran first (same module store)
         assert top >= N and r.iterations() == list(range(1, top + 1))
@@ -148,7 +148,7 @@ def test_warm_reader_does_not_scan_the_log(many, monkeypatch, assert_same):
         assert records == 0 and manifests <= 20, (records, manifests)
         assert r.index.commits_checked <= 20 * 2
     with ckptstore.open(many, mode="r", use_index=False) as r:  # control: a full replay
-        assert r.last_replay.commits == top
+        assert r.last_scan.commits == top
         records, manifests = work.take()
         assert records >= 2 * top and manifests == top, (records, manifests)
 
@@ -159,5 +159,5 @@ def test_reader_refresh_is_bounded(many):
         t0 = time.perf_counter()
         for _ in range(20):
             r.latest()  # each refreshes: the scan starts at the reader's position
-        assert r.last_replay.commits == 0
+        assert r.last_scan.commits == 0
         assert time.perf_counter() - t0 < 5.0

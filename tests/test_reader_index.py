@@ -24,7 +24,7 @@ def _reader_sees(path, its, assert_same, deltas=()) -> ckptstore.Store:
     """Open a reader, check it lists ``its`` and loads each bit-exact; return it (open), with
     ``r.opened`` the replay report of its open."""
     r = ckptstore.open(path, mode="r")
-    r.opened = r.last_replay
+    r.opened = r.last_scan
     assert r.iterations() == list(its)
     assert r.latest() == its[-1]
     for i in its:
@@ -68,7 +68,7 @@ def test_warm_reader_follows_a_writer_in_another_process(tmp_path, assert_same):
             """)], capture_output=True, text=True, timeout=120, env={**os.environ})
         assert child.returncode == 0, child.stderr[-2000:]
         assert r.iterations() == list(range(1, 10))
-        assert r.last_replay.commits == 4
+        assert r.last_scan.commits == 4
         assert isinstance(r.index, ReaderIndex)
         assert r.index._base != base and r.index._base == r.index.position()  # renewed
         for i in range(1, 10):
@@ -85,7 +85,7 @@ def test_writer_in_the_same_process_revokes_the_readers_snapshot(tmp_path, asser
     try:
         assert isinstance(r.index, ReaderIndex)
         with ckptstore.open(path) as w:  # LMDB allows one environment per file per process
-            assert w.last_replay.commits == 0  # the writer's index was not rebuilt
+            assert w.last_scan.commits == 0  # the writer's index was not rebuilt
             _save(w, [4, 5])
             assert r.iterations() == list(range(1, 6))  # the reader replays instead
             for i in range(1, 6):

@@ -52,13 +52,13 @@ ALLOWLIST: dict[tuple[str, str], str] = {
     ("demo.py", "import subprocess"):
         "the demo starts itself (sys.executable -m ckptstore.demo) as the trainer it SIGKILLs; the "
         "argv holds the demo directory given on the command line and ints, nothing read from a store",
-    ("native/build.py", "import subprocess"):
+    ("replay/native/build.py", "import subprocess"):
         "runs the C compiler on the package's own kernel source (fixed flags, paths inside the "
         "package and the user's private cache); nothing read from a store reaches the argv",
-    ("native/build.py", "import ctypes"):
+    ("replay/native/build.py", "import ctypes"):
         "loads the library it compiled from the package's own source, from a 0700 cache directory, "
         "named by the digest of source, compiler, flags and CPU",
-    ("native/adam.py", "import ctypes"):
+    ("replay/native/adam.py", "import ctypes"):
         "calls the package's own kernel and torch's MKL; pointers come from tensors whose sizes and "
         "dtypes are checked against the parameters, sparse positions are range-checked and "
         "increasing (gradcodecs.TopKCodec.slicer), so store data cannot steer a read or write",

@@ -454,7 +454,7 @@ def test_reader_never_creates_index_files(path, missing):
     before = snapshot(path)
     with ckptstore.open(path, mode="r") as r:
         assert type(r.index).__name__ == "MemoryIndex"
-        assert r.last_replay.commits == 6
+        assert r.last_scan.commits == 6
     _exercise_reader(path)
     assert snapshot(path) == before
 
@@ -478,7 +478,7 @@ def test_reader_skips_the_index_on_a_read_only_filesystem(path, monkeypatch):
 
     monkeypatch.setattr(os, "statvfs", lambda p: RO(real(p)))
     with ckptstore.open(path, mode="r") as r:
-        assert type(r.index).__name__ == "MemoryIndex" and r.last_replay.commits == 6
+        assert type(r.index).__name__ == "MemoryIndex" and r.last_scan.commits == 6
         assert r.iterations() == list(range(1, 7))
 
 
@@ -701,7 +701,7 @@ def test_many_small_iterations_roll_segments(path, assert_same):
             for i in (0, 1, 77, 150, 298, 299):
                 assert_same({"w": rand(1024, i), "shared": shared, "i": i}, s.load(i))
     with ckptstore.open(path) as w:
-        assert w.last_replay is not None and w.last_replay.commits == 0  # the index was reused
+        assert w.last_scan is not None and w.last_scan.commits == 0  # the index was reused
         w.save(300, {"i": 300})
 
 
@@ -724,12 +724,12 @@ def test_deleted_index_is_rebuilt(path, assert_same, segment_size):
     _saved(path, range(1, 9), segment_size=segment_size)
     shutil.rmtree(os.path.join(path, "index"))
     with ckptstore.open(path) as w:
-        assert w.last_replay.commits == 8  # rebuilt from the log
+        assert w.last_scan.commits == 8  # rebuilt from the log
         assert w.iterations() == list(range(1, 9))
     assert os.path.isdir(os.path.join(path, "index"))
     _check_all(path, range(1, 9), assert_same)
     with ckptstore.open(path) as w:
-        assert w.last_replay.commits == 0
+        assert w.last_scan.commits == 0
         w.save(9, state_for(9))
         assert w.save(10, state_for(9)).chunks_written == 0  # rebuilt index still dedups
 
@@ -778,7 +778,7 @@ def test_stale_index_catches_up(path, assert_same, segment_size):
     shutil.copytree(saved_index, os.path.join(path, "index"))
     with ckptstore.open(path) as w:
         assert w.iterations() == list(range(1, 11))
-        assert w.last_replay.commits == 5  # replayed only what the old index lacked
+        assert w.last_scan.commits == 5  # replayed only what the old index lacked
     _check_all(path, range(1, 11), assert_same)
 
 

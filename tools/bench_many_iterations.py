@@ -66,7 +66,7 @@ def measure(path: str, n: int, loads: int) -> dict[str, float | int]:
     out: dict[str, float | int | bool] = {}
     t, w = timed(lambda: ckptstore.open(path, "a"))
     out["open_a_warm_s"] = t
-    out["open_a_warm_commits_replayed"] = w.last_replay.commits if w.last_replay else -1
+    out["open_a_warm_commits_replayed"] = w.last_scan.commits if w.last_scan else -1
     try:
         t, latest = timed(w.latest)
         out["latest_first_s"] = t
@@ -94,7 +94,7 @@ def measure(path: str, n: int, loads: int) -> dict[str, float | int]:
         w.close()
     t, r = timed(lambda: ckptstore.open(path, "r"))
     out["open_r_warm_s"] = t
-    out["open_r_warm_commits_replayed"] = r.last_replay.commits if r.last_replay else -1
+    out["open_r_warm_commits_replayed"] = r.last_scan.commits if r.last_scan else -1
     try:
         t, latest = timed(r.latest)
         out["reader_latest_first_s"] = t

@@ -112,7 +112,9 @@ def _read_chunk_at(log: Log, ref: ChunkRef, address: bytes, dest: memoryview) ->
 
 
 @dataclass
-class _Job:
+class _ChunkRead:
+    """One chunk to read, verify and place into the bytes of the tensor it belongs to."""
+
     entry: TensorEntry
     dest: memoryview
     address: bytes
@@ -167,7 +169,7 @@ class StateReader:
                       into: Callable[[TensorEntry], Any] | None = None) -> dict[int, Any]:
         it = manifest.iteration
         values: dict[int, Any] = {}
-        jobs: list[_Job] = []
+        jobs: list[_ChunkRead] = []
         for i in needed:
             e = manifest.tensors[i]
             try:
@@ -182,12 +184,12 @@ class StateReader:
                     addrs = [address_of(e.inline)] if e.nbytes else []
                     if tree_root(e.nbytes, manifest.chunk_size, addrs) != e.root:
                         raise FormatError("inline tensor bytes do not match its root")
-                jobs.extend(_Job(e, view[s:t], a) for s, t, a in spans)
+                jobs.extend(_ChunkRead(e, view[s:t], a) for s, t, a in spans)
             except (FormatError, StoreIOError, FileNotFoundError) as err:
                 raise DamagedCheckpointError(f"iteration {it}: tensor {e.path}: {err}") from err
             values[i] = (e, value)
 
-        def run(job: _Job) -> int:
+        def run(job: _ChunkRead) -> int:
             try:
                 read_chunk_into(self.log, self.index, job.address, job.dest)
             except (FormatError, StoreIOError, FileNotFoundError) as err:

@@ -1,22 +1,22 @@
-"""The write path: a flattened state -> chunk, tree, manifest and commit records.
+"""The write path: a flattened state -> the chunk, tree and manifest records of one checkpoint.
 
-Order of writes for one checkpoint (format-spec/format.md, "Commit protocol"):
+:func:`append_checkpoint` appends, into an open :class:`~ckptstore.engine.transaction.Transaction`:
 
-1. new CHUNK records (chunks whose address the index or this save already holds are skipped),
+1. new CHUNK records (chunks whose address the index, this save or an earlier checkpoint of the
+   same transaction already holds are skipped),
 2. a TREE record per tensor whose root is new,
 3. the MANIFEST record,
-4. fsync every segment written (rolled segments are fsynced when they are left),
-5. the COMMIT record, then fsync: **the commit point**,
-6. one index transaction naming everything above.
 
-A crash before 5 completes leaves only an uncommitted tail, which recovery discards.
+and returns the index batch that stages the checkpoint. The transaction then makes it durable and
+writes its COMMIT record (the commit point; format-spec/format.md, "Commit protocol"). A crash
+before that leaves only an uncommitted tail, which recovery discards.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import xxhash
 
@@ -24,13 +24,16 @@ from ..errors import FormatError, IndexUnusable
 from ..format import records as rec
 from ..format.chunk import (CHUNK_HEADER_SIZE, address_of, choose_encoding, decode_chunk_header,
                            encode_chunk_header)
-from ..format.commit import COMMIT_SIZE, KIND_DELTA, KIND_SNAPSHOT, Commit, encode_commit
+from ..format.commit import COMMIT_SIZE, KIND_DELTA, KIND_SNAPSHOT, Commit
 from ..format.manifest import INLINE_MAX, Manifest, TensorEntry, encode_manifest
 from ..format.tree import decode_tree, encode_tree, make_tree, snapshot_root, tree_root
-from ..storage.index import ChunkRef, CommitEntry, Index, IndexBatch, Position
+from ..storage.index import ChunkRef, Index
 from ..storage.log import Log
 from ..storage.segments import Loc
-from ..tensors import ArrayLeaf
+from ..format.state import flatten
+from ..errors import UnsupportedTypeError
+from ..tensors import ArrayLeaf, no_leaves
+from .transaction import StagedCheckpoint
 
 
 @dataclass(frozen=True)
@@ -76,34 +79,47 @@ def stored_tree(log: Log, index: Index, root: bytes) -> bool:
         return False
 
 
-def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: Any,
-                   leaves: list[ArrayLeaf], *, chunk_size: int, segment_size: int,
-                   progress: Callable[[int], None] | None = None, kind: str = "snapshot",
-                   extra: dict | None = None, defer_commit: bool = False,
-                   stats_field: str | None = None,
-                   pending: Sequence[IndexBatch] = ()) -> tuple[IndexBatch, SaveStats]:
-    """Append one checkpoint and make it durable. Returns the index batch to apply and stats.
+class CheckpointTarget(Protocol):
+    """Where a checkpoint's records go: an open transaction on the live log (reads of earlier
+    records go through ``log``)."""
+
+    log: Log
+
+    def append(self, record_type: int, parts: Sequence[bytes | memoryview]) -> Loc: ...
+
+
+def flatten_meta(meta: Any) -> Any:
+    """The skeleton of the user's meta (a dict of JSON-like values, or None)."""
+    if meta is not None and type(meta) is not dict:
+        raise UnsupportedTypeError(f"meta must be a dict, not {type(meta).__name__}")
+    return flatten(meta, no_leaves)[0]
+
+
+def append_checkpoint(target: CheckpointTarget, index: Index, iteration: int, skeleton: Any,
+                      meta: Any, leaves: list[ArrayLeaf], *, chunk_size: int,
+                      progress: Callable[[int], None] | None = None, kind: str = "snapshot",
+                      extra: dict | None = None, stats_field: str | None = None,
+                      pending: Sequence[StagedCheckpoint] = ()) -> tuple[StagedCheckpoint, SaveStats]:
+    """Append one checkpoint's records to ``target``. Returns what the transaction stages (it
+    writes the COMMIT) and the save's stats.
 
     ``kind``/``extra``: manifest kind ("delta" for gradient deltas, format-spec/deltas.md) and its
-    extra manifest fields. With ``defer_commit`` (group commit of deltas) nothing is fsynced and no
-    COMMIT record is appended: the returned batch holds the commit with ``loc=None`` and no
-    position; the caller fsyncs, appends the commit and fsyncs again (Store.flush).
-    ``stats_field``: name of a dict in ``extra`` (the async pipeline's "pipeline" field,
-    format-spec/format.md section 10) that receives ``dedup_bytes`` and ``write_s`` (seconds spent
-    hashing, compressing and appending before the manifest) just before the manifest is encoded.
-    ``pending``: the batches of the earlier, not yet committed deltas of this group commit; their
-    new chunks and trees deduplicate like indexed ones. Safe by this invariant: their records lie
-    in the log before this save's, are made durable by the same fsync before any COMMIT of the
-    group, and are only ever cut together with this save (a group rollback cuts from the group's
-    start; a failed save cuts from its own start, after them), so a commit never names a record
-    the log does not keep before it.
+    extra manifest fields. ``stats_field``: name of a dict in ``extra`` (the async pipeline's
+    "pipeline" field, format-spec/format.md section 10) that receives ``dedup_bytes`` and
+    ``write_s`` (seconds spent hashing, compressing and appending before the manifest) just before
+    the manifest is encoded. ``pending``: the checkpoints staged earlier in the same
+    transaction; their new chunks and trees deduplicate like indexed ones. Safe by this invariant:
+    their records lie in the log before this save's, are made durable by the same fsync before any
+    COMMIT of the transaction, and are only ever cut together with this save (an abort cuts from
+    the transaction's start; a failed save rolls back to its own savepoint, after them), so a
+    commit never names a record the log does not keep before it.
 
-    The caller owns rollback: on any exception nothing has been committed, and the log must be cut
-    back to where this save began.
+    The caller owns rollback: on any exception nothing has been committed, and the target must be
+    rolled back to where this save began.
     """
     t0 = time.perf_counter()
     created_ns = time.time_ns()
-    assert log.writer is not None
+    log = target.log
     new_chunks: dict[bytes, ChunkRef] = {}
     new_trees: dict[bytes, Loc] = {}
     entries: list[TensorEntry] = []
@@ -114,7 +130,7 @@ def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: 
 
     def append(rtype: int, parts: list) -> Loc:
         nonlocal written
-        loc = log.append(rtype, parts, segment_size)
+        loc = target.append(rtype, parts)
         written += loc.end - loc.offset
         return loc
 
@@ -159,20 +175,11 @@ def write_snapshot(log: Log, index: Index, iteration: int, skeleton: Any, meta: 
     manifest = Manifest(iteration, created_ns, chunk_size, skeleton, meta, tuple(entries), kind, extra)
     payload = encode_manifest(manifest)
     mloc = append(rec.RecordType.MANIFEST, [payload])
-    if not defer_commit:
-        log.writer.sync()
     sroot = snapshot_root(roots)
     logical = manifest.logical_bytes
     commit = Commit(iteration, mloc.seq, mloc.offset, mloc.length, xxhash.xxh3_128_digest(payload),
                     sroot, created_ns, logical, written + rec.OVERHEAD + COMMIT_SIZE,
                     KIND_DELTA if kind == "delta" else KIND_SNAPSHOT)
-    if defer_commit:
-        stats = SaveStats(iteration, logical, written, dedup, n_written, n_dedup, len(leaves),
-                          time.perf_counter() - t0, sroot.hex())
-        return IndexBatch(new_chunks, new_trees, [CommitEntry(commit, None)], None), stats  # type: ignore[arg-type]
-    cloc = append(rec.RecordType.COMMIT, [encode_commit(commit)])
-    log.writer.sync()  # the commit point
-    batch = IndexBatch(new_chunks, new_trees, [CommitEntry(commit, cloc)], Position(cloc.seq, cloc.end))
     stats = SaveStats(iteration, logical, written, dedup, n_written, n_dedup, len(leaves),
                       time.perf_counter() - t0, sroot.hex())
-    return batch, stats
+    return StagedCheckpoint(commit, new_chunks, new_trees), stats

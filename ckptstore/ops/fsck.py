@@ -1,6 +1,6 @@
 """fsck: verify every byte of a store and, with ``repair``, restore it to a clean state.
 
-Verification replays the whole log with every payload checked (chunks included), then walks every
+Verification scans the whole log with every payload checked (chunks included), then walks every
 committed checkpoint: manifest -> trees -> chunk addresses. It reports
 
 * damage: corrupt or torn records, each with file, offset and length;
@@ -15,7 +15,7 @@ committed checkpoint: manifest -> trees -> chunk addresses. It reports
   quarantined tails, obsolete segments of an interrupted gc.
 
 Repair = open as writer (the automatic recovery: finish gc, cut or quarantine the tail), then
-rebuild the index from a fully verified replay, so every chunk and tree it names is intact.
+rebuild the index from a fully verified scan, so every chunk and tree it names is intact.
 Repair never deletes a committed checkpoint, intact or not: damaged ones are reported, kept, and
 still load partially with ``keys=``.
 """
@@ -30,9 +30,13 @@ from ..errors import DamagedCheckpointError, FormatError
 from ..format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header
 from ..storage.index import ChunkRef, CommitEntry, Index, MemoryIndex
 from ..storage.layout import Layout
-from ..storage.log import Damage, Log, ReplayReport
+from ..storage.lmdb_index import read_commits_unlocked
+from ..storage.lock import no_writer
+from ..storage.log import Damage, Log, ScanReport
+from ..engine.engine import Engine
 from ..engine.read_path import read_manifest, read_tree
-from ..store import Store
+from ..engine.reader_engine import ReaderEngine
+from ..engine.writer_engine import WriterEngine
 
 
 @dataclass
@@ -78,26 +82,32 @@ def check(path: str | os.PathLike, *, repair: bool = False,
     if repair:
         # Read before the writer open, which rebuilds an index that no longer matches the log.
         indexed = _indexed_commits(Layout(path))
-        with Store(path, "a") as store:
-            _note_recovery(store.last_replay, report)
-            _verify(store.log, report, progress, rebuild=store.index)
-            _note_lost_by_index(store, indexed, report)
-            report.repairs.append("index rebuilt from a fully verified replay of the log")
+        writer = WriterEngine(path)  # the automatic recovery: finish gc, cut the tail
+        try:
+            _note_recovery(writer.last_scan, report)
+            _verify(writer.log, report, progress, rebuild=writer.index)
+            _note_lost_by_index(writer, indexed, report)
+            report.repairs.append("index rebuilt from a fully verified scan of the log")
+        finally:
+            writer.close()
         return report
-    with Store(path, "r", use_index=False) as store:  # fsck reads the index itself, unlocked
-        _verify(store.log, report, progress, rebuild=None)
-        indexed = _check_index(path, store, report)
-        _note_lost_by_index(store, indexed, report)
+    reader = ReaderEngine(path, use_index=False)  # fsck reads the index itself, unlocked
+    try:
+        _verify(reader.log, report, progress, rebuild=None)
+        indexed = _check_index(reader, report)
+        _note_lost_by_index(reader, indexed, report)
+    finally:
+        reader.close()
     return report
 
 
-def _note_recovery(replay: ReplayReport | None, report: FsckReport) -> None:
-    if replay is None:
+def _note_recovery(scan: ScanReport | None, report: FsckReport) -> None:
+    if scan is None:
         return
-    if replay.tail_bytes:
-        report.repairs.append(f"cut an uncommitted tail of {replay.tail_bytes} bytes"
-                              + (" (copied to quarantine/ first)" if replay.tail_suspicious else ""))
-    for lost in replay.lost:  # found before the cut: a damaged commit the cut removed
+    if scan.tail_bytes:
+        report.repairs.append(f"cut an uncommitted tail of {scan.tail_bytes} bytes"
+                              + (" (copied to quarantine/ first)" if scan.tail_suspicious else ""))
+    for lost in scan.lost:  # found before the cut: a damaged commit the cut removed
         report.lost_iterations.setdefault(lost.iteration, str(lost))
 
 
@@ -111,10 +121,10 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
         if progress is not None:
             progress(n)
 
-    replay = log.replay(index, None, verify=True, progress=count)
+    scan = log.scan(index, None, verify=True, progress=count)
     live = log.refresh_segments()
     report.segments = len(live)
-    for first, last, uncertain in _runs(replay.missing, replay.missing_uncertain):
+    for first, last, uncertain in _runs(scan.missing, scan.missing_uncertain):
         if first == last:
             why = "segment file is missing"
             why += (" (unless a gc collected it: a later segment whose header is damaged may be "
@@ -126,22 +136,22 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
                     else ": checkpoints committed in them are lost")
         report.damage.append(Damage(log.layout.segment_path(first), 0, 0, None, why))
     report.iterations = index.iterations()
-    tail_starts = dict(replay.tail)
-    for d in replay.damage:
+    tail_starts = dict(scan.tail)
+    for d in scan.damage:
         seq = _seq_of(log, d.path)
-        if seq in tail_starts and d.offset >= tail_starts[seq] and not replay.tail_suspicious:
+        if seq in tail_starts and d.offset >= tail_starts[seq] and not scan.tail_suspicious:
             continue  # part of the uncommitted tail: reported below as a note
         report.damage.append(d)
-    for lost in replay.lost:
+    for lost in scan.lost:
         report.lost_iterations.setdefault(lost.iteration, str(lost))
-    if replay.tail_bytes and replay.tail_suspicious:
+    if scan.tail_bytes and scan.tail_suspicious:
         report.notes.append(
-            f"{replay.tail_bytes} bytes after the last valid commit hold a damaged commit (see "
+            f"{scan.tail_bytes} bytes after the last valid commit hold a damaged commit (see "
             "above); the next writer open or fsck --repair copies them to quarantine/, then cuts "
             "them")
-    elif replay.tail_bytes:
+    elif scan.tail_bytes:
         report.notes.append(
-            f"{replay.tail_bytes} bytes after the last commit are an uncommitted tail (a crash "
+            f"{scan.tail_bytes} bytes after the last commit are an uncommitted tail (a crash "
             "during a save); the next writer open or fsck --repair cuts it")
     if log.obsolete_segments():
         report.notes.append(f"segments {log.obsolete_segments()} are obsolete (interrupted gc); "
@@ -149,7 +159,7 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
     if os.path.isdir(log.layout.quarantine_dir) and os.listdir(log.layout.quarantine_dir):
         report.notes.append(f"quarantine/ holds {len(os.listdir(log.layout.quarantine_dir))} cut "
                             "tails that may contain a damaged commit; inspect, then delete them")
-    damaged_chunks = {d.address: d for d in replay.damage if d.address is not None}
+    damaged_chunks = {d.address: d for d in scan.damage if d.address is not None}
     raw_lengths: dict[bytes, int | str] = {}
     for it in report.iterations:
         problems = _check_iteration(log, index, it, damaged_chunks, raw_lengths)
@@ -172,19 +182,19 @@ def _runs(seqs: list[int], uncertain: set[int]) -> list[tuple[int, int, bool]]:
     return runs
 
 
-def _note_lost_by_index(store: Store, indexed: tuple[bytes, dict[int, CommitEntry]] | None,
+def _note_lost_by_index(engine: Engine, indexed: tuple[bytes, dict[int, CommitEntry]] | None,
                         report: FsckReport) -> None:
     """Name iterations the writer's index lists as committed but the log has no valid commit of.
 
     The index is filled only from verified commits, in the same transaction as the position
     after them, and never ahead of the log: tail cuts remove no committed record and gc rebuilds
-    it. So an entry in a live segment whose iteration the verified replay did not commit names a
+    it. So an entry in a live segment whose iteration the verified scan did not commit names a
     checkpoint that was committed and is now lost. Entries in obsolete segments (an interrupted
     gc) are skipped, as are those in a missing segment that a gc may have collected.
     """
-    if indexed is None or indexed[0] != store.header.store_id:
+    if indexed is None or indexed[0] != engine.header.store_id:
         return
-    log = store.log
+    log = engine.log
     log.refresh_segments()
     missing, uncertain = log.missing_segments()
     committed = set(report.iterations)
@@ -269,7 +279,7 @@ def _check_iteration(log: Log, index: Index, it: int, damaged_chunks: dict[bytes
 
 
 def _chunk_raw_length(log: Log, ref: ChunkRef) -> int | str:
-    """The raw length in the chunk header of a record the verified replay indexed."""
+    """The raw length in the chunk header of a record the verified scan indexed."""
     try:
         buf = log.file(ref.loc.seq).pread(ref.loc.payload_offset, CHUNK_HEADER_SIZE)
         return decode_chunk_header(buf).raw_length
@@ -285,16 +295,16 @@ def _seq_of(log: Log, path: str) -> int | None:
         return None
 
 
-def _check_index(path: str, store: Store, report: FsckReport
+def _check_index(engine: Engine, report: FsckReport
                  ) -> tuple[bytes, dict[int, CommitEntry]] | None:
-    """Compare the writer's LMDB index with the verified replay (read-only; skipped while a writer
-    holds the lock, since the index is then being written). Returns what the index holds."""
-    status, indexed = _read_index(store.layout)
+    """Compare the writer's LMDB index with the verified scan (read-only; skipped while a writer
+    holds the store, since the index is then being written). Returns what the index holds."""
+    status, indexed = _read_index(engine.layout)
     if status == "absent":
         report.notes.append("no index: the next writer open rebuilds it from the log")
     elif status == "locked":
         report.notes.append("a writer holds the store; index comparison skipped")
-    elif indexed is None or indexed[0] != store.header.store_id:
+    elif indexed is None or indexed[0] != engine.header.store_id:
         report.notes.append("index is unreadable: the next writer open rebuilds it")
         return None
     elif sorted(indexed[1]) != report.iterations:
@@ -310,56 +320,12 @@ def _indexed_commits(layout: Layout) -> tuple[bytes, dict[int, CommitEntry]] | N
 def _read_index(layout: Layout) -> tuple[str, tuple[bytes, dict[int, CommitEntry]] | None]:
     """("absent" | "locked" | "unreadable" | "ok", (store_id, iteration -> commit entry)).
 
-    The environment is opened read-only without LMDB's lock file (fsck writes nothing), which is
-    safe only while no writer runs: a shared, non-blocking ``flock`` on LOCK makes sure of that.
-    """
-    import fcntl
-
+    The environment is read without LMDB's lock file (fsck writes nothing), which is safe only
+    while no writer runs: :func:`~ckptstore.storage.lock.no_writer` makes sure of that."""
     if not os.path.isdir(layout.index_dir):
         return "absent", None
-    try:
-        fd = os.open(layout.lock_file, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return "absent", None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return "locked", None
-        indexed = _index_commits(layout.index_dir)
+    with no_writer(layout) as status:
+        if status != "free":
+            return status, None
+        indexed = read_commits_unlocked(layout.index_dir)
         return ("ok" if indexed is not None else "unreadable"), indexed
-    finally:
-        os.close(fd)
-
-
-def _index_commits(index_dir: str) -> tuple[bytes, dict[int, CommitEntry]] | None:
-    import struct
-
-    import lmdb
-
-    from ..storage.index import unpack_commit
-    from ..storage.lmdb_index import INDEX_FORMAT
-
-    try:
-        env = lmdb.open(index_dir, readonly=True, lock=False, max_dbs=8, subdir=True)
-        try:
-            meta = env.open_db(b"meta", create=False)
-            db = env.open_db(b"commits", create=False)
-            out: dict[int, CommitEntry] = {}
-            with env.begin() as txn:
-                if txn.get(b"format", db=meta) != INDEX_FORMAT:
-                    return None
-                store_id = txn.get(b"store_id", db=meta)
-                for k, v in txn.cursor(db=db):
-                    try:
-                        (it,) = struct.unpack(">Q", k)
-                        e = unpack_commit(v)
-                    except (FormatError, struct.error):
-                        continue  # an undecodable entry is no evidence of anything
-                    if e.commit.iteration == it:
-                        out[it] = e
-            return (store_id, out) if store_id is not None else None
-        finally:
-            env.close()
-    except lmdb.Error:
-        return None

@@ -24,19 +24,18 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
-
+from typing import Callable, Sequence
 
 from ..errors import DamagedCheckpointError, FormatError
 from ..format import records as rec
 from ..format.chunk import decode_chunk
-from ..format.commit import Commit, encode_commit
+from ..format.commit import KIND_DELTA, Commit
 from ..format.manifest import decode_committed_manifest
 from ..format.tree import decode_tree
+from ..storage.index import Index
 from ..storage.segments import SEGMENT_HEADER_RECORD_SIZE, Loc, SegmentWriter
-
-if TYPE_CHECKING:
-    from ..store import Store
+from ..engine.transaction import append_commit_record
+from ..engine.writer_engine import WriterEngine
 
 
 @dataclass(frozen=True)
@@ -63,23 +62,21 @@ def retained(iterations: list[int], keep_last: int, keep_every: int | None) -> l
     return sorted(keep)
 
 
-def with_chains(store: "Store", keep: list[int]) -> list[int]:
+def with_chains(index: Index, keep: list[int]) -> list[int]:
     """Add to ``keep`` every iteration a kept delta needs: its predecessors back to its base
     snapshot (format-spec/deltas.md, "Garbage collection"). A base is never removed while a
     retained delta depends on it."""
-    from ..format.commit import KIND_DELTA
-
     out = set(keep)
     for it in keep:
         p = it
         while True:
-            e = store.index.get_commit(p)
+            e = index.get_commit(p)
             if e is None or e.commit.kind != KIND_DELTA:
                 break
             p -= 1
             if p in out:
                 break
-            if store.index.get_commit(p) is not None:
+            if index.get_commit(p) is not None:
                 out.add(p)
     return sorted(out)
 
@@ -87,74 +84,77 @@ def with_chains(store: "Store", keep: list[int]) -> list[int]:
 class _Compactor:
     """Writes the copies into temp segments, rolling at the store's segment size."""
 
-    def __init__(self, store: "Store", first_seq: int) -> None:
-        self.store = store
-        self.ops = store._ops
+    def __init__(self, engine: WriterEngine, first_seq: int) -> None:
+        self.engine = engine
+        self.ops = engine.file_ops
         self.seq = first_seq
         self.temps: list[tuple[int, str]] = []
         self.writer: SegmentWriter | None = None
         self.chunks: set[bytes] = set()
         self.trees: set[bytes] = set()
 
-    def _new_segment(self, supersedes: int = 0) -> SegmentWriter:
+    def new_segment(self, supersedes: int = 0) -> SegmentWriter:
+        """Start the next temp segment (fsyncing and closing the current one)."""
         if self.writer is not None:
             self.writer.sync()
             self.writer.close()
-        path = self.store.layout.gc_temp_path(self.seq)
-        self.writer = SegmentWriter.create(path, self.seq, self.store.header.store_id, self.ops,
-                                           supersedes, self.store.evict_written)
+        path = self.engine.layout.gc_temp_path(self.seq)
+        self.writer = SegmentWriter.create(path, self.seq, self.engine.header.store_id, self.ops,
+                                           supersedes, self.engine.evict_written)
         self.temps.append((self.seq, path))
         self.seq += 1
         return self.writer
 
-    def append(self, rtype: int, payload: bytes | memoryview) -> Loc:
-        w = self.writer or self._new_segment()
+    def append(self, rtype: int, parts: Sequence[bytes | memoryview]) -> Loc:
+        """Append one record to the current temp segment, rolling at the store's segment size
+        (a :class:`~ckptstore.engine.transaction.RecordAppender`)."""
+        w = self.writer or self.new_segment()
         if w.offset > SEGMENT_HEADER_RECORD_SIZE and \
-                w.offset + rec.OVERHEAD + len(payload) > self.store.segment_size:
-            w = self._new_segment()
-        return w.append(rtype, [payload])
+                w.offset + rec.OVERHEAD + sum(len(p) for p in parts) > self.engine.segment_size:
+            w = self.new_segment()
+        return w.append(rtype, parts)
 
     def copy_checkpoint(self, iteration: int, progress: Callable[[int], None] | None) -> None:
-        store = self.store
-        entry = store.index.get_commit(iteration)
+        engine = self.engine
+        entry = engine.index.get_commit(iteration)
         assert entry is not None
         c = entry.commit
         mloc = Loc(c.manifest_seq, c.manifest_offset, c.manifest_length)
         try:
-            payload = store.log.read_payload(mloc)
+            payload = engine.log.read_payload(mloc)
             manifest = decode_committed_manifest(payload, c.manifest_digest, c.iteration)
             for t in manifest.tensors:
                 if t.inline is not None or t.nbytes == 0 or t.root in self.trees:
                     continue
-                tloc = store.index.get_tree(t.root)
+                tloc = engine.index.get_tree(t.root)
                 if tloc is None:
                     raise FormatError(f"tree of tensor {t.path} is missing")
-                tree_payload = store.log.read_payload(tloc)
+                tree_payload = engine.log.read_payload(tloc)
                 tree = decode_tree(tree_payload)
                 for addr in tree.addresses:
                     if addr in self.chunks:
                         continue
-                    ref = store.index.get_chunk(addr)
+                    ref = engine.index.get_chunk(addr)
                     if ref is None:
                         raise FormatError(f"chunk {addr.hex()} of tensor {t.path} is missing")
-                    chunk_payload = store.log.read_payload(ref.loc)  # record checks
+                    chunk_payload = engine.log.read_payload(ref.loc)  # record checks
                     header, _ = decode_chunk(chunk_payload)           # address check
                     if header.address != addr:
                         raise FormatError(f"index points chunk {addr.hex()} at another chunk")
-                    self.append(rec.RecordType.CHUNK, chunk_payload)
+                    self.append(rec.RecordType.CHUNK, [chunk_payload])
                     self.chunks.add(addr)
                     if progress is not None:
                         progress(len(chunk_payload))
-                self.append(rec.RecordType.TREE, tree_payload)
+                self.append(rec.RecordType.TREE, [tree_payload])
                 self.trees.add(t.root)
         except FormatError as e:  # I/O errors propagate as StoreIOError (typed, nothing changed)
             raise DamagedCheckpointError(
                 f"gc aborted, nothing changed: iteration {iteration} cannot be copied: {e}; "
                 "run `ckptstore fsck` to locate the damage") from e
-        new_mloc = self.append(rec.RecordType.MANIFEST, payload)
+        new_mloc = self.append(rec.RecordType.MANIFEST, [payload])
         moved = Commit(c.iteration, new_mloc.seq, new_mloc.offset, new_mloc.length, c.manifest_digest,
                        c.snapshot_root, c.created_ns, c.logical_bytes, c.written_bytes, c.kind)
-        self.append(rec.RecordType.COMMIT, encode_commit(moved))
+        append_commit_record(self, moved)
 
     def abort(self) -> None:
         """Best effort: delete the temp files (any left over are deleted by the next gc or the
@@ -169,27 +169,29 @@ class _Compactor:
                 pass
 
 
-def collect(store: "Store", *, keep_last: int, keep_every: int | None = None,
+def collect(engine: WriterEngine, *, keep_last: int, keep_every: int | None = None,
             progress: Callable[[int], None] | None = None) -> GcReport:
-    """Drop the checkpoints the policy does not keep and compact the log (writer only)."""
+    """Drop the checkpoints the policy does not keep and compact the log. The caller holds the
+    engine's lock with no transaction open (pending deltas committed first)."""
     t0 = time.perf_counter()
-    iterations = store.index.iterations()
-    keep = with_chains(store, retained(iterations, keep_last, keep_every))
+    layout = engine.layout
+    iterations = engine.index.iterations()
+    keep = with_chains(engine.index, retained(iterations, keep_last, keep_every))
     removed = [i for i in iterations if i not in set(keep)]
-    live = store.log.refresh_segments()
-    bytes_before = sum(os.path.getsize(store.layout.segment_path(s)) for s in live)
+    live = engine.log.refresh_segments()
+    bytes_before = sum(os.path.getsize(layout.segment_path(s)) for s in live)
     if not live:
         return GcReport(keep, removed, 0, 0, time.perf_counter() - t0)
     watermark = live[-1]
     # Temp files of an earlier gc that failed in this process (its abort could not delete them)
     # would collide with this gc's names; they are never replayed, so delete them first.
-    for tmp in store.layout.list_gc_temps():
-        store._ops.unlink(tmp)
-    compactor = _Compactor(store, watermark + 1)
+    for tmp in layout.list_gc_temps():
+        engine.file_ops.unlink(tmp)
+    compactor = _Compactor(engine, watermark + 1)
     try:
         for it in keep:
             compactor.copy_checkpoint(it, progress)
-        compactor._new_segment(supersedes=watermark)  # the record-less marker segment
+        compactor.new_segment(supersedes=watermark)  # the record-less marker segment
         assert compactor.writer is not None
         compactor.writer.sync()
         compactor.writer.close()
@@ -197,26 +199,11 @@ def collect(store: "Store", *, keep_last: int, keep_every: int | None = None,
     except BaseException:
         compactor.abort()
         raise
-    ops = store._ops
-    *copies, (marker_seq, marker_tmp) = compactor.temps
+    *copies, marker = compactor.temps
     try:
-        for seq, tmp in copies:  # G5: each rename durable before the next
-            ops.rename(tmp, store.layout.segment_path(seq))
-            ops.fsync_dir(store.layout.segment_dir)
-        if store.log.writer is not None:
-            store.log.writer.close()
-            store.log.writer = None
-        ops.rename(marker_tmp, store.layout.segment_path(marker_seq))
-        ops.fsync_dir(store.layout.segment_dir)  # gc commit point
-        store._finish_interrupted_gc()
-        store.index.clear()
-        store._recover()
+        engine.install_compaction(copies, marker)
     except BaseException:
-        # Renamed copies only duplicate live checkpoints, and obsolete segments are deleted by the
-        # next open: the log is consistent either way, but the writer and index must be rebuilt
-        # from it before the next write (the writer was closed above).
-        store._needs_recovery = True
         compactor.abort()
         raise
-    bytes_after = sum(os.path.getsize(store.layout.segment_path(s)) for s in store.log.refresh_segments())
+    bytes_after = sum(os.path.getsize(layout.segment_path(s)) for s in engine.log.refresh_segments())
     return GcReport(keep, removed, bytes_before, bytes_after, time.perf_counter() - t0)

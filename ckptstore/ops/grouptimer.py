@@ -7,16 +7,21 @@ Without a timer they are committed only by the next save, flush or close, so a p
 background thread per writer store that commits them once the oldest is ``seconds`` old, without
 waiting for another call.
 
+The timer knows nothing of stores: it is given ``group_since`` (when the open group's first delta
+was staged, None when no group is open) and ``commit(since)``, which its owner implements
+(:meth:`ckptstore.Store._commit_due_group`).
+
 Invariants:
-  * Commits stay in iteration order and are serialised with every other write: without an async
-    pipeline the timer commits under the store mutex (``Store._flush_locked``, which commits exactly
-    the pending group in order); with a pipeline it queues a flush job behind the jobs already
-    submitted, run by the persister thread (FIFO), never committing by itself.
-  * A failed timer commit is reported like any background failure: through the pipeline (the
-    rolled-back deltas' futures, then once by the next call, flush or close), or without one by
-    :meth:`Store._check_open` (once, on the next call) and by flush/close.
-  * Lock order: the timer never holds its own condition while it takes the store mutex, so the
-    store may :meth:`poke` it while holding the mutex.
+  * Commits stay in iteration order and are serialised with every other write: the owner's
+    ``commit`` either commits under the engine's lock (only the group begun at ``since``:
+    :meth:`~ckptstore.engine.writer_engine.WriterEngine.commit_group_begun_at`) or, with an
+    async pipeline, queues a flush job behind the jobs already submitted (FIFO), never
+    committing by itself.
+  * Each group is asked for once: a commit that raises is kept in :attr:`GroupTimer.error` and
+    reported by the owner (once, on its next call, and by flush/close); a pipeline's flush job
+    reports its failure through the pipeline.
+  * Lock order: the timer never holds its own condition while it calls ``commit`` (which takes
+    the engine's lock), so the owner may :meth:`poke` it while holding that lock.
   * :meth:`stop` joins the thread: after it returns the timer commits nothing.
 """
 
@@ -24,23 +29,22 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..store import Store
+from typing import Callable
 
 
 class GroupTimer:
-    """Commits a writer store's pending deltas once the oldest is ``seconds`` old."""
+    """Commits a writer's open delta group once its oldest delta is ``seconds`` old."""
 
-    def __init__(self, store: "Store", seconds: float) -> None:
-        self.store = store
+    def __init__(self, group_since: Callable[[], float | None], commit: Callable[[float], None],
+                 seconds: float, *, name: str = "") -> None:
+        self._group_since = group_since
+        self._commit_group = commit
         self.seconds = seconds
         self._cond = threading.Condition()
         self._stopped = False
-        self._requested = 0.0  # ``_pending_since`` of the group a pipeline flush was queued for
-        self.error: BaseException | None = None  # a failed commit (no pipeline), not yet reported
-        self._thread = threading.Thread(target=self._run, name=f"ckptstore-group:{store.path}",
+        self._requested: float | None = None  # ``group_since`` of the group last asked for
+        self.error: BaseException | None = None  # a failed commit, not yet reported
+        self._thread = threading.Thread(target=self._run, name=f"ckptstore-group:{name}",
                                         daemon=True)
         self._thread.start()
 
@@ -68,53 +72,31 @@ class GroupTimer:
             err, self.error = self.error, None
         return err
 
-    def _deadline(self) -> float | None:
-        """When the current pending group is due (None: nothing pending, or already requested).
-        Reads the store's fields without its mutex: a stale view only wakes the thread early or
-        late by one poke, and every commit decision is re-checked under the mutex."""
-        st = self.store
-        since = st._pending_since
-        if not st._pending or since == self._requested:
+    def _deadline(self) -> tuple[float, float] | None:
+        """(since, due) of the open group, None when there is none or it was asked for already.
+        Reads the owner's state without its lock: a stale view only wakes the thread early or
+        late by one poke, and the owner re-checks the group under its lock."""
+        since = self._group_since()
+        if since is None or since == self._requested:
             return None
-        return since + self.seconds
+        return since, since + self.seconds
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._stopped:
-                    due = self._deadline()
+                    deadline = self._deadline()
                     now = time.monotonic()
-                    if due is not None and now >= due:
+                    if deadline is not None and now >= deadline[1]:
                         break
-                    self._cond.wait(None if due is None else due - now)
+                    self._cond.wait(None if deadline is None else deadline[1] - now)
                 if self._stopped:
                     return
-            self._commit()
-
-    def _commit(self) -> None:
-        st = self.store
-        pipe = st._pipeline
-        if pipe is not None:
-            # the persister commits, in order behind the jobs already queued; a failure goes
-            # through the pipeline's own reporting
-            with self._cond:
-                if self._stopped:
-                    return
-                self._requested = st._pending_since
-            pipe.request_flush()
-            return
-        with st._mutex:
-            with self._cond:
-                if self._stopped:
-                    return
-            if st._closed or not st._pending or \
-                    time.monotonic() - st._pending_since < self.seconds:
-                return
-            if st._pipeline is not None:  # started meanwhile: let the next round queue a flush
-                return
+                assert deadline is not None
+                self._requested = deadline[0]
             try:
-                st._flush_locked()  # rolls the group back on failure
-            except BaseException as e:  # noqa: BLE001 - reported by the store's next call
+                self._commit_group(deadline[0])
+            except BaseException as e:  # noqa: BLE001 - reported by the owner's next call
                 with self._cond:
                     if self.error is None:
                         self.error = e

@@ -15,7 +15,7 @@ Foreground, in the caller (its duration is the *stall* training sees):
   4. enqueue the job and return a :class:`concurrent.futures.Future`.
 
 Background, one persister thread, FIFO (so commits happen in iteration order):
-  5. hash, compress and append (the store's write path, under the store mutex), then fsync and
+  5. hash, compress and append (the engine's write path, under the engine's lock), then fsync and
      COMMIT (a snapshot, or a delta that ends its group) or leave it pending (a delta with
      ``commit=False``, committed with the next group);
   6. release the arena to the pool; resolve the future of every checkpoint now committed.
@@ -53,10 +53,10 @@ import torch
 from ..errors import (CheckpointAbortedError, DeltaChainError, IterationOrderError)
 from ..format.state import flatten
 from ..tensors import TORCH_DTYPES, ArrayLeaf, leaf_hook
-from ..engine.write_path import SaveStats
+from ..engine.write_path import SaveStats, flatten_meta
 
 if TYPE_CHECKING:
-    from ..store import Store
+    from ..engine.writer_engine import WriterEngine
 
 #: Name of the manifest field that records a pipeline checkpoint's statistics (format.md section 10).
 STATS_FIELD = "pipeline"
@@ -313,15 +313,16 @@ def _cuda_copy(device: Any, pairs: list, streams: dict) -> Any:
 
 
 class Pipeline:
-    """The snapshot-then-persist pipeline of one writer store (see the module docstring)."""
+    """The snapshot-then-persist pipeline of one writer (see the module docstring). It writes
+    only through the writer engine's public saves, under the engine's lock."""
 
-    def __init__(self, store: "Store", *, host_budget: int | None = None,
+    def __init__(self, engine: "WriterEngine", *, host_budget: int | None = None,
                  max_inflight: int | None = None) -> None:
         if max_inflight is not None and (type(max_inflight) is not int or max_inflight < 1):
             raise ValueError("max_inflight must be a positive int")
         if host_budget is not None and (type(host_budget) is not int or host_budget < 1):
             raise ValueError("host_budget must be a positive int (bytes)")
-        self.store = store
+        self.engine = engine
         self.pool = HostPool(host_budget or default_host_budget(),
                              pin=torch.cuda.is_available())
         self.max_inflight = max_inflight or DEFAULT_MAX_INFLIGHT
@@ -336,7 +337,7 @@ class Pipeline:
         self._history: deque[AsyncStats] = deque(maxlen=10_000)
         self._streams: dict = {}
         self._layouts: dict[tuple, _Layout] = {}  # snapshot layouts by structure (_snapshot_leaves)
-        self._thread = threading.Thread(target=self._run, name=f"ckptstore-persist:{store.path}",
+        self._thread = threading.Thread(target=self._run, name=f"ckptstore-persist:{engine.path}",
                                         daemon=True)
         self._thread.start()
 
@@ -346,8 +347,6 @@ class Pipeline:
         """Snapshot ``state`` and queue it; see the module docstring. ``owned``: arenas holding
         tensors of ``state`` already copied by the caller; they pass to the job (released by the
         pipeline whatever happens)."""
-        from ..store import flatten_meta
-
         t0 = time.perf_counter()
         owned = list(owned or [])
         try:
@@ -358,7 +357,7 @@ class Pipeline:
                                  f" int, not {iteration!r}")
             skeleton, leaves = flatten(state, leaf_hook)
             meta_skeleton = flatten_meta(meta)
-            tail = self._store_tail() if not self._tail_known else None
+            tail = self.engine.tail() if not self._tail_known else None
             wait = 0.0
             with self._cond:
                 if not self._tail_known:
@@ -402,15 +401,8 @@ class Pipeline:
             self._cond.notify_all()
         return job.future
 
-    def _store_tail(self) -> int | None:
-        st = self.store
-        with st._mutex:
-            if st._pending:
-                return st._pending[-1][0].commits[0].commit.iteration
-            return st.index.latest()
-
     def _check_order(self, kind: str, iteration: int, prev: int | None) -> None:
-        where = self.store.path
+        where = self.engine.path
         if kind == "delta":
             if prev is None:
                 raise DeltaChainError(f"delta for iteration {iteration} refused: {where} holds no "
@@ -428,7 +420,7 @@ class Pipeline:
     def tail(self) -> int | None:
         """The last iteration accepted (queued, pending or committed)."""
         if not self._tail_known:
-            t = self._store_tail()
+            t = self.engine.tail()
             with self._cond:
                 if not self._tail_known:
                     self._tail, self._tail_known = t, True
@@ -554,20 +546,19 @@ class Pipeline:
         job.t_start = time.perf_counter()
         for ev in job.events:
             ev.synchronize()
-        st = self.store
+        engine = self.engine
         committed = True
         save: SaveStats | None = None
         extra = {STATS_FIELD: job.stats.to_manifest()} if job.stats is not None else None
-        with st._mutex:
-            if job.kind == "snapshot":
-                save = st._save_flat(job.iteration, job.skeleton, job.meta, job.leaves,
-                                     extra=extra, stats_field=STATS_FIELD)
-            elif job.kind == "delta":
-                save = st._save_delta_flat(job.iteration, job.skeleton, job.meta, job.leaves,
-                                           job.commit, extra=extra, stats_field=STATS_FIELD)
-                committed = job.commit
-            else:
-                st._flush_locked()
+        if job.kind == "snapshot":
+            save = engine.save_snapshot(job.iteration, job.skeleton, job.meta, job.leaves,
+                                        extra=extra, stats_field=STATS_FIELD)
+        elif job.kind == "delta":
+            save = engine.append_delta(job.iteration, job.skeleton, job.meta, job.leaves,
+                                       job.commit, extra=extra, stats_field=STATS_FIELD)
+            committed = job.commit
+        else:
+            engine.commit_group()
         now = time.perf_counter()
         if save is not None and job.stats is not None:
             s = job.stats
@@ -592,11 +583,7 @@ class Pipeline:
         with self._cond:
             lost, self._uncommitted = self._uncommitted, []
         if not aborted:
-            try:
-                with self.store._mutex:
-                    self.store._abandon_pending()
-            except BaseException:  # noqa: BLE001 - the store recovers before its next write
-                self.store._needs_recovery = True
+            self.engine.abandon_group()
             with self._cond:
                 if self._error is None:
                     self._error, self._reported = err, False

@@ -20,15 +20,13 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import xxhash
 
 from ..errors import CkptStoreError, DamagedCheckpointError, DeltaChainError, ReplayDivergenceError
 from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
-
-if TYPE_CHECKING:
-    from ..store import Store
 
 
 
@@ -132,7 +130,7 @@ def fingerprint_digest(params) -> str:
     return h.hexdigest()
 
 
-class _Engine:
+class _StateReplayer:
     @_untrusted("base snapshot", it_arg=1)
     def __init__(self, base_state: dict, base: int) -> None:
         import torch
@@ -430,11 +428,36 @@ def _clone(x: Any) -> Any:
     return copy.deepcopy(x)
 
 
-def _engine_at(store: "Store", start: int) -> _Engine:
+class RecordSource(Protocol):
+    """What replay reads: the committed checkpoints of a store (:class:`ckptstore.Store` is one).
+    Replay depends on this interface only, never on a store's internals."""
+
+    mode: str
+
+    def base_of(self, iteration: int) -> int: ...
+
+    def kind(self, iteration: int) -> str: ...
+
+    def load(self, iteration: int) -> Any: ...
+
+    def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
+                    into: Callable[[Any], Any] | None = None) -> Any: ...
+
+    def consistent_reads(self) -> AbstractContextManager[Any]:
+        """Held by a read-ahead thread around each read (see :meth:`ckptstore.Store.consistent_reads`)."""
+        ...
+
+
+#: ``read_record(iteration, into)``: a delta record, read into existing tensors where ``into``
+#: says so (:meth:`ckptstore.engine.read_path.StateReader.load`).
+ReadRecord = Callable[[int, Any], Any]
+
+
+def _replayer_at(store: RecordSource, start: int) -> _StateReplayer:
     base = store.base_of(start)
     if store.kind(base) != "snapshot":
         raise DeltaChainError(f"iteration {start}: chain does not start from a snapshot")
-    return _Engine(store.load(base), base)
+    return _StateReplayer(store.load(base), base)
 
 
 def _warn(report: ReplayReport) -> None:
@@ -442,24 +465,30 @@ def _warn(report: ReplayReport) -> None:
         warnings.warn(report.summary(), ApproximateReplayWarning, stacklevel=3)
 
 
-def replay_to(store: "Store", iteration: int, *, threads: int | None = None) -> dict:
+def replay_to(store: RecordSource, iteration: int, *, threads: int | None = None,
+              read_record: ReadRecord | None = None) -> dict:
     """The state at ``iteration``: its chain's base, then every delta up to it replayed.
+
+    ``read_record`` reads the delta records in the read-ahead thread (default:
+    ``store.load_record``); :meth:`ckptstore.Store.load` passes one that takes no lock and does
+    not retry, because it holds the writer's lock and retries the whole replay itself.
 
     Records are read ahead in a background thread (:class:`ckptstore.replay.parallel.RecordFeed`) and
     the optimizer steps are sharded over ``threads`` threads (default: one per CPU, see
     :func:`ckptstore.replay.parallel.default_shards`) when the optimizer allows it; the result is the
     same as stepping one delta at a time."""
     _preimport_dynamo()
-    eng = _engine_at(store, iteration)
+    eng = _replayer_at(store, iteration)
     try:
-        _replay_deltas(store, eng, iteration, threads)
+        _replay_deltas(store, eng, iteration, threads, read_record)
     finally:
         eng.close()
     _warn(eng.report)
     return eng.current(clone=False)
 
 
-def _replay_deltas(store: "Store", eng: _Engine, last: int, threads: int | None) -> None:
+def _replay_deltas(store: RecordSource, eng: _StateReplayer, last: int, threads: int | None,
+                   read_record: ReadRecord | None) -> None:
     from .parallel import RecordFeed, default_shards
 
     if eng.iteration >= last:
@@ -469,7 +498,7 @@ def _replay_deltas(store: "Store", eng: _Engine, last: int, threads: int | None)
     # the read-ahead thread reads without taking the mutex again. A tiled window holds up to
     # ``eng.window`` records' gradient buffers at once, plus two being read ahead.
     feed = RecordFeed(eng.iteration + 1, last,
-                      lambda it, into: _record(store, it, into, store._load_record_in_replay),
+                      lambda it, into: _record(store, it, into, read_record),
                       eng.grad_shapes(), buffers=eng.window + 2)
     window: list[tuple[int, dict, Any]] = []
 
@@ -520,7 +549,7 @@ def _preimport_dynamo() -> None:
     threading.Thread(target=imp, name="ckptstore-import", daemon=True).start()
 
 
-def _record(store: "Store", it: int, into: Any = None,
+def _record(store: RecordSource, it: int, into: Any = None,
             load: Callable[[int, Any], Any] | None = None) -> dict:
     """Delta record ``it``, checked to be a delta; ``load(it, into)`` reads it (default
     :meth:`Store.load_record`)."""
@@ -533,7 +562,7 @@ def _record(store: "Store", it: int, into: Any = None,
     return store.load_record(it, into=into) if load is None else load(it, into)
 
 
-def replay_range(store: "Store", start: int, stop: int) -> Iterator[tuple[int, dict]]:
+def replay_range(store: RecordSource, start: int, stop: int) -> Iterator[tuple[int, dict]]:
     """Yield (iteration, state) for start..stop inclusive. Each state is an independent copy.
     A base snapshot met on the way restarts the engine from it (no replay needed past it).
 
@@ -552,15 +581,15 @@ def replay_range(store: "Store", start: int, stop: int) -> Iterator[tuple[int, d
     if store.kind(base) != "snapshot":
         raise DeltaChainError(f"iteration {start}: chain does not start from a snapshot")
     feed = RecordFeed(base + 1, stop, lambda it, _into: _read_ahead(store, it))
-    eng: _Engine | None = None
+    eng: _StateReplayer | None = None
     try:
-        eng = _Engine(store.load(base), base)  # the feed reads the first records meanwhile
+        eng = _StateReplayer(store.load(base), base)  # the feed reads the first records meanwhile
         if base == start:
             yield base, eng.current(clone=True)
         for it, (kind, data), _ in feed:
             if kind == "snapshot":
                 eng.close()
-                eng = _Engine(data, it)
+                eng = _StateReplayer(data, it)
             else:
                 eng.apply(it, data)
             del data
@@ -573,17 +602,14 @@ def replay_range(store: "Store", start: int, stop: int) -> Iterator[tuple[int, d
             eng.close()
 
 
-def _read_ahead(store: "Store", it: int) -> tuple[str, Any]:
+def _read_ahead(store: RecordSource, it: int) -> tuple[str, Any]:
     """What :func:`replay_range` needs of iteration ``it``, read in the feed's thread:
     ``("snapshot", state)`` for a base snapshot, else ``("delta", record)``. A missing iteration
     raises NotFoundError, a non-delta, non-snapshot one DeltaChainError (as stepping did).
 
-    Readers (mode "r") hold the store's mutex for the read, so the loop body's calls on the same
-    Store cannot swap the reader's index view mid-read (writers' reads take it themselves, and
-    must not hold it across ``kind``: it may wait for the async pipeline, which needs it)."""
-    import contextlib
-
-    with store._mutex if store.mode == "r" else contextlib.nullcontext():
+    Each read is made under ``store.consistent_reads()``: for a reader, so the loop body's calls
+    on the same store cannot swap its index view mid-read."""
+    with store.consistent_reads():
         if store.kind(it) == "snapshot":
             return "snapshot", store.load(it)
         return "delta", _record(store, it)

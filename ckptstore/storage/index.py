@@ -3,7 +3,7 @@
 The index is a cache of what the log says. :class:`~ckptstore.storage.lmdb_index.LmdbIndex`
 persists it for the writer so reopening does not rescan; a reader uses it read-only through
 :class:`~ckptstore.storage.reader_index.ReaderIndex` when it validates, else builds a
-:class:`MemoryIndex` by replaying the log (nothing is written either way). Both are filled only through :meth:`Index.apply`,
+:class:`MemoryIndex` by scanning the log (nothing is written either way). Both are filled only through :meth:`Index.apply`,
 one batch per commit, so an index never names a chunk or tree that no commit reached.
 """
 
@@ -178,7 +178,7 @@ class Index(ABC):
     def chunk_alternatives(self, address: bytes) -> list[ChunkRef]:
         """Earlier records of chunk ``address`` that a later one replaced, newest first.
 
-        A chunk's payload check is left for the read path (format.md §15), so the record replay
+        A chunk's payload check is left for the read path (format.md §15), so the record scan
         indexed last may be damaged while an earlier copy (a gc copy's original, a rewrite after
         a failed dedup check) is intact: readers fall back to these. The writer's index keeps
         one location (default: none here)."""

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 
 import lmdb
 
-from ..errors import IndexUnusable, StoreIOError
+from ..errors import FormatError, IndexUnusable, StoreIOError
 from .fileops import FileOps, wrap_os_error
 from ..format.commit import KINDS
 from .reader_index import revoke_readers
@@ -267,3 +267,34 @@ def _file_size(path: str) -> int:
         return os.path.getsize(path)
     except OSError:
         return 0
+
+
+def read_commits_unlocked(path: str) -> tuple[bytes, dict[int, CommitEntry]] | None:
+    """(store_id, iteration -> commit entry) of the index at ``path``, read without LMDB's lock
+    file and without writing anything; None when it is unreadable, foreign to this index format
+    or has no store id. Entries that do not decode or name another iteration are skipped (an
+    undecodable entry is no evidence of anything). Safe only while no writer runs: the caller
+    holds :func:`ckptstore.storage.lock.no_writer` (fsck)."""
+    try:
+        env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, subdir=True)
+        try:
+            meta = env.open_db(b"meta", create=False)
+            db = env.open_db(b"commits", create=False)
+            out: dict[int, CommitEntry] = {}
+            with env.begin() as txn:
+                if txn.get(b"format", db=meta) != INDEX_FORMAT:
+                    return None
+                store_id = txn.get(b"store_id", db=meta)
+                for k, v in txn.cursor(db=db):
+                    try:
+                        (it,) = _BE64.unpack(k)
+                        e = unpack_commit(v)
+                    except (IndexUnusable, FormatError, struct.error):
+                        continue
+                    if e.commit.iteration == it:
+                        out[it] = e
+            return (store_id, out) if store_id is not None else None
+        finally:
+            env.close()
+    except lmdb.Error:
+        return None

@@ -1,7 +1,7 @@
-"""The log: every segment of a store, read by location, appended to by one writer, and replayed
+"""The log: every segment of a store, read by location, appended to by one writer, and scanned
 into an index on open (format-spec/format.md, "Recovery").
 
-Replay rules (normative in the spec):
+Scan rules (normative in the spec):
 
 * Segments are read in sequence order; segments at or below the highest ``supersedes`` watermark
   found in any segment header are obsolete (an interrupted gc) and skipped.
@@ -41,7 +41,7 @@ from .layout import Layout, is_segment_seq
 from .segments import (CorruptRegion, Loc, ScannedRecord, SegmentFile, SegmentWriter,
                        misnamed_segment_error, read_segment_header_record, scan_segment)
 
-#: Commits per index transaction while replaying a long log.
+#: Commits per index transaction while scanning a long log.
 _REPLAY_BATCH = 4096
 #: Directory listings refresh_segments takes when segments vanish under it (a concurrent gc).
 _LISTING_RETRIES = 5
@@ -98,8 +98,8 @@ class _Event:
 
 
 @dataclass
-class ReplayReport:
-    """What a replay saw. ``tail_*`` describe bytes after the last valid commit."""
+class ScanReport:
+    """What a scan of the log saw. ``tail_*`` describe bytes after the last valid commit."""
 
     position: Position | None
     commits: int = 0
@@ -115,7 +115,7 @@ class ReplayReport:
     missing: list[int] = field(default_factory=list)
     #: the subset of ``missing`` that a gc marker with a damaged header may have made obsolete
     missing_uncertain: set[int] = field(default_factory=set)
-    #: checkpoints whose commit is damaged or gone (only those whose manifest this replay walked)
+    #: checkpoints whose commit is damaged or gone (only those whose manifest this scan walked)
     lost: list[LostCommit] = field(default_factory=list)
 
 
@@ -172,7 +172,7 @@ class Log:
             if self.writer is not None and self.writer.seq == seq:
                 continue
             self._forget(seq)
-        # A segment of another store is reported (header_damage) but never replayed.
+        # A segment of another store is reported (header_damage) but never scanned.
         return [s for s in present if s > self.watermark and s not in self.foreign]
 
     def _read_headers(self, present: list[int]) -> set[int]:
@@ -235,7 +235,7 @@ class Log:
         collected, so it is returned in the second (uncertain) set as well. A renamed segment
         (verified header, another seq) is not counted in the watermark either, but its
         ``supersedes`` is known: only missing seqs up to that value are uncertain because of it.
-        A damaged-header segment that a replay found holding a valid record after its header is
+        A damaged-header segment that a scan found holding a valid record after its header is
         no gc marker (a marker is a header record alone) and makes nothing uncertain.
         """
         if not self.present:
@@ -261,16 +261,16 @@ class Log:
             f.close()
         self._files.clear()
 
-    # ---- replay ---------------------------------------------------------------------------
-    def replay(self, index: Index, start: Position | None, *, verify: bool = False,
+    # ---- scan -----------------------------------------------------------------------------
+    def scan(self, index: Index, start: Position | None, *, verify: bool = False,
                progress: Callable[[int], None] | None = None,
-               live: list[int] | None = None) -> ReplayReport:
+               live: list[int] | None = None) -> ScanReport:
         """Scan the log from ``start`` (None: from the beginning) and apply every valid commit to
         ``index``. Never modifies the log. ``live``: the result of the :meth:`refresh_segments`
         call the caller based its choice of ``start`` on (default: list the segments now)."""
         if live is None:
             live = self.refresh_segments()
-        report = ReplayReport(position=start)
+        report = ScanReport(position=start)
         events: list[_Event] = []  # damage in log order, for naming checkpoints that lost a commit
 
         def damaged(d: Damage, seq: int, suspicious: bool = False) -> None:
@@ -360,7 +360,7 @@ class Log:
                     mloc = (c.manifest_seq, c.manifest_offset)
                     m = manifests.get(mloc)
                     walked_ok = m is not None and m == (c.manifest_digest, c.iteration)
-                    # a manifest written before where this replay started (group commit) is
+                    # a manifest written before where this scan started (group commit) is
                     # read and checked at its location instead
                     if not walked_ok and (m is not None or not self._manifest_valid(c)):
                         damaged(Damage(f.path, item.loc.offset, item.loc.end, t,
@@ -454,6 +454,13 @@ class Log:
             return
         self.writer = SegmentWriter.reopen(self.layout.segment_path(position.seq), position.seq,
                                            position.offset, self.ops, self.evict_written)
+
+    def close_writer(self) -> None:
+        """Close the appending writer (gc, before its marker supersedes the writer's segment);
+        :meth:`open_writer` reopens one."""
+        if self.writer is not None:
+            w, self.writer = self.writer, None
+            w.close()
 
     def roll(self, segment_size: int, supersedes: int = 0) -> SegmentWriter:
         """Start a new segment after every existing one (fsyncing the old one first)."""

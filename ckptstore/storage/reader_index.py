@@ -8,18 +8,18 @@ Invariants:
   and the filesystem is writable (LMDB's read-only mode still registers the reader in the reader
   table of ``lock.mdb``, which is what keeps a concurrent writer from reusing the snapshot's pages;
   on a read-only filesystem LMDB silently runs without locks, so a reader does not use the index
-  there). Any doubt makes :meth:`IndexSnapshot.open` return None: the reader replays the log.
+  there). Any doubt makes :meth:`IndexSnapshot.open` return None: the reader scans the log.
 * The snapshot is one read transaction: its meta values (position, last commit, segments) and its
-  entries describe one state the writer committed, so ``snapshot + replay after its position`` is
-  what a full replay would build (§16 validation decides whether that state matches the log).
+  entries describe one state the writer committed, so ``snapshot + scan after its position`` is
+  what a full scan would build (§16 validation decides whether that state matches the log).
 * Index values are checked on use: shapes by the ``unpack_*`` functions, every commit entry taken
   from the snapshot against the COMMIT record its location names in the log (cached), chunk and
   tree locations by the read path (record header, address, root). A mismatch raises
-  IndexUnusable; the store then replays the log into memory and retries (never wrong bytes).
+  IndexUnusable; the store then scans the log into memory and retries (never wrong bytes).
 * py-lmdb refuses a second environment on the same files in one process. A reader therefore uses
   the index only when no other environment of this process has it open, and a writer that opens
   an index a reader of its own process holds revokes the reader's snapshot first (that reader falls
-  back to a replay on its next index use).
+  back to a scan on its next index use).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def _check_size(env: Any, data: str) -> None:
 
 
 class ReaderIndex(Index):
-    """Snapshot entries below the snapshot's position, an in-memory overlay for what a replay of
+    """Snapshot entries below the snapshot's position, an in-memory overlay for what a scan of
     the log after it applies. Lookups try the overlay first (later locations replace earlier
     ones, as in every index)."""
 
@@ -360,7 +360,7 @@ class ReaderIndex(Index):
     def segments(self) -> tuple[int, ...] | None:
         return self._over.segments() or self._base_segments
 
-    # ---- updates (from a replay of the log after the snapshot) -----------------------------
+    # ---- updates (from a scan of the log after the snapshot) -----------------------------
     def apply(self, batch: IndexBatch) -> None:
         self._over.apply(batch)
         if self._its is not None:

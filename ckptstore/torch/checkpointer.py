@@ -245,9 +245,11 @@ class Checkpointer:
     def _ensure_arena(self):
         with self._lock:
             if self._arena is None:
-                # the pipeline object itself: the property would raise a background failure
-                # inside backward (it is raised by the next step instead)
-                self._arena, waited = self.store._pipeline.pool.acquire(self._slot_bytes)
+                # the running pipeline (started in __init__), not the property, which would
+                # raise a background failure inside backward (the next step raises it instead)
+                pipe = self.store.running_pipeline
+                assert pipe is not None
+                self._arena, waited = pipe.pool.acquire(self._slot_bytes)
                 self.capture_wait_s += waited
             return self._arena
 
@@ -397,15 +399,16 @@ class Checkpointer:
             h.remove()
         self._hooks = []
         with self._lock:
-            if self._arena is not None and self.store._pipeline is not None:
-                self.store._pipeline.pool.release(self._arena)
+            pipe = self.store.running_pipeline
+            if self._arena is not None and pipe is not None:
+                pipe.pool.release(self._arena)
             self._arena = None
 
     def restore(self, iteration: int | None = None) -> int:
         """Load ``iteration`` (default: the latest recoverable one) into the live model, optimizer,
         scheduler and RNGs and return its number. On an empty store, write the live (initial)
         state as base snapshot 0 and return 0."""
-        self.store.flush() if self.store.pending() or self.store._pipeline is not None else None
+        self.store.flush() if self.store.pending() or self.store.running_pipeline is not None else None
         self._captured = [None] * len(self._params)
         self._resync = False
         its = self.store.iterations()
@@ -460,7 +463,7 @@ class Checkpointer:
             self._restart_sync(iteration)
         else:
             try:
-                self.store._check_writable()  # a failed group-timer commit, before optimizer.step
+                self.store.check()  # a failed group-timer commit, before optimizer.step
             except BaseException:
                 self._resync = True
                 raise
