@@ -420,8 +420,10 @@ def test_lossy_adam_reports_measured_error(tmp_path, codec):
     assert rep["fingerprints_checked"] == 6 and rep["measured_norm_rel_error"] is not None
     norm = lambda s: sum(float(v.double().square().sum()) for v in s.values()) ** 0.5  # noqa: E731
     true_rel = abs(norm(st["model"]) - norm(saved[30]["model"])) / norm(saved[30]["model"])
-    # the report is the largest deviation over the fingerprints at 5, 10, ..., 30
-    assert rep["measured_norm_rel_error"] >= true_rel * (1 - 1e-9)
+    # the report is the largest deviation over the fingerprints at 5, 10, ..., 30, measured with
+    # parameter_norm (float32 partial sums, accurate to ~1e-7 relative: see fingerprint()), so it
+    # may fall short of this float64 figure by up to that much for each of the two norms
+    assert rep["measured_norm_rel_error"] >= true_rel - 2e-7
     assert rep["measured_norm_rel_error"] > 0
     store.close()
 
