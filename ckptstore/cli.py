@@ -174,7 +174,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def _num(d: Any, key: str, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
     """A number from a manifest's "pipeline" field, or "?" when it is missing or not a number."""
     v = d.get(key) if isinstance(d, dict) else None
-    if type(v) not in (int, float):
+    if type(v) is not int and type(v) is not float:  # (not isinstance: a bool is no number here)
         return "?"
     return fmt.format(v * scale)
 

@@ -124,7 +124,12 @@ class DamagedCheckpointError(CkptStoreError):
 class IndexUnusable(CkptStoreError):
     """The writer's LMDB index (a cache of the log, format-spec/format.md §16) cannot be opened or
     read, or holds a value that does not decode or does not match the log. The store handles it by
-    rebuilding the index from the log; it reaches callers only from direct index use."""
+    rebuilding the index from the log; it reaches callers only from direct index use.
+
+    ``log_damage``, when set, says that the index is sound but the log record it names is damaged
+    (the message a reader reports if the rebuilt view then lacks that checkpoint)."""
+
+    log_damage: str | None = None
 
 
 class DeltaChainError(CkptStoreError, ValueError):

@@ -32,6 +32,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 _NUMPY_DTYPE = re.compile(r"^[<>|=][biufc]\d{1,2}$")
 _EMPTY = memoryview(b"")
+# memoryview(<ndarray>) calls below carry `type: ignore[arg-type]`: numpy's stubs declare
+# ndarray.__buffer__ only for Python >= 3.12, so mypy at python_version 3.10 cannot see that arrays
+# support the buffer protocol (they do, on every version).
 
 
 @dataclass
@@ -66,7 +69,7 @@ class ArrayLeaf:
             t = t.contiguous()
             return memoryview(t.reshape(-1).view(torch.uint8).numpy())
         a = np.ascontiguousarray(self.value)
-        return memoryview(a.reshape(-1).view(np.uint8))
+        return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 #: torch dtype -> its name in TORCH_DTYPES (a dict lookup instead of str() per tensor)
@@ -149,13 +152,16 @@ def allocate(entry: TensorEntry) -> tuple[Any, memoryview]:
     if numel * itemsize != entry.nbytes:
         raise FormatError(f"tensor {entry.path}: shape {list(entry.shape)} of {entry.dtype} is not "
                           f"{entry.nbytes} bytes")
+    value: torch.Tensor | np.ndarray
     try:
         if entry.lib == "torch":
             value = torch.empty(entry.shape, dtype=dtype)
-            view = memoryview(value.reshape(-1).view(torch.uint8).numpy()) if entry.nbytes else _EMPTY
+            view = (memoryview(value.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                    if entry.nbytes else _EMPTY)
         else:
             value = np.empty(entry.shape, dtype=np_dtype)
-            view = memoryview(value.reshape(-1).view(np.uint8)) if entry.nbytes else _EMPTY
+            view = (memoryview(value.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+                    if entry.nbytes else _EMPTY)
     except (MemoryError, RuntimeError) as e:
         raise CkptStoreError(f"tensor {entry.path}: cannot allocate {entry.nbytes} bytes: {e}") from e
     except (TypeError, ValueError, OverflowError) as e:
@@ -178,7 +184,7 @@ def into_view(entry: TensorEntry, value: Any) -> tuple[Any, memoryview]:
                           f"{entry.dtype}{list(entry.shape)} tensor")
     if not entry.nbytes:
         return value, _EMPTY
-    return value, memoryview(value.detach().reshape(-1).view(torch.uint8).numpy())
+    return value, memoryview(value.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def finish(entry: TensorEntry, value: Any) -> Any:

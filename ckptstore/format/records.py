@@ -80,7 +80,7 @@ def encode_header(record_type: int, length: int) -> bytes:
     return head + _U64.pack(xxhash.xxh3_64_intdigest(head))
 
 
-def decode_header(buf: bytes | memoryview) -> RecordHeader:
+def decode_header(buf: bytes | bytearray | memoryview) -> RecordHeader:
     """Decode and check a record header from the first 24 bytes of ``buf``.
 
     Raises CorruptRecordError when the bytes are not a valid header (short, bad magic, bad header

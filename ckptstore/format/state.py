@@ -89,7 +89,8 @@ def flatten(obj: Any, leaf_hook: LeafHook) -> tuple[Any, list[Any]]:
                     raise UnsupportedTypeError(
                         f"dict key {k!r} of type {type(k).__name__} at {format_path(path)}: "
                         "keys must be str or int")
-                key = k if type(k) is str or -_INT_JSON <= k < _INT_JSON else {"i": hex(k)}
+                # k is exactly str or int here, so isinstance() is the same test as type() is
+                key = k if isinstance(k, str) or -_INT_JSON <= k < _INT_JSON else {"i": hex(k)}
                 items.append([key, enc(v, path + (k,))])
             if t is dict:
                 return {"d": items}

@@ -571,6 +571,7 @@ class Pipeline:
             if committed:
                 self._uncommitted = []
         for j in done:
+            assert j.stats is not None  # a save job gets its stats before it is queued (submit)
             j.stats.persist_s = now - j.t_start
             with self._cond:
                 self._history.append(j.stats)

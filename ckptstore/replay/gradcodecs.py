@@ -77,7 +77,7 @@ class GradSlices:
     """Decodes ranges ``[a, b)`` of one flat gradient into caller-provided 1-d buffers.
     Invariant: ``into(a, b, out)`` writes exactly what a whole decode holds at ``a..b``."""
 
-    def __init__(self, fill: "Callable[[int, int, torch.Tensor], None]",
+    def __init__(self, fill: "Callable[[int, int, torch.Tensor], object]",  # result ignored
                  sparse: "tuple[np.ndarray, np.ndarray] | None" = None) -> None:
         self._fill = fill
         #: for sparse payloads: (positions: int64, strictly increasing, in range; values: the

@@ -59,7 +59,7 @@ class RecordFeed:
     of tensors; the consumer hands a set back with :meth:`release` once no one holds its tensors.
     """
 
-    def __init__(self, first: int, last: int, read: Callable[[int, Any], dict],
+    def __init__(self, first: int, last: int, read: Callable[[int, Any], object],
                  grad_shapes: list[tuple[tuple[int, ...], "torch.dtype"]] | None = None,
                  buffers: int = 3) -> None:
         self._read = read

@@ -21,12 +21,15 @@ import math
 import warnings
 from dataclasses import dataclass, field
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import xxhash
 
 from ..errors import CkptStoreError, DamagedCheckpointError, DeltaChainError, ReplayDivergenceError
 from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
+
+if TYPE_CHECKING:
+    from .parallel import ShardedStep
 
 
 
@@ -157,7 +160,7 @@ class _StateReplayer:
         self._defaults = dict(info.get("defaults") or {})
         self.opt = self._make_optimizer(groups)
         self.opt.load_state_dict(base_state["optimizer"])
-        self._sharded = None
+        self._sharded: ShardedStep | None = None
         self.params = [p for ps in groups_params for p in ps]
         self.codec = parse_codec(info["codec"])
         self.aliases = dict(info.get("aliases") or {})

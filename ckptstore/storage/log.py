@@ -336,6 +336,7 @@ class Log:
                     if verify:
                         report.verified_chunks.add(ch.address)
                 elif t == rec.RecordType.TREE:
+                    assert item.payload is not None  # always read, and no error: segments._ALWAYS_READ
                     try:
                         tree = decode_tree(item.payload)
                     except FormatError as e:
@@ -343,6 +344,7 @@ class Log:
                         continue
                     pending_trees[tree.root] = item.loc
                 elif t == rec.RecordType.MANIFEST:
+                    assert item.payload is not None  # always read, and no error: segments._ALWAYS_READ
                     try:
                         m = decode_manifest(item.payload)
                     except FormatError as e:
@@ -351,6 +353,7 @@ class Log:
                     manifests[(seq, item.loc.offset)] = (xxhash.xxh3_128_digest(item.payload),
                                                          m.iteration)
                 elif t == rec.RecordType.COMMIT:
+                    assert item.payload is not None  # always read, and no error: segments._ALWAYS_READ
                     try:
                         c = decode_commit(item.payload)
                     except FormatError as e:
@@ -358,11 +361,11 @@ class Log:
                                 suspicious=True)
                         continue
                     mloc = (c.manifest_seq, c.manifest_offset)
-                    m = manifests.get(mloc)
-                    walked_ok = m is not None and m == (c.manifest_digest, c.iteration)
+                    walked = manifests.get(mloc)
+                    walked_ok = walked is not None and walked == (c.manifest_digest, c.iteration)
                     # a manifest written before where this scan started (group commit) is
                     # read and checked at its location instead
-                    if not walked_ok and (m is not None or not self._manifest_valid(c)):
+                    if not walked_ok and (walked is not None or not self._manifest_valid(c)):
                         damaged(Damage(f.path, item.loc.offset, item.loc.end, t,
                                        f"commit of iteration {c.iteration} names a manifest that "
                                        "is missing, damaged or different"), seq, suspicious=True)

@@ -226,7 +226,7 @@ class ReaderIndex(Index):
     ones, as in every index)."""
 
     def __init__(self, snap: IndexSnapshot, store_id: bytes,
-                 read_commit: Callable[[Loc], bytes]) -> None:
+                 read_commit: Callable[[Loc], bytes | memoryview]) -> None:
         assert snap.view is not None
         self._snap = snap
         self._store_id = store_id

@@ -266,7 +266,7 @@ class Checkpointer:
     def _hook(self, i: int):
         def on_grad(p: torch.Tensor) -> None:
             g = p.grad
-            if self._ddp or not self._capturable(i, g):
+            if self._ddp or g is None or not self._capturable(i, g):
                 return
             self._slot(i, self._ensure_arena()).copy_(g)
             self._captured[i] = (weakref.ref(g), g._version)
@@ -297,6 +297,7 @@ class Checkpointer:
         """Refuse ``iteration`` unless it follows the last logged iteration and the store holds
         nothing at or after it (``top``: its newest committed or pending iteration). Checked
         before ``optimizer.step()``, so a refused step leaves the live objects untouched."""
+        assert self._last is not None  # both callers resynchronise (setting it) before this check
         if iteration != self._last + 1:
             raise DeltaChainError(f"Checkpointer.step({iteration}): the last logged iteration is "
                                   f"{self._last}; iterations must follow each other")
@@ -323,6 +324,7 @@ class Checkpointer:
                 err_l2 += st.l2_error ** 2
                 g_l2 += st.l2_grad ** 2
                 if self.apply_decoded:
+                    assert dec is not None  # a lossy codec asked for its decode returns it
                     p.grad.copy_(dec)
             else:
                 max_err.append(0.0)
@@ -435,6 +437,7 @@ class Checkpointer:
     def interval(self) -> int:
         """The current base interval (fixed, or chosen from measured costs for "auto")."""
         if self.base_every != "auto":
+            assert isinstance(self.base_every, int)  # __init__ admits a positive int or "auto"
             return self.base_every
         if self._base_cost is None or not self._delta_cost:
             return 50

@@ -255,7 +255,9 @@ class AdamWindow:
         plans = self._plan(params, gis, steps)
         if plans is None:
             return False
-        fn = _load()[0]
+        loaded = _load()
+        assert loaded is not None  # _plan returned plans, so the kernel loaded (_load caches it)
+        fn = loaded[0]
         scratch: list[Any] = [None, None]  # two flat buffers for lossy slices, tile t uses t % 2
         pending: list = []
         try:
@@ -318,6 +320,7 @@ class AdamWindow:
         memo: dict[tuple, _ParamPlan] = {}
         fresh: list[tuple[int, int]] = []  # (first step with a gradient, index): state to create
         state = self.optimizer.state
+        step: "torch.Tensor | None"  # a tensor once checked below
         for i, p in enumerate(params):
             st = state.get(p) or {}
             applied = tuple(s for s, (_, grads) in enumerate(steps) if grads[i] is not None)
@@ -473,14 +476,15 @@ def _verified(fn: Any, vsqrt: int | None, sig: tuple, make: Callable[[list], Any
             p.grad = g
         opt.step()
     verdict: int | None | bool = False
+    st: dict[str, Any]  # the kernel's state of one calibration tensor
     for root in ([vsqrt] if vsqrt is not None else []) + [None]:
         same = True
-        for p0, p, g in zip(initial, live, zip(*grads)):
+        for p0, p, gs in zip(initial, live, zip(*grads)):
             P, st = p0.clone(), {}
             _init_state(st, P)
             values, final = _step_values(st["step"], CALIBRATION_STEPS)
             scalars = np.asarray([_row(h, sv) for h, sv in zip(hypers, values)], dtype=np.float32)
-            dense = (_Grad * CALIBRATION_STEPS)(*[_Grad(x.data_ptr(), None, None, 0) for x in g])
+            dense = (_Grad * CALIBRATION_STEPS)(*[_Grad(x.data_ptr(), None, None, 0) for x in gs])
             _Call(P.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(), dense, 0,
                   P.numel(), scalars.reshape(-1), _flags(hypers[0], sig[0]), root, ())(fn)
             st["step"] = final
