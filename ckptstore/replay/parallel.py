@@ -1,4 +1,4 @@
-"""Pipelined, parallel recovery for :mod:`ckptstore.replay` (format-spec/deltas.md, "Replay").
+"""Pipelined, parallel replay for :mod:`ckptstore.replay` (format-spec/deltas.md, "Replay").
 
 Pure speed: nothing here changes what replay computes.
 

@@ -358,14 +358,14 @@ class _StateReplayer:
         over ``threads`` threads; else steps run sequentially. The two are exclusive: the
         sharding pool's threads each start their own OpenMP team for torch's intra-op work, and
         with those teams alive the tiled windows' ops ran 2x slower here (2 cores)."""
-        from . import parallel as recovery
+        from .parallel import PARALLEL_MIN_NUMEL, SEPARABLE_OPTIMIZERS, ShardedStep, window_size
 
-        self._window = recovery.window_size(self.params)
+        self._window = window_size(self.params)
         self._threads = max(1, threads)
         if self._window == 1 and threads > 1 and len(self.params) > 1 \
-                and self.info["optimizer"] in recovery.SEPARABLE_OPTIMIZERS \
-                and sum(p.numel() for p in self.params) >= recovery.PARALLEL_MIN_NUMEL:
-            self._sharded = recovery.ShardedStep(self.opt, threads, self._make_optimizer)
+                and self.info["optimizer"] in SEPARABLE_OPTIMIZERS \
+                and sum(p.numel() for p in self.params) >= PARALLEL_MIN_NUMEL:
+            self._sharded = ShardedStep(self.opt, threads, self._make_optimizer)
 
     @property
     def window(self) -> int:
