@@ -19,7 +19,7 @@ import ckptstore
 from ckptstore.format.commit import KIND_DELTA
 from ckptstore.ops.fsck import check
 from ckptstore.storage import lmdb_index
-from ckptstore.storage.index import unpack_chunk, unpack_commit, unpack_loc
+from ckptstore.storage.index import seal, unpack_chunk, unpack_commit, unpack_loc, unseal
 
 CHUNK = 1024
 
@@ -164,14 +164,15 @@ def test_map_full_grows_the_map(tmp_path, assert_same, monkeypatch):
 # ---- malformed or wrong index values ----------------------------------------------------------
 
 def _rewrite(path, db: bytes, pick, change) -> None:
-    """Rewrite one value of the index database ``db`` (the log stays intact)."""
+    """Rewrite one value of the index database ``db`` (the log stays intact), sealed again as a
+    writer would seal it: the checks behind the seal must catch a wrong value that a buggy writer
+    wrote (tests/test_index_bitflips.py covers damage the seal itself catches)."""
     env = lmdb.open(_index_dir(path), max_dbs=8, subdir=True)
     try:
         handle = env.open_db(db, create=False)
         with env.begin(write=True) as txn:
-            items = list(txn.cursor(db=handle))
-            key, val = pick(items)
-            txn.put(key, change(val), db=handle)
+            key, stored = pick(list(txn.cursor(db=handle)))
+            txn.put(key, seal(db, key, change(unseal(db, key, stored))), db=handle)
     finally:
         env.close()
 

@@ -114,9 +114,17 @@ class Engine:
         where the log holds it damaged) otherwise."""
         self.check_open()
         e = self.indexed(lambda: self.index.get_commit(iteration)) if type(iteration) is int else None
+        if e is None and type(iteration) is int:
+            e = self.indexed(lambda: self._lookup_checked(iteration))
         if e is None:
             raise self.missing(iteration)
         return e
+
+    def _lookup_checked(self, iteration: int) -> CommitEntry | None:
+        """A look-up that missed, asked again after checking that the index lost no entry (a
+        damaged cache must not turn a committed iteration into a missing one)."""
+        self.index.verify_complete()
+        return self.index.get_commit(iteration)
 
     def kind_code(self, iteration: int) -> int | None:
         e = self.indexed(lambda: self.index.get_commit(iteration))

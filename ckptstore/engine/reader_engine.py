@@ -151,7 +151,7 @@ class ReaderEngine(Engine):
             e = self.indexed(lambda: self.index.get_commit(iteration))
             if e is None:
                 self.refresh()
-                e = self.indexed(lambda: self.index.get_commit(iteration))
+                e = self.indexed(lambda: self._lookup_checked(iteration))
             if e is not None:
                 return e
         raise self.missing(iteration)
@@ -167,7 +167,7 @@ class ReaderEngine(Engine):
         """A read that fails because gc deleted a segment refreshes and retries; one that fails on
         a warm index's value, or on what it located, drops the warm view for a full scan into
         memory and retries (once), so only damage in the log reaches the caller."""
-        fell_back = False
+        fell_back = refreshed = False
         damage: DamagedCheckpointError | None = None
         for attempt in range(READER_RETRIES):
             try:
@@ -179,8 +179,16 @@ class ReaderEngine(Engine):
                     raise damage from e
                 if attempt == READER_RETRIES - 1:
                     raise
-                if caused_by_missing_file(e):
+                if caused_by_missing_file(e) and not refreshed:
+                    # a gc deleted a segment under us: catch up (a new view of the new segments)
+                    refreshed = True
                     self.refresh()
+                elif caused_by_missing_file(e) and not fell_back:
+                    # missing again after catching up: not a gc but a location the log does not
+                    # have (a damaged index value): drop the warm view for a scan into memory
+                    fell_back = True
+                    if not self._fall_back():
+                        raise
                 elif isinstance(e, (IndexUnusable, DamagedCheckpointError)) and not fell_back:
                     fell_back = True
                     if isinstance(e, DamagedCheckpointError):

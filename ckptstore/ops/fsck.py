@@ -30,7 +30,7 @@ from ..errors import DamagedCheckpointError, FormatError
 from ..format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header
 from ..storage.index import ChunkRef, CommitEntry, Index, MemoryIndex
 from ..storage.layout import Layout
-from ..storage.lmdb_index import read_commits_unlocked
+from ..storage.lmdb_index import IndexContents, read_index_unlocked
 from ..storage.lock import no_writer
 from ..storage.log import Damage, Log, ScanReport
 from ..engine.engine import Engine
@@ -81,7 +81,7 @@ def check(path: str | os.PathLike, *, repair: bool = False,
     report = FsckReport(path)
     if repair:
         # Read before the writer open, which rebuilds an index that no longer matches the log.
-        indexed = _indexed_commits(Layout(path))
+        indexed = _read_index(Layout(path))[1]
         writer = WriterEngine(path)  # the automatic recovery: finish gc, cut the tail
         try:
             _note_recovery(writer.last_scan, report)
@@ -93,8 +93,8 @@ def check(path: str | os.PathLike, *, repair: bool = False,
         return report
     reader = ReaderEngine(path, use_index=False)  # fsck reads the index itself, unlocked
     try:
-        _verify(reader.log, report, progress, rebuild=None)
-        indexed = _check_index(reader, report)
+        verified = _verify(reader.log, report, progress, rebuild=None)
+        indexed = _check_index(reader, report, verified)
         _note_lost_by_index(reader, indexed, report)
     finally:
         reader.close()
@@ -112,7 +112,9 @@ def _note_recovery(scan: ScanReport | None, report: FsckReport) -> None:
 
 
 def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None,
-            rebuild: Index | None) -> None:
+            rebuild: Index | None) -> Index:
+    """Scan the whole log with every payload verified into ``rebuild`` (or a new MemoryIndex),
+    check every committed iteration, and return that index."""
     index: Index = rebuild if rebuild is not None else MemoryIndex()
     index.clear()
 
@@ -166,6 +168,7 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
         if problems:
             report.damaged_iterations[it] = problems
     _check_chains(index, report)
+    return index
 
 
 def _runs(seqs: list[int], uncertain: set[int]) -> list[tuple[int, int, bool]]:
@@ -182,7 +185,7 @@ def _runs(seqs: list[int], uncertain: set[int]) -> list[tuple[int, int, bool]]:
     return runs
 
 
-def _note_lost_by_index(engine: Engine, indexed: tuple[bytes, dict[int, CommitEntry]] | None,
+def _note_lost_by_index(engine: Engine, indexed: IndexContents | None,
                         report: FsckReport) -> None:
     """Name iterations the writer's index lists as committed but the log has no valid commit of.
 
@@ -192,13 +195,13 @@ def _note_lost_by_index(engine: Engine, indexed: tuple[bytes, dict[int, CommitEn
     checkpoint that was committed and is now lost. Entries in obsolete segments (an interrupted
     gc) are skipped, as are those in a missing segment that a gc may have collected.
     """
-    if indexed is None or indexed[0] != engine.header.store_id:
+    if indexed is None or indexed.store_id != engine.header.store_id:
         return
     log = engine.log
     log.refresh_segments()
     missing, uncertain = log.missing_segments()
     committed = set(report.iterations)
-    for it, e in sorted(indexed[1].items()):
+    for it, e in sorted(indexed.commits.items()):
         seq = e.loc.seq
         if it in committed or it in report.lost_iterations or seq <= log.watermark \
                 or seq in uncertain:
@@ -295,30 +298,50 @@ def _seq_of(log: Log, path: str) -> int | None:
         return None
 
 
-def _check_index(engine: Engine, report: FsckReport
-                 ) -> tuple[bytes, dict[int, CommitEntry]] | None:
-    """Compare the writer's LMDB index with the verified scan (read-only; skipped while a writer
-    holds the store, since the index is then being written). Returns what the index holds."""
+def _check_index(engine: Engine, report: FsckReport, verified: Index) -> IndexContents | None:
+    """Compare every entry of the writer's LMDB index with the verified scan (read-only; skipped
+    while a writer holds the store, since the index is then being written). The index is a cache:
+    what differs is reported as a note (loads fall back to the log), not as damage. Returns what
+    the index holds."""
     status, indexed = _read_index(engine.layout)
     if status == "absent":
         report.notes.append("no index: the next writer open rebuilds it from the log")
     elif status == "locked":
         report.notes.append("a writer holds the store; index comparison skipped")
-    elif indexed is None or indexed[0] != engine.header.store_id:
+    elif indexed is None or indexed.store_id != engine.header.store_id:
         report.notes.append("index is unreadable: the next writer open rebuilds it")
         return None
-    elif sorted(indexed[1]) != report.iterations:
-        report.notes.append("index is stale or differs from the log: the next writer open "
-                            "catches it up or rebuilds it")
+    else:
+        wrong = _index_mismatches(indexed, verified)
+        if indexed.damaged or wrong:
+            report.notes.append(
+                f"index: {indexed.damaged} entries fail their check and {wrong} differ from the "
+                "log (a damaged cache: loads fall back to the log); `fsck --repair` rebuilds it")
+        elif sorted(indexed.commits) != report.iterations or \
+                indexed.recorded_commits != len(indexed.commits):
+            report.notes.append("index is stale or differs from the log: the next writer open "
+                                "catches it up or rebuilds it")
     return indexed
 
 
-def _indexed_commits(layout: Layout) -> tuple[bytes, dict[int, CommitEntry]] | None:
-    return _read_index(layout)[1]
+def _index_mismatches(indexed: IndexContents, verified: Index) -> int:
+    """Entries of the index that name something else than the verified scan does for the same
+    key (an entry the scan lacks is stale, not wrong: the log may have been cut after it)."""
+    wrong = 0
+    for it, e in indexed.commits.items():
+        v = verified.get_commit(it)
+        wrong += v is not None and v != e
+    for addr, ref in indexed.chunks.items():
+        v_ref = verified.get_chunk(addr)
+        wrong += v_ref is not None and v_ref != ref and ref not in verified.chunk_alternatives(addr)
+    for root, loc in indexed.trees.items():
+        v_loc = verified.get_tree(root)
+        wrong += v_loc is not None and v_loc != loc
+    return wrong
 
 
-def _read_index(layout: Layout) -> tuple[str, tuple[bytes, dict[int, CommitEntry]] | None]:
-    """("absent" | "locked" | "unreadable" | "ok", (store_id, iteration -> commit entry)).
+def _read_index(layout: Layout) -> tuple[str, IndexContents | None]:
+    """("absent" | "locked" | "unreadable" | "ok", the index's entries).
 
     The environment is read without LMDB's lock file (fsck writes nothing), which is safe only
     while no writer runs: :func:`~ckptstore.storage.lock.no_writer` makes sure of that."""
@@ -327,5 +350,5 @@ def _read_index(layout: Layout) -> tuple[str, tuple[bytes, dict[int, CommitEntry
     with no_writer(layout) as status:
         if status != "free":
             return status, None
-        indexed = read_commits_unlocked(layout.index_dir)
+        indexed = read_index_unlocked(layout.index_dir)
         return ("ok" if indexed is not None else "unreadable"), indexed

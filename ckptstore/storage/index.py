@@ -13,10 +13,12 @@ import bisect
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
+
+import xxhash
 
 from ..errors import FormatError, IndexUnusable
-from ..format.commit import COMMIT_SIZE, KIND_DELTA, KIND_SNAPSHOT, Commit, decode_commit, encode_commit
+from ..format.commit import COMMIT_SIZE, KIND_DELTA, KIND_SNAPSHOT, KINDS as _KINDS, Commit, decode_commit, encode_commit
 from ..format.chunk import Codec
 from ..format.records import MAX_PAYLOAD
 from .segments import Loc
@@ -127,6 +129,85 @@ def unpack_commit(buf: bytes) -> CommitEntry:
     return CommitEntry(c, loc)
 
 
+#: The persistent index's format (format-spec/format.md §16): "2" seals every value.
+INDEX_FORMAT = b"2"
+#: Every value the persistent index stores ends with ``xxh3_64(db name, key, value)`` (8 bytes,
+#: little-endian), so a damaged key or value (a flipped bit anywhere in it) is detected when it is
+#: read, and a value moved under another key or database does not verify either.
+SEAL_SIZE = 8
+_SEAL = struct.Struct("<Q")
+
+
+_LEN = struct.Struct("<I")
+
+
+def _seal_of(db: bytes, key: bytes, value: bytes) -> bytes:
+    return _SEAL.pack(xxhash.xxh3_64_intdigest(
+        b"".join((_LEN.pack(len(db)), db, _LEN.pack(len(key)), key, value))))
+
+
+def seal(db: bytes, key: bytes, value: bytes) -> bytes:
+    """``value`` with its seal appended (what the persistent index stores under ``key``)."""
+    return value + _seal_of(db, key, value)
+
+
+def unseal(db: bytes, key: bytes, stored: bytes | None) -> bytes | None:
+    """The value stored under ``key`` in ``db``, its seal checked; None when absent. Raises
+    IndexUnusable when the seal does not match (the index is a cache: it is rebuilt or bypassed,
+    never trusted)."""
+    if stored is None:
+        return None
+    value = bytes(stored[:-SEAL_SIZE])
+    if len(stored) < SEAL_SIZE or _seal_of(db, key, value) != bytes(stored[-SEAL_SIZE:]):
+        raise IndexUnusable(f"index {db.decode()} entry {bytes(key)[:16].hex()} fails its check "
+                            "(the index is damaged)")
+    return value
+
+
+def commit_key(iteration: int) -> bytes:
+    """The key of an iteration's commit entry (big-endian, so keys sort numerically)."""
+    return _BE64.pack(iteration)
+
+
+def check_commit_entry(key: bytes, value: bytes) -> int:
+    """Check an unsealed packed commit entry against its key; returns its commit kind. Raises
+    IndexUnusable when the key is malformed, the value has the wrong size or kind, or names
+    another iteration than its key."""
+    if len(key) != 8 or len(value) != PACKED_COMMIT_SIZE or value[PACKED_KIND_OFFSET] not in _KINDS:
+        raise IndexUnusable(f"index commit entry {bytes(key).hex()} is malformed")
+    if int.from_bytes(value[_LOC.size:_LOC.size + 8], "little") != int.from_bytes(key, "big"):
+        raise IndexUnusable(f"index commit entry {bytes(key).hex()} names another iteration")
+    return value[PACKED_KIND_OFFSET]
+
+
+_BE64 = struct.Struct(">Q")
+
+
+#: The meta value that counts the commit entries (so a lost entry is detected too).
+COMMIT_COUNT = struct.Struct("<Q")
+
+
+def commit_count(get_meta: Callable[[bytes], bytes | None]) -> int:
+    """The recorded number of commit entries, read with ``get_meta(key)`` (raw, sealed values of
+    the meta database); 0 when none was recorded (an empty index)."""
+    value = unseal(b"meta", b"commits", get_meta(b"commits"))
+    if value is None:
+        return 0
+    if len(value) != COMMIT_COUNT.size:
+        raise IndexUnusable(f"index commit count value of {len(value)} bytes")
+    return COMMIT_COUNT.unpack(value)[0]
+
+
+def sealed_commit_kinds(items: Iterable[tuple[bytes, bytes]]) -> list[tuple[int, int]]:
+    """(iteration, kind) of every sealed commit entry, each checked (IndexUnusable otherwise)."""
+    out: list[tuple[int, int]] = []
+    for k, stored in items:
+        v = unseal(b"commits", k, stored)
+        assert v is not None
+        out.append((_BE64.unpack(k)[0], check_commit_entry(k, v)))
+    return out
+
+
 class Chains:
     """Which committed iterations are recoverable, kept up to date as commits are applied.
 
@@ -215,6 +296,10 @@ class Index(ABC):
 
     def close(self) -> None:
         pass
+
+    def verify_complete(self) -> None:
+        """Raise IndexUnusable when entries are missing that the index recorded having (a
+        persistent index counts its commit entries); an in-memory index is complete."""
 
     # ---- recoverability (derived from the commits; in memory) --------------------------------
     _chains: Chains | None = None

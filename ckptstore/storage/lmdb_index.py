@@ -1,17 +1,21 @@
 """The persistent index: the same content as MemoryIndex, kept in LMDB by the writer (readers
 open it read-only: storage/reader_index.py).
 
-Layout (named databases, all keys and values little-endian structs unless noted)::
+Layout (format "2"; named databases, all keys and values little-endian structs unless noted; every
+value except ``format`` and ``store_id`` ends with its 8-byte seal, :func:`~.index.seal`)::
 
-    meta     b"format" -> b"1"; b"store_id" -> 16 bytes; b"position" -> u64 seq, u64 offset;
-             b"last_commit" -> packed CommitEntry; b"segments" -> u64 array of segment seqs
+    meta     b"format" -> b"2"; b"store_id" -> 16 bytes; b"position" -> u64 seq, u64 offset;
+             b"last_commit" -> packed CommitEntry; b"segments" -> u64 array of segment seqs;
+             b"commits" -> u64 number of entries in ``commits``
     chunks   address (16) -> u64 seq, u64 offset, u64 length, u8 codec
     trees    root (16)    -> u64 seq, u64 offset, u64 length
     commits  iteration (u64 big-endian, so keys sort numerically) -> packed CommitEntry
 
 The index is a cache: it is validated against the log on every writer open (and reader open) and
-rebuilt from the log by the writer when missing, unreadable, foreign or stale. Writes use ``sync=True`` so a committed index
-transaction survives power loss; even so nothing depends on it for correctness.
+rebuilt from the log by the writer when missing, unreadable, foreign or stale; every value read
+is checked against its seal and every commit-list pass against the count, so a damaged index is
+detected and rebuilt (writer) or bypassed (reader), never trusted. Writes use ``sync=True`` so a
+committed index transaction survives power loss; even so nothing depends on it for correctness.
 """
 
 from __future__ import annotations
@@ -20,26 +24,27 @@ import errno
 import os
 import shutil
 import struct
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import lmdb
 
 from ..errors import FormatError, IndexUnusable, StoreIOError
 from .fileops import FileOps, wrap_os_error
-from ..format.commit import KINDS
 from .reader_index import revoke_readers
-from .index import (PACKED_COMMIT_SIZE, PACKED_KIND_OFFSET, ChunkRef, CommitEntry, Index,
-                    IndexBatch, Position, pack_chunk, pack_commit, pack_loc, unpack_chunk,
-                    unpack_commit, unpack_loc)
+from .index import (COMMIT_COUNT, INDEX_FORMAT, ChunkRef, CommitEntry, Index, IndexBatch,
+                    Position, check_commit_entry, commit_count, commit_key, pack_chunk,
+                    pack_commit, pack_loc, seal, sealed_commit_kinds, unpack_chunk, unpack_commit,
+                    unpack_loc, unseal)
+from .lmdb_pages import check_data_file
 from .segments import Loc
 
-INDEX_FORMAT = b"1"
 _INITIAL_MAP = 64 << 20
 _BE64 = struct.Struct(">Q")
 _POS = struct.Struct("<QQ")
 
 
-__all__ = ["IndexUnusable", "LmdbIndex"]  # IndexUnusable lives in errors.py; kept importable here
+__all__ = ["INDEX_FORMAT", "IndexUnusable", "LmdbIndex"]  # IndexUnusable lives in errors.py; kept importable here
 
 
 #: LMDB failures that say the disk or its permissions, not the index, are at fault: rebuilding
@@ -77,7 +82,10 @@ class LmdbIndex(Index):
         self.ops.makedirs(path)
         revoke_readers(path)  # a reader of this process holding these files would make LMDB refuse
         try:
-            map_size = max(_INITIAL_MAP, _file_size(os.path.join(path, "data.mdb")) * 2)
+            data = os.path.join(path, "data.mdb")
+            if _file_size(data):
+                check_data_file(data)  # never hand LMDB pages that lead outside the file
+            map_size = max(_INITIAL_MAP, _file_size(data) * 2)
             self.env = self.ops.index_open(path, map_size=map_size, max_dbs=8, subdir=True,
                                            sync=True, metasync=True, readahead=False, lock=True)
             self._check_size()  # before anything reads a page past the meta pages
@@ -149,38 +157,36 @@ class LmdbIndex(Index):
 
         self._write(put)
 
-    def _get(self, key: bytes, db) -> bytes | None:
+    def _get(self, key: bytes, db: Any, name: bytes) -> bytes | None:
+        """The value under ``key``, its seal checked (IndexUnusable when it fails)."""
         try:
             with self.env.begin(buffers=False) as txn:
-                return txn.get(key, db=db)
+                stored = txn.get(key, db=db)
         except lmdb.Error as e:
             raise IndexUnusable(f"index read failed: {e}") from e
+        return unseal(name, key, stored)
 
     def get_chunk(self, address: bytes) -> ChunkRef | None:
-        v = self._get(address, self._chunks)
+        v = self._get(address, self._chunks, b"chunks")
         return None if v is None else unpack_chunk(v)
 
     def get_tree(self, root: bytes) -> Loc | None:
-        v = self._get(root, self._trees)
+        v = self._get(root, self._trees, b"trees")
         return None if v is None else unpack_loc(v)
 
     def get_commit(self, iteration: int) -> CommitEntry | None:
         if not 0 <= iteration < 1 << 63:
             return None
-        v = self._get(_BE64.pack(iteration), self._commits)
-        return None if v is None else unpack_commit(v)
+        key = commit_key(iteration)
+        v = self._get(key, self._commits, b"commits")
+        if v is None:
+            return None
+        check_commit_entry(key, v)
+        return unpack_commit(v)
 
     def iterations(self) -> list[int]:
         if self._cache_sorted is None:
-            try:
-                with self.env.begin() as txn:
-                    cur = txn.cursor(db=self._commits)
-                    keys = list(cur.iternext(keys=True, values=False))
-            except lmdb.Error as e:
-                raise IndexUnusable(f"index read failed at {self.path}: {e}") from e
-            if any(len(k) != 8 for k in keys):
-                raise IndexUnusable(f"index at {self.path}: a commits key is not 8 bytes")
-            self._cache_sorted = [_BE64.unpack(k)[0] for k in keys]
+            self._cache_sorted = [it for it, _ in self.kinds()]
         return list(self._cache_sorted)
 
     def latest(self) -> int | None:
@@ -190,20 +196,25 @@ class LmdbIndex(Index):
         return self._cache_sorted[-1] if self._cache_sorted else None
 
     def kinds(self) -> Iterable[tuple[int, int]]:
-        """One cursor pass over the commits, reading only each entry's kind byte (checked)."""
-        out: list[tuple[int, int]] = []
+        """One cursor pass over the commits: every entry's seal, key and kind checked, and their
+        number against the recorded count (a lost entry is detected too)."""
         try:
             with self.env.begin() as txn:
-                for k, v in txn.cursor(db=self._commits).iternext(keys=True, values=True):
-                    if len(k) != 8 or len(v) != PACKED_COMMIT_SIZE or v[PACKED_KIND_OFFSET] not in KINDS:
-                        raise IndexUnusable(f"index at {self.path}: malformed commit entry {k.hex()}")
-                    out.append((_BE64.unpack(k)[0], v[PACKED_KIND_OFFSET]))
+                out = sealed_commit_kinds(txn.cursor(db=self._commits).iternext(keys=True, values=True))
+                count = commit_count(lambda k: txn.get(k, db=self._meta))
         except lmdb.Error as e:
             raise IndexUnusable(f"index read failed at {self.path}: {e}") from e
+        if len(out) != count:
+            raise IndexUnusable(f"index at {self.path} holds {len(out)} commit entries, its count "
+                                f"says {count}")
+        self._cache_sorted = [it for it, _ in out]  # the same pass answers iterations()/latest()
         return out
 
+    def verify_complete(self) -> None:
+        self.kinds()
+
     def position(self) -> Position | None:
-        v = self._get(b"position", self._meta)
+        v = self._get(b"position", self._meta, b"meta")
         if v is None:
             return None
         if len(v) != _POS.size:
@@ -211,11 +222,11 @@ class LmdbIndex(Index):
         return Position(*_POS.unpack(v))
 
     def last_commit(self) -> CommitEntry | None:
-        v = self._get(b"last_commit", self._meta)
+        v = self._get(b"last_commit", self._meta, b"meta")
         return None if v is None else unpack_commit(v)
 
     def segments(self) -> tuple[int, ...] | None:
-        v = self._get(b"segments", self._meta)
+        v = self._get(b"segments", self._meta, b"meta")
         if v is None:
             return None
         if len(v) % 8:
@@ -235,18 +246,26 @@ class LmdbIndex(Index):
                     break
 
     def _put_batch(self, txn: Any, batch: IndexBatch) -> None:
+        def put(db: Any, name: bytes, key: bytes, value: bytes) -> None:
+            txn.put(key, seal(name, key, value), db=db)
+
         for addr, ref in batch.chunks.items():
-            txn.put(addr, pack_chunk(ref), db=self._chunks)
+            put(self._chunks, b"chunks", addr, pack_chunk(ref))
         for root, loc in batch.trees.items():
-            txn.put(root, pack_loc(loc), db=self._trees)
-        for e in batch.commits:
-            txn.put(_BE64.pack(e.commit.iteration), pack_commit(e), db=self._commits)
-            txn.put(b"last_commit", pack_commit(e), db=self._meta)
+            put(self._trees, b"trees", root, pack_loc(loc))
+        if batch.commits:
+            count = commit_count(lambda k: txn.get(k, db=self._meta))
+            for e in batch.commits:
+                key = commit_key(e.commit.iteration)
+                count += txn.get(key, db=self._commits) is None
+                put(self._commits, b"commits", key, pack_commit(e))
+            put(self._meta, b"meta", b"last_commit", pack_commit(batch.commits[-1]))
+            put(self._meta, b"meta", b"commits", COMMIT_COUNT.pack(count))
         if batch.position is not None:
-            txn.put(b"position", _POS.pack(batch.position.seq, batch.position.offset), db=self._meta)
+            put(self._meta, b"meta", b"position", _POS.pack(batch.position.seq, batch.position.offset))
         if batch.segments is not None:
-            txn.put(b"segments", struct.pack(f"<{len(batch.segments)}Q", *batch.segments),
-                    db=self._meta)
+            put(self._meta, b"meta", b"segments",
+                struct.pack(f"<{len(batch.segments)}Q", *batch.segments))
 
     def clear(self) -> None:
         def drop(txn: Any) -> None:
@@ -269,32 +288,62 @@ def _file_size(path: str) -> int:
         return 0
 
 
-def read_commits_unlocked(path: str) -> tuple[bytes, dict[int, CommitEntry]] | None:
-    """(store_id, iteration -> commit entry) of the index at ``path``, read without LMDB's lock
-    file and without writing anything; None when it is unreadable, foreign to this index format
-    or has no store id. Entries that do not decode or name another iteration are skipped (an
-    undecodable entry is no evidence of anything). Safe only while no writer runs: the caller
-    holds :func:`ckptstore.storage.lock.no_writer` (fsck)."""
+@dataclass
+class IndexContents:
+    """Every entry of a persistent index that passes its checks, and how many did not."""
+
+    store_id: bytes
+    commits: dict[int, CommitEntry] = field(default_factory=dict)
+    chunks: dict[bytes, ChunkRef] = field(default_factory=dict)
+    trees: dict[bytes, Loc] = field(default_factory=dict)
+    #: entries whose seal, key or value fails its check (a damaged index)
+    damaged: int = 0
+    #: the number of commit entries the writer recorded (differs from len(commits) + the damaged
+    #: ones when entries were lost)
+    recorded_commits: int = 0
+
+
+def read_index_unlocked(path: str) -> IndexContents | None:
+    """The entries of the index at ``path``, read without LMDB's lock file and without writing
+    anything; None when it is unreadable, of another index format or has no store id. An entry
+    that fails its checks is counted in ``damaged`` (no evidence of anything else). Safe only
+    while no writer runs: the caller holds :func:`ckptstore.storage.lock.no_writer` (fsck)."""
     try:
         env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, subdir=True)
         try:
-            meta = env.open_db(b"meta", create=False)
-            db = env.open_db(b"commits", create=False)
-            out: dict[int, CommitEntry] = {}
+            dbs = {name: env.open_db(name, create=False)
+                   for name in (b"meta", b"commits", b"chunks", b"trees")}
             with env.begin() as txn:
-                if txn.get(b"format", db=meta) != INDEX_FORMAT:
+                meta = lambda k: txn.get(k, db=dbs[b"meta"])  # noqa: E731
+                store_id = meta(b"store_id")
+                if meta(b"format") != INDEX_FORMAT or store_id is None:
                     return None
-                store_id = txn.get(b"store_id", db=meta)
-                for k, v in txn.cursor(db=db):
-                    try:
-                        (it,) = _BE64.unpack(k)
-                        e = unpack_commit(v)
-                    except (IndexUnusable, FormatError, struct.error):
-                        continue
-                    if e.commit.iteration == it:
-                        out[it] = e
-            return (store_id, out) if store_id is not None else None
+                out = IndexContents(store_id)
+                try:
+                    out.recorded_commits = commit_count(meta)
+                except IndexUnusable:
+                    out.damaged += 1
+                decoders: dict[bytes, Callable[[bytes, bytes], None]] = {
+                    b"commits": lambda k, v: out.commits.__setitem__(
+                        _BE64.unpack(k)[0], _checked_commit(k, v)),
+                    b"chunks": lambda k, v: out.chunks.__setitem__(bytes(k), unpack_chunk(v)),
+                    b"trees": lambda k, v: out.trees.__setitem__(bytes(k), unpack_loc(v)),
+                }
+                for name, decode in decoders.items():
+                    for k, stored in txn.cursor(db=dbs[name]):
+                        try:
+                            v = unseal(name, k, stored)
+                            assert v is not None
+                            decode(k, v)
+                        except (IndexUnusable, FormatError, struct.error):
+                            out.damaged += 1
+            return out
         finally:
             env.close()
     except lmdb.Error:
         return None
+
+
+def _checked_commit(key: bytes, value: bytes) -> CommitEntry:
+    check_commit_entry(key, value)
+    return unpack_commit(value)

@@ -33,9 +33,11 @@ from typing import Any, Callable, Iterable
 import lmdb
 
 from ..errors import FormatError, IndexUnusable
-from ..format.commit import KINDS, decode_commit
-from .index import (PACKED_COMMIT_SIZE, PACKED_KIND_OFFSET, ChunkRef, CommitEntry, Index,
-                    IndexBatch, MemoryIndex, Position, unpack_chunk, unpack_commit, unpack_loc)
+from ..format.commit import decode_commit
+from .index import (INDEX_FORMAT, ChunkRef, CommitEntry, Index, IndexBatch, MemoryIndex, Position,
+                    check_commit_entry, commit_count, commit_key, sealed_commit_kinds,
+                    unpack_chunk, unpack_commit, unpack_loc, unseal)
+from .lmdb_pages import check_data_file
 from .segments import Loc
 
 _BE64 = struct.Struct(">Q")
@@ -74,11 +76,13 @@ class _View:
     """One read transaction and the meta values it shows."""
 
     def __init__(self, txn: Any, position: Position, last: CommitEntry,
-                 segments: tuple[int, ...]) -> None:
+                 segments: tuple[int, ...], commits: int) -> None:
         self.txn = txn
         self.position = position
         self.last = last
         self.segments = segments
+        #: the number of commit entries the writer recorded with this state
+        self.commits = commits
 
 
 class IndexSnapshot:
@@ -110,6 +114,7 @@ class IndexSnapshot:
                 return None
             if os.statvfs(path).f_flag & os.ST_RDONLY:
                 return None  # LMDB would run without the reader table: unsafe next to a writer
+            check_data_file(data)  # never hand LMDB pages that lead outside the file
             with _registry_lock:
                 keys = _file_keys(path)
                 env = lmdb.open(path, readonly=True, lock=True, create=False, subdir=True,
@@ -138,9 +143,10 @@ class IndexSnapshot:
         txn = self.env.begin(buffers=False)
         try:
             _check_size(self.env, os.path.join(self.path, "data.mdb"))
-            g = lambda k: txn.get(k, db=self._meta)  # noqa: E731
-            if g(b"format") != b"1" or g(b"store_id") != store_id:
+            raw = lambda k: txn.get(k, db=self._meta)  # noqa: E731
+            if raw(b"format") != INDEX_FORMAT or raw(b"store_id") != store_id:
                 raise IndexUnusable(f"index at {self.path} belongs to another store or format")
+            g = lambda k: unseal(b"meta", k, raw(k))  # noqa: E731
             pos, last, segs = g(b"position"), g(b"last_commit"), g(b"segments")
             if pos is None or last is None or segs is None:
                 txn.abort()
@@ -148,7 +154,7 @@ class IndexSnapshot:
             if len(pos) != _POS.size or len(segs) % 8:
                 raise IndexUnusable(f"index at {self.path}: malformed meta values")
             return _View(txn, Position(*_POS.unpack(pos)), unpack_commit(last),
-                         tuple(struct.unpack(f"<{len(segs) // 8}Q", segs)))
+                         tuple(struct.unpack(f"<{len(segs) // 8}Q", segs)), commit_count(raw))
         except BaseException:
             txn.abort()
             raise
@@ -180,16 +186,19 @@ class IndexSnapshot:
                 view.txn.abort()
 
     def get(self, key: bytes, db: str) -> bytes | None:
+        """The value under ``key`` in database ``db`` ("chunks", "trees", "commits"), its seal
+        checked (IndexUnusable when it fails)."""
         with self._lock:
             if self.revoked or self.view is None:
                 raise IndexUnusable(f"index snapshot at {self.path} was closed")
             try:
-                return self.view.txn.get(key, db=getattr(self, db))
+                stored = self.view.txn.get(key, db=getattr(self, "_" + db))
             except lmdb.Error as e:
                 raise IndexUnusable(f"index read failed at {self.path}: {e}") from e
+        return unseal(db.encode(), key, stored)
 
     def commit_items(self) -> list[tuple[bytes, bytes]]:
-        """Every (key, packed commit entry) of the view, in key order."""
+        """Every (key, sealed packed commit entry) of the view, in key order."""
         with self._lock:
             if self.revoked or self.view is None:
                 raise IndexUnusable(f"index snapshot at {self.path} was closed")
@@ -234,6 +243,7 @@ class ReaderIndex(Index):
         self._base = snap.view.position
         self._base_last = snap.view.last
         self._base_segments = snap.view.segments
+        self._snap_commits = snap.view.commits
         self._over = MemoryIndex()
         self._its: list[int] | None = None
         self._verified: dict[int, CommitEntry] = {}
@@ -282,6 +292,7 @@ class ReaderIndex(Index):
             return
         self._snap.swap(new)
         self._base, self._base_last, self._base_segments = p, new.last, new.segments
+        self._snap_commits = new.commits
 
     @property
     def revoked(self) -> bool:
@@ -293,14 +304,14 @@ class ReaderIndex(Index):
         ref = self._over.get_chunk(address)
         if ref is not None:
             return ref
-        v = self._snap.get(address, "_chunks")
+        v = self._snap.get(address, "chunks")
         return None if v is None else unpack_chunk(v)
 
     def get_tree(self, root: bytes) -> Loc | None:
         loc = self._over.get_tree(root)
         if loc is not None:
             return loc
-        v = self._snap.get(root, "_trees")
+        v = self._snap.get(root, "trees")
         return None if v is None else unpack_loc(v)
 
     def get_commit(self, iteration: int) -> CommitEntry | None:
@@ -312,9 +323,11 @@ class ReaderIndex(Index):
             return e
         if not 0 <= iteration < 1 << 63:
             return None
-        v = self._snap.get(_BE64.pack(iteration), "_commits")
+        key = commit_key(iteration)
+        v = self._snap.get(key, "commits")
         if v is None:
             return None
+        check_commit_entry(key, v)
         e = unpack_commit(v)
         self.commits_checked += 1
         where = f"segment {e.loc.seq} offset {e.loc.offset}"
@@ -342,14 +355,19 @@ class ReaderIndex(Index):
         return its[-1] if its else None
 
     def kinds(self) -> Iterable[tuple[int, int]]:
-        """One pass over the snapshot's commits (key and kind byte checked), then the overlay's."""
-        kinds: dict[int, int] = {}
-        for k, v in self._snap.commit_items():
-            if len(k) != 8 or len(v) != PACKED_COMMIT_SIZE or v[PACKED_KIND_OFFSET] not in KINDS:
-                raise IndexUnusable(f"index at {self._snap.path}: malformed commit entry {k.hex()}")
-            kinds[_BE64.unpack(k)[0]] = v[PACKED_KIND_OFFSET]
+        """One pass over the snapshot's commits (each entry's seal, key and kind checked, and
+        their number against the count the writer recorded), then the overlay's."""
+        assert self._snap.view is not None
+        snapshot = sealed_commit_kinds(self._snap.commit_items())
+        if len(snapshot) != self._snap_commits:
+            raise IndexUnusable(f"index at {self._snap.path} holds {len(snapshot)} commit entries, "
+                                f"its count says {self._snap_commits}")
+        kinds = dict(snapshot)
         kinds.update(self._over.kinds())
         return sorted(kinds.items())
+
+    def verify_complete(self) -> None:
+        self.kinds()
 
     def position(self) -> Position | None:
         return self._over.position() or self._base
