@@ -1,6 +1,6 @@
 """The I/O seam: every write-side system call the store makes goes through a :class:`FileOps`.
 
-Production code uses :class:`OsFileOps`. Fault-injection tests pass a subclass that fails chosen
+Production code uses :class:`FileOps` itself. Fault-injection tests pass a subclass that fails chosen
 calls (ENOSPC, EIO, short writes, ...) without monkeypatching the standard library. Every method
 wraps ``OSError`` into :class:`~ckptstore.errors.StoreIOError` (``DiskFullError`` for ENOSPC and
 EDQUOT) naming the operation and the file.
@@ -53,7 +53,8 @@ def io_errors(operation: str, path: str) -> Iterator[None]:
 
 
 class FileOps:
-    """Write-side file system calls. Subclass and override ``_do_*`` hooks to inject faults."""
+    """Write-side file system calls. Subclass and override the underscore hooks (``_open``,
+    ``_pwritev``, ``_fsync``, ...) to inject faults."""
 
     def open_append(self, path: str, create: bool) -> int:
         flags = os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)

@@ -307,6 +307,11 @@ class ReaderIndex(Index):
         v = self._snap.get(address, "chunks")
         return None if v is None else unpack_chunk(v)
 
+    def chunk_alternatives(self, address: bytes) -> list[ChunkRef]:
+        """Earlier records of a chunk the scan after the snapshot found replaced (the snapshot,
+        like the writer's index, keeps one location per chunk)."""
+        return self._over.chunk_alternatives(address)
+
     def get_tree(self, root: bytes) -> Loc | None:
         loc = self._over.get_tree(root)
         if loc is not None:
