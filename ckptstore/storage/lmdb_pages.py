@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 from ..errors import IndexUnusable
 
 _PAGE_HEADER = struct.Struct("<QHHHH")
@@ -70,8 +72,10 @@ class _File:
                 raise self.fail(f"its meta page names page {last_pg}, past the end of the file")
             self.psize = psize
             self.seen: set[int] = set()
+            self.leaves: list[int] = []  # leaf pages of named databases, checked in bulk
             self._tree(free_db, subdatabases=False)
             self._tree(main_db, subdatabases=True)
+            self._check_leaves()
 
     # ---- meta pages ----------------------------------------------------------------------------
     def _meta_psize(self, offset: int) -> int:
@@ -113,6 +117,9 @@ class _File:
         off = self._page_offset(pgno)
         where = f"page {pgno}"
         own, _, flags, lower, upper = self._read(_PAGE_HEADER, off, where)
+        if flags == _P_LEAF and not subdatabases:
+            self.leaves.append(pgno)  # the bulk check below covers this page entirely
+            return
         if own != pgno:
             raise self.fail(f"{where} says it is page {own}")
         branch = flags & _P_BRANCH
@@ -148,6 +155,44 @@ class _File:
                 if not subdatabases or size != _DB.size:
                     raise self.fail(f"{where} names a database where none may be")
                 self._tree(_DB.unpack_from(self.data, off + end), subdatabases=False)
+
+    def _check_leaves(self) -> None:
+        """The per-page and per-node checks of :meth:`_page` for every queued leaf page at once
+        (numpy; a store of 10^5 iterations has ~10^5 leaf nodes). Nodes with a value on overflow
+        pages are then checked one by one."""
+        if not self.leaves:
+            return
+        u8 = np.frombuffer(self.data, dtype=np.uint8)
+        u16 = u8[:len(u8) // 2 * 2].view("<u2")
+        pgnos = np.array(self.leaves, dtype=np.int64)
+        base = pgnos * self.psize
+        own = u8[(base[:, None] + np.arange(8)).ravel()].reshape(-1, 8).view("<u8").ravel()
+        flags, lower, upper = u16[base // 2 + 5], u16[base // 2 + 6].astype(np.int64), \
+            u16[base // 2 + 7].astype(np.int64)
+        bad = (own != pgnos) | (flags != _P_LEAF) | (lower < PAGE_HEADER_SIZE) | \
+            (lower > upper) | (upper > self.psize) | ((lower - PAGE_HEADER_SIZE) % 2 != 0)
+        if bad.any():
+            raise self.fail(f"leaf page {int(pgnos[bad.argmax()])} has a damaged header")
+        nkeys = (lower - PAGE_HEADER_SIZE) // 2
+        page = np.repeat(np.arange(len(pgnos)), nkeys)
+        slot = np.arange(int(nkeys.sum())) - np.repeat(np.cumsum(nkeys) - nkeys, nkeys)
+        ptr = u16[(base[page] + PAGE_HEADER_SIZE) // 2 + slot].astype(np.int64)
+        bad = (ptr < upper[page]) | (ptr > self.psize - NODE_SIZE) | (ptr % 2 != 0)
+        if bad.any():
+            raise self.fail(f"leaf page {int(pgnos[page[bad.argmax()]])} has a node outside it")
+        node = (base[page] + ptr) // 2
+        lo, hi = u16[node].astype(np.int64), u16[node + 1].astype(np.int64)
+        nflags, ksize = u16[node + 2], u16[node + 3].astype(np.int64)
+        end = ptr + NODE_SIZE + ksize
+        big = (nflags & _F_BIGDATA) != 0
+        size = lo | hi << 16
+        bad = (end > self.psize) | ((nflags & np.uint16(0xFFFF ^ _F_BIGDATA)) != 0) | \
+            (~big & (end + size > self.psize)) | (big & (end + 8 > self.psize))
+        if bad.any():
+            raise self.fail(f"leaf page {int(pgnos[page[bad.argmax()]])} has a node running past it")
+        for i in np.flatnonzero(big):
+            (first,) = _U64.unpack_from(self.data, int(base[page[i]] + end[i]))
+            self._overflow(first, int(size[i]))
 
     def _overflow(self, pgno: int, size: int) -> None:
         npages = (PAGE_HEADER_SIZE + size + self.psize - 1) // self.psize
