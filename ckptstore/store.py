@@ -31,6 +31,7 @@ from .engine.reader_engine import ReaderEngine
 from .engine.write_path import SaveStats, flatten_meta
 from .engine.writer_engine import WriterEngine
 from .ops.diff import TensorDiff, diff_manifests
+from .ops.gc import GcReport, collect
 from .ops.grouptimer import GroupTimer
 from .ops.pipeline import AsyncStats, Pipeline
 from .replay.replayer import replay_range, replay_to
@@ -446,10 +447,8 @@ class Store:
 
     # ---- maintenance ------------------------------------------------------------------------
     def gc(self, keep_last: int, keep_every: int | None = None,
-           progress: Callable[[int], None] | None = None):
+           progress: Callable[[int], None] | None = None) -> GcReport:
         """Apply a retention policy, then compact. See :mod:`ckptstore.ops.gc`."""
-        from .ops.gc import collect
-
         self._drain_async()
         engine = self._writable()
         with engine.locked():

@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator, Sequence
 from ..errors import DeltaChainError, NotFoundError, StoreClosedError
 from ..format.commit import KIND_DELTA
 from ..format.header import StoreHeader
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, TensorEntry
+from ..format.tree import Tree
 from ..storage.fileops import FileOps
 from ..storage.index import CommitEntry, Index, MemoryIndex
 from ..storage.layout import Layout
@@ -167,5 +168,6 @@ class Engine:
     def manifest(self, iteration: int) -> Manifest:
         return self.read(lambda: read_manifest(self.log, self.entry(iteration)))
 
-    def tree_of(self, tensor: Any) -> Any:
+    def tree_of(self, tensor: TensorEntry) -> Tree:
+        """The verified tree of a committed tensor (its chunk addresses)."""
         return read_tree(self.log, self.index, tensor)
