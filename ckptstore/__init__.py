@@ -7,6 +7,7 @@
 """
 
 from .errors import (CheckpointAbortedError, ChecksumMismatch, CkptStoreError, CorruptRecordError, DamagedCheckpointError,
+                     DamagedIndexWarning,
                      DeltaChainError, DiskFullError, FormatError, IndexUnusable,
                      IterationOrderError, NotFoundError, ReadOnlyStoreError,
                      ReplayDivergenceError, StoreClosedError, StoreIOError, StoreLockedError,
@@ -40,5 +41,5 @@ __all__ = [
     "UnsupportedVersionError", "StoreNotFoundError", "StoreLockedError", "ReadOnlyStoreError",
     "StoreClosedError", "NotFoundError", "IterationOrderError", "UnsupportedTypeError",
     "StoreIOError", "DiskFullError", "DamagedCheckpointError", "IndexUnusable", "DeltaChainError",
-    "ReplayDivergenceError", "CheckpointAbortedError",
+    "ReplayDivergenceError", "CheckpointAbortedError", "DamagedIndexWarning",
 ]

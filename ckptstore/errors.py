@@ -151,3 +151,10 @@ class CheckpointAbortedError(CkptStoreError):
     """An asynchronous checkpoint was not committed because another one failed first: it was
     queued behind the failure, or appended and waiting for its group's commit when the failure
     rolled the group back. ``__cause__`` is the original failure."""
+
+
+class DamagedIndexWarning(UserWarning):
+    """A read through the index (a cache of the log) failed a check and succeeded once the writer
+    rebuilt the index, or the reader read from the log instead. No data is lost and the load is
+    exact; ``ckptstore fsck --repair`` rebuilds the index for later readers. Issued once per open
+    store."""

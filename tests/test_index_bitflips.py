@@ -126,11 +126,10 @@ def test_every_flip_in_the_index_leaves_every_load_exact(pristine, assert_same, 
     print(f"{name}: {probed} flips, every load exact")
 
 
-def test_fsck_reports_a_damaged_index_and_repair_rebuilds_it(pristine, assert_same):
-    """A flipped byte inside an index value: fsck names the index entries that fail their check
-    (the log is clean), and ``--repair`` rebuilds the index from the log."""
-    path, files = pristine
-    data = files["data.mdb"]
+def _damage_a_chunk_entry(path: str, data: bytes) -> None:
+    """Flip a bit inside the value of the first chunk entry of the index. An LMDB leaf node holds
+    the key, then the value; copy-on-write leaves stale copies in freed pages, so every copy (the
+    live one among them) is damaged, inside the value's offset field."""
     import lmdb
 
     env = lmdb.open(os.path.join(path, "index"), readonly=True, lock=False, max_dbs=8, subdir=True)
@@ -138,18 +137,41 @@ def test_fsck_reports_a_damaged_index_and_repair_rebuilds_it(pristine, assert_sa
     with env.begin() as txn:
         key, val = next(iter(txn.cursor(db=chunks)))
     env.close()
-    # an LMDB leaf node holds the key, then the value; copy-on-write leaves stale copies in freed
-    # pages, so damage every copy (the live one among them), inside the value's offset field
     spots, at = [], data.find(key + val)
     while at >= 0:
         spots.append(at + len(key) + 9)
         at = data.find(key + val, at + 1)
     assert spots
+    with open(os.path.join(path, "index", "data.mdb"), "r+b") as f:
+        for pos in spots:
+            f.seek(pos)
+            f.write(bytes([data[pos] ^ 0x04]))
+
+
+@pytest.mark.parametrize("mode", ["r", "a"])
+def test_a_damaged_index_warns_once_and_loads_stay_exact(pristine, assert_same, mode):
+    path, files = pristine
     try:
-        with open(os.path.join(path, "index", "data.mdb"), "r+b") as f:
-            for pos in spots:
-                f.seek(pos)
-                f.write(bytes([data[pos] ^ 0x04]))
+        _damage_a_chunk_entry(path, files["data.mdb"])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with ckptstore.open(path, mode) as s:
+                for _ in range(2):  # a second pass over everything: no second warning
+                    for i in SNAPSHOTS:
+                        assert_same(state_for(i), s.load(i))
+        damaged = [w for w in seen if issubclass(w.category, ckptstore.DamagedIndexWarning)]
+        assert len(damaged) == 1, [str(w.message) for w in seen]
+        assert "fsck --repair" in str(damaged[0].message) and path in str(damaged[0].message)
+    finally:
+        _restore(path, files)
+
+
+def test_fsck_reports_a_damaged_index_and_repair_rebuilds_it(pristine, assert_same):
+    """A flipped byte inside an index value: fsck names the index entries that fail their check
+    (the log is clean), and ``--repair`` rebuilds the index from the log."""
+    path, files = pristine
+    try:
+        _damage_a_chunk_entry(path, files["data.mdb"])
         report = check(path)
         assert report.clean  # the log is intact: the index is only a cache
         assert any("index" in n and "fail" in n for n in report.notes), report.lines()

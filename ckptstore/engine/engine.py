@@ -21,10 +21,11 @@ the uncommitted tail, reopen the log for appending); *replay* is re-executing op
 from __future__ import annotations
 
 import threading
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
-from ..errors import DeltaChainError, NotFoundError, StoreClosedError
+from ..errors import DamagedIndexWarning, DeltaChainError, NotFoundError, StoreClosedError
 from ..format.commit import KIND_DELTA
 from ..format.header import StoreHeader
 from ..format.manifest import Manifest, TensorEntry
@@ -59,6 +60,7 @@ class Engine:
         self.last_scan: ScanReport | None = None
         self._mutex = threading.RLock()
         self._closed = False
+        self._warned_index = False
 
     # ---- the lock --------------------------------------------------------------------------
     @contextmanager
@@ -88,6 +90,16 @@ class Engine:
         if log is not None:
             log.close()
         self.index.close()
+
+    def warn_damaged_index(self, why: BaseException, action: str) -> None:
+        """Tell the user, once per open store, that a read through the index failed and what was
+        done (called only once the retry succeeded: the data was intact)."""
+        if not self._warned_index:
+            self._warned_index = True
+            warnings.warn(f"ckptstore: a read through the index of {self.path} failed ({why}); "
+                          f"{action}. Nothing is lost; `ckptstore fsck` shows what is damaged and "
+                          "`ckptstore fsck --repair` rebuilds the index.",
+                          DamagedIndexWarning, stacklevel=4)
 
     # ---- look-ups (each subclass keeps the index true to the log its own way) ----------------
     def indexed(self, lookup: Callable[[], Any]) -> Any:

@@ -89,7 +89,8 @@ class ReaderEngine(Engine):
                     reset = False
                 try:
                     self.last_scan = self.log.scan(self.index, start, live=live)
-                except IndexUnusable:
+                except IndexUnusable as e:
+                    self.warn_damaged_index(e, "reading from the log instead")
                     self._go_cold()
                     self.last_scan = self.log.scan(self.index, None, live=live)
                 if isinstance(self.index, ReaderIndex):
@@ -142,6 +143,7 @@ class ReaderEngine(Engine):
                 # the index names a commit whose record the log holds damaged: a scan does not
                 # commit it, but the caller asked for a checkpoint that was written
                 raise DamagedCheckpointError(damage) from err
+            self.warn_damaged_index(err, "reading from the log instead")
             return out
 
     def entry(self, iteration: Any) -> CommitEntry:
@@ -169,9 +171,13 @@ class ReaderEngine(Engine):
         memory and retries (once), so only damage in the log reaches the caller."""
         fell_back = refreshed = False
         damage: DamagedCheckpointError | None = None
+        cause: BaseException | None = None  # what made the reader drop its warm view
         for attempt in range(READER_RETRIES):
             try:
-                return fn()
+                out = fn()
+                if cause is not None:  # it was the index after all
+                    self.warn_damaged_index(cause, "read from the log instead")
+                return out
             except CkptStoreError as e:
                 if isinstance(e, NotFoundError) and damage is not None:
                     # the index named a checkpoint whose records the log holds damaged (a full
@@ -186,11 +192,11 @@ class ReaderEngine(Engine):
                 elif caused_by_missing_file(e) and not fell_back:
                     # missing again after catching up: not a gc but a location the log does not
                     # have (a damaged index value): drop the warm view for a scan into memory
-                    fell_back = True
+                    fell_back, cause = True, e
                     if not self._fall_back():
                         raise
                 elif isinstance(e, (IndexUnusable, DamagedCheckpointError)) and not fell_back:
-                    fell_back = True
+                    fell_back, cause = True, e
                     if isinstance(e, DamagedCheckpointError):
                         damage = e
                     if not self._fall_back():

@@ -393,7 +393,8 @@ class WriterEngine(Engine):
     def indexed(self, lookup: Callable[[], Any]) -> Any:
         try:
             return lookup()
-        except IndexUnusable:
+        except IndexUnusable as e:
+            self.warn_damaged_index(e, "rebuilding it from the log")
             self.rebuild_index()
             return lookup()
 
@@ -410,8 +411,11 @@ class WriterEngine(Engine):
         with self._mutex:
             try:
                 return fn()
-            except (IndexUnusable, DamagedCheckpointError):
+            except (IndexUnusable, DamagedCheckpointError) as e:
                 if self._index_rebuilt:
                     raise
                 self.rebuild_index()
-            return fn()
+                first = e
+            out = fn()  # raising here, the damage is the log's: no word about the index
+            self.warn_damaged_index(first, "rebuilt it from the log")
+            return out
