@@ -11,19 +11,29 @@ from .errors import (CheckpointAbortedError, ChecksumMismatch, CkptStoreError, C
                      DeltaChainError, DiskFullError, FormatError, IndexUnusable,
                      IterationOrderError, NotFoundError, ReadOnlyStoreError,
                      ReplayDivergenceError, StoreClosedError, StoreIOError, StoreLockedError,
-                     StoreNotFoundError, UnsupportedTypeError, UnsupportedVersionError)
+                     StoreNotFoundError, UnsupportedTypeError, UnsupportedVersionError,
+                     CommitOutcomeUnknownError, RankFailureError, RankMismatchError,
+                     StaleWriterError)
 import os as _os
 from typing import Any as _Any
 
 from .engine.write_path import SaveStats
+from .multirank.job_store import JobStore
+from .storage.job_log import is_job_store
 from .store import CheckpointInfo, Store, TensorDiff
 
 __version__ = "0.1.0"
 
 
-def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> Store:  # noqa: A001
+def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  # noqa: A001
     """Open the store at ``path``: mode "a" creates it if needed and takes the single-writer lock;
     mode "r" reads (also while a writer runs) and never writes under the directory.
+
+    With ``process_group=pg`` (torch.distributed), every rank of ``pg`` opens the store together
+    and gets a :class:`JobStore`: a multi-rank store with one stream per rank and a global
+    two-phase commit (format-spec/format.md §22; ``commit_timeout`` bounds how long a rank waits
+    for the others, default 300 s). ``mode="r"`` on a multi-rank store opens a JobStore reader
+    (no group needed).
 
     Options: ``chunk_size`` and ``segment_size`` (bytes; defaults 4 MiB and 1 GiB, recorded in the
     STORE file at creation, overridable per writer), ``file_ops`` (the I/O seam, for fault
@@ -33,13 +43,16 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> Store:  
     pages instead of filling fresh ones; advice only, it never discards data or fails a write;
     False leaves the page cache alone, e.g. when the checkpoints just written are read back soon).
     """
+    if options.get("process_group") is not None or (mode == "r" and is_job_store(_os.fspath(path))):
+        return JobStore(path, mode, **options)
     return Store(path, mode, **options)
 
 __all__ = [
-    "open", "Store", "SaveStats", "CheckpointInfo", "TensorDiff",
+    "open", "Store", "JobStore", "SaveStats", "CheckpointInfo", "TensorDiff",
     "CkptStoreError", "FormatError", "CorruptRecordError", "ChecksumMismatch",
     "UnsupportedVersionError", "StoreNotFoundError", "StoreLockedError", "ReadOnlyStoreError",
     "StoreClosedError", "NotFoundError", "IterationOrderError", "UnsupportedTypeError",
     "StoreIOError", "DiskFullError", "DamagedCheckpointError", "IndexUnusable", "DeltaChainError",
     "ReplayDivergenceError", "CheckpointAbortedError", "DamagedIndexWarning",
+    "StaleWriterError", "RankMismatchError", "RankFailureError", "CommitOutcomeUnknownError",
 ]

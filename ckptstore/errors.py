@@ -158,3 +158,27 @@ class DamagedIndexWarning(UserWarning):
     rebuilt the index, or the reader read from the log instead. No data is lost and the load is
     exact; ``ckptstore fsck --repair`` rebuilds the index for later readers. Issued once per open
     store."""
+
+
+class StaleWriterError(CkptStoreError):
+    """This writer belongs to an older job: a newer job claimed a higher writer epoch of the
+    multi-rank store (format-spec/format.md §22, "Epochs and fencing"). Nothing this writer
+    appended after that is visible, and it may not commit again."""
+
+
+class RankMismatchError(CkptStoreError, ValueError):
+    """The ranks of a multi-rank store disagree: on the iteration being committed, its kind, the
+    world size, or the store itself. Nothing was committed."""
+
+
+class RankFailureError(CkptStoreError):
+    """Another rank of a multi-rank store failed or did not answer within the commit timeout
+    (a dead rank, a broken process group) before the iteration's outcome was decided: it was not
+    committed. The store must be closed; a new job reopens it."""
+
+
+class CommitOutcomeUnknownError(RankFailureError):
+    """Contact with the other ranks was lost after this rank's records were durable and it had
+    voted to commit: the coordinator may or may not have written the global commit. This rank
+    keeps its records; reopening the store (a new job) tells from the global log whether the
+    iteration is committed."""

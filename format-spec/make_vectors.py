@@ -14,7 +14,7 @@ Vector schema (one JSON object per vector):
 
     name      unique identifier
     kind      store_header | record | segment_header | chunk | tree | snapshot_root | commit |
-              manifest | state | segment
+              manifest | state | segment | job_store_header | epoch | global_commit | job_record
     hex       the bytes the decoder of ``kind`` takes (lowercase hex)
     expected  decoded fields (positive vectors), or
     error     the exact class name of the ckptstore.errors exception the decoder raises
@@ -26,7 +26,9 @@ decode_record (a whole record: header, payload, trailer); segment_header -> deco
 payload); snapshot_root -> snapshot_root(input) (hex is the 16-byte root); commit -> decode_commit
 (the 96-byte payload); manifest -> decode_manifest (the JSON payload); state -> json + unflatten (a
 state skeleton, serialised as in a manifest); segment -> a whole segment file 0000000001.seg of the
-store whose STORE file is the vector "store_header_v1".
+store whose STORE file is the vector "store_header_v1". Job stores (§22): job_store_header ->
+decode_store_header accepting version 2 only; epoch -> decode_epoch (the 64-byte payload);
+global_commit -> decode_global_commit; job_record -> decode_record with the global log's types.
 """
 
 from __future__ import annotations
@@ -339,6 +341,75 @@ def _entry_fields(t: TensorEntry) -> dict:
             "requires_grad": t.requires_grad}
 
 
+def job_vectors() -> list[dict]:
+    """A multi-rank job store (§22): its STORE (version 2), an EPOCH and a GLOBAL_COMMIT record
+    of two ranks, whole records as they lie in a global log, and their negative cases."""
+    from ckptstore.format.job import (Epoch, GlobalCommit, JobRecordType, RankCommit,
+                                      encode_epoch, encode_global_commit)
+
+    h = StoreHeader(2, STORE_ID, CHUNK_SIZE, SEGMENT_SIZE, CREATED_NS)
+    header_fields = {"format_version": 2, "store_id": STORE_ID.hex(), "chunk_size": CHUNK_SIZE,
+                     "segment_size": SEGMENT_SIZE, "created_ns": CREATED_NS}
+    e2 = Epoch(2, 2, STORE_ID, adopted_epoch=1, adopted_end=424, created_ns=CREATED_NS)
+    epoch_fields = {"epoch": 2, "world_size": 2, "store_id": STORE_ID.hex(), "adopted_epoch": 1,
+                    "adopted_end": 424, "created_ns": CREATED_NS}
+    c0 = _commit()
+    c1 = Commit(100, 3, 65536, 640, bytes(range(16, 32)), bytes(range(32, 48)), CREATED_NS,
+                1 << 20, 9216, 0)
+    g = GlobalCommit(100, 2, 0, (RankCommit(1, 4640, c0), RankCommit(3, 66208, c1)), CREATED_NS)
+    gpay = encode_global_commit(g)
+    global_fields = {"iteration": 100, "epoch": 2, "kind": 0, "created_ns": CREATED_NS, "ranks": [
+        {"commit_seq": 1, "commit_offset": 4640, "commit": _commit_fields(c0)},
+        {"commit_seq": 3, "commit_offset": 66208, "commit": _commit_fields(c1)}]}
+    epay = encode_epoch(e2)
+    other_it = encode_global_commit(GlobalCommit(100, 2, 0, (RankCommit(1, 4640, c0), RankCommit(
+        3, 66208, Commit(101, 3, 65536, 640, c1.manifest_digest, c1.snapshot_root, CREATED_NS,
+                         1 << 20, 9216, 0))), CREATED_NS))
+    return [
+        dict(name="job_store_header_v2", kind="job_store_header", expected=header_fields,
+             hex=encode_store_header(h).hex(), note="STORE file of a multi-rank job store"),
+        dict(name="job_store_header_v1_refused", kind="job_store_header",
+             hex=encode_store_header(StoreHeader(1, STORE_ID, CHUNK_SIZE, SEGMENT_SIZE,
+                                                 CREATED_NS)).hex(),
+             error="UnsupportedVersionError", note="a v1 STORE is not a job store"),
+        dict(name="epoch_2_adopts_1", kind="epoch", hex=epay.hex(), expected=epoch_fields,
+             note="epoch 2 of a 2-rank job, continuing epoch 1's global log up to offset 424"),
+        dict(name="epoch_adopts_itself", kind="epoch",
+             hex=encode_epoch(Epoch(2, 2, STORE_ID, 2, 424, CREATED_NS)).hex(),
+             error="FormatError", note="adopted_epoch must be older"),
+        dict(name="epoch_zero_world", kind="epoch", hex=(epay[:8] + bytes(4) + epay[12:]).hex(),
+             error="FormatError", note="world_size 0"),
+        dict(name="epoch_nonzero_reserved", kind="epoch", hex=(epay[:56] + u64(1)).hex(),
+             error="FormatError", note="last reserved u64 = 1"),
+        dict(name="epoch_truncated", kind="epoch", hex=epay[:63].hex(), error="FormatError",
+             note="63 of 64 bytes"),
+        dict(name="global_commit_two_ranks", kind="global_commit", hex=gpay.hex(),
+             expected=global_fields, note="iteration 100 of epoch 2 on ranks 0 and 1: each "
+             "rank's local COMMIT location and payload"),
+        dict(name="global_commit_rank_names_other_iteration", kind="global_commit",
+             hex=other_it.hex(), error="FormatError",
+             note="rank 1's commit is of iteration 101"),
+        dict(name="global_commit_world_size_mismatch", kind="global_commit",
+             hex=(gpay[:16] + struct.pack("<I", 3) + gpay[20:]).hex(), error="FormatError",
+             note="world_size 3 with two rank entries"),
+        dict(name="global_commit_unknown_kind", kind="global_commit",
+             hex=(gpay[:20] + b"\x02" + gpay[21:]).hex(), error="FormatError", note="kind 2"),
+        dict(name="global_commit_truncated", kind="global_commit", hex=gpay[:-1].hex(),
+             error="FormatError", note="one byte short"),
+        dict(name="record_epoch", kind="job_record",
+             hex=rec.encode_record(JobRecordType.EPOCH, epay).hex(),
+             expected={"type": 18, "length": len(epay), "payload": epay.hex()},
+             note="the first record of global/0000000002.log"),
+        dict(name="record_global_commit", kind="job_record",
+             hex=rec.encode_record(JobRecordType.GLOBAL_COMMIT, gpay).hex(),
+             expected={"type": 19, "length": len(gpay), "payload": gpay.hex()},
+             note="a GLOBAL_COMMIT record as it lies in a global log"),
+        dict(name="job_record_commit_type_refused", kind="job_record",
+             hex=rec.encode_record(rec.RecordType.COMMIT, encode_commit(c0)).hex(),
+             error="CorruptRecordError", note="type 5 (COMMIT) is not assigned in a global log"),
+    ]
+
+
 def manifest_vectors() -> list[dict]:
     state, _ = flatten({"model": {"w": _Leaf(), "b": _Leaf()}, "step": 100, "lr": 0.001},
                        _leaf_hook)
@@ -615,7 +686,7 @@ def segment_vectors() -> list[dict]:
 def build() -> dict:
     vectors = (store_header_vectors() + record_vectors() + segment_header_vectors()
                + chunk_vectors() + tree_vectors() + snapshot_vectors() + commit_vectors()
-               + manifest_vectors() + state_vectors() + segment_vectors())
+               + manifest_vectors() + state_vectors() + segment_vectors() + job_vectors())
     names = [v["name"] for v in vectors]
     assert len(names) == len(set(names)), "duplicate vector names"
     return {

@@ -43,7 +43,9 @@ from fuzz.targets import TARGETS, delta_fixture  # noqa: E402
 CORPUS = os.path.join(HERE, "corpus")
 VECTOR_TARGETS = {"store_header": ["header"], "segment_header": ["header"], "record": ["records"],
                   "chunk": ["chunk"], "tree": ["tree"], "commit": ["commit"],
-                  "manifest": ["manifest"], "state": ["state"], "segment": ["segment", "store_open"]}
+                  "manifest": ["manifest"], "state": ["state"], "segment": ["segment", "store_open"],
+                  "epoch": ["global_log"], "global_commit": ["global_log"],
+                  "job_record": ["global_log"]}
 PAYLOAD_TARGET = {rec.RecordType.SEGMENT_HEADER: "header", rec.RecordType.CHUNK: "chunk",
                   rec.RecordType.TREE: "tree", rec.RecordType.MANIFEST: "manifest",
                   rec.RecordType.COMMIT: "commit"}
@@ -78,6 +80,12 @@ def from_vectors(seeds: Seeds) -> None:
     for v in vectors:
         for target in VECTOR_TARGETS.get(v["kind"], []):
             seeds.add(target, f"vec-{v['name']}", bytes.fromhex(v["hex"]))
+    # a whole global log: the EPOCH record of epoch 2, then a GLOBAL_COMMIT of that epoch
+    by_name = {v["name"]: v for v in vectors}
+    log = bytes.fromhex(by_name["record_epoch"]["hex"]) + bytes.fromhex(
+        by_name["record_global_commit"]["hex"])
+    seeds.add("global_log", "log-epoch-and-commit", log)
+    seeds.add("global_log", "log-torn-tail", log[:-9])
 
 
 def mixed_state(i: int) -> dict:
@@ -178,7 +186,7 @@ def main() -> None:
     from_vectors(seeds)
     ids = itertools.count(1)
     with tempfile.TemporaryDirectory() as tmp, \
-            mock.patch("ckptstore.store.secrets.token_bytes", lambda n: bytes(range(n))), \
+            mock.patch("ckptstore.storage.store_file.secrets.token_bytes", lambda n: bytes(range(n))), \
             mock.patch("time.time_ns", lambda: 1_700_000_000_000_000_000 + next(ids)):
         torch.manual_seed(0)
         np.random.seed(0)

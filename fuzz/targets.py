@@ -566,6 +566,40 @@ def check_store_open(data: bytes) -> None:
 
 
 #: name -> check; the names are the corpus and regression folder names.
+# ---- a multi-rank job store's global log (format §22) -----------------------------------------
+
+def check_global_log(data: bytes) -> None:
+    """storage/job_log.py scan_epoch_log on a file holding the input (record checks repaired when
+    the control byte's low bit is set, so mutations reach the payload decoders), and
+    format/job.py decode_epoch / decode_global_commit on the raw body: decoded values re-encode
+    to their bytes, and the scan's valid prefix lies inside the file and holds increasing
+    iterations of one world size."""
+    from ckptstore.format.job import (decode_epoch, decode_global_commit, encode_epoch,
+                                      encode_global_commit)
+    from ckptstore.storage.job_log import scan_epoch_log
+
+    fix, body = _split(data)
+    ok, e = _decodes(lambda: decode_epoch(body))
+    if ok:
+        _require(encode_epoch(e) == body, "epoch does not re-encode to its bytes")
+    ok, g = _decodes(lambda: decode_global_commit(body))
+    if ok:
+        _require(encode_global_commit(g) == body, "global commit does not re-encode")
+    if fix:
+        body = _fix_records(body)
+    path = os.path.join(_tmpdir("global_log"), "0000000002.log")
+    with open(path, "wb") as f:
+        f.write(body)
+    scan = scan_epoch_log(path, 2, bytes.fromhex("00112233445566778899aabbccddeeff"))
+    _require(0 <= scan.valid_end <= len(body), "valid prefix past the end of the file")
+    its = [c.iteration for c, _ in scan.commits]
+    _require(its == sorted(set(its)), "global commits out of order")
+    _require(all(end <= scan.valid_end for _, end in scan.commits), "commit past the prefix")
+    if scan.epoch is not None:
+        _require(all(c.world_size == scan.epoch.world_size for c, _ in scan.commits),
+                 "global commit of another world size")
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "records": check_records,
     "segment": check_segment,
@@ -579,4 +613,5 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "delta": check_delta,
     "replay_base": check_replay_base,
     "store_open": check_store_open,
+    "global_log": check_global_log,
 }

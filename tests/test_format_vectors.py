@@ -23,6 +23,9 @@ from ckptstore.format.chunk import CHUNK_HEADER_SIZE, Codec, address_of, decode_
 from ckptstore.format.commit import Commit, decode_commit, encode_commit
 from ckptstore.format.header import (SegmentHeader, StoreHeader, decode_segment_header,
                                      decode_store_header, encode_segment_header, encode_store_header)
+from ckptstore.format.job import (JOB_FORMAT_VERSION, JOB_TYPES, Epoch, GlobalCommit, RankCommit,
+                                  decode_epoch, decode_global_commit, encode_epoch,
+                                  encode_global_commit)
 from ckptstore.format.manifest import Manifest, TensorEntry, decode_manifest, encode_manifest
 from ckptstore.format.state import flatten, unflatten
 from ckptstore.format.tree import decode_tree, encode_tree, make_tree, snapshot_root
@@ -122,7 +125,36 @@ def _metadata_at(value, path: str):
     return node._metadata
 
 
+def _decode_job_store_header(buf: bytes) -> dict:
+    h = decode_store_header(buf, (JOB_FORMAT_VERSION,))
+    return {"format_version": h.format_version, "store_id": h.store_id.hex(),
+            "chunk_size": h.chunk_size, "segment_size": h.segment_size, "created_ns": h.created_ns}
+
+
+def _decode_epoch(buf: bytes) -> dict:
+    e = decode_epoch(buf)
+    return {"epoch": e.epoch, "world_size": e.world_size, "store_id": e.store_id.hex(),
+            "adopted_epoch": e.adopted_epoch, "adopted_end": e.adopted_end,
+            "created_ns": e.created_ns}
+
+
+def _decode_global_commit(buf: bytes) -> dict:
+    g = decode_global_commit(buf)
+    return {"iteration": g.iteration, "epoch": g.epoch, "kind": g.kind, "created_ns": g.created_ns,
+            "ranks": [{"commit_seq": r.commit_seq, "commit_offset": r.commit_offset,
+                       "commit": _commit_fields(r.commit)} for r in g.ranks]}
+
+
+def _decode_job_record(buf: bytes) -> dict:
+    header, payload = rec.decode_record(buf, JOB_TYPES)
+    return {"type": header.type, "length": header.length, "payload": bytes(payload).hex()}
+
+
 DECODERS = {
+    "job_store_header": _decode_job_store_header,
+    "epoch": _decode_epoch,
+    "global_commit": _decode_global_commit,
+    "job_record": _decode_job_record,
     "store_header": _decode_store_header,
     "record": _decode_record,
     "segment_header": _decode_segment_header,
@@ -137,6 +169,19 @@ DECODERS = {
 # ---- encoders: expected fields -> bytes ----------------------------------------------------------
 def _encode(v: dict) -> bytes:
     e, kind = v["expected"], v["kind"]
+    if kind == "job_store_header":
+        return encode_store_header(StoreHeader(e["format_version"], bytes.fromhex(e["store_id"]),
+                                               e["chunk_size"], e["segment_size"], e["created_ns"]))
+    if kind == "epoch":
+        return encode_epoch(Epoch(e["epoch"], e["world_size"], bytes.fromhex(e["store_id"]),
+                                  e["adopted_epoch"], e["adopted_end"], e["created_ns"]))
+    if kind == "global_commit":
+        return encode_global_commit(GlobalCommit(
+            e["iteration"], e["epoch"], e["kind"],
+            tuple(RankCommit(r["commit_seq"], r["commit_offset"], _commit_from(r["commit"]))
+                  for r in e["ranks"]), e["created_ns"]))
+    if kind == "job_record":
+        return rec.encode_record(e["type"], bytes.fromhex(e["payload"]))
     if kind == "store_header":
         return encode_store_header(StoreHeader(e["format_version"], bytes.fromhex(e["store_id"]),
                                                e["chunk_size"], e["segment_size"], e["created_ns"]))
@@ -189,7 +234,9 @@ def test_required_negative_vectors_present():
                  "record_bad_payload_check", "record_truncated_payload", "record_unknown_type",
                  "segment_header_unknown_version", "chunk_bad_address", "chunk_lz4_ratio_bound",
                  "tree_bad_root", "commit_unknown_kind", "manifest_unknown_version",
-                 "state_unknown_tag"):
+                 "state_unknown_tag", "job_store_header_v1_refused", "epoch_truncated",
+                 "global_commit_rank_names_other_iteration", "global_commit_truncated",
+                 "job_record_commit_type_refused"):
         assert name in BY_NAME, name
     kinds_with_errors = {v["kind"] for v in VECTORS if "error" in v}
     assert set(DECODERS) <= kinds_with_errors

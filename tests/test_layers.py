@@ -3,8 +3,8 @@
 Layers, lowest first (README "Layout"); a module may import only from its own layer or below, and
 two packages of one layer (ops/ and replay/) do not import each other:
 
-    errors <- format/ <- tensors <- storage/ <- engine/ <- ops/, replay/ <- store <- torch/
-    <- ckptstore/__init__ (the public API) <- demo <- cli
+    errors <- format/ <- tensors <- storage/ <- engine/ <- ops/, replay/ <- store <- multirank/
+    <- torch/ <- ckptstore/__init__ (the public API) <- demo <- cli
 
 (the demo and the CLI are clients of the public API, ``ckptstore.open`` and ``ckptstore.torch``).
 
@@ -32,10 +32,11 @@ LAYERS = [
     ("ckptstore.ops", 5, "ops"),
     ("ckptstore.replay", 5, "replay"),
     ("ckptstore.store", 6, "store"),
-    ("ckptstore.torch", 7, "torch"),
-    ("ckptstore", 8, "api"),
-    ("ckptstore.demo", 9, "demo"),
-    ("ckptstore.cli", 10, "cli"),
+    ("ckptstore.multirank", 7, "multirank"),
+    ("ckptstore.torch", 8, "torch"),
+    ("ckptstore", 9, "api"),
+    ("ckptstore.demo", 10, "demo"),
+    ("ckptstore.cli", 11, "cli"),
 ]
 
 #: Private names of other libraries the package uses on purpose, with why.
@@ -234,8 +235,31 @@ def test_exactly_one_function_writes_commit_records():
                                                     "ops/fsck.py")}
     # the log scan, the segment scanner and fsck compare record types; they never write
     assert appenders == {("engine/transaction.py", "append_commit_record")}, appenders
+    # the global commit and the commit vote of a multi-rank store carry COMMIT payloads inside
+    # their own structures; they are not COMMIT records
     assert encoders == {("engine/transaction.py", "append_commit_record"),
-                        ("storage/index.py", "pack_commit")}, encoders
+                        ("storage/index.py", "pack_commit"),
+                        ("format/job.py", "encode_global_commit"),
+                        ("multirank/messages.py", "encode_vote")}, encoders
+
+
+def test_exactly_one_function_writes_global_commit_records():
+    """A multi-rank store's GLOBAL_COMMIT records are appended by one method
+    (storage/job_log.py EpochLog.append_commits), which only the coordinator's committer calls."""
+    writers, callers = set(), set()
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        where = _enclosing_functions(tree)
+        rel = str(path.relative_to(PACKAGE))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "GLOBAL_COMMIT" and \
+                    isinstance(node.value, ast.Name) and node.value.id == "JobRecordType":
+                writers.add((rel, where.get(id(node), "")))
+            if isinstance(node, ast.Attribute) and node.attr == "append_commits":
+                callers.add((rel, where.get(id(node), "")))
+    appenders = {w for w in writers if w != ("storage/job_log.py", "scan_epoch_log")}
+    assert appenders == {("storage/job_log.py", "EpochLog.append_commits")}, appenders
+    assert callers == {("multirank/committer.py", "GlobalCommitter._decide")}, callers
 
 
 def test_one_object_owns_the_writer_lock():

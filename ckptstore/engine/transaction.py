@@ -14,7 +14,9 @@ protocol"; format-spec/deltas.md, "Group commit"):
    COMMIT is not written yet.
 4. ``txn.prepare()`` -- fsync every appended record: commit phase one.
 5. ``txn.commit() -> IndexBatch`` -- one COMMIT record per staged checkpoint, in order, then
-   fsync: **the commit point** (phase two). Then the index learns the batch.
+   fsync: **the commit point** (phase two). Then the host's ``commit_hook``, if any (an outer
+   commit: a job store's global commit, which may still abort this transaction), then the index
+   learns the batch.
    ``txn.abort()`` instead of 4-5 (or after any failure in them): cut the log back to the start.
 
 Invariants:
@@ -33,8 +35,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
+from ..errors import CommitOutcomeUnknownError
 from ..format import records as rec
 from ..format.commit import Commit, encode_commit
 from ..storage.index import ChunkRef, CommitEntry, IndexBatch, Position
@@ -86,6 +89,13 @@ class TransactionHost(Protocol):
 
     def transaction_closed(self, txn: "Transaction") -> None:
         """The transaction committed or aborted: the engine forgets it."""
+
+    #: Called after the local commit point with the commits just made durable, before the index
+    #: learns them (None: no outer commit). A multi-rank job store's global two-phase commit
+    #: (ckptstore/multirank/): returning means committed; raising aborts the transaction (its
+    #: records, COMMITs included, are cut back), except CommitOutcomeUnknownError, which keeps
+    #: the local commit (an outer commit may name it) and is raised again once it is indexed.
+    commit_hook: Callable[[list[CommitEntry]], None] | None
 
 
 class Transaction:
@@ -154,14 +164,25 @@ class Transaction:
                 merged.trees.update(staged.trees)
                 merged.commits.append(CommitEntry(staged.commit, cloc))
             assert self.log.writer is not None and cloc is not None
-            self.log.writer.sync()  # the commit point
+            self.log.writer.sync()  # the commit point (of this log)
         except BaseException:
             self.abort()
             raise
+        unknown: CommitOutcomeUnknownError | None = None
+        if self._host.commit_hook is not None:
+            try:
+                self._host.commit_hook(merged.commits)  # the outer commit (multi-rank: global)
+            except CommitOutcomeUnknownError as e:
+                unknown = e  # an outer commit may name it: keep it, index it, then raise
+            except BaseException:
+                self.abort()  # decided against: cut the local commit back, as if never written
+                raise
         self._close()
         merged.position = Position(cloc.seq, cloc.end)
         merged.segments = tuple(s for s in self.log.refresh_segments() if s <= cloc.seq)
         self._host.apply_committed(merged)
+        if unknown is not None:
+            raise unknown
         return merged
 
     def abort(self) -> None:

@@ -29,7 +29,7 @@ from ..errors import (CheckpointAbortedError, CkptStoreError, DamagedCheckpointE
 from ..format.chunk import MAX_CHUNK_SIZE
 from ..format.commit import decode_commit
 from ..storage.fileops import FileOps
-from ..storage.index import Index, IndexBatch, Position
+from ..storage.index import CommitEntry, Index, IndexBatch, Position
 from ..storage.lmdb_index import LmdbIndex
 from ..storage.lock import WriterLock
 from ..storage.log import Log
@@ -66,6 +66,9 @@ class WriterEngine(Engine):
         #: called (under the lock) when a delta opens a new group that stays pending: the group
         #: timer's wake-up (ckptstore/ops/grouptimer.py)
         self.on_new_group: Callable[[], None] | None = None
+        #: the outer commit every transaction's commit calls after its local commit point (a
+        #: multi-rank job store's global commit; ckptstore/engine/transaction.py)
+        self.commit_hook: Callable[[list[CommitEntry]], None] | None = None
         try:
             self._open(chunk_size, segment_size)
         except BaseException:

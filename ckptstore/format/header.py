@@ -55,8 +55,10 @@ def encode_store_header(h: StoreHeader) -> bytes:
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
-def decode_store_header(buf: bytes) -> StoreHeader:
-    """Decode the STORE file. Raises FormatError / UnsupportedVersionError on bad bytes."""
+def decode_store_header(buf: bytes, versions: tuple[int, ...] = (FORMAT_VERSION,)) -> StoreHeader:
+    """Decode the STORE file. Raises FormatError / UnsupportedVersionError on bad bytes, and
+    UnsupportedVersionError for a version not in ``versions`` (a single-writer store reads version
+    1; a multi-rank job store is version 2, format/job.py)."""
     if len(buf) != STORE_HEADER_SIZE:
         raise FormatError(f"store header is {len(buf)} bytes, expected {STORE_HEADER_SIZE}")
     if buf[:8] != STORE_MAGIC:
@@ -67,10 +69,13 @@ def decode_store_header(buf: bytes) -> StoreHeader:
     if check != actual:
         raise ChecksumMismatch("store header", f"{check:016x}", f"{actual:016x}")
     _, version, flags, store_id, chunk_size, segment_size, created = _STORE.unpack(body)
-    if version != FORMAT_VERSION:
+    if version not in versions:
+        what = ("a multi-rank job store: open it with ckptstore.open(path, mode='r'), or with "
+                "process_group=... to write" if version == 2 and 2 not in versions else
+                "not supported")
         raise UnsupportedVersionError(
-            f"store format version {version} is not supported (this ckptstore reads version "
-            f"{FORMAT_VERSION})")
+            f"store format version {version} is {what} (this reader takes version "
+            f"{', '.join(map(str, versions))})")
     if flags != 0:
         raise FormatError(f"store header has unknown flags {flags:#x}")
     if chunk_size == 0 or segment_size == 0:

@@ -80,8 +80,11 @@ def encode_header(record_type: int, length: int) -> bytes:
     return head + _U64.pack(xxhash.xxh3_64_intdigest(head))
 
 
-def decode_header(buf: bytes | bytearray | memoryview) -> RecordHeader:
-    """Decode and check a record header from the first 24 bytes of ``buf``.
+def decode_header(buf: bytes | bytearray | memoryview,
+                  known: frozenset[int] = KNOWN_TYPES) -> RecordHeader:
+    """Decode and check a record header from the first 24 bytes of ``buf``; ``known`` is the set
+    of types assigned where the record is read (segments by default; a job store's global log has
+    its own, format/job.py).
 
     Raises CorruptRecordError when the bytes are not a valid header (short, bad magic, bad header
     check, unknown flags, or a length above MAX_PAYLOAD).
@@ -100,7 +103,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> RecordHeader:
         raise CorruptRecordError(f"record header has unknown flags {flags:#x}/{reserved:#x}")
     if length > MAX_PAYLOAD:
         raise CorruptRecordError(f"record length {length} exceeds the {MAX_PAYLOAD}-byte limit")
-    if rtype not in KNOWN_TYPES:
+    if rtype not in known:
         raise CorruptRecordError(f"unknown record type {rtype}")
     return RecordHeader(rtype, length)
 
@@ -135,13 +138,14 @@ def encode_record(record_type: int, payload: bytes) -> bytes:
     return encode_header(record_type, len(payload)) + payload + encode_trailer(payload)
 
 
-def decode_record(buf: bytes | memoryview) -> tuple[RecordHeader, memoryview]:
+def decode_record(buf: bytes | memoryview,
+                  known: frozenset[int] = KNOWN_TYPES) -> tuple[RecordHeader, memoryview]:
     """Decode a whole record at the start of ``buf``; return its header and a view of its payload.
 
     Raises CorruptRecordError (or ChecksumMismatch) when the record is short or fails a check.
     """
     view = memoryview(buf)
-    header = decode_header(view)
+    header = decode_header(view, known)
     end = HEADER_SIZE + header.length
     if len(view) < end + TRAILER_SIZE:
         raise CorruptRecordError(

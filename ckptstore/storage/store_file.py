@@ -30,12 +30,13 @@ def create_store(layout: Layout, ops: FileOps, chunk_size: int, segment_size: in
     ops.fsync_dir(os.path.dirname(os.path.abspath(layout.root)))
 
 
-def read_store_header(layout: Layout) -> StoreHeader:
-    """The decoded STORE file; FormatError (with file and offset) when it is damaged."""
+def read_store_header(layout: Layout, versions: tuple[int, ...] = (FORMAT_VERSION,)) -> StoreHeader:
+    """The decoded STORE file; FormatError (with file and offset) when it is damaged,
+    UnsupportedVersionError when its version is not in ``versions``."""
     with io_errors("read", layout.store_file):
         with open(layout.store_file, "rb") as f:
             buf = f.read(STORE_HEADER_SIZE + 1)
     try:
-        return decode_store_header(buf)
+        return decode_store_header(buf, versions)
     except FormatError as e:
         raise e.located(layout.store_file, 0) from None

@@ -1,0 +1,177 @@
+"""The global two-phase commit of a multi-rank job store (format-spec/format.md §22).
+
+One *round* per commit operation, on every rank, in the same order:
+
+1. **Prepare** (each rank, alone): its stream's transaction appends its records, fsyncs them,
+   appends its local COMMIT records and fsyncs them. The stream's commit hook
+   (:meth:`GlobalCommitter.hook`) then runs the round with a PREPARED vote naming those local
+   commits. A rank whose operation failed before that votes FAILED (:meth:`vote_failed`); one with
+   nothing to commit votes EMPTY (:meth:`vote_empty`): every rank votes in every round.
+2. **Votes** are all-gathered: every rank learns every vote.
+3. **Decision** (the coordinator, rank 0): commit only if every rank PREPARED the same
+   iterations of the same kinds, and no newer epoch has been claimed. Committing appends one
+   GLOBAL_COMMIT per iteration to the epoch's global log and fsyncs it: **the global commit
+   point**. Then it checks for a newer epoch again.
+4. **Outcome** is broadcast. COMMITTED: each rank indexes its local commits. ABORTED: each rank
+   cuts its local commits back (the hook raises; the stream's transaction aborts) and raises a
+   typed error. UNKNOWN (a newer job claimed the store while the record was written): each rank
+   keeps its records and raises CommitOutcomeUnknownError.
+
+Invariants:
+  * A rank cuts its prepared records only on an ABORTED outcome, which the coordinator sends only
+    when it did not write (and will never write) a global commit naming them. Every other
+    failure after a PREPARED vote (a dead coordinator, a timeout) keeps them: the global log
+    alone says whether they are committed.
+  * A round either completes on every rank or fails on every rank within the group's timeout
+    (:class:`~ckptstore.multirank.group.RankGroup`); any failure of the group marks the committer
+    broken, and every later round refuses at once (a new job must reopen the store).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..errors import (CheckpointAbortedError, CkptStoreError, CommitOutcomeUnknownError,
+                      FormatError, RankFailureError, RankMismatchError, StaleWriterError)
+from ..format.job import GlobalCommit, RankCommit
+from ..storage.index import CommitEntry
+from ..storage.job_log import EpochLog
+from .group import RankGroup
+from .messages import (Outcome, OutcomeCode, Reason, Vote, VoteStatus, decode_outcome, decode_vote,
+                       encode_outcome, encode_vote)
+
+
+@dataclass
+class RoundResult:
+    """What one round committed (empty for an EMPTY round)."""
+
+    commits: list[GlobalCommit]
+
+
+class GlobalCommitter:
+    """Runs the commit rounds of one rank; the coordinator (rank 0) also holds the epoch's log."""
+
+    def __init__(self, group: RankGroup, epoch: int, log: EpochLog | None, path: str) -> None:
+        assert (log is not None) == (group.rank == 0), "the coordinator and only it holds the log"
+        self.group = group
+        self.epoch = epoch
+        self.log = log
+        self.path = path
+        #: rounds this rank has voted in
+        self.rounds = 0
+        #: global commits made by this job, oldest first (what every rank learned)
+        self.committed: list[GlobalCommit] = []
+        #: why no further round can run (a failed group, a stale epoch), or None
+        self.broken: CkptStoreError | None = None
+        #: the latest iteration this epoch continues from (its first commit must follow it)
+        self.adopted_latest: int | None = None
+
+    # ---- the three ways a rank votes ------------------------------------------------------
+    def hook(self, entries: list[CommitEntry]) -> None:
+        """The stream's commit hook: its local commits are durable; vote PREPARED and return
+        only if the round commits them globally (see the module doc for what each raise means)."""
+        commits = tuple(RankCommit(e.loc.seq, e.loc.offset, e.commit) for e in entries)
+        try:
+            outcome = self._round(Vote(VoteStatus.PREPARED, commits))
+        except RankFailureError as e:
+            raise CommitOutcomeUnknownError(
+                f"{self.path}: rank {self.group.rank} prepared iterations "
+                f"{[c.commit.iteration for c in commits]} but lost contact with the other ranks "
+                f"before the outcome was known ({e}); its records are kept, and the global log "
+                "says whether they are committed (reopen the store)") from e
+        self._raise_unless_committed(outcome)
+
+    def vote_failed(self, error: BaseException) -> None:
+        """This rank's operation failed before it could prepare: take part in the round so the
+        others abort too, instead of waiting for a vote that never comes. Never raises (the
+        caller re-raises its own error)."""
+        try:
+            self._round(Vote(VoteStatus.FAILED, message=f"{type(error).__name__}: {error}"))
+        except CkptStoreError:
+            pass
+
+    def vote_empty(self) -> None:
+        """This rank had nothing to commit in this round (a flush with no pending delta)."""
+        self._raise_unless_committed(self._round(Vote(VoteStatus.EMPTY)))
+
+    # ---- one round --------------------------------------------------------------------------
+    def _round(self, vote: Vote) -> Outcome:
+        if self.broken is not None:
+            raise RankFailureError(f"{self.path}: no commit round can run: {self.broken}")
+        self.rounds += 1
+        try:
+            votes_raw = self.group.all_gather(encode_vote(vote), "the commit vote")
+            decision = self._decide(votes_raw) if self.log is not None else None
+            raw = self.group.broadcast(encode_outcome(decision) if decision else None,
+                                       "the commit outcome")
+        except RankFailureError as e:
+            self.broken = e
+            raise
+        outcome = decode_outcome(raw)
+        if outcome.code == OutcomeCode.COMMITTED and vote.status == VoteStatus.PREPARED:
+            self.committed.extend(self._global_commits(votes_raw))
+        if outcome.reason == Reason.STALE or outcome.code == OutcomeCode.UNKNOWN:
+            self.broken = StaleWriterError(outcome.message)
+        return outcome
+
+    def _decide(self, votes_raw: list[bytes]) -> Outcome:
+        """The coordinator's decision, with the global log written when it commits."""
+        assert self.log is not None
+        try:
+            votes = [decode_vote(v) for v in votes_raw]
+        except FormatError as e:
+            return Outcome(OutcomeCode.ABORTED, Reason.MISMATCH, f"a vote did not decode: {e}")
+        failed = [f"rank {r}: {v.message}" for r, v in enumerate(votes)
+                  if v.status == VoteStatus.FAILED]
+        if failed:
+            return Outcome(OutcomeCode.ABORTED, Reason.RANK_FAILED, "; ".join(failed))
+        if all(v.status == VoteStatus.EMPTY for v in votes):
+            return Outcome(OutcomeCode.COMMITTED)
+        shapes = [tuple((c.commit.iteration, c.commit.kind) for c in v.commits)
+                  if v.status == VoteStatus.PREPARED else "nothing" for v in votes]
+        if any(s != shapes[0] for s in shapes):
+            return Outcome(OutcomeCode.ABORTED, Reason.MISMATCH, "ranks disagree on what to commit: "
+                           + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes)))
+        newer = self.log.superseded()
+        if newer is not None:
+            return Outcome(OutcomeCode.ABORTED, Reason.STALE, self._stale(newer))
+        last = self.committed[-1].iteration if self.committed else self.adopted_latest
+        first = votes[0].commits[0].commit.iteration
+        if last is not None and first <= last:
+            return Outcome(OutcomeCode.ABORTED, Reason.MISMATCH,
+                           f"iteration {first} is not after the latest global commit {last}")
+        try:
+            self.log.append_commits(self._global_commits(votes_raw, votes))
+        except CkptStoreError as e:
+            return Outcome(OutcomeCode.ABORTED, Reason.GLOBAL_LOG, f"the global log failed: {e}")
+        newer = self.log.superseded()
+        if newer is not None:
+            return Outcome(OutcomeCode.UNKNOWN, Reason.STALE, self._stale(newer))
+        return Outcome(OutcomeCode.COMMITTED)
+
+    def _global_commits(self, votes_raw: list[bytes], votes: list[Vote] | None = None
+                        ) -> list[GlobalCommit]:
+        votes = votes if votes is not None else [decode_vote(v) for v in votes_raw]
+        now = time.time_ns()
+        out = []
+        for i, c in enumerate(votes[0].commits):
+            ranks = tuple(v.commits[i] for v in votes)
+            out.append(GlobalCommit(c.commit.iteration, self.epoch, c.commit.kind, ranks, now))
+        return out
+
+    def _stale(self, newer: int) -> str:
+        return (f"{self.path}: this job's writer epoch {self.epoch} is stale: a newer job claimed "
+                f"epoch {newer}; this writer may not commit again")
+
+    def _raise_unless_committed(self, outcome: Outcome) -> None:
+        if outcome.code == OutcomeCode.COMMITTED:
+            return
+        where = f"{self.path} (rank {self.group.rank} of {self.group.world_size}, epoch {self.epoch})"
+        if outcome.code == OutcomeCode.UNKNOWN:
+            raise CommitOutcomeUnknownError(f"{where}: {outcome.message}")
+        if outcome.reason == Reason.STALE:
+            raise StaleWriterError(outcome.message)
+        if outcome.reason == Reason.MISMATCH:
+            raise RankMismatchError(f"{where}: not committed: {outcome.message}")
+        raise CheckpointAbortedError(f"{where}: not committed on any rank: {outcome.message}")

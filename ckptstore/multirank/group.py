@@ -1,0 +1,81 @@
+"""The ranks of one job, as the store talks to them: byte messages over torch.distributed.
+
+The store never uses the caller's process group for its own traffic: a commit round may run while
+the training loop's collectives (DDP's all-reduce) are in flight, and collectives of one group must
+be issued in the same order on every rank. :class:`RankGroup` creates a dedicated gloo group over
+the same ranks (CPU tensors, whatever backend training uses) whose timeout bounds every wait: a
+rank that dies or stops answering makes the others fail within ``timeout`` seconds with
+RankFailureError, never hang. (A killed peer usually fails them at once: its sockets close.)
+
+Messages are bytes (:mod:`ckptstore.multirank.messages`) sent as uint8 tensors: nothing is
+pickled.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RankFailureError
+
+
+class RankGroup:
+    """A dedicated gloo group over the ranks of ``process_group`` (every rank of it must create
+    one, in the same order relative to other group creations)."""
+
+    def __init__(self, process_group: Any, timeout: float) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("a process group needs torch.distributed initialised "
+                             "(torch.distributed.init_process_group)")
+        if not timeout > 0:
+            raise ValueError(f"commit_timeout must be positive, not {timeout!r}")
+        self.timeout = float(timeout)
+        ranks = dist.get_process_group_ranks(process_group)
+        self.group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout),
+                                    backend="gloo", use_local_synchronization=True)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+
+    def all_gather(self, payload: bytes, what: str) -> list[bytes]:
+        """Every rank's ``payload``, in rank order."""
+        try:
+            size = torch.tensor([len(payload)], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(sizes, size, group=self.group)
+            longest = max(int(s.item()) for s in sizes)
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            if payload:
+                mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(outs, mine, group=self.group)
+        except RuntimeError as e:  # gloo: a peer closed its connection, or the timeout passed
+            raise self.failure(what, e) from e
+        return [bytes(o[:int(s.item())].numpy()) for o, s in zip(outs, sizes)]
+
+    def broadcast(self, payload: bytes | None, what: str, src: int = 0) -> bytes:
+        """``payload`` of rank ``src`` (the others pass None)."""
+        try:
+            size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+            dist.broadcast(size, src=dist.get_global_rank(self.group, src), group=self.group)
+            buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+            if payload is not None and payload:
+                buf[:] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if buf.numel():
+                dist.broadcast(buf, src=dist.get_global_rank(self.group, src), group=self.group)
+        except RuntimeError as e:
+            raise self.failure(what, e) from e
+        return bytes(buf.numpy())
+
+    def failure(self, what: str, cause: BaseException) -> RankFailureError:
+        return RankFailureError(
+            f"rank {self.rank} of {self.world_size}: {what} failed: another rank died, or did not "
+            f"answer within the commit timeout of {self.timeout:g} s ({cause})")
+
+    def close(self) -> None:
+        try:
+            dist.destroy_process_group(self.group)
+        except (RuntimeError, ValueError):  # already gone with the default group
+            pass

@@ -1,0 +1,411 @@
+"""JobStore: one store directory written by every rank of a training job (format-spec §22).
+
+Opening for writing (collective: every rank of ``process_group`` opens the store at once):
+
+1. each rank creates the store's dedicated gloo group (:class:`~.group.RankGroup`);
+2. the coordinator (rank 0) creates the job store if needed, claims the next writer epoch
+   (an exclusively created global log), reads which commits it continues (the latest visible
+   one) and writes the epoch's EPOCH record;
+3. the epoch is broadcast; each rank opens its own stream for the epoch (a v1 store under
+   ``streams/``), and the ranks tell each other that they are ready;
+4. each stream's commit hook becomes the rank's :class:`~.committer.GlobalCommitter`: from now
+   on every commit of a stream is one global commit round.
+
+Saves (``save``, ``save_delta``, ``flush``, ``close``) are collective too: every rank makes the
+same calls with the same iterations. Each commit operation is one round on every rank; a rank
+whose operation fails before its records are durable votes FAILED in that round, so the others
+abort too instead of waiting (bounded by ``commit_timeout`` for a rank that never answers).
+
+Reading needs no group: ``iterations``/``latest`` come from the global logs; ``load(t)`` reads
+this rank's state at ``t`` (``rank=`` another's) from the stream the global commit names, after
+checking that the stream's local COMMIT is the one the global commit recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from typing import Any, Callable, Sequence, TypeVar
+
+from ..errors import (CkptStoreError, DamagedCheckpointError, FormatError, NotFoundError,
+                      RankMismatchError, ReadOnlyStoreError, StoreClosedError, StoreNotFoundError)
+from ..engine.engine import DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE
+from ..engine.writer_engine import WriterEngine
+from ..format.header import StoreHeader
+from ..format.job import Epoch, GlobalCommit
+from ..storage.fileops import FileOps
+from ..storage.job_log import (EpochLog, JobLayout, JobView, create_job_store, read_job_header,
+                               read_job_view)
+from ..store import CheckpointInfo, SaveStats, Store
+from .committer import GlobalCommitter
+from .group import RankGroup
+
+T = TypeVar("T")
+
+#: default bound on how long a rank waits for the others in a commit round (seconds)
+DEFAULT_COMMIT_TIMEOUT = 300.0
+_OPENED = struct.Struct("<QQB")  # epoch, adopted latest + 1 (0: none), ok
+
+
+class JobStore:
+    """A multi-rank job store. Use ``ckptstore.open(path, mode, process_group=pg)``."""
+
+    def __init__(self, path: str | os.PathLike, mode: str = "a", *, process_group: Any = None,
+                 commit_timeout: float = DEFAULT_COMMIT_TIMEOUT, chunk_size: int | None = None,
+                 segment_size: int | None = None, file_ops: FileOps | None = None,
+                 load_threads: int = 2, evict_written: bool = True) -> None:
+        if mode not in ("r", "a"):
+            raise ValueError(f'mode must be "r" or "a", not {mode!r}')
+        self.path = os.fspath(path)
+        self.mode = mode
+        self.layout = JobLayout(self.path)
+        self._ops = file_ops or FileOps()
+        self._load_threads = load_threads
+        self._closed = False
+        #: readers of rank streams, by (epoch, rank)
+        self._readers: dict[tuple[int, int], Store] = {}
+        self._own: Store | None = None
+        self._group: RankGroup | None = None
+        self._committer: GlobalCommitter | None = None
+        self._epoch_log: EpochLog | None = None
+        self.epoch: int | None = None
+        #: this process's rank (None: a reader opened without a process group)
+        self.rank: int | None = None
+        if mode == "a":
+            if process_group is None:
+                raise ValueError("writing a multi-rank store needs process_group=...")
+            self._open_writer(process_group, commit_timeout, chunk_size, segment_size,
+                              evict_written)
+        else:
+            if not os.path.exists(self.layout.store_file):
+                raise StoreNotFoundError(f"no store at {self.path}")
+            self.header = read_job_header(self.layout)
+            if process_group is not None:
+                import torch.distributed as dist
+                self.rank = dist.get_rank(process_group)
+            self._view = read_job_view(self.layout, self.header.store_id)
+
+    # ---- opening ------------------------------------------------------------------------------
+    def _open_writer(self, process_group: Any, timeout: float, chunk_size: int | None,
+                     segment_size: int | None, evict_written: bool) -> None:
+        group = self._group = RankGroup(process_group, timeout)
+        self.rank = group.rank
+        try:
+            if group.rank == 0:
+                try:
+                    epoch, adopted = self._claim(group.world_size, chunk_size, segment_size)
+                    msg = _OPENED.pack(epoch, 0 if adopted is None else adopted + 1, 1)
+                except CkptStoreError as e:
+                    group.broadcast(_OPENED.pack(0, 0, 0) + str(e).encode(), "the store's open")
+                    raise
+                group.broadcast(msg, "the store's open")
+            else:
+                msg = group.broadcast(None, "the store's open")
+                if msg[_OPENED.size - 1] != 1:
+                    raise CkptStoreError(f"{self.path}: rank 0 could not open the store for "
+                                         f"writing: {msg[_OPENED.size:].decode(errors='replace')}")
+            epoch, adopted_plus, _ = _OPENED.unpack_from(msg)
+            self.epoch = epoch
+            error = b""
+            try:
+                self.header = read_job_header(self.layout)
+                self._own = Store(self.layout.stream_dir(epoch, group.rank), "a",
+                                  chunk_size=chunk_size or self.header.chunk_size,
+                                  segment_size=segment_size or self.header.segment_size,
+                                  file_ops=self._ops, load_threads=self._load_threads,
+                                  evict_written=evict_written)
+            except CkptStoreError as e:
+                error = f"rank {group.rank}: {e}".encode()
+            ids = group.all_gather(error or self.header.store_id, "the streams' open")
+            failed = [m.decode(errors="replace") for m in ids if len(m) != 16]
+            if failed:
+                raise CkptStoreError(f"{self.path}: a rank could not open its stream: "
+                                     + "; ".join(failed))
+            if any(m != ids[0] for m in ids):
+                raise RankMismatchError(f"{self.path}: the ranks see different stores (store ids "
+                                        f"{[m.hex() for m in ids]}): is the directory shared?")
+            committer = GlobalCommitter(group, epoch, self._epoch_log, self.path)
+            committer.adopted_latest = adopted_plus - 1 if adopted_plus else None
+            self._committer = committer
+            assert self._own is not None and isinstance(self._own.engine, WriterEngine)
+            self._own.engine.commit_hook = committer.hook
+            self._view = read_job_view(self.layout, self.header.store_id)
+        except BaseException:
+            self._release()
+            raise
+
+    def _claim(self, world_size: int, chunk_size: int | None, segment_size: int | None
+               ) -> tuple[int, int | None]:
+        """The coordinator's part of opening: create the store if needed, claim the next epoch
+        and write its EPOCH record. Returns (epoch, the latest iteration it continues from)."""
+        if not os.path.exists(self.layout.store_file):
+            if os.path.exists(os.path.join(self.path, "segments")):
+                raise FormatError(f"{self.path} holds segments but no STORE file: not a job store")
+            self._ops.makedirs(self.path)
+            create_job_store(self.layout, self._ops, chunk_size or DEFAULT_CHUNK_SIZE,
+                             segment_size or DEFAULT_SEGMENT_SIZE)
+        header = read_job_header(self.layout)
+        view = read_job_view(self.layout, header.store_id)
+        if view.epoch is not None and view.epoch.world_size != world_size:
+            raise RankMismatchError(
+                f"{self.path} was written by {view.epoch.world_size} ranks (epoch "
+                f"{view.epoch.epoch}); opening it for writing with {world_size} ranks is not "
+                "supported (read it with mode='r' and load(t, rank=r))")
+        number = view.highest_claimed
+        for _ in range(64):
+            number += 1
+            try:
+                log = EpochLog.claim(self.layout, self._ops, number)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise CkptStoreError(f"{self.path}: could not claim a writer epoch after {number}")
+        try:
+            # what this epoch continues is read after the claim is durable: an older job's
+            # coordinator that commits after this point sees the claim and reports its commit
+            # as not known to be kept (format §22, "Epochs and fencing")
+            view = read_job_view(self.layout, header.store_id)
+            prev = view.chain[-1] if view.chain else 0
+            end = view.logs[prev].valid_end if prev else 0
+            log.write_epoch(Epoch(number, world_size, header.store_id, prev, end, time.time_ns()))
+        except BaseException:
+            log.close()
+            raise
+        self._epoch_log = log
+        return number, view.latest
+
+    def _release(self) -> None:
+        for s in [self._own, *self._readers.values()]:
+            if s is not None:
+                try:
+                    s.close()
+                except CkptStoreError:
+                    pass
+        self._readers.clear()
+        if self._epoch_log is not None:
+            self._epoch_log.close()
+        if self._group is not None:
+            self._group.close()
+
+    # ---- state --------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int | None:
+        """Ranks of the job that wrote the newest epoch (None: nothing written yet)."""
+        if self._group is not None:
+            return self._group.world_size
+        return self._view.epoch.world_size if self._view.epoch is not None else None
+
+    @property
+    def view(self) -> JobView:
+        """The committed state from the global logs (as of open, the last refresh, or the last
+        commit of this writer)."""
+        return self._view
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.path} is closed")
+
+    def _writer(self) -> tuple[Store, GlobalCommitter]:
+        self._check()
+        if self._own is None or self._committer is None:
+            raise ReadOnlyStoreError(f'store {self.path} is open read-only (mode="r")')
+        return self._own, self._committer
+
+    def close(self) -> None:
+        """Writers (collective): commit pending deltas (one round), then release everything."""
+        if self._closed:
+            return
+        err: BaseException | None = None
+        try:
+            if self._own is not None and self._committer is not None and \
+                    self._committer.broken is None:
+                own = self._own
+                self._round(own.flush)
+        except BaseException as e:  # noqa: BLE001 - raised after the files are released
+            err = e
+        finally:
+            self._closed = True
+            self._release()
+        if err is not None:
+            raise err
+
+    def __enter__(self) -> "JobStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<ckptstore.JobStore {self.path!r} mode={self.mode!r} rank={self.rank} "
+                f"world_size={self.world_size} epoch={self.epoch}>")
+
+    # ---- writing (collective) -------------------------------------------------------------------
+    def _round(self, operation: Callable[[], T]) -> T:
+        """Run one commit operation of this rank's stream as exactly one global round: a failure
+        before this rank voted is voted FAILED (so the others abort), and an operation that
+        committed nothing votes EMPTY."""
+        own, committer = self._writer()
+        before = committer.rounds
+        try:
+            out = operation()
+        except BaseException as e:
+            if committer.rounds == before:
+                committer.vote_failed(e)
+            raise
+        if committer.rounds == before:
+            committer.vote_empty()
+        for g in committer.committed:
+            self._view.commits[g.iteration] = g
+        committer.committed.clear()
+        return out
+
+    def save(self, iteration: int, state: Any, meta: dict | None = None) -> SaveStats:
+        """Every rank saves its own ``state`` as the checkpoint of ``iteration``; it is committed
+        on every rank or on none. Pending deltas are committed first (a round of their own)."""
+        own, _ = self._writer()
+        self._round(own.flush)
+        return self._round(lambda: own.save(iteration, state, meta))
+
+    def save_delta(self, iteration: int, record: Any, meta: dict | None = None, *,
+                   durable: bool = True) -> SaveStats:
+        """:meth:`ckptstore.Store.save_delta` on every rank; ``durable`` deltas are committed
+        globally at once, the others at the next ``flush``/``save``/``close``."""
+        own, _ = self._writer()
+        if not durable:
+            return own.save_delta(iteration, record, meta, durable=False)
+        return self._round(lambda: own.save_delta(iteration, record, meta, durable=True))
+
+    def flush(self) -> int | None:
+        """Commit every rank's pending deltas (one round). Returns :meth:`durable_iteration`."""
+        own, _ = self._writer()
+        self._round(own.flush)
+        return self.durable_iteration()
+
+    def pending(self) -> list[int]:
+        return self._own.pending() if self._own is not None else []
+
+    def pending_age(self) -> float:
+        return self._own.pending_age() if self._own is not None else 0.0
+
+    def set_group_seconds(self, seconds: float | None) -> None:
+        if seconds is not None:
+            raise ValueError("a multi-rank store commits deltas at the same calls on every rank; "
+                             "a timer would fire at different moments on each (use "
+                             "group_commit counts or flush())")
+
+    # ---- reading ------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Readers: pick up global commits made since open."""
+        self._check()
+        if self._own is None:
+            self._view = read_job_view(self.layout, self.header.store_id)
+            for s in self._readers.values():
+                s.refresh()
+
+    def iterations(self) -> list[int]:
+        self._check()
+        return list(self._view.commits)
+
+    def latest(self) -> int | None:
+        self._check()
+        return self._view.latest
+
+    def durable_iteration(self) -> int | None:
+        """The newest iteration committed on every rank (the global log's)."""
+        return self.latest()
+
+    def global_commit(self, iteration: int) -> GlobalCommit:
+        self._check()
+        g = self._view.commits.get(iteration) if type(iteration) is int else None
+        if g is None:
+            raise NotFoundError(f"iteration {iteration!r} is not committed in {self.path}")
+        return g
+
+    def stream(self, iteration: int, rank: int | None = None) -> Store:
+        """The store (a v1 stream) holding ``rank``'s records of ``iteration``, checked against
+        the global commit: DamagedCheckpointError, naming the rank and the stream, when its
+        commit is missing or differs."""
+        g = self.global_commit(iteration)
+        r = self._rank(rank, g)
+        where = self.layout.stream_dir(g.epoch, r)
+        store = self._open_stream(g.epoch, r, where)
+        expected = g.ranks[r]
+        for attempt in range(2):
+            try:
+                entry = store.engine.entry(iteration)
+            except NotFoundError:
+                if attempt == 0 and store.mode == "r":
+                    store.refresh()
+                    continue
+                raise DamagedCheckpointError(
+                    f"{self.path}: iteration {iteration} is committed globally, but rank {r}'s "
+                    f"stream {where} holds no commit of it") from None
+            if entry.commit != expected.commit or (entry.loc.seq, entry.loc.offset) != \
+                    (expected.commit_seq, expected.commit_offset):
+                raise DamagedCheckpointError(
+                    f"{self.path}: rank {r}'s stream {where} commits iteration {iteration} "
+                    f"differently from the global commit (segment {entry.loc.seq} offset "
+                    f"{entry.loc.offset}, expected segment {expected.commit_seq} offset "
+                    f"{expected.commit_offset})")
+            break
+        return store
+
+    def _rank(self, rank: int | None, g: GlobalCommit) -> int:
+        r = self.rank if rank is None else rank
+        if r is None:
+            if g.world_size == 1:
+                return 0
+            raise ValueError(f"{self.path} holds {g.world_size} ranks' states at iteration "
+                             f"{g.iteration}: pass rank= (0..{g.world_size - 1})")
+        if type(r) is not int or not 0 <= r < g.world_size:
+            raise RankMismatchError(f"rank {r!r} is not among the {g.world_size} ranks that "
+                                    f"committed iteration {g.iteration} in {self.path}")
+        return r
+
+    def _open_stream(self, epoch: int, rank: int, where: str) -> Store:
+        if self._own is not None and (epoch, rank) == (self.epoch, self.rank):
+            return self._own
+        store = self._readers.get((epoch, rank))
+        if store is None:
+            if not os.path.isdir(where):
+                raise DamagedCheckpointError(f"{self.path}: rank {rank}'s stream {where} "
+                                             f"(epoch {epoch}) is missing")
+            try:
+                store = Store(where, "r", load_threads=self._load_threads)
+            except CkptStoreError as e:
+                raise DamagedCheckpointError(f"{self.path}: rank {rank}'s stream {where} "
+                                             f"cannot be opened: {e}") from e
+            self._readers[(epoch, rank)] = store
+        return store
+
+    def load(self, iteration: int, keys: Sequence[Any] | None = None, *,
+             rank: int | None = None) -> Any:
+        """The state ``rank`` (default: this process's rank) saved at ``iteration``, bit-exact
+        (a delta is replayed within its stream)."""
+        return self.stream(iteration, rank).load(iteration, keys)
+
+    def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
+                    rank: int | None = None) -> Any:
+        return self.stream(iteration, rank).load_record(iteration, keys)
+
+    def info(self, iteration: int, *, rank: int | None = None) -> CheckpointInfo:
+        return self.stream(iteration, rank).info(iteration)
+
+    def kind(self, iteration: int) -> str:
+        return "delta" if self.global_commit(iteration).kind == 1 else "snapshot"
+
+    def meta(self, iteration: int, *, rank: int | None = None) -> Any:
+        return self.stream(iteration, rank).meta(iteration)
+
+    def base_of(self, iteration: int, *, rank: int | None = None) -> int:
+        return self.stream(iteration, rank).base_of(iteration)
+
+    @property
+    def store_header(self) -> StoreHeader:
+        return self.header

@@ -1,0 +1,300 @@
+"""Multi-rank job stores (format-spec/format.md §22) on real multi-process gloo groups.
+
+Every scenario runs on spawned ranks (tests/_ranks.py) with a deadline, so a rank that hangs fails
+the test instead of CI. States are pure functions of (iteration, rank), so any process can check
+what any rank saved, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.format.job import decode_global_commit
+from ckptstore.storage.job_log import JobLayout, read_job_view
+
+from _crashkit import KillOps, state_for
+from _ranks import run_ranks
+from conftest import _same
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
+                                or not torch.distributed.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+MOD = __name__
+
+
+def rank_state(it: int, rank: int) -> dict:
+    s = state_for(it)
+    s["rank"] = {"id": rank, "rng": torch.arange(16, dtype=torch.float64) * (rank + 1) + it}
+    return s
+
+
+def same(a, b) -> bool:
+    try:
+        _same(a, b, "state")
+        return True
+    except AssertionError:
+        return False
+
+
+def _pg():
+    import torch.distributed as dist
+
+    return dist.group.WORLD
+
+
+def errors_of(results) -> list:
+    return [r.get("error") for r in results]
+
+
+def ok(results) -> list:
+    assert all("ok" in r for r in results), [
+        (r.get("error"), r.get("message"), r.get("trace", "")[-1500:], r.get("died")) for r in results]
+    return [r["ok"] for r in results]
+
+
+# ---- scenarios (run on every rank) ------------------------------------------------------------
+def save_and_load(rank, world, path, iterations, timeout=30.0):
+    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=timeout) as s:
+        assert isinstance(s, ckptstore.JobStore) and s.rank == rank and s.world_size == world
+        start = (s.latest() or 0) + 1
+        for it in range(start, start + iterations):
+            s.save(it, rank_state(it, rank), meta={"loss": 1.0 / it})
+        assert s.iterations()[-iterations:] == list(range(start, start + iterations))
+        checks = [same(rank_state(it, rank), s.load(it)) for it in s.iterations()]
+        other = (rank + 1) % world
+        checks.append(same(rank_state(start, other), s.load(start, rank=other)))
+        return {"epoch": s.epoch, "iterations": s.iterations(), "exact": all(checks)}
+
+
+def fail_on_one_rank(rank, world, path, how):
+    """Iteration 1 commits; iteration 2 fails on rank 1 (how); then 2 is retried and commits."""
+    ops = None
+    if how == "fsync" and rank == 1:
+        from test_faults import FaultyOps
+        ops = FaultyOps()
+    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0, file_ops=ops) as s:
+        s.save(1, rank_state(1, rank))
+        err = None
+        try:
+            if how == "unsupported" and rank == 1:
+                s.save(2, {"bad": object()})
+            elif how == "mismatch":
+                s.save(2 + rank, rank_state(2, rank))
+            else:
+                if ops is not None:
+                    import errno
+                    ops.arm("fsync", 2, errno.ENOSPC)  # the local COMMIT's fsync
+                s.save(2, rank_state(2, rank))
+        except ckptstore.CkptStoreError as e:
+            err = type(e).__name__
+        except TypeError as e:
+            err = type(e).__name__
+        after_failure = s.iterations()
+        s.save(2, rank_state(2, rank))  # the same iteration again: nothing of the failure is left
+        return {"error": err, "after_failure": after_failure, "final": s.iterations(),
+                "exact": same(rank_state(2, rank), s.load(2))}
+
+
+def deltas_and_flush(rank, world, path):
+    """Snapshot, then deltas appended without committing and committed by one flush; the records
+    load back per rank (load_record: a delta is stored as written)."""
+    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0) as s:
+        s.save(0, rank_state(0, rank))
+        for it in (1, 2, 3):
+            s.save_delta(it, {"g": torch.full((5,), float(it + 10 * rank))}, durable=False)
+        assert s.iterations() == [0]
+        durable = s.flush()
+        rec = s.load_record(2)
+        return {"durable": durable, "iterations": s.iterations(), "kind": s.kind(3),
+                "g": rec["g"].tolist()}
+
+
+def zombie(rank, world, path, ready, go):
+    """Job A (world 1): commits 1, waits while job B takes the store over, then tries again."""
+    import time
+
+    s = ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0)
+    s.save(1, rank_state(1, 0))
+    open(ready, "w").close()
+    while not os.path.exists(go):
+        time.sleep(0.05)
+    try:
+        s.save(3, rank_state(3, 0))
+        outcome = "committed"
+    except ckptstore.StaleWriterError as e:
+        outcome = f"StaleWriterError: {e}"
+    try:
+        s.close()
+    except ckptstore.CkptStoreError:
+        pass
+    return outcome
+
+
+def kill_loop(rank, world, path, victim, nth, acks):
+    """Save iterations until rank ``victim`` is SIGKILLed at its ``nth`` file operation;
+    acknowledge each save that returned (one line per iteration, fsynced)."""
+    ops = KillOps("any", nth) if rank == victim else None
+    with open(f"{acks}-{rank}", "a") as ack:
+        s = ckptstore.open(path, "a", process_group=_pg(), commit_timeout=20.0, file_ops=ops)
+        start = (s.latest() or 0) + 1
+        for it in range(start, start + 40):
+            s.save(it, rank_state(it, rank))
+            ack.write(f"{it}\n")
+            ack.flush()
+            os.fsync(ack.fileno())
+        s.close()
+    return "no kill"
+
+
+# ---- tests ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_saves_and_loads_its_own_state(tmp_path, world):
+    path = str(tmp_path / "job")
+    res = ok(run_ranks(world, MOD, "save_and_load", path, str(tmp_path / "w1"), iterations=3))
+    assert all(r["exact"] for r in res) and {r["epoch"] for r in res} == {1}
+    assert all(r["iterations"] == [1, 2, 3] for r in res)
+    # a second job continues the store in a new epoch; the first job's iterations stay readable
+    res = ok(run_ranks(world, MOD, "save_and_load", path, str(tmp_path / "w2"), iterations=2))
+    assert {r["epoch"] for r in res} == {2} and all(r["exact"] for r in res)
+    with ckptstore.open(path, "r") as reader:
+        assert isinstance(reader, ckptstore.JobStore) and reader.world_size == world
+        assert reader.iterations() == [1, 2, 3, 4, 5]
+        for it in reader.iterations():
+            for r in range(world):
+                assert same(rank_state(it, r), reader.load(it, rank=r)), (it, r)
+        assert reader.meta(4, rank=1) == {"loss": 0.25}
+        with pytest.raises(ValueError, match="rank="):
+            reader.load(1)
+        with pytest.raises(ckptstore.RankMismatchError):
+            reader.load(1, rank=world)
+        with pytest.raises(ckptstore.NotFoundError):
+            reader.load(6, rank=0)
+    streams = sorted(os.listdir(os.path.join(path, "streams")))
+    assert streams == [f"{e:010d}-{r:05d}" for e in (1, 2) for r in range(world)]
+    # a single-writer open of a job store is refused with a clear error
+    with pytest.raises(ckptstore.UnsupportedVersionError, match="multi-rank"):
+        ckptstore.Store(path, "a")
+
+
+@pytest.mark.parametrize("how", ["unsupported", "fsync", "mismatch"])
+def test_a_failure_on_one_rank_aborts_the_iteration_on_every_rank(tmp_path, how):
+    path = str(tmp_path / "job")
+    res = ok(run_ranks(2, MOD, "fail_on_one_rank", path, str(tmp_path / "w"), how=how))
+    expected = {"unsupported": ["CheckpointAbortedError", "UnsupportedTypeError"],
+                "fsync": ["CheckpointAbortedError", "DiskFullError"],
+                "mismatch": ["RankMismatchError", "RankMismatchError"]}[how]
+    assert [r["error"] for r in res] == expected
+    assert all(r["after_failure"] == [1] and r["final"] == [1, 2] and r["exact"] for r in res)
+    with ckptstore.open(path, "r") as reader:
+        assert reader.iterations() == [1, 2]
+        for r in range(2):
+            assert same(rank_state(2, r), reader.load(2, rank=r))
+            # rank 0's local commit of the failed attempt was cut: its stream holds 1 and 2 once
+            stream = ckptstore.open(JobLayout(path).stream_dir(1, r), "r")
+            assert stream.iterations() == [1, 2]
+            stream.close()
+
+
+def test_deltas_are_committed_globally_by_one_flush(tmp_path):
+    path = str(tmp_path / "job")
+    res = ok(run_ranks(2, MOD, "deltas_and_flush", path, str(tmp_path / "w")))
+    assert [r["durable"] for r in res] == [3, 3]
+    assert all(r["iterations"] == [0, 1, 2, 3] and r["kind"] == "delta" for r in res)
+    assert [r["g"] for r in res] == [[2.0] * 5, [12.0] * 5]
+
+
+def test_a_writer_of_an_older_epoch_is_fenced(tmp_path):
+    """Two jobs on one store (no flock between them: each epoch writes its own files): the newer
+    job's epoch wins, the older job's next commit raises StaleWriterError, and readers see the
+    older job's commits only up to where the newer job began."""
+    import threading
+
+    path = str(tmp_path / "job")
+    ready, go = str(tmp_path / "ready"), str(tmp_path / "go")
+    out: dict = {}
+    a = threading.Thread(target=lambda: out.setdefault("a", run_ranks(
+        1, MOD, "zombie", path, str(tmp_path / "wa"), ready=ready, go=go)))
+    a.start()
+    try:
+        for _ in range(1200):
+            if os.path.exists(ready):
+                break
+            a.join(0.1)
+        assert os.path.exists(ready), "job A did not get going"
+        res = ok(run_ranks(1, MOD, "save_and_load", path, str(tmp_path / "wb"), iterations=1))
+        assert res[0]["epoch"] == 2 and res[0]["iterations"] == [1, 2]
+    finally:
+        open(go, "w").close()
+        a.join(120)
+    assert ok(out["a"])[0].startswith("StaleWriterError")
+    with ckptstore.open(path, "r") as reader:
+        assert reader.iterations() == [1, 2]
+        assert same(rank_state(2, 0), reader.load(2))
+
+
+def _acked(path: str) -> set[int]:
+    if not os.path.exists(path):
+        return set()
+    with open(path) as f:
+        return {int(line) for line in f if line.strip()}
+
+
+def test_sigkill_of_any_rank_during_commits_loses_nothing(tmp_path):
+    """A rank is SIGKILLed at a random file operation (a stream write or fsync, or on rank 0 the
+    global log's); the other rank gets a typed error (RankFailureError or
+    CommitOutcomeUnknownError) instead of hanging; every iteration any rank acknowledged is
+    committed and loads bit-exact for every rank; no partial iteration is visible; a new job
+    resumes. ``CKPTSTORE_MULTIRANK_KILLS`` kills (default 4; the README's figure used 200)."""
+    kills = int(os.environ.get("CKPTSTORE_MULTIRANK_KILLS", "4"))
+    rng = random.Random(int(os.environ.get("CKPTSTORE_SEED", "1234")))
+    path = str(tmp_path / "job")
+    acked: set[int] = set()
+    errors: dict[str, int] = {}
+    for trial in range(kills):
+        victim, nth = rng.randrange(2), rng.randrange(1, 60)
+        acks = str(tmp_path / f"acks-{trial}")
+        res = run_ranks(2, MOD, "kill_loop", path, str(tmp_path / f"w{trial}"), deadline=90,
+                        victim=victim, nth=nth, acks=acks)
+        survivor = res[1 - victim]
+        assert "died" in res[victim] or res[victim].get("ok") == "no kill", res[victim]
+        if "died" in res[victim]:
+            assert "error" in survivor and "RankFailureError" in survivor["mro"], survivor
+            errors[survivor["error"]] = errors.get(survivor["error"], 0) + 1
+        for r in range(2):
+            acked |= _acked(f"{acks}-{r}")
+        check_job_store(path, acked)
+    print(f"{kills} kills; survivors' errors: {errors}; {len(acked)} acknowledged iterations")
+
+
+def check_job_store(path: str, acked: set[int]) -> None:
+    with ckptstore.open(path, "r") as reader:
+        its = reader.iterations()
+        assert acked <= set(its), sorted(acked - set(its))
+        for it in its:  # nothing partial: every visible iteration loads for every rank
+            for r in range(reader.world_size or 0):
+                assert same(rank_state(it, r), reader.load(it, rank=r)), (it, r)
+
+
+def test_global_log_records_decode_and_name_every_rank(tmp_path):
+    path = str(tmp_path / "job")
+    ok(run_ranks(2, MOD, "save_and_load", path, str(tmp_path / "w"), iterations=2))
+    layout = JobLayout(path)
+    header = ckptstore.open(path, "r").header
+    view = read_job_view(layout, header.store_id)
+    assert view.chain == [1] and view.epoch.world_size == 2 and not view.notes
+    g = view.commits[2]
+    assert g.world_size == 2 and [rc.commit.iteration for rc in g.ranks] == [2, 2]
+    # torn tail: the last record cut in half is not committed, the rest is
+    log = layout.epoch_log_path(1)
+    size = os.path.getsize(log)
+    with open(log, "r+b") as f:
+        f.truncate(size - 40)
+    view = read_job_view(layout, header.store_id)
+    assert list(view.commits) == [1] and view.notes
