@@ -298,3 +298,31 @@ def test_global_log_records_decode_and_name_every_rank(tmp_path):
         f.truncate(size - 40)
     view = read_job_view(layout, header.store_id)
     assert list(view.commits) == [1] and view.notes
+
+
+def test_a_damaged_rank_stream_is_reported_naming_the_rank(tmp_path):
+    """Damage confined to one rank's stream costs that rank's loads only, with an error naming
+    the rank and the stream; a missing stream is reported the same way."""
+    import shutil
+
+    path = str(tmp_path / "job")
+    ok(run_ranks(2, MOD, "save_and_load", path, str(tmp_path / "w"), iterations=2))
+    stream1 = JobLayout(path).stream_dir(1, 1)
+    seg = os.path.join(stream1, "segments", "0000000001.seg")
+    data = bytearray(open(seg, "rb").read())
+    # the last record of the segment is iteration 2's COMMIT: flip a byte of its payload
+    data[-20] ^= 0xFF
+    open(seg, "wb").write(bytes(data))
+    shutil.rmtree(os.path.join(stream1, "index"), ignore_errors=True)
+    with ckptstore.open(path, "r") as reader:
+        assert reader.iterations() == [1, 2]  # the global log is intact
+        assert same(rank_state(2, 0), reader.load(2, rank=0))
+        assert same(rank_state(1, 1), reader.load(1, rank=1))
+        with pytest.raises(ckptstore.DamagedCheckpointError, match="rank 1") as info:
+            reader.load(2, rank=1)
+        assert stream1 in str(info.value)
+    shutil.rmtree(stream1)
+    with ckptstore.open(path, "r") as reader:
+        assert same(rank_state(1, 0), reader.load(1, rank=0))
+        with pytest.raises(ckptstore.DamagedCheckpointError, match="rank 1.*missing"):
+            reader.load(1, rank=1)
