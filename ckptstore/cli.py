@@ -14,6 +14,9 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 from .errors import CkptStoreError
+from .multirank.fsck import check_job
+from .multirank.job_store import JobStore
+from .storage.job_log import is_job_store
 
 
 def _human(n: float) -> str:
@@ -62,8 +65,27 @@ def _open(path: str, mode: str = "r"):
     return open_store(path, mode)
 
 
+def _ls_job(store: Any, path: str) -> int:
+    """ls of a multi-rank job store: one row per iteration, sizes summed over its ranks."""
+    rows = []
+    for it in store.iterations():
+        g = store.global_commit(it)
+        infos = [store.info(it, rank=r) for r in range(g.world_size)]
+        rows.append([it, infos[0].kind, g.epoch, g.world_size, _when(infos[0].created_ns),
+                     _human(sum(i.logical_bytes for i in infos)),
+                     _human(sum(i.written_bytes for i in infos))])
+    print(f"{path}: multi-rank job store, {store.world_size} ranks, epochs {store.view.chain}")
+    if rows:
+        print(_table(rows, ["iteration", "kind", "epoch", "ranks", "created", "size", "written"]))
+    else:
+        print("no committed checkpoints")
+    return 0
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     with _open(args.path) as store:
+        if isinstance(store, JobStore):
+            return _ls_job(store, args.path)
         rows = []
         for it in store.iterations():
             info = store.info(it)
@@ -77,7 +99,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    with _open(args.path) as store:
+    with _open(args.path) as opened:
+        store = opened
+        if isinstance(opened, JobStore):
+            g = opened.global_commit(args.iteration)
+            rank = args.rank or 0
+            print(f"iteration {args.iteration}: committed by {g.world_size} ranks in epoch "
+                  f"{g.epoch}; showing rank {rank} (--rank to choose)")
+            store = opened.stream(args.iteration, rank=rank)
         info = store.info(args.iteration)
         m = store.manifest(args.iteration)
         print(f"iteration {info.iteration} ({info.kind}), created {_when(info.created_ns)}")
@@ -154,7 +183,10 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     from .ops.fsck import check
 
     with _progress("fsck", None) as tick:
-        report = check(args.path, repair=args.repair, progress=tick)
+        if is_job_store(args.path):
+            report: Any = check_job(args.path, repair=args.repair, progress=tick)
+        else:
+            report = check(args.path, repair=args.repair, progress=tick)
     for line in report.lines():
         print(_printable(line))
     return 0 if report.clean else 1
@@ -233,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="show one checkpoint's tensors and meta")
     s.add_argument("path")
     s.add_argument("iteration", type=int)
+    s.add_argument("--rank", type=int, help="multi-rank stores: whose state (default 0)")
     s.set_defaults(func=cmd_show)
 
     s = sub.add_parser("diff", help="which tensors changed between two checkpoints (Merkle diff)")

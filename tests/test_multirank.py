@@ -326,3 +326,26 @@ def test_a_damaged_rank_stream_is_reported_naming_the_rank(tmp_path):
         assert same(rank_state(1, 0), reader.load(1, rank=0))
         with pytest.raises(ckptstore.DamagedCheckpointError, match="rank 1.*missing"):
             reader.load(1, rank=1)
+
+
+def test_cli_ls_show_and_fsck_of_a_job_store(tmp_path, capsys):
+    from ckptstore.cli import main
+
+    path = str(tmp_path / "job")
+    ok(run_ranks(2, MOD, "save_and_load", path, str(tmp_path / "w"), iterations=2))
+    assert main(["ls", path]) == 0
+    out = capsys.readouterr().out
+    assert "2 ranks" in out and out.splitlines()[1].split()[:4] == ["iteration", "kind", "epoch", "ranks"]
+    assert main(["show", path, "2", "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "showing rank 1" in out and "rank/rng" in out
+    assert main(["fsck", path]) == 0
+    out = capsys.readouterr().out
+    assert "2 committed iterations, 2 ranks" in out and out.strip().endswith("clean")
+    seg = os.path.join(JobLayout(path).stream_dir(1, 1), "segments", "0000000001.seg")
+    data = bytearray(open(seg, "rb").read())
+    data[-20] ^= 0xFF  # iteration 2's COMMIT record on rank 1
+    open(seg, "wb").write(bytes(data))
+    assert main(["fsck", path]) == 1
+    out = capsys.readouterr().out
+    assert "NOT CLEAN" in out and "DAMAGED iteration 2" in out and "rank 1" in out, out

@@ -1,0 +1,113 @@
+"""fsck of a multi-rank job store (format-spec/format.md §22): the global logs, every rank stream
+(each verified by the v1 fsck, :func:`ckptstore.ops.fsck.check`), and every visible global commit
+against the streams it names. Every finding names the rank and the file.
+
+Repair (``repair=True``) is the v1 repair of each stream (cut its uncommitted tail, rebuild its
+index); it never deletes a stream's committed data. The global logs are never rewritten: a torn
+tail of a global log is what a crash of its coordinator leaves, and readers stop before it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import CkptStoreError, DamagedCheckpointError
+from ..format.job import GLOBAL_HEAD_SIZE, RANK_ENTRY_SIZE
+from ..format.records import OVERHEAD
+from ..ops.fsck import FsckReport, check
+from ..storage.job_log import JobLayout, read_job_header, read_job_view
+from .job_store import JobStore
+
+_STREAM_RE = re.compile(r"^(\d{10})-(\d{5})$")
+
+
+@dataclass
+class JobFsckReport:
+    path: str
+    world_size: int | None = None
+    epochs: list[int] = field(default_factory=list)
+    iterations: list[int] = field(default_factory=list)
+    #: (epoch, rank) -> the v1 fsck report of that stream
+    streams: dict[tuple[int, int], FsckReport] = field(default_factory=dict)
+    damage: list[str] = field(default_factory=list)
+    damaged_iterations: dict[int, list[str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.damage and not self.damaged_iterations and \
+            all(r.clean for r in self.streams.values())
+
+    def lines(self) -> list[str]:
+        out = [f"job store {self.path}: {len(self.iterations)} committed iterations, "
+               f"{self.world_size} ranks, epochs {self.epochs}, {len(self.streams)} streams"]
+        for (epoch, rank), r in sorted(self.streams.items()):
+            for line in r.lines()[1:-1]:
+                out.append(f"rank {rank} (epoch {epoch}, {r.path}): {line}")
+        out += [f"DAMAGE {d}" for d in self.damage]
+        for it, problems in sorted(self.damaged_iterations.items()):
+            out += [f"DAMAGED iteration {it}: {p}" for p in problems]
+        out += [f"note: {n}" for n in self.notes]
+        bad = sum(not r.clean for r in self.streams.values())
+        out.append("clean" if self.clean else
+                   f"NOT CLEAN: {len(self.damage)} damaged global records, "
+                   f"{len(self.damaged_iterations)} damaged iterations, {bad} damaged streams")
+        return out
+
+
+def check_job(path: str | os.PathLike, *, repair: bool = False,
+              progress: Callable[[int], None] | None = None) -> JobFsckReport:
+    path = os.fspath(path)
+    layout = JobLayout(path)
+    report = JobFsckReport(path)
+    header = read_job_header(layout)
+    view = read_job_view(layout, header.store_id)
+    report.world_size = view.epoch.world_size if view.epoch is not None else None
+    report.epochs = view.chain
+    report.iterations = list(view.commits)
+    for n, scan in sorted(view.logs.items()):
+        if scan.epoch is None:
+            report.notes.append(f"global log {scan.path} holds no valid EPOCH record (a job that "
+                                "stopped while claiming the store): ignored")
+            continue
+        rest = scan.size - scan.valid_end
+        if rest:
+            full = OVERHEAD + GLOBAL_HEAD_SIZE + RANK_ENTRY_SIZE * scan.epoch.world_size
+            what = f"{rest} bytes after offset {scan.valid_end} of {scan.path} ({scan.damage})"
+            if rest < full and n == max(view.logs):
+                report.notes.append(f"torn tail of the current global log: {what}")
+            else:
+                report.damage.append(f"global log of epoch {n}: {what}: any commit in them is lost")
+    report.notes += [n for n in view.notes if "was written after epoch" in n]
+    try:
+        names = sorted(os.listdir(layout.streams_dir))
+    except FileNotFoundError:
+        names = []
+    for name in names:
+        m = _STREAM_RE.match(name)
+        if m is None:
+            continue
+        epoch, rank = int(m.group(1)), int(m.group(2))
+        try:
+            report.streams[(epoch, rank)] = check(os.path.join(layout.streams_dir, name),
+                                                  repair=repair, progress=progress)
+        except CkptStoreError as e:
+            report.damage.append(f"rank {rank}'s stream {os.path.join(layout.streams_dir, name)} "
+                                 f"(epoch {epoch}) cannot be checked: {e}")
+    with JobStore(path, "r") as reader:
+        for it, g in view.commits.items():
+            for r in range(g.world_size):
+                stream = report.streams.get((g.epoch, r))
+                if stream is not None and it in stream.damaged_iterations:
+                    report.damaged_iterations.setdefault(it, []).append(
+                        f"rank {r}'s stream {stream.path}: "
+                        + "; ".join(stream.damaged_iterations[it]))
+                    continue
+                try:
+                    reader.stream(it, rank=r)
+                except DamagedCheckpointError as e:
+                    report.damaged_iterations.setdefault(it, []).append(str(e))
+    return report
