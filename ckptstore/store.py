@@ -234,6 +234,13 @@ class Store:
             its = sorted(set(its).union(self._pipeline.pending_deltas()))
         return its
 
+    def tail(self) -> int | None:
+        """The newest iteration written by this writer: the newest pending delta, else the latest
+        committed iteration (None for an empty store). Readers: the latest committed one."""
+        if self._writer is not None:
+            return self._writer.tail()
+        return self.latest()
+
     def pending_age(self) -> float:
         """Seconds since the oldest pending delta was appended (0 when none is pending)."""
         since = self._writer.group_since() if self._writer is not None else None

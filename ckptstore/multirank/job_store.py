@@ -34,6 +34,7 @@ from ..engine.engine import DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE
 from ..engine.writer_engine import WriterEngine
 from ..format.header import StoreHeader
 from ..format.job import Epoch, GlobalCommit
+from ..replay.partition import merge_parts, partition_of
 from ..storage.fileops import FileOps
 from ..storage.job_log import (EpochLog, JobLayout, JobView, create_job_store, read_job_header,
                                read_job_view)
@@ -147,11 +148,6 @@ class JobStore:
                              segment_size or DEFAULT_SEGMENT_SIZE)
         header = read_job_header(self.layout)
         view = read_job_view(self.layout, header.store_id)
-        if view.epoch is not None and view.epoch.world_size != world_size:
-            raise RankMismatchError(
-                f"{self.path} was written by {view.epoch.world_size} ranks (epoch "
-                f"{view.epoch.epoch}); opening it for writing with {world_size} ranks is not "
-                "supported (read it with mode='r' and load(t, rank=r))")
         number = view.highest_claimed
         for _ in range(64):
             number += 1
@@ -290,6 +286,22 @@ class JobStore:
     def pending(self) -> list[int]:
         return self._own.pending() if self._own is not None else []
 
+    def tail(self) -> int | None:
+        """The newest iteration this rank wrote (pending or committed), or the latest global
+        commit when later (an earlier epoch's)."""
+        own = self._own.tail() if self._own is not None else None
+        latest = self._view.latest
+        return own if latest is None or (own is not None and own > latest) else latest
+
+    def check(self) -> None:
+        """Raise why no commit round can run any more (a failed rank, a newer job), if so."""
+        self._check()
+        if self._committer is not None and self._committer.broken is not None:
+            raise self._committer.broken
+
+    #: job stores have no async pipeline yet (ckptstore.torch.Checkpointer asks)
+    running_pipeline = None
+
     def pending_age(self) -> float:
         return self._own.pending_age() if self._own is not None else 0.0
 
@@ -386,9 +398,26 @@ class JobStore:
 
     def load(self, iteration: int, keys: Sequence[Any] | None = None, *,
              rank: int | None = None) -> Any:
-        """The state ``rank`` (default: this process's rank) saved at ``iteration``, bit-exact
-        (a delta is replayed within its stream)."""
-        return self.stream(iteration, rank).load(iteration, keys)
+        """The state at ``iteration``, bit-exact (a delta is replayed within its stream).
+
+        With ``rank``: what that rank saved (its part, for a partitioned Checkpointer state).
+        Without: the job's state. When the ranks' states are parts of one data-parallel state
+        (:mod:`ckptstore.replay.partition`), every part is loaded and they are merged, with this
+        rank's own RNG and scheduler states (rank 0's for a reader without a group); otherwise
+        this process's rank's state."""
+        if rank is not None:
+            return self.stream(iteration, rank).load(iteration, keys)
+        g = self.global_commit(iteration)
+        mine = self.rank if self.rank is not None and self.rank < g.world_size else None
+        first = self.stream(iteration, mine if mine is not None else 0).load(iteration)
+        section = partition_of(first)
+        if section is None:
+            if mine is None and g.world_size > 1:
+                self._rank(None, g)  # raises: which rank's state?
+            return _select(first, keys, iteration)
+        parts = [first if r == (mine or 0) else self.stream(iteration, r).load(iteration)
+                 for r in range(g.world_size)]
+        return _select(merge_parts(parts, mine or 0), keys, iteration)
 
     def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
                     rank: int | None = None) -> Any:
@@ -409,3 +438,13 @@ class JobStore:
     @property
     def store_header(self) -> StoreHeader:
         return self.header
+
+
+def _select(state: Any, keys: Sequence[Any] | None, iteration: int) -> Any:
+    if keys is None:
+        return state
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise NotFoundError(f"iteration {iteration}: keys {missing} are not in the state "
+                            f"(it has {list(state)})")
+    return {k: state[k] for k in keys}

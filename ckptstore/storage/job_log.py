@@ -32,6 +32,7 @@ from ..format.header import STORE_HEADER_SIZE, StoreHeader, decode_store_header,
 from ..format.job import (JOB_FORMAT_VERSION, JOB_TYPES, Epoch, GlobalCommit, JobRecordType,
                           decode_epoch, decode_global_commit, encode_epoch, encode_global_commit)
 from .fileops import FileOps, io_errors
+from .layout import STORE_FILE
 
 GLOBAL_DIR = "global"
 STREAMS_DIR = "streams"
@@ -44,7 +45,7 @@ class JobLayout:
 
     @property
     def store_file(self) -> str:
-        return os.path.join(self.root, "STORE")
+        return os.path.join(self.root, STORE_FILE)
 
     @property
     def global_dir(self) -> str:
@@ -78,7 +79,7 @@ def is_job_store(path: str) -> bool:
     """Whether ``path`` holds a STORE file of a job store (version 2). Damage reads as False: the
     caller's own open then reports it."""
     try:
-        with open(os.path.join(path, "STORE"), "rb") as f:
+        with open(os.path.join(path, STORE_FILE), "rb") as f:
             decode_store_header(f.read(STORE_HEADER_SIZE + 1), (JOB_FORMAT_VERSION,))
         return True
     except (OSError, CkptStoreError):

@@ -40,9 +40,11 @@ import numpy as np
 import torch
 
 from ..errors import DeltaChainError, NotFoundError
+from ..multirank.job_store import JobStore
 from ..ops.pipeline import ALIGN
 from ..replay.gradcodecs import parse_codec
 from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
+from ..replay.partition import Partition, split_state
 from ..replay.replayer import fingerprint, fingerprint_digest
 
 
@@ -120,7 +122,8 @@ class Checkpointer:
                  scheduler: Any = None, *, base_every: int | str = 200, codec: str = "exact",
                  apply_decoded: bool = False, group_commit: int = 1, group_seconds: float | None = None,
                  fingerprint_every: int = 10, target_recovery_s: float = 30.0,
-                 asynchronous: bool = True, capture: str = "hooks") -> None:
+                 asynchronous: bool | None = None, capture: str = "hooks",
+                 partition: bool | None = None) -> None:
         if type(optimizer).__name__ not in OPTIMIZER_NAMES or \
                 type(optimizer) is not getattr(torch.optim, type(optimizer).__name__):
             raise TypeError(f"optimizer {type(optimizer).__qualname__} is not replayable; supported: "
@@ -135,6 +138,12 @@ class Checkpointer:
             raise ValueError("group_seconds must be a non-negative number or None")
         if capture not in ("hooks", "step"):
             raise ValueError('capture must be "hooks" or "step"')
+        job = isinstance(store, JobStore)
+        if asynchronous is None:
+            asynchronous = not job
+        if job and asynchronous:
+            raise ValueError("a multi-rank store is written synchronously (asynchronous=False): "
+                             "its async pipeline is not built yet")
         self.store = store
         self.model = model
         self.optimizer = optimizer
@@ -158,6 +167,20 @@ class Checkpointer:
                 self._params.append(p)
             self._groups.append(gn)
         self._param_names = {n for gn in self._groups for n in gn}
+        #: data parallelism on a multi-rank store: the parameters this rank writes (replay/partition.py)
+        self._partition: Partition | None = None
+        self._rank = 0
+        #: the next step writes a base (a job store's new epoch starts its own chain)
+        self._force_base = False
+        ordered = [n for gn in self._groups for n in gn]
+        if job and store.world_size > 1 and partition is not False:
+            assert store.rank is not None and store.world_size is not None
+            self._rank = store.rank
+            self._partition = Partition.balanced(
+                [(n, p.numel() * p.element_size()) for n, p in zip(ordered, self._params)],
+                store.world_size)
+        self._owned = [self._partition is None or self._partition.owner[n] == self._rank
+                       for n in ordered]
         sd = model.state_dict(keep_vars=True)
         by_ptr = {(p.data_ptr(), tuple(p.shape), p.dtype): n for n, p in model.named_parameters()}
         self._aliases = {k: by_ptr[(v.data_ptr(), tuple(v.shape), v.dtype)] for k, v in sd.items()
@@ -217,6 +240,8 @@ class Checkpointer:
         st["rng"] = capture_rng()
         st["iteration"] = iteration
         st[REPLAY_KEY] = self._replay_info()
+        if self._partition is not None:
+            return split_state(st, self._partition, self._rank)
         return st
 
     def save_base(self, iteration: int, meta: dict | None = None):
@@ -232,6 +257,7 @@ class Checkpointer:
         stats = self.store.save(iteration, self.state(iteration), meta=meta)
         self._ema("_base_cost", time.perf_counter() - t0)
         self._last = self._base = iteration
+        self._force_base = False
         return stats
 
     def _cost_callback(self, attr: str, foreground: float):
@@ -312,9 +338,9 @@ class Checkpointer:
         grads: list[Any] = []
         max_err: list[float] = []
         err_l2 = g_l2 = 0.0
-        for p in self._params:
-            if p.grad is None:
-                grads.append(None)
+        for p, owned in zip(self._params, self._owned):
+            if p.grad is None or not (owned or self.apply_decoded and self.codec.lossy):
+                grads.append(None)  # (not owned: dropped from the record below)
                 max_err.append(0.0)
                 continue
             payload, dec, st = self.codec.encode_measured(p.grad, self.apply_decoded)
@@ -334,6 +360,10 @@ class Checkpointer:
                       err: dict[str, Any]) -> dict[str, Any]:
         """The delta record of ``iteration`` (format-spec/deltas.md), built after
         ``optimizer.step()`` and ``scheduler.step()``: ``hyper`` and ``rng`` were taken before."""
+        if self._partition is not None:
+            grads = [g for g, owned in zip(grads, self._owned) if owned]
+            if self.codec.lossy:
+                err = dict(err, max_abs=[e for e, owned in zip(err["max_abs"], self._owned) if owned])
         record: dict[str, Any] = {
             "v": REPLAY_VERSION, "codec": self.codec.name, "lossy": self.codec.lossy,
             "applied": self.apply_decoded and self.codec.lossy, "grads": grads, "hyper": hyper,
@@ -349,11 +379,12 @@ class Checkpointer:
             record["err"] = err
         if self.fingerprint_every and iteration % self.fingerprint_every == 0:
             # the norm serves only replays that cannot compare bits (deltas.md, "fp")
+            params = [p for p, owned in zip(self._params, self._owned) if owned]
             if self.codec.lossy or self._device != "cpu":
-                digest, norm = fingerprint(self._params)
+                digest, norm = fingerprint(params)
                 record["fp"] = {"xxh3": digest, "norm": norm}
             else:
-                record["fp"] = {"xxh3": fingerprint_digest(self._params)}
+                record["fp"] = {"xxh3": fingerprint_digest(params)}
         return record
 
     def _optimizer_step(self, iteration: int) -> bool:
@@ -362,7 +393,8 @@ class Checkpointer:
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        return iteration - (self._base if self._base is not None else 0) >= self.interval()
+        return self._force_base or \
+            iteration - (self._base if self._base is not None else 0) >= self.interval()
 
     def _take_grads(self) -> tuple[list[Any], Any]:
         """Gradient payloads for the delta record, in slots of a host arena (ownership passes to
@@ -430,7 +462,12 @@ class Checkpointer:
                                                          self.scheduler.state_dict()))
         restore_rng(state["rng"])
         self._last = target
-        self._base = self.store.base_of(target)
+        if isinstance(self.store, JobStore):
+            # a job store is reopened in a new epoch, whose streams start empty: its chain starts
+            # with a base at the first step (format-spec/format.md §22.4)
+            self._base, self._force_base = target, True
+        else:
+            self._base = self.store.base_of(target)
         return target
 
     # ---- training ---------------------------------------------------------------------------
@@ -470,8 +507,7 @@ class Checkpointer:
             except BaseException:
                 self._resync = True
                 raise
-        pending = self.store.pending()
-        self._check_follows(iteration, pending[-1] if pending else self.store.index.latest())
+        self._check_follows(iteration, self.store.tail())
         t0 = time.perf_counter()
         rng = capture_rng()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -518,6 +554,9 @@ class Checkpointer:
             latest = self.store.latest()
         if latest is None or (self._resync and latest != iteration - 1):
             self.save_base(iteration - 1)
+        elif isinstance(self.store, JobStore) and \
+                self.store.global_commit(latest).epoch != self.store.epoch:
+            self._last, self._base, self._force_base = latest, latest, True  # a new epoch's chain
         else:
             self._last, self._base = latest, self.store.base_of(latest)
         self._resync = False
