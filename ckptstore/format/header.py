@@ -70,9 +70,9 @@ def decode_store_header(buf: bytes, versions: tuple[int, ...] = (FORMAT_VERSION,
         raise ChecksumMismatch("store header", f"{check:016x}", f"{actual:016x}")
     _, version, flags, store_id, chunk_size, segment_size, created = _STORE.unpack(body)
     if version not in versions:
-        what = ("a multi-rank job store: open it with ckptstore.open(path, mode='r'), or with "
-                "process_group=... to write" if version == 2 and 2 not in versions else
-                "not supported")
+        what = ("that of a multi-rank job store, which a single-writer store does not read "
+                "(ckptstore.open(path, mode='r') reads a job store, process_group=... writes it)"
+                if version == 2 and 2 not in versions else "not supported")
         raise UnsupportedVersionError(
             f"store format version {version} is {what} (this reader takes version "
             f"{', '.join(map(str, versions))})")
