@@ -7,6 +7,7 @@ what any rank saved, bit for bit.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -376,8 +377,10 @@ def ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commi
     ck = Checkpointer(store, model, opt, sched, base_every=base_every, group_commit=group_commit,
                       partition=partition)
     start = ck.restore()
+    from ckptstore.torch.dp_restore import can_load_in_parallel
+    parallel = start > 0 and can_load_in_parallel(store, start)
     restored = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                "rng": torch.get_rng_state()}
+                "optimizer": copy.deepcopy(opt.state_dict()), "rng": torch.get_rng_state()}
     for it in range(start + 1, start + iterations + 1):
         g = torch.Generator().manual_seed(1000 * rank + it)
         x, y = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
@@ -392,7 +395,7 @@ def ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commi
                   if store.global_commit(i).epoch == store.epoch)
     store.close()
     del ddp
-    return {"start": start, "written": written}
+    return {"start": start, "written": written, "parallel": parallel}
 
 
 def _ddp_check(path, live_dir, its):
@@ -425,10 +428,12 @@ def test_ddp_checkpointer_partitions_and_restores_every_rank(tmp_path, world):
     res2 = ok(run_ranks(world, MOD, "ddp_train", path, str(tmp_path / "w2"), deadline=240,
                         iterations=3, live_dir=live))
     assert [r["start"] for r in res2] == [9] * world
+    assert all(r["parallel"] for r in res2)  # each rank replayed its own part, then exchanged
     for r in range(world):
         restored = torch.load(os.path.join(live, f"restored-9-rank{r}.pt"))
-        _same(dict(torch.load(os.path.join(live, "live-9.pt"))["model"]), restored["model"],
-              "restored")
+        live9 = torch.load(os.path.join(live, "live-9.pt"))
+        _same(dict(live9["model"]), restored["model"], "restored model")
+        _same(live9["optimizer"], restored["optimizer"], "restored optimizer")
     _ddp_check(path, live, range(8, 13))
     with ckptstore.open(path, "r") as reader:
         assert reader.kind(10) == "snapshot" and reader.iterations()[-1] == 12
@@ -443,6 +448,7 @@ def test_ddp_checkpoints_resume_at_another_world_size(tmp_path, saved, resumed):
     res = ok(run_ranks(resumed, MOD, "ddp_train", path, str(tmp_path / "w2"), deadline=240,
                        iterations=3, live_dir=live))
     assert [r["start"] for r in res] == [6] * resumed
+    assert not any(r["parallel"] for r in res)  # another world size: every part merged here
     for r in range(resumed):
         restored = torch.load(os.path.join(live, f"restored-6-rank{r}.pt"))
         _same(dict(torch.load(os.path.join(live, "live-6.pt"))["model"]), restored["model"],

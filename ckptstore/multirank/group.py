@@ -69,6 +69,19 @@ class RankGroup:
             raise self.failure(what, e) from e
         return bytes(buf.numpy())
 
+    def broadcast_bytes_of(self, tensors: list[torch.Tensor], src: int, what: str) -> None:
+        """Broadcast each tensor's bytes from rank ``src`` into the same-sized tensors of the
+        other ranks, in place (any dtype: the bytes travel, so the bits are exact)."""
+        try:
+            for t in tensors:
+                if t.numel() == 0:
+                    continue
+                assert t.is_contiguous()
+                view = t.reshape(-1).view(torch.uint8)
+                dist.broadcast(view, src=dist.get_global_rank(self.group, src), group=self.group)
+        except RuntimeError as e:
+            raise self.failure(what, e) from e
+
     def failure(self, what: str, cause: BaseException) -> RankFailureError:
         return RankFailureError(
             f"rank {self.rank} of {self.world_size}: {what} failed: another rank died, or did not "

@@ -200,6 +200,12 @@ class JobStore:
         return self._view
 
     @property
+    def group(self) -> RankGroup | None:
+        """The store's own gloo group over the job's ranks (writers), for collectives such as
+        a parallel restore (ckptstore/torch/dp_restore.py)."""
+        return self._group
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

@@ -45,6 +45,7 @@ from ..ops.pipeline import ALIGN
 from ..replay.gradcodecs import parse_codec
 from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
 from ..replay.partition import Partition, split_state
+from .dp_restore import can_load_in_parallel, load_in_parallel
 from ..replay.replayer import fingerprint, fingerprint_digest
 
 
@@ -454,7 +455,10 @@ class Checkpointer:
                 fut.result()  # the chain's first base is durable when restore returns
             return 0
         target = its[-1] if iteration is None else iteration
-        state = self.store.load(target)
+        if can_load_in_parallel(self.store, target):
+            state = load_in_parallel(self.store, target)  # each rank replays its own part
+        else:
+            state = self.store.load(target)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
