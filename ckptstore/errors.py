@@ -182,3 +182,9 @@ class CommitOutcomeUnknownError(RankFailureError):
     voted to commit: the coordinator may or may not have written the global commit. This rank
     keeps its records; reopening the store (a new job) tells from the global log whether the
     iteration is committed."""
+
+
+class GlobalCommitAbortedError(CheckpointAbortedError):
+    """A multi-rank store's commit round aborted this checkpoint on every rank: another rank
+    failed before its records were durable (its error is named), or the global log could not be
+    written. What this rank prepared was cut back; earlier commits are intact."""

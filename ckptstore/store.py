@@ -63,7 +63,8 @@ class Store:
                  segment_size: int | None = None, file_ops: FileOps | None = None,
                  load_threads: int = 2, host_budget: int | None = None,
                  max_inflight: int | None = None, use_index: bool = True,
-                 evict_written: bool = True) -> None:
+                 evict_written: bool = True,
+                 commit_round: Callable[[Callable[[], Any]], Any] | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         self.path = os.fspath(path)
@@ -81,6 +82,8 @@ class Store:
         # the asynchronous pipeline (ckptstore/ops/pipeline.py), started by the first async save
         self._pipeline: Pipeline | None = None
         self._async_limits = (host_budget, max_inflight)
+        #: how the async pipeline runs a committing job (a multi-rank store's global round)
+        self._commit_round = commit_round
         # the group-commit timer (ckptstore/ops/grouptimer.py), started by set_group_seconds
         self._timer: GroupTimer | None = None
 
@@ -295,7 +298,8 @@ class Store:
         with engine.locked():
             if self._pipeline is None:
                 budget, inflight = self._async_limits
-                self._pipeline = Pipeline(engine, host_budget=budget, max_inflight=inflight)
+                self._pipeline = Pipeline(engine, host_budget=budget, max_inflight=inflight,
+                                          commit_round=self._commit_round)
             return self._pipeline
 
     @property

@@ -188,8 +188,8 @@ def test_every_rank_saves_and_loads_its_own_state(tmp_path, world):
 def test_a_failure_on_one_rank_aborts_the_iteration_on_every_rank(tmp_path, how):
     path = str(tmp_path / "job")
     res = ok(run_ranks(2, MOD, "fail_on_one_rank", path, str(tmp_path / "w"), how=how))
-    expected = {"unsupported": ["CheckpointAbortedError", "UnsupportedTypeError"],
-                "fsync": ["CheckpointAbortedError", "DiskFullError"],
+    expected = {"unsupported": ["GlobalCommitAbortedError", "UnsupportedTypeError"],
+                "fsync": ["GlobalCommitAbortedError", "DiskFullError"],
                 "mismatch": ["RankMismatchError", "RankMismatchError"]}[how]
     assert [r["error"] for r in res] == expected
     assert all(r["after_failure"] == [1] and r["final"] == [1, 2] and r["exact"] for r in res)
@@ -363,7 +363,7 @@ def _ddp_model():
 
 
 def ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commit=2,
-              partition=None):
+              partition=None, asynchronous=True):
     """DDP training with a Checkpointer on the job store: restore (or start), train, and save the
     live model and optimizer state after every step for the test to compare."""
     import torch.distributed as dist
@@ -375,7 +375,7 @@ def ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commi
     ddp = DDP(model)
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
     ck = Checkpointer(store, model, opt, sched, base_every=base_every, group_commit=group_commit,
-                      partition=partition)
+                      partition=partition, asynchronous=asynchronous)
     start = ck.restore()
     from ckptstore.torch.dp_restore import can_load_in_parallel
     parallel = start > 0 and can_load_in_parallel(store, start)
@@ -407,15 +407,16 @@ def _ddp_check(path, live_dir, its):
             _same(live["optimizer"], state["optimizer"], f"iteration {it} optimizer")
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ddp_checkpointer_partitions_and_restores_every_rank(tmp_path, world):
+@pytest.mark.parametrize("world,asynchronous", [(2, True), (4, True), (2, False)],
+                         ids=["2-async", "4-async", "2-sync"])
+def test_ddp_checkpointer_partitions_and_restores_every_rank(tmp_path, world, asynchronous):
     """Each rank writes only its share of the parameters (their state and gradients); the merged
     load of any iteration, base or replayed delta, equals the live DDP state bit for bit; a new
     job resumes every rank from the store (model, optimizer, scheduler; RNG per rank)."""
     path, live = str(tmp_path / "job"), str(tmp_path / "live")
     os.makedirs(live)
     res = ok(run_ranks(world, MOD, "ddp_train", path, str(tmp_path / "w1"), deadline=240,
-                       iterations=9, live_dir=live))
+                       iterations=9, live_dir=live, asynchronous=asynchronous))
     assert [r["start"] for r in res] == [0] * world
     _ddp_check(path, live, range(1, 10))
     with ckptstore.open(path, "r") as reader:
@@ -426,7 +427,7 @@ def test_ddp_checkpointer_partitions_and_restores_every_rank(tmp_path, world):
         assert sum(len(o) for o in owned) == 6 and all(o for o in owned[:min(world, 6)])
     # a second job resumes at 9 on every rank and continues; its first step is a base
     res2 = ok(run_ranks(world, MOD, "ddp_train", path, str(tmp_path / "w2"), deadline=240,
-                        iterations=3, live_dir=live))
+                        iterations=3, live_dir=live, asynchronous=asynchronous))
     assert [r["start"] for r in res2] == [9] * world
     assert all(r["parallel"] for r in res2)  # each rank replayed its own part, then exchanged
     for r in range(world):
@@ -457,3 +458,51 @@ def test_ddp_checkpoints_resume_at_another_world_size(tmp_path, saved, resumed):
     with ckptstore.open(path, "r") as reader:
         assert reader.world_size == resumed
         assert [reader.global_commit(i).world_size for i in (6, 7)] == [saved, resumed]
+
+
+def async_saves(rank, world, path, fail):
+    """Async snapshots and deltas: the global rounds run in each rank's persister thread. With
+    ``fail``, rank 1's second fsync of iteration 3's job fails (the local commit of delta 2's
+    group, committed first): the futures of iteration 3 raise on both ranks, the next call
+    reports it once, and saving resumes."""
+    ops = None
+    if fail and rank == 1:
+        from test_faults import FaultyOps
+        ops = FaultyOps()
+    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0, file_ops=ops) as s:
+        s.save_async(1, rank_state(1, rank)).result()
+        s.save_delta_async(2, {"g": torch.full((3,), 2.0 + rank)}, durable=False)
+        if ops is not None:
+            import errno
+            ops.arm("fsync", 2, errno.ENOSPC)
+        fut = s.save_async(3, rank_state(3, rank))  # commits delta 2's group first (one round)
+        err = None
+        try:
+            fut.result()
+        except ckptstore.CkptStoreError as e:
+            err = type(e).__name__
+        reported = None
+        try:
+            s.check()
+        except ckptstore.CkptStoreError as e:
+            reported = type(e).__name__
+        s.save_async(4, rank_state(4, rank)).result()
+        s.flush()
+        return {"error": err, "reported": reported, "iterations": s.iterations(),
+                "exact": same(rank_state(4, rank), s.load(4, rank=rank))}
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["ok", "fsync-fails-on-rank-1"])
+def test_async_saves_commit_globally_in_the_background(tmp_path, fail):
+    path = str(tmp_path / "job")
+    res = ok(run_ranks(2, MOD, "async_saves", path, str(tmp_path / "w"), fail=fail))
+    if fail:
+        assert [r["error"] for r in res] == ["GlobalCommitAbortedError", "DiskFullError"]
+        assert [r["reported"] for r in res] == ["GlobalCommitAbortedError", "DiskFullError"]
+        # delta 2 was committed in iteration 3's job (its group first): the failure rolled both
+        # back on both ranks, as a failed async save does on a single store
+        assert all(r["iterations"] == [1, 4] for r in res)
+    else:
+        assert [r["error"] for r in res] == [None, None]
+        assert all(r["iterations"] == [1, 2, 3, 4] for r in res)
+    assert all(r["exact"] for r in res)

@@ -30,9 +30,9 @@ Invariants:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from typing import Callable, TypeVar
 
-from ..errors import (CheckpointAbortedError, CkptStoreError, CommitOutcomeUnknownError,
+from ..errors import (CkptStoreError, CommitOutcomeUnknownError, GlobalCommitAbortedError,
                       FormatError, RankFailureError, RankMismatchError, StaleWriterError)
 from ..format.job import GlobalCommit, RankCommit
 from ..storage.index import CommitEntry
@@ -41,12 +41,7 @@ from .group import RankGroup
 from .messages import (Outcome, OutcomeCode, Reason, Vote, VoteStatus, decode_outcome, decode_vote,
                        encode_outcome, encode_vote)
 
-
-@dataclass
-class RoundResult:
-    """What one round committed (empty for an EMPTY round)."""
-
-    commits: list[GlobalCommit]
+T = TypeVar("T")
 
 
 class GlobalCommitter:
@@ -60,12 +55,32 @@ class GlobalCommitter:
         self.path = path
         #: rounds this rank has voted in
         self.rounds = 0
-        #: global commits made by this job, oldest first (what every rank learned)
-        self.committed: list[GlobalCommit] = []
+        #: told every global commit this job makes, in order (the job store's view)
+        self.on_commit: Callable[[list[GlobalCommit]], None] = lambda commits: None
+        self._last_committed: int | None = None
         #: why no further round can run (a failed group, a stale epoch), or None
         self.broken: CkptStoreError | None = None
         #: the latest iteration this epoch continues from (its first commit must follow it)
         self.adopted_latest: int | None = None
+
+    # ---- one commit operation as one round --------------------------------------------------
+    def around(self, operation: Callable[[], T]) -> T:
+        """Run one commit operation of this rank's stream as exactly one round: the stream's
+        commit hook votes PREPARED inside it; a failure before that votes FAILED (so the others
+        abort instead of waiting); an operation that committed nothing votes EMPTY. Called by
+        the thread that commits: the caller's, or, once the store's async pipeline runs, only its
+        persister (the job store then sends every commit through the pipeline), so rounds never
+        run on two threads at once."""
+        before = self.rounds
+        try:
+            out = operation()
+        except BaseException as e:
+            if self.rounds == before:
+                self.vote_failed(e)
+            raise
+        if self.rounds == before:
+            self.vote_empty()
+        return out
 
     # ---- the three ways a rank votes ------------------------------------------------------
     def hook(self, entries: list[CommitEntry]) -> None:
@@ -110,7 +125,9 @@ class GlobalCommitter:
             raise
         outcome = decode_outcome(raw)
         if outcome.code == OutcomeCode.COMMITTED and vote.status == VoteStatus.PREPARED:
-            self.committed.extend(self._global_commits(votes_raw))
+            commits = self._global_commits(votes_raw)
+            self._last_committed = commits[-1].iteration
+            self.on_commit(commits)
         if outcome.reason == Reason.STALE or outcome.code == OutcomeCode.UNKNOWN:
             self.broken = StaleWriterError(outcome.message)
         return outcome
@@ -136,7 +153,7 @@ class GlobalCommitter:
         newer = self.log.superseded()
         if newer is not None:
             return Outcome(OutcomeCode.ABORTED, Reason.STALE, self._stale(newer))
-        last = self.committed[-1].iteration if self.committed else self.adopted_latest
+        last = self._last_committed if self._last_committed is not None else self.adopted_latest
         first = votes[0].commits[0].commit.iteration
         if last is not None and first <= last:
             return Outcome(OutcomeCode.ABORTED, Reason.MISMATCH,
@@ -174,4 +191,4 @@ class GlobalCommitter:
             raise StaleWriterError(outcome.message)
         if outcome.reason == Reason.MISMATCH:
             raise RankMismatchError(f"{where}: not committed: {outcome.message}")
-        raise CheckpointAbortedError(f"{where}: not committed on any rank: {outcome.message}")
+        raise GlobalCommitAbortedError(f"{where}: not committed on any rank: {outcome.message}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -55,7 +56,8 @@ class JobStore:
     def __init__(self, path: str | os.PathLike, mode: str = "a", *, process_group: Any = None,
                  commit_timeout: float = DEFAULT_COMMIT_TIMEOUT, chunk_size: int | None = None,
                  segment_size: int | None = None, file_ops: FileOps | None = None,
-                 load_threads: int = 2, evict_written: bool = True) -> None:
+                 load_threads: int = 2, evict_written: bool = True,
+                 host_budget: int | None = None, max_inflight: int | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         self.path = os.fspath(path)
@@ -64,6 +66,9 @@ class JobStore:
         self._ops = file_ops or FileOps()
         self._load_threads = load_threads
         self._closed = False
+        #: the view is extended by the thread that commits (the async persister) and read by any
+        self._view_lock = threading.Lock()
+        self._view: JobView
         #: readers of rank streams, by (epoch, rank)
         self._readers: dict[tuple[int, int], Store] = {}
         self._own: Store | None = None
@@ -77,7 +82,7 @@ class JobStore:
             if process_group is None:
                 raise ValueError("writing a multi-rank store needs process_group=...")
             self._open_writer(process_group, commit_timeout, chunk_size, segment_size,
-                              evict_written)
+                              evict_written, host_budget, max_inflight)
         else:
             if not os.path.exists(self.layout.store_file):
                 raise StoreNotFoundError(f"no store at {self.path}")
@@ -89,7 +94,8 @@ class JobStore:
 
     # ---- opening ------------------------------------------------------------------------------
     def _open_writer(self, process_group: Any, timeout: float, chunk_size: int | None,
-                     segment_size: int | None, evict_written: bool) -> None:
+                     segment_size: int | None, evict_written: bool, host_budget: int | None,
+                     max_inflight: int | None) -> None:
         group = self._group = RankGroup(process_group, timeout)
         self.rank = group.rank
         try:
@@ -108,6 +114,10 @@ class JobStore:
                                          f"writing: {msg[_OPENED.size:].decode(errors='replace')}")
             epoch, adopted_plus, _ = _OPENED.unpack_from(msg)
             self.epoch = epoch
+            committer = GlobalCommitter(group, epoch, self._epoch_log, self.path)
+            committer.adopted_latest = adopted_plus - 1 if adopted_plus else None
+            committer.on_commit = self._learn
+            self._committer = committer
             error = b""
             try:
                 self.header = read_job_header(self.layout)
@@ -115,7 +125,8 @@ class JobStore:
                                   chunk_size=chunk_size or self.header.chunk_size,
                                   segment_size=segment_size or self.header.segment_size,
                                   file_ops=self._ops, load_threads=self._load_threads,
-                                  evict_written=evict_written)
+                                  evict_written=evict_written, host_budget=host_budget,
+                                  max_inflight=max_inflight, commit_round=committer.around)
             except CkptStoreError as e:
                 error = f"rank {group.rank}: {e}".encode()
             ids = group.all_gather(error or self.header.store_id, "the streams' open")
@@ -126,12 +137,10 @@ class JobStore:
             if any(m != ids[0] for m in ids):
                 raise RankMismatchError(f"{self.path}: the ranks see different stores (store ids "
                                         f"{[m.hex() for m in ids]}): is the directory shared?")
-            committer = GlobalCommitter(group, epoch, self._epoch_log, self.path)
-            committer.adopted_latest = adopted_plus - 1 if adopted_plus else None
-            self._committer = committer
             assert self._own is not None and isinstance(self._own.engine, WriterEngine)
             self._own.engine.commit_hook = committer.hook
-            self._view = read_job_view(self.layout, self.header.store_id)
+            with self._view_lock:
+                self._view = read_job_view(self.layout, self.header.store_id)
         except BaseException:
             self._release()
             raise
@@ -228,7 +237,10 @@ class JobStore:
             if self._own is not None and self._committer is not None and \
                     self._committer.broken is None:
                 own = self._own
-                self._round(own.flush)
+                if self._async():
+                    own.close()  # its pipeline's last flush is the last round
+                else:
+                    self._round(own.flush)
         except BaseException as e:  # noqa: BLE001 - raised after the files are released
             err = e
         finally:
@@ -248,37 +260,42 @@ class JobStore:
                 f"world_size={self.world_size} epoch={self.epoch}>")
 
     # ---- writing (collective) -------------------------------------------------------------------
+    def _learn(self, commits: list[GlobalCommit]) -> None:
+        """The committer's report of new global commits (from whichever thread commits)."""
+        with self._view_lock:
+            for g in commits:
+                self._view.commits[g.iteration] = g
+
     def _round(self, operation: Callable[[], T]) -> T:
-        """Run one commit operation of this rank's stream as exactly one global round: a failure
-        before this rank voted is voted FAILED (so the others abort), and an operation that
-        committed nothing votes EMPTY."""
-        own, committer = self._writer()
-        before = committer.rounds
-        try:
-            out = operation()
-        except BaseException as e:
-            if committer.rounds == before:
-                committer.vote_failed(e)
-            raise
-        if committer.rounds == before:
-            committer.vote_empty()
-        for g in committer.committed:
-            self._view.commits[g.iteration] = g
-        committer.committed.clear()
-        return out
+        """Run one synchronous commit operation of this rank's stream as one global round."""
+        _, committer = self._writer()
+        return committer.around(operation)
+
+    def _async(self) -> bool:
+        """Once the async pipeline runs, every commit goes through it (one thread runs rounds)."""
+        return self._own is not None and self._own.running_pipeline is not None
 
     def save(self, iteration: int, state: Any, meta: dict | None = None) -> SaveStats:
         """Every rank saves its own ``state`` as the checkpoint of ``iteration``; it is committed
         on every rank or on none. Pending deltas are committed first (a round of their own)."""
         own, _ = self._writer()
+        if self._async():
+            return own.save_async(iteration, state, meta).result().save
         self._round(own.flush)
         return self._round(lambda: own.save(iteration, state, meta))
 
     def save_delta(self, iteration: int, record: Any, meta: dict | None = None, *,
-                   durable: bool = True) -> SaveStats:
+                   durable: bool = True) -> SaveStats | None:
         """:meth:`ckptstore.Store.save_delta` on every rank; ``durable`` deltas are committed
-        globally at once, the others at the next ``flush``/``save``/``close``."""
+        globally at once, the others at the next ``flush``/``save``/``close``. Once the async
+        pipeline runs, a non-durable delta returns None when it is appended."""
         own, _ = self._writer()
+        if self._async():
+            fut = own.save_delta_async(iteration, record, meta, durable=durable)
+            if not durable:
+                own.pipeline.wait()
+                return None
+            return fut.result().save
         if not durable:
             return own.save_delta(iteration, record, meta, durable=False)
         return self._round(lambda: own.save_delta(iteration, record, meta, durable=True))
@@ -286,8 +303,37 @@ class JobStore:
     def flush(self) -> int | None:
         """Commit every rank's pending deltas (one round). Returns :meth:`durable_iteration`."""
         own, _ = self._writer()
-        self._round(own.flush)
+        if self._async():
+            own.pipeline.flush()
+        else:
+            self._round(own.flush)
         return self.durable_iteration()
+
+    # ---- asynchronous saves (collective: the same calls on every rank) ----------------------
+    @property
+    def pipeline(self) -> Any:
+        """This rank's async pipeline (started on first use); its persister runs every commit
+        round from then on."""
+        own, _ = self._writer()
+        return own.pipeline
+
+    @property
+    def running_pipeline(self) -> Any:
+        return self._own.running_pipeline if self._own is not None else None
+
+    def save_async(self, iteration: int, state: Any, meta: dict | None = None) -> Any:
+        """:meth:`ckptstore.Store.save_async` on every rank: the future resolves once the
+        iteration is committed globally (its round runs in the background)."""
+        own, _ = self._writer()
+        return own.save_async(iteration, state, meta)
+
+    def save_delta_async(self, iteration: int, record: Any, meta: dict | None = None, *,
+                         durable: bool = True) -> Any:
+        own, _ = self._writer()
+        return own.save_delta_async(iteration, record, meta, durable=durable)
+
+    def stats(self) -> list[Any]:
+        return self._own.stats() if self._own is not None else []
 
     def pending(self) -> list[int]:
         return self._own.pending() if self._own is not None else []
@@ -300,13 +346,13 @@ class JobStore:
         return own if latest is None or (own is not None and own > latest) else latest
 
     def check(self) -> None:
-        """Raise why no commit round can run any more (a failed rank, a newer job), if so."""
+        """Raise a background failure not reported yet (the async pipeline's), then why no commit
+        round can run any more (a failed rank, a newer job), if so."""
         self._check()
+        if self._own is not None:
+            self._own.check()
         if self._committer is not None and self._committer.broken is not None:
             raise self._committer.broken
-
-    #: job stores have no async pipeline yet (ckptstore.torch.Checkpointer asks)
-    running_pipeline = None
 
     def pending_age(self) -> float:
         return self._own.pending_age() if self._own is not None else 0.0
@@ -356,7 +402,10 @@ class JobStore:
         expected = g.ranks[r]
         for attempt in range(2):
             try:
-                entry = store.engine.entry(iteration)
+                # the own stream: its persister learns a global commit inside the stream's
+                # transaction, before that transaction indexes it; the engine's lock waits for it
+                with store.engine.locked():
+                    entry = store.engine.entry(iteration)
             except NotFoundError:
                 if attempt == 0 and store.mode == "r":
                     store.refresh()

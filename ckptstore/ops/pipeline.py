@@ -45,12 +45,13 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
-from ..errors import (CheckpointAbortedError, DeltaChainError, IterationOrderError)
+from ..errors import (CheckpointAbortedError, DeltaChainError, GlobalCommitAbortedError,
+                      IterationOrderError)
 from ..format.state import flatten
 from ..tensors import TORCH_DTYPES, ArrayLeaf, leaf_hook
 from ..engine.write_path import SaveStats, flatten_meta
@@ -317,12 +318,18 @@ class Pipeline:
     only through the writer engine's public saves, under the engine's lock."""
 
     def __init__(self, engine: "WriterEngine", *, host_budget: int | None = None,
-                 max_inflight: int | None = None) -> None:
+                 max_inflight: int | None = None,
+                 commit_round: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+        """``commit_round``: runs each job that commits (a snapshot, a delta that ends its group,
+        a flush) as one round of an outer commit (a multi-rank store's global commit round,
+        ckptstore/multirank/committer.py); every rank then runs the same rounds in the same order,
+        so a flush always queues its job, even with nothing pending."""
         if max_inflight is not None and (type(max_inflight) is not int or max_inflight < 1):
             raise ValueError("max_inflight must be a positive int")
         if host_budget is not None and (type(host_budget) is not int or host_budget < 1):
             raise ValueError("host_budget must be a positive int (bytes)")
         self.engine = engine
+        self.commit_round = commit_round
         self.pool = HostPool(host_budget or default_host_budget(),
                              pin=torch.cuda.is_available())
         self.max_inflight = max_inflight or DEFAULT_MAX_INFLIGHT
@@ -447,7 +454,7 @@ class Pipeline:
         self.check()
         with self._cond:
             idle = not self._inflight and not self._queue and not self._uncommitted
-        if not idle:
+        if not idle or self.commit_round is not None:
             marker = _Job("flush")
             with self._cond:
                 self._queue.append(marker)
@@ -518,12 +525,22 @@ class Pipeline:
                     self._queue.popleft()
                     self._cond.notify_all()
                 return
-            try:
+            def attempt(job: _Job = job) -> list[_Job]:
                 if self._error is not None:
                     raise CheckpointAbortedError(
                         f"{self._what(job)} was not written: an earlier checkpoint failed "
                         f"({self._error})")
-                self._persist(job)
+                return self._persist(job)
+
+            try:
+                if self.commit_round is not None and (job.kind != "delta" or job.commit):
+                    # this rank votes in the round, also on failure; futures resolve only once
+                    # the round is over (a caller woken earlier could start a collective of its
+                    # own while this thread is still in the round's)
+                    done = self.commit_round(attempt)
+                else:
+                    done = attempt()
+                self._resolve(job, done)
             except BaseException as e:  # noqa: BLE001 - handed to the future and the store
                 self._fail(job, e)
             finally:
@@ -542,7 +559,9 @@ class Pipeline:
         return f"iteration {job.iteration} ({job.kind})" if job.kind in ("snapshot", "delta") \
             else "the flush"
 
-    def _persist(self, job: _Job) -> None:
+    def _persist(self, job: _Job) -> list[_Job]:
+        """Write ``job`` (and commit it when it commits); returns the jobs now committed, whose
+        futures :meth:`_resolve` sets."""
         job.t_start = time.perf_counter()
         for ev in job.events:
             ev.synchronize()
@@ -559,7 +578,6 @@ class Pipeline:
             committed = job.commit
         else:
             engine.commit_group()
-        now = time.perf_counter()
         if save is not None and job.stats is not None:
             s = job.stats
             s.save, s.logical_bytes, s.written_bytes = save, save.logical_bytes, save.written_bytes
@@ -570,6 +588,10 @@ class Pipeline:
             done = self._uncommitted if committed else []
             if committed:
                 self._uncommitted = []
+        return done
+
+    def _resolve(self, job: _Job, done: list[_Job]) -> None:
+        now = time.perf_counter()
         for j in done:
             assert j.stats is not None  # a save job gets its stats before it is queued (submit)
             j.stats.persist_s = now - j.t_start
@@ -580,7 +602,10 @@ class Pipeline:
             job.future.set_result(None)
 
     def _fail(self, job: _Job, err: BaseException) -> None:
-        aborted = isinstance(err, CheckpointAbortedError)
+        # queued behind an earlier failure (that one is reported); a global round's abort is a
+        # failure of its own on this rank, as on every other
+        aborted = isinstance(err, CheckpointAbortedError) and \
+            not isinstance(err, GlobalCommitAbortedError)
         with self._cond:
             lost, self._uncommitted = self._uncommitted, []
         if not aborted:

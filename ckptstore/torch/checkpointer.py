@@ -123,7 +123,7 @@ class Checkpointer:
                  scheduler: Any = None, *, base_every: int | str = 200, codec: str = "exact",
                  apply_decoded: bool = False, group_commit: int = 1, group_seconds: float | None = None,
                  fingerprint_every: int = 10, target_recovery_s: float = 30.0,
-                 asynchronous: bool | None = None, capture: str = "hooks",
+                 asynchronous: bool = True, capture: str = "hooks",
                  partition: bool | None = None) -> None:
         if type(optimizer).__name__ not in OPTIMIZER_NAMES or \
                 type(optimizer) is not getattr(torch.optim, type(optimizer).__name__):
@@ -140,11 +140,6 @@ class Checkpointer:
         if capture not in ("hooks", "step"):
             raise ValueError('capture must be "hooks" or "step"')
         job = isinstance(store, JobStore)
-        if asynchronous is None:
-            asynchronous = not job
-        if job and asynchronous:
-            raise ValueError("a multi-rank store is written synchronously (asynchronous=False): "
-                             "its async pipeline is not built yet")
         self.store = store
         self.model = model
         self.optimizer = optimizer
@@ -293,7 +288,7 @@ class Checkpointer:
     def _hook(self, i: int):
         def on_grad(p: torch.Tensor) -> None:
             g = p.grad
-            if self._ddp or g is None or not self._capturable(i, g):
+            if self._ddp or g is None or not self._owned[i] or not self._capturable(i, g):
                 return
             self._slot(i, self._ensure_arena()).copy_(g)
             self._captured[i] = (weakref.ref(g), g._version)
@@ -313,7 +308,7 @@ class Checkpointer:
         for p in params:
             n = p.numel()
             i = self._index.get(id(p))
-            if i is not None and flat.dtype == p.dtype:
+            if i is not None and self._owned[i] and flat.dtype == p.dtype:
                 self._slot(i, arena).view(-1).copy_(flat[off:off + n])
                 self._captured[i] = "ddp"
                 with self._lock:
@@ -404,7 +399,7 @@ class Checkpointer:
         arena = None
         for i, p in enumerate(self._params):
             g = p.grad
-            if g is None:
+            if g is None or not self._owned[i]:  # (not owned: dropped from the record)
                 grads.append(None)
                 continue
             if not self._capturable(i, g):
@@ -465,13 +460,7 @@ class Checkpointer:
             self.scheduler.load_state_dict(counters_like(state["scheduler"],
                                                          self.scheduler.state_dict()))
         restore_rng(state["rng"])
-        self._last = target
-        if isinstance(self.store, JobStore):
-            # a job store is reopened in a new epoch, whose streams start empty: its chain starts
-            # with a base at the first step (format-spec/format.md §22.4)
-            self._base, self._force_base = target, True
-        else:
-            self._base = self.store.base_of(target)
+        self._continue_chain(target)
         return target
 
     # ---- training ---------------------------------------------------------------------------
@@ -558,12 +547,19 @@ class Checkpointer:
             latest = self.store.latest()
         if latest is None or (self._resync and latest != iteration - 1):
             self.save_base(iteration - 1)
-        elif isinstance(self.store, JobStore) and \
+        else:
+            self._continue_chain(latest)
+        self._resync = False
+
+    def _continue_chain(self, latest: int) -> None:
+        """The live state is that of ``latest``, the store's newest iteration: the next step
+        extends its chain, or, on a job store reopened by a new job (whose streams hold no chain
+        yet), starts one with a base (format-spec/format.md §22.4)."""
+        if isinstance(self.store, JobStore) and \
                 self.store.global_commit(latest).epoch != self.store.epoch:
-            self._last, self._base, self._force_base = latest, latest, True  # a new epoch's chain
+            self._last, self._base, self._force_base = latest, latest, True
         else:
             self._last, self._base = latest, self.store.base_of(latest)
-        self._resync = False
 
     def flush(self) -> int | None:
         """Commit pending deltas now; returns store.durable_iteration()."""
@@ -586,7 +582,7 @@ class Checkpointer:
                 # iteration - 1) starts a new chain
                 self.save_base(iteration - 1)
             else:
-                self._last, self._base = latest, self.store.base_of(latest)
+                self._continue_chain(latest)
             self._resync = False
         self._check_follows(iteration, pipe.tail())
         t0 = time.perf_counter()
