@@ -634,8 +634,9 @@ def ddp_comm_hook(checkpointer: Checkpointer | None = None):
     """A DistributedDataParallel communication hook: all-reduce (average) each gradient bucket,
     like DDP's default hook, and hand the reduced bucket to ``checkpointer`` as it completes, so
     the gradient the job exchanges anyway becomes the checkpoint's delta (no second pass over the
-    parameters). Ranks without a Checkpointer pass None. The hook's state is the process group
-    (None: the default group)::
+    parameters). Ranks without a Checkpointer pass None (a single-writer store written by rank
+    0); on a multi-rank store every rank passes its own and captures only the parameters it
+    owns. The hook's state is the process group (None: the default group)::
 
         ddp.register_comm_hook(None, ddp_comm_hook(ckpt if rank == 0 else None))
 
