@@ -363,19 +363,21 @@ def _ddp_model():
 
 
 def ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commit=2,
-              partition=None, asynchronous=True):
+              partition=None, asynchronous=True, comm_hook=False):
     """DDP training with a Checkpointer on the job store: restore (or start), train, and save the
     live model and optimizer state after every step for the test to compare."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ckptstore.torch import Checkpointer
+    from ckptstore.torch import Checkpointer, ddp_comm_hook
 
     model, opt, sched = _ddp_model()
     ddp = DDP(model)
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
     ck = Checkpointer(store, model, opt, sched, base_every=base_every, group_commit=group_commit,
                       partition=partition, asynchronous=asynchronous)
+    if comm_hook:
+        ddp.register_comm_hook(None, ddp_comm_hook(ck))
     start = ck.restore()
     from ckptstore.torch.dp_restore import can_load_in_parallel
     parallel = start > 0 and can_load_in_parallel(store, start)
@@ -395,7 +397,8 @@ def ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commi
                   if store.global_commit(i).epoch == store.epoch)
     store.close()
     del ddp
-    return {"start": start, "written": written, "parallel": parallel}
+    return {"start": start, "written": written, "parallel": parallel,
+            "captured": dict(ck.capture_counts)}
 
 
 def _ddp_check(path, live_dir, its):
@@ -407,17 +410,22 @@ def _ddp_check(path, live_dir, its):
             _same(live["optimizer"], state["optimizer"], f"iteration {it} optimizer")
 
 
-@pytest.mark.parametrize("world,asynchronous", [(2, True), (4, True), (2, False)],
-                         ids=["2-async", "4-async", "2-sync"])
-def test_ddp_checkpointer_partitions_and_restores_every_rank(tmp_path, world, asynchronous):
+@pytest.mark.parametrize("world,asynchronous,comm_hook",
+                         [(2, True, False), (4, True, False), (2, False, False), (2, True, True)],
+                         ids=["2-async", "4-async", "2-sync", "2-async-ddp-comm-hook"])
+def test_ddp_checkpointer_partitions_and_restores_every_rank(tmp_path, world, asynchronous,
+                                                             comm_hook):
     """Each rank writes only its share of the parameters (their state and gradients); the merged
     load of any iteration, base or replayed delta, equals the live DDP state bit for bit; a new
     job resumes every rank from the store (model, optimizer, scheduler; RNG per rank)."""
     path, live = str(tmp_path / "job"), str(tmp_path / "live")
     os.makedirs(live)
     res = ok(run_ranks(world, MOD, "ddp_train", path, str(tmp_path / "w1"), deadline=240,
-                       iterations=9, live_dir=live, asynchronous=asynchronous))
+                       iterations=9, live_dir=live, asynchronous=asynchronous,
+                       comm_hook=comm_hook))
     assert [r["start"] for r in res] == [0] * world
+    if comm_hook:  # every rank captured its own parameters from the all-reduced buckets
+        assert all(r["captured"]["ddp"] > 0 and r["captured"]["step"] == 0 for r in res), res
     _ddp_check(path, live, range(1, 10))
     with ckptstore.open(path, "r") as reader:
         assert reader.iterations() == list(range(0, 10)) and reader.kind(5) == "delta"
