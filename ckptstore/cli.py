@@ -161,9 +161,13 @@ def _flat_tensors(state: Any, prefix: str = "") -> tuple[dict[str, Any], dict[st
 
 def cmd_restore(args: argparse.Namespace) -> int:
     with _open(args.path) as store:
-        total = store.info(args.iteration).logical_bytes
-        with _progress("restore", total) as tick:
-            state = store.load(args.iteration, keys=args.keys or None, progress=tick)
+        if isinstance(store, JobStore):
+            # a job store: the merged state of a data-parallel job, or one rank's (--rank)
+            state = store.load(args.iteration, keys=args.keys or None, rank=args.rank)
+        else:
+            total = store.info(args.iteration).logical_bytes
+            with _progress("restore", total) as tick:
+                state = store.load(args.iteration, keys=args.keys or None, progress=tick)
     if args.format == "torch":
         import torch
 
@@ -281,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.add_argument("--format", choices=("torch", "safetensors"), default="torch")
     s.add_argument("--keys", nargs="*", help="only these top-level keys")
+    s.add_argument("--rank", type=int, help="multi-rank stores: this rank's state (default: the "
+                   "job's, merged from every rank's part)")
     s.set_defaults(func=cmd_restore)
 
     s = sub.add_parser("fsck", help="verify every record and checkpoint; --repair recovers")

@@ -343,6 +343,10 @@ def test_cli_ls_show_and_fsck_of_a_job_store(tmp_path, capsys):
     assert main(["fsck", path]) == 0
     out = capsys.readouterr().out
     assert "2 committed iterations, 2 ranks" in out and out.strip().endswith("clean")
+    out_file = str(tmp_path / "r1.pt")
+    assert main(["restore", path, "2", "--rank", "1", "--out", out_file]) == 0
+    capsys.readouterr()
+    assert same(rank_state(2, 1), torch.load(out_file, weights_only=False))
     seg = os.path.join(JobLayout(path).stream_dir(1, 1), "segments", "0000000001.seg")
     data = bytearray(open(seg, "rb").read())
     data[-20] ^= 0xFF  # iteration 2's COMMIT record on rank 1
