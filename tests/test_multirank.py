@@ -8,7 +8,6 @@ what any rank saved, bit for bit.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import random
 
@@ -16,7 +15,6 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.format.job import decode_global_commit
 from ckptstore.storage.job_log import JobLayout, read_job_view
 
 from _crashkit import KillOps, state_for
@@ -360,7 +358,9 @@ def test_cli_ls_show_and_fsck_of_a_job_store(tmp_path, capsys):
 def _ddp_model():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16),
-                                torch.nn.Tanh(), torch.nn.Linear(16, 4))
+                                torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model[6].weight = model[4].weight  # tied: "6.weight" is an alias in the state dict
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     return model, opt, sched
@@ -434,9 +434,11 @@ def test_ddp_checkpointer_partitions_and_restores_every_rank(tmp_path, world, as
     with ckptstore.open(path, "r") as reader:
         assert reader.iterations() == list(range(0, 10)) and reader.kind(5) == "delta"
         parts = [reader.load(6, rank=r) for r in range(world)]
-        owned = [set(p["model"]) & {n for n, _ in _ddp_model()[0].named_parameters()}
-                 for p in parts]
-        assert sum(len(o) for o in owned) == 6 and all(o for o in owned[:min(world, 6)])
+        names = {n for n, _ in _ddp_model()[0].named_parameters()}
+        owned = [set(p["model"]) & names for p in parts]
+        assert sum(len(o) for o in owned) == len(names) == 9 and all(owned)
+        holders = [r for r, p in enumerate(parts) if "6.weight" in p["model"]]
+        assert len(holders) == 1 and "4.weight" in parts[holders[0]]["model"]  # with its parameter
     # a second job resumes at 9 on every rank and continues; its first step is a base
     res2 = ok(run_ranks(world, MOD, "ddp_train", path, str(tmp_path / "w2"), deadline=240,
                         iterations=3, live_dir=live, asynchronous=asynchronous))

@@ -160,7 +160,6 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, work: str) -> Non
     if rank == 0:
         with open(os.path.join(work, "result.json"), "w") as f:
             json.dump(out, f)
-    del ddp
     dist.destroy_process_group()
     os._exit(0)
 

@@ -81,7 +81,8 @@ def split_state(state: dict, part: Partition, rank: int) -> dict:
                                     if c in owned},
                            **{PARTITION_KEY: {"rank": rank, "world": part.world,
                                               "owner": dict(part.owner), "groups": groups,
-                                              "keys": list(state["model"].keys())}})
+                                              "keys": list(state["model"].keys()),
+                                              "aliases": dict(info.get("aliases") or {})}})
     return out
 
 
@@ -138,16 +139,14 @@ def merge_parts(parts: Sequence[dict], local: int = 0) -> dict:
     for p in parts:
         own_names = [n for g in p[REPLAY_KEY]["groups"] for n in g]
         index_in_part.append({n: i for i, n in enumerate(own_names)})
-    aliases: dict[str, str] = {}
-    for p in parts:
-        aliases.update(p[REPLAY_KEY].get("aliases") or {})
+    aliases: dict[str, str] = dict(first.get("aliases") or {})  # tied entries, all ranks'
     model = type(base["model"])()
     for k in first["keys"]:  # the trainer's state_dict order
-        src = parts[owner[k]]["model"] if k in owner else \
-            parts[owner[aliases[k]]]["model"] if k in aliases else base["model"]
-        if k not in src:
+        name = aliases.get(k, k)  # a tied entry is its parameter, from the parameter's owner
+        src = parts[owner[name]]["model"] if name in owner else base["model"]
+        if name not in src:
             raise DamagedCheckpointError(f"no part holds model entry {k!r}")
-        model[k] = src[k]
+        model[k] = src[name]
     if hasattr(base["model"], "_metadata"):
         model._metadata = base["model"]._metadata
     state: dict[int, Any] = {}
