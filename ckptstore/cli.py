@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
@@ -197,6 +198,14 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    outer = os.path.dirname(os.path.dirname(os.path.abspath(args.path)))
+    if is_job_store(args.path) or (os.path.basename(os.path.dirname(os.path.abspath(args.path)))
+                                   == "streams" and is_job_store(outer)):
+        # a stream's commits are named by global commits: gc of one stream alone would remove
+        # iterations the job store still lists (gc of job stores is not built yet)
+        print(f"ckptstore gc: {args.path} is (a stream of) a multi-rank job store; gc of job "
+              "stores is not supported yet", file=sys.stderr)
+        return 2
     with _open(args.path, "a") as store:
         with _progress("gc", None) as tick:
             r = store.gc(keep_last=args.keep_last, keep_every=args.keep_every, progress=tick)

@@ -245,6 +245,7 @@ def _acked(path: str) -> set[int]:
         return {int(line) for line in f if line.strip()}
 
 
+@pytest.mark.slow
 def test_sigkill_of_any_rank_during_commits_loses_nothing(tmp_path):
     """A rank is SIGKILLed at a random file operation (a stream write or fsync, or on rank 0 the
     global log's); the other rank gets a typed error (RankFailureError or
@@ -341,6 +342,9 @@ def test_cli_ls_show_and_fsck_of_a_job_store(tmp_path, capsys):
     assert main(["fsck", path]) == 0
     out = capsys.readouterr().out
     assert "2 committed iterations, 2 ranks" in out and out.strip().endswith("clean")
+    assert main(["gc", path, "--keep-last", "1"]) == 2
+    assert main(["gc", JobLayout(path).stream_dir(1, 0), "--keep-last", "1"]) == 2
+    assert "not supported" in capsys.readouterr().err
     out_file = str(tmp_path / "r1.pt")
     assert main(["restore", path, "2", "--rank", "1", "--out", out_file]) == 0
     capsys.readouterr()

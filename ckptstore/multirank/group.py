@@ -70,17 +70,26 @@ class RankGroup:
         return bytes(buf.numpy())
 
     def broadcast_bytes_of(self, tensors: list[torch.Tensor], src: int, what: str) -> None:
-        """Broadcast each tensor's bytes from rank ``src`` into the same-sized tensors of the
-        other ranks, in place (any dtype: the bytes travel, so the bits are exact)."""
+        """Broadcast the bytes of ``tensors`` from rank ``src`` into the same-sized tensors of the
+        other ranks, in place (any dtype: the bytes travel, so the bits are exact). They travel
+        packed in one buffer: one collective, whatever the number of tensors."""
+        views = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+        total = sum(v.numel() for v in views)
+        if not total:
+            return
+        packed = torch.empty(total, dtype=torch.uint8)
+        mine = self.rank == src
+        if mine:
+            torch.cat(views, out=packed)
         try:
-            for t in tensors:
-                if t.numel() == 0:
-                    continue
-                assert t.is_contiguous()
-                view = t.reshape(-1).view(torch.uint8)
-                dist.broadcast(view, src=dist.get_global_rank(self.group, src), group=self.group)
+            dist.broadcast(packed, src=dist.get_global_rank(self.group, src), group=self.group)
         except RuntimeError as e:
             raise self.failure(what, e) from e
+        if not mine:
+            at = 0
+            for v in views:
+                v.copy_(packed[at:at + v.numel()])
+                at += v.numel()
 
     def failure(self, what: str, cause: BaseException) -> RankFailureError:
         return RankFailureError(
