@@ -524,3 +524,100 @@ def test_async_saves_commit_globally_in_the_background(tmp_path, fail):
         assert [r["error"] for r in res] == [None, None]
         assert all(r["iterations"] == [1, 2, 3, 4] for r in res)
     assert all(r["exact"] for r in res)
+
+
+# ---- regressions from review: outcomes a rank must not misread, rounds a rank must not skip -----
+def global_log_fails(rank, world, path):
+    """Rank 0's global log: the fsync of iteration 2's GLOBAL_COMMIT fails and cutting it back
+    fails too. The record may be durable: every rank must keep its records (unknown outcome),
+    never cut them."""
+    import errno
+
+    from ckptstore.storage.fileops import FileOps, io_errors
+
+    class Faulty(FileOps):
+        armed = False
+
+        def fsync(self, fd, p):
+            if self.armed and p.endswith(".log"):
+                with io_errors("fsync", p):
+                    raise OSError(errno.EIO, "injected")
+            return super().fsync(fd, p)
+
+        def truncate(self, fd, p, length):
+            if self.armed and p.endswith(".log"):
+                with io_errors("truncate", p):
+                    raise OSError(errno.EIO, "injected")
+            return super().truncate(fd, p, length)
+
+    ops = Faulty() if rank == 0 else None
+    s = ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0, file_ops=ops)
+    s.save(1, rank_state(1, rank))
+    if ops is not None:
+        ops.armed = True
+    try:
+        s.save(2, rank_state(2, rank))
+        err = None
+    except ckptstore.CkptStoreError as e:
+        err = type(e).__name__
+    try:
+        s.close()
+    except ckptstore.CkptStoreError:
+        pass
+    return err
+
+
+def test_a_global_log_that_cannot_be_cut_back_keeps_every_ranks_records(tmp_path):
+    path = str(tmp_path / "job")
+    res = ok(run_ranks(2, MOD, "global_log_fails", path, str(tmp_path / "w")))
+    assert res == ["CommitOutcomeUnknownError", "CommitOutcomeUnknownError"]
+    with ckptstore.open(path, "r") as reader:  # the record did reach the file: it is committed
+        assert reader.iterations() == [1, 2]
+        for r in range(2):
+            assert same(rank_state(2, r), reader.load(2, rank=r))
+
+
+def local_failure_then_flush(rank, world, path):
+    """Rank 1's async delta (durable=False: no round) fails on its own; then every rank
+    flushes. The flush round must run on both (rank 1 votes FAILED), not leave rank 0 waiting
+    for the commit timeout."""
+    import errno
+    import time
+
+    from test_faults import FaultyOps
+
+    ops = FaultyOps() if rank == 1 else None
+    s = ckptstore.open(path, "a", process_group=_pg(), commit_timeout=20.0, file_ops=ops)
+    s.save_async(0, rank_state(0, rank)).result()
+    if ops is not None:
+        ops.arm("write", 1, errno.ENOSPC)
+    fut = s.save_delta_async(1, {"g": torch.ones(3)}, durable=False)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    try:
+        s.flush()
+        flushed = "ok"
+    except ckptstore.CkptStoreError as e:
+        flushed = type(e).__name__
+    waited = time.monotonic() - t0
+    del fut
+    s.save_async(2, rank_state(2, rank)).result()  # the store works again on every rank
+    its = s.iterations()
+    s.close()
+    return {"flush": flushed, "waited": waited, "iterations": its}
+
+
+def test_a_rank_local_async_failure_does_not_leave_the_others_waiting(tmp_path):
+    res = ok(run_ranks(2, MOD, "local_failure_then_flush", str(tmp_path / "job"),
+                       str(tmp_path / "w")))
+    assert [r["flush"] for r in res] == ["GlobalCommitAbortedError", "DiskFullError"], res
+    assert all(r["waited"] < 10 for r in res), res
+    assert all(r["iterations"] == [0, 2] for r in res), res
+
+
+def test_a_stray_epoch_zero_file_is_not_a_global_log(tmp_path):
+    path = str(tmp_path / "job")
+    ok(run_ranks(1, MOD, "save_and_load", path, str(tmp_path / "w"), iterations=1))
+    open(os.path.join(path, "global", "0000000000.log"), "wb").close()
+    with ckptstore.open(path, "r") as reader:
+        assert reader.iterations() == [1]

@@ -24,12 +24,18 @@ def _trained(opt_name: str, tied: bool, named: bool):
                                 torch.nn.Linear(12, 3))
     if tied:
         model[4].weight = model[2].weight
-    params = list(model.named_parameters()) if named else list(model.parameters())
+    # named: the optimizer gets names of another module (not the model's own), as when it is
+    # built from a wrapper's named_parameters()
+    params = list(torch.nn.ModuleDict({"module": model}).named_parameters()) if named \
+        else list(model.parameters())
     groups = [{"params": params[:3]}, {"params": params[3:], "lr": 0.05}]
     opt = {"Adam": lambda: torch.optim.Adam(groups, lr=0.01),
            "SGD": lambda: torch.optim.SGD(groups, lr=0.02, momentum=0.9),
            "AdamW": lambda: torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1)}[opt_name]()
-    for i in range(2):
+    model[0].requires_grad_(False)  # no gradient at first: its state comes last
+    for i in range(3):
+        if i == 2:
+            model[0].requires_grad_(True)
         model(torch.randn(5, 6)).square().mean().backward()
         opt.step()
         opt.zero_grad()

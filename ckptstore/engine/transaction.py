@@ -37,7 +37,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-from ..errors import CommitOutcomeUnknownError
 from ..format import records as rec
 from ..format.commit import Commit, encode_commit
 from ..storage.index import ChunkRef, CommitEntry, IndexBatch, Position
@@ -92,10 +91,11 @@ class TransactionHost(Protocol):
 
     #: Called after the local commit point with the commits just made durable, before the index
     #: learns them (None: no outer commit). A multi-rank job store's global two-phase commit
-    #: (ckptstore/multirank/): returning means committed; raising aborts the transaction (its
-    #: records, COMMITs included, are cut back), except CommitOutcomeUnknownError, which keeps
-    #: the local commit (an outer commit may name it) and is raised again once it is indexed.
-    commit_hook: Callable[[list[CommitEntry]], None] | None
+    #: (ckptstore/multirank/): returning None means committed; returning an error means the
+    #: outer commit decided against them: the transaction is aborted (its records, COMMITs
+    #: included, are cut back) and that error raised. Raising means the outcome is unknown: the
+    #: local commit is kept and indexed (an outer commit may name it), then the error re-raised.
+    commit_hook: Callable[[list[CommitEntry]], BaseException | None] | None
 
 
 class Transaction:
@@ -168,15 +168,17 @@ class Transaction:
         except BaseException:
             self.abort()
             raise
-        unknown: CommitOutcomeUnknownError | None = None
+        unknown: BaseException | None = None
         if self._host.commit_hook is not None:
             try:
-                self._host.commit_hook(merged.commits)  # the outer commit (multi-rank: global)
-            except CommitOutcomeUnknownError as e:
-                unknown = e  # an outer commit may name it: keep it, index it, then raise
-            except BaseException:
-                self.abort()  # decided against: cut the local commit back, as if never written
-                raise
+                refusal = self._host.commit_hook(merged.commits)  # the outer (global) commit
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                unknown = e  # the outer outcome is not known: an outer commit may name these
+                # records, so they are kept and indexed, then the error is raised
+            else:
+                if refusal is not None:
+                    self.abort()  # decided against: cut the local commit back, never written
+                    raise refusal
         self._close()
         merged.position = Position(cloc.seq, cloc.end)
         merged.segments = tuple(s for s in self.log.refresh_segments() if s <= cloc.seq)

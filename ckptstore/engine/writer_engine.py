@@ -68,7 +68,7 @@ class WriterEngine(Engine):
         self.on_new_group: Callable[[], None] | None = None
         #: the outer commit every transaction's commit calls after its local commit point (a
         #: multi-rank job store's global commit; ckptstore/engine/transaction.py)
-        self.commit_hook: Callable[[list[CommitEntry]], None] | None = None
+        self.commit_hook: Callable[[list[CommitEntry]], BaseException | None] | None = None
         try:
             self._open(chunk_size, segment_size)
         except BaseException:

@@ -83,9 +83,12 @@ class GlobalCommitter:
         return out
 
     # ---- the three ways a rank votes ------------------------------------------------------
-    def hook(self, entries: list[CommitEntry]) -> None:
-        """The stream's commit hook: its local commits are durable; vote PREPARED and return
-        only if the round commits them globally (see the module doc for what each raise means)."""
+    def hook(self, entries: list[CommitEntry]) -> BaseException | None:
+        """The stream's commit hook: its local commits are durable; vote PREPARED. Returns None
+        when the round committed them globally, or the error to raise when it decided against
+        them (ABORTED: the stream's transaction then cuts them). Raises when the outcome is not
+        known (the coordinator died, the group failed, anything unexpected): the transaction
+        then keeps them, since a global commit may name them."""
         commits = tuple(RankCommit(e.loc.seq, e.loc.offset, e.commit) for e in entries)
         try:
             outcome = self._round(Vote(VoteStatus.PREPARED, commits))
@@ -95,7 +98,7 @@ class GlobalCommitter:
                 f"{[c.commit.iteration for c in commits]} but lost contact with the other ranks "
                 f"before the outcome was known ({e}); its records are kept, and the global log "
                 "says whether they are committed (reopen the store)") from e
-        self._raise_unless_committed(outcome)
+        return self._refusal(outcome)
 
     def vote_failed(self, error: BaseException) -> None:
         """This rank's operation failed before it could prepare: take part in the round so the
@@ -108,7 +111,9 @@ class GlobalCommitter:
 
     def vote_empty(self) -> None:
         """This rank had nothing to commit in this round (a flush with no pending delta)."""
-        self._raise_unless_committed(self._round(Vote(VoteStatus.EMPTY)))
+        refusal = self._refusal(self._round(Vote(VoteStatus.EMPTY)))
+        if refusal is not None:
+            raise refusal
 
     # ---- one round --------------------------------------------------------------------------
     def _round(self, vote: Vote) -> Outcome:
@@ -120,52 +125,81 @@ class GlobalCommitter:
             decision = self._decide(votes_raw) if self.log is not None else None
             raw = self.group.broadcast(encode_outcome(decision) if decision else None,
                                        "the commit outcome")
-        except RankFailureError as e:
-            self.broken = e
-            raise
-        outcome = decode_outcome(raw)
+            outcome = decode_outcome(raw)
+        except (RankFailureError, FormatError) as e:
+            failure = e if isinstance(e, RankFailureError) else RankFailureError(
+                f"{self.path}: the commit outcome did not decode: {e}")
+            self.broken = failure
+            raise failure from e
         if outcome.code == OutcomeCode.COMMITTED and vote.status == VoteStatus.PREPARED:
             commits = self._global_commits(votes_raw)
             self._last_committed = commits[-1].iteration
             self.on_commit(commits)
-        if outcome.reason == Reason.STALE or outcome.code == OutcomeCode.UNKNOWN:
+        if outcome.reason == Reason.STALE:
             self.broken = StaleWriterError(outcome.message)
+        elif outcome.code == OutcomeCode.UNKNOWN:
+            self.broken = CommitOutcomeUnknownError(outcome.message)
         return outcome
 
     def _decide(self, votes_raw: list[bytes]) -> Outcome:
-        """The coordinator's decision, with the global log written when it commits."""
+        """The coordinator's decision, with the global log written when it commits. Never
+        raises: before the append, any failure is ABORTED (nothing was written); once the append
+        may have reached the disk, any doubt is UNKNOWN (every rank keeps its records)."""
+        assert self.log is not None
+        try:
+            votes, refusal = self._check_votes(votes_raw)
+        except Exception as e:  # noqa: BLE001 - nothing was written: abort on every rank
+            return Outcome(OutcomeCode.ABORTED, Reason.GLOBAL_LOG,
+                           f"the coordinator could not decide ({type(e).__name__}: {e})")
+        if refusal is not None:
+            return refusal
+        try:
+            self.log.append_commits(self._global_commits(votes_raw, votes))
+        except Exception as e:  # noqa: BLE001 - decided below by whether the log was cut back
+            if isinstance(e, CkptStoreError) and not self.log.broken:
+                return Outcome(OutcomeCode.ABORTED, Reason.GLOBAL_LOG,
+                               f"the global log failed (cut back): {e}")
+            return Outcome(OutcomeCode.UNKNOWN, Reason.GLOBAL_LOG,
+                           f"the global log failed and may hold the commit ({e}): every rank "
+                           "keeps its records; reopen the store")
+        try:
+            newer = self.log.superseded()
+        except Exception as e:  # noqa: BLE001 - the commit is durable; only the check failed
+            return Outcome(OutcomeCode.UNKNOWN, Reason.GLOBAL_LOG,
+                           f"committed, but checking for a newer job failed ({e})")
+        if newer is not None:
+            return Outcome(OutcomeCode.UNKNOWN, Reason.STALE, self._stale(newer))
+        return Outcome(OutcomeCode.COMMITTED)
+
+    def _check_votes(self, votes_raw: list[bytes]) -> tuple[list[Vote], Outcome | None]:
+        """The votes, and the ABORTED (or EMPTY-round COMMITTED) outcome when no global commit
+        is to be written."""
         assert self.log is not None
         try:
             votes = [decode_vote(v) for v in votes_raw]
         except FormatError as e:
-            return Outcome(OutcomeCode.ABORTED, Reason.MISMATCH, f"a vote did not decode: {e}")
+            return [], Outcome(OutcomeCode.ABORTED, Reason.MISMATCH, f"a vote did not decode: {e}")
         failed = [f"rank {r}: {v.message}" for r, v in enumerate(votes)
                   if v.status == VoteStatus.FAILED]
         if failed:
-            return Outcome(OutcomeCode.ABORTED, Reason.RANK_FAILED, "; ".join(failed))
+            return votes, Outcome(OutcomeCode.ABORTED, Reason.RANK_FAILED, "; ".join(failed))
         if all(v.status == VoteStatus.EMPTY for v in votes):
-            return Outcome(OutcomeCode.COMMITTED)
+            return votes, Outcome(OutcomeCode.COMMITTED)
         shapes = [tuple((c.commit.iteration, c.commit.kind) for c in v.commits)
                   if v.status == VoteStatus.PREPARED else "nothing" for v in votes]
         if any(s != shapes[0] for s in shapes):
-            return Outcome(OutcomeCode.ABORTED, Reason.MISMATCH, "ranks disagree on what to commit: "
-                           + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes)))
+            return votes, Outcome(OutcomeCode.ABORTED, Reason.MISMATCH,
+                                  "ranks disagree on what to commit: "
+                                  + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes)))
         newer = self.log.superseded()
         if newer is not None:
-            return Outcome(OutcomeCode.ABORTED, Reason.STALE, self._stale(newer))
+            return votes, Outcome(OutcomeCode.ABORTED, Reason.STALE, self._stale(newer))
         last = self._last_committed if self._last_committed is not None else self.adopted_latest
         first = votes[0].commits[0].commit.iteration
         if last is not None and first <= last:
-            return Outcome(OutcomeCode.ABORTED, Reason.MISMATCH,
-                           f"iteration {first} is not after the latest global commit {last}")
-        try:
-            self.log.append_commits(self._global_commits(votes_raw, votes))
-        except CkptStoreError as e:
-            return Outcome(OutcomeCode.ABORTED, Reason.GLOBAL_LOG, f"the global log failed: {e}")
-        newer = self.log.superseded()
-        if newer is not None:
-            return Outcome(OutcomeCode.UNKNOWN, Reason.STALE, self._stale(newer))
-        return Outcome(OutcomeCode.COMMITTED)
+            return votes, Outcome(OutcomeCode.ABORTED, Reason.MISMATCH,
+                                  f"iteration {first} is not after the latest global commit {last}")
+        return votes, None
 
     def _global_commits(self, votes_raw: list[bytes], votes: list[Vote] | None = None
                         ) -> list[GlobalCommit]:
@@ -181,14 +215,16 @@ class GlobalCommitter:
         return (f"{self.path}: this job's writer epoch {self.epoch} is stale: a newer job claimed "
                 f"epoch {newer}; this writer may not commit again")
 
-    def _raise_unless_committed(self, outcome: Outcome) -> None:
+    def _refusal(self, outcome: Outcome) -> CkptStoreError | None:
+        """None for COMMITTED; the error to raise for ABORTED (a decision: prepared records may
+        be cut); raises CommitOutcomeUnknownError for UNKNOWN (they must be kept)."""
         if outcome.code == OutcomeCode.COMMITTED:
-            return
+            return None
         where = f"{self.path} (rank {self.group.rank} of {self.group.world_size}, epoch {self.epoch})"
         if outcome.code == OutcomeCode.UNKNOWN:
             raise CommitOutcomeUnknownError(f"{where}: {outcome.message}")
         if outcome.reason == Reason.STALE:
-            raise StaleWriterError(outcome.message)
+            return StaleWriterError(outcome.message)
         if outcome.reason == Reason.MISMATCH:
-            raise RankMismatchError(f"{where}: not committed: {outcome.message}")
-        raise GlobalCommitAbortedError(f"{where}: not committed on any rank: {outcome.message}")
+            return RankMismatchError(f"{where}: not committed: {outcome.message}")
+        return GlobalCommitAbortedError(f"{where}: not committed on any rank: {outcome.message}")

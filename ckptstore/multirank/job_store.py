@@ -103,8 +103,9 @@ class JobStore:
                 try:
                     epoch, adopted = self._claim(group.world_size, chunk_size, segment_size)
                     msg = _OPENED.pack(epoch, 0 if adopted is None else adopted + 1, 1)
-                except CkptStoreError as e:
-                    group.broadcast(_OPENED.pack(0, 0, 0) + str(e).encode(), "the store's open")
+                except Exception as e:  # every rank learns of it (none waits for a broadcast)
+                    group.broadcast(_OPENED.pack(0, 0, 0) + f"{type(e).__name__}: {e}".encode(),
+                                    "the store's open")
                     raise
                 group.broadcast(msg, "the store's open")
             else:
@@ -127,8 +128,8 @@ class JobStore:
                                   file_ops=self._ops, load_threads=self._load_threads,
                                   evict_written=evict_written, host_budget=host_budget,
                                   max_inflight=max_inflight, commit_round=committer.around)
-            except CkptStoreError as e:
-                error = f"rank {group.rank}: {e}".encode()
+            except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
+                error = f"rank {group.rank}: {type(e).__name__}: {e}".encode()
             ids = group.all_gather(error or self.header.store_id, "the streams' open")
             failed = [m.decode(errors="replace") for m in ids if len(m) != 16]
             if failed:
@@ -275,12 +276,19 @@ class JobStore:
         """Once the async pipeline runs, every commit goes through it (one thread runs rounds)."""
         return self._own is not None and self._own.running_pipeline is not None
 
+    def _pipe(self) -> Any:
+        """The pipeline, used directly: its submit and flush queue this rank's round even when a
+        background failure is pending (the Store's own methods would raise it first, and the
+        other ranks would wait for this rank's vote)."""
+        own, _ = self._writer()
+        return own.running_pipeline or own.pipeline
+
     def save(self, iteration: int, state: Any, meta: dict | None = None) -> SaveStats:
         """Every rank saves its own ``state`` as the checkpoint of ``iteration``; it is committed
         on every rank or on none. Pending deltas are committed first (a round of their own)."""
         own, _ = self._writer()
         if self._async():
-            return own.save_async(iteration, state, meta).result().save
+            return self.save_async(iteration, state, meta).result().save
         self._round(own.flush)
         return self._round(lambda: own.save(iteration, state, meta))
 
@@ -291,9 +299,9 @@ class JobStore:
         pipeline runs, a non-durable delta returns None when it is appended."""
         own, _ = self._writer()
         if self._async():
-            fut = own.save_delta_async(iteration, record, meta, durable=durable)
+            fut = self.save_delta_async(iteration, record, meta, durable=durable)
             if not durable:
-                own.pipeline.wait()
+                self._pipe().wait()
                 return None
             return fut.result().save
         if not durable:
@@ -304,7 +312,7 @@ class JobStore:
         """Commit every rank's pending deltas (one round). Returns :meth:`durable_iteration`."""
         own, _ = self._writer()
         if self._async():
-            own.pipeline.flush()
+            self._pipe().flush()
         else:
             self._round(own.flush)
         return self.durable_iteration()
@@ -324,13 +332,11 @@ class JobStore:
     def save_async(self, iteration: int, state: Any, meta: dict | None = None) -> Any:
         """:meth:`ckptstore.Store.save_async` on every rank: the future resolves once the
         iteration is committed globally (its round runs in the background)."""
-        own, _ = self._writer()
-        return own.save_async(iteration, state, meta)
+        return self._pipe().submit("snapshot", iteration, state, meta)
 
     def save_delta_async(self, iteration: int, record: Any, meta: dict | None = None, *,
                          durable: bool = True) -> Any:
-        own, _ = self._writer()
-        return own.save_delta_async(iteration, record, meta, durable=durable)
+        return self._pipe().submit("delta", iteration, record, meta, commit=durable)
 
     def stats(self) -> list[Any]:
         return self._own.stats() if self._own is not None else []
@@ -344,6 +350,12 @@ class JobStore:
         own = self._own.tail() if self._own is not None else None
         latest = self._view.latest
         return own if latest is None or (own is not None and own > latest) else latest
+
+    def mark_broken(self, error: CkptStoreError) -> None:
+        """A collective of this job failed outside a commit round (a parallel restore's
+        exchange): no further round may run on the group."""
+        if self._committer is not None and self._committer.broken is None:
+            self._committer.broken = error
 
     def check(self) -> None:
         """Raise a background failure not reported yet (the async pipeline's), then why no commit

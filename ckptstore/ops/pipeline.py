@@ -227,7 +227,7 @@ class HostPool:
 
 @dataclass
 class _Job:
-    kind: str  # "snapshot" | "delta" | "flush" | "stop"
+    kind: str  # "snapshot" | "delta" | "flush" | "stop" | "vote-failed"
     iteration: int = -1
     skeleton: Any = None
     meta: Any = None
@@ -238,6 +238,8 @@ class _Job:
     future: Future = field(default_factory=Future)
     stats: AsyncStats | None = None
     t_start: float = 0.0
+    #: "vote-failed": why the caller's submit failed (this rank's vote in that job's round)
+    error: BaseException | None = None
 
 
 def _snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool, own_bytes: int,
@@ -354,6 +356,21 @@ class Pipeline:
         """Snapshot ``state`` and queue it; see the module docstring. ``owned``: arenas holding
         tensors of ``state`` already copied by the caller; they pass to the job (released by the
         pipeline whatever happens)."""
+        try:
+            return self._submit(kind, iteration, state, meta, commit, owned)
+        except BaseException as e:
+            if self.commit_round is not None and (kind != "delta" or commit):
+                # the other ranks run this job's round: this rank votes in it too (FAILED)
+                self._queue_job(_Job("vote-failed", error=e))
+            raise
+
+    def _queue_job(self, job: _Job) -> None:
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()
+
+    def _submit(self, kind: str, iteration: int, state: Any, meta: dict | None, commit: bool,
+                owned: list[Arena] | None) -> Future:
         t0 = time.perf_counter()
         owned = list(owned or [])
         try:
@@ -450,8 +467,10 @@ class Pipeline:
 
     def flush(self) -> None:
         """Wait until every submitted checkpoint is persisted and every async delta committed;
-        raise a failure not reported yet."""
-        self.check()
+        raise a failure not reported yet. With ``commit_round`` the flush's round is queued even
+        when a failure is pending (this rank then votes FAILED in it: the others run it too)."""
+        if self.commit_round is None:
+            self.check()
         with self._cond:
             idle = not self._inflight and not self._queue and not self._uncommitted
         if not idle or self.commit_round is not None:
@@ -525,6 +544,10 @@ class Pipeline:
                     self._queue.popleft()
                     self._cond.notify_all()
                 return
+            if job.kind == "vote-failed":
+                self._vote_failed(job)
+                continue
+
             def attempt(job: _Job = job) -> list[_Job]:
                 if self._error is not None:
                     raise CheckpointAbortedError(
@@ -553,6 +576,24 @@ class Pipeline:
                     if job.kind in ("snapshot", "delta"):
                         self._inflight -= 1
                     self._cond.notify_all()
+
+    def _vote_failed(self, job: _Job) -> None:
+        """The round of a job whose submit failed on this rank: vote FAILED (the caller already
+        has the error)."""
+        err = job.error
+        assert err is not None and self.commit_round is not None
+
+        def fail() -> None:
+            raise err
+
+        try:
+            self.commit_round(fail)
+        except BaseException:  # noqa: BLE001 - reported by submit already
+            pass
+        with self._cond:
+            self._queue.popleft()
+            self._cond.notify_all()
+        job.future.set_result(None)
 
     @staticmethod
     def _what(job: _Job) -> str:

@@ -74,7 +74,7 @@ def split_state(state: dict, part: Partition, rank: int) -> dict:
             new_index[i] = len(new_index)
     out["optimizer"] = {
         "state": {new_index[i]: s for i, s in sd["state"].items() if i in new_index},
-        "param_groups": [_cut_group(g, new_index, names) for g in sd["param_groups"]],
+        "param_groups": [_cut_group(g, new_index) for g in sd["param_groups"]],
     }
     out[REPLAY_KEY] = dict(info, groups=[[n for n in g if n in owned] for g in groups],
                            aliases={a: c for a, c in (info.get("aliases") or {}).items()
@@ -82,15 +82,19 @@ def split_state(state: dict, part: Partition, rank: int) -> dict:
                            **{PARTITION_KEY: {"rank": rank, "world": part.world,
                                               "owner": dict(part.owner), "groups": groups,
                                               "keys": list(state["model"].keys()),
-                                              "aliases": dict(info.get("aliases") or {})}})
+                                              "aliases": dict(info.get("aliases") or {}),
+                                              "state_order": list(sd["state"].keys()),
+                                              "param_names": [g.get("param_names")
+                                                              for g in sd["param_groups"]]}})
     return out
 
 
-def _cut_group(group: dict, new_index: dict[int, int], names: list[str]) -> dict:
+def _cut_group(group: dict, new_index: dict[int, int]) -> dict:
     out = dict(group, params=[new_index[i] for i in group["params"] if i in new_index])
-    if "param_names" in group:  # optimizers built from named parameters (torch >= 2.6)
-        kept = set(names[i] for i in new_index)
-        out["param_names"] = [n for n in group["param_names"] if n in kept]
+    if "param_names" in group:  # optimizers built from named parameters (torch >= 2.6): the
+        # names the optimizer was given, parallel to "params" (not necessarily the model's)
+        out["param_names"] = [n for i, n in zip(group["params"], group["param_names"])
+                              if i in new_index]
     return out
 
 
@@ -149,17 +153,20 @@ def merge_parts(parts: Sequence[dict], local: int = 0) -> dict:
         model[k] = src[name]
     if hasattr(base["model"], "_metadata"):
         model._metadata = base["model"]._metadata
-    state: dict[int, Any] = {}
+    found: dict[int, Any] = {}
     for i, n in enumerate(names):
         s = parts[owner[n]]["optimizer"]["state"].get(index_in_part[owner[n]][n])
         if s is not None:
-            state[i] = s
+            found[i] = s
+    order = [i for i in first.get("state_order", sorted(found)) if i in found]
+    state = {i: found[i] for i in order + sorted(set(found) - set(order))}  # the trainer's order
     index = {n: i for i, n in enumerate(names)}
     param_groups = []
-    for g, gnames in zip(base["optimizer"]["param_groups"], groups):
+    given_names = first.get("param_names") or [None] * len(groups)
+    for g, gnames, pnames in zip(base["optimizer"]["param_groups"], groups, given_names):
         merged = dict(g, params=[index[n] for n in gnames])
-        if "param_names" in g:
-            merged["param_names"] = list(gnames)
+        if pnames is not None:
+            merged["param_names"] = list(pnames)
         param_groups.append(merged)
     out = dict(base)
     out["model"] = model

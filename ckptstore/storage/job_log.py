@@ -67,12 +67,17 @@ class JobLayout:
         return os.path.join(self.streams_dir, f"{epoch:010d}-{rank:05d}")
 
     def list_epochs(self) -> list[int]:
-        """Epoch numbers of the global logs present (claimed epochs), ascending."""
+        """Epoch numbers of the global logs present (claimed epochs), ascending. A name that is
+        not a valid epoch (0) is not a global log."""
         try:
-            names = os.listdir(self.global_dir)
-        except FileNotFoundError:
-            return []
-        return sorted(int(m.group(1)) for n in names if (m := _EPOCH_LOG_RE.match(n)))
+            with io_errors("list", self.global_dir):
+                names = os.listdir(self.global_dir)
+        except StoreIOError as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                return []
+            raise
+        numbers = [int(m.group(1)) for name in names if (m := _EPOCH_LOG_RE.match(name))]
+        return sorted(n for n in numbers if n > 0)
 
 
 def is_job_store(path: str) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DamagedCheckpointError
+from ..errors import DamagedCheckpointError, RankFailureError
 from ..format.delta import REPLAY_KEY
 from ..multirank.job_store import JobStore
 from ..replay.partition import PARTITION_KEY, merge_parts, partition_of
@@ -38,11 +38,32 @@ def load_in_parallel(store: JobStore, iteration: int) -> dict:
     """The merged state of ``iteration`` on every rank (collective), each rank rebuilding only
     its own part. Falls back to :meth:`JobStore.load` (every part here) for a state that is not
     partitioned."""
+    try:
+        return _load_in_parallel(store, iteration)
+    except RankFailureError as e:
+        store.mark_broken(e)  # the group is unusable: no commit round may follow
+        raise
+
+
+def _load_in_parallel(store: JobStore, iteration: int) -> dict:
     group = store.group
     assert group is not None and store.rank is not None
-    own = store.load(iteration, rank=store.rank)
-    section = partition_of(own)
-    flags = group.all_gather(b"\1" if section is not None else b"\0", "the restore's layout")
+    # every rank loads its own part first and says whether it could, so a rank whose part is
+    # damaged makes every rank raise at once (none waits in the exchange)
+    own: Any = None
+    try:
+        own = store.load(iteration, rank=store.rank)
+        section = partition_of(own)
+        status = b"\1" if section is not None else b"\0"
+    except Exception as e:  # noqa: BLE001 - raised below, after every rank heard of it
+        failure, status = e, b"\2" + f"rank {store.rank}: {type(e).__name__}: {e}".encode()
+    flags = group.all_gather(status, "the restore's layout")
+    if status[:1] == b"\2":
+        raise failure
+    broken = [f[1:].decode(errors="replace") for f in flags if f[:1] == b"\2"]
+    if broken:
+        raise DamagedCheckpointError(f"iteration {iteration} cannot be restored: "
+                                     + "; ".join(broken))
     if all(f == b"\0" for f in flags):
         return own  # every rank saved its own whole state
     if any(f != b"\1" for f in flags):
