@@ -189,15 +189,15 @@ def test_no_module_touches_another_modules_private_names():
     assert not bad, "another module's private names used:\n" + "\n".join(bad)
 
 
+def _call_of(node: ast.AST, name: str) -> bool:
+    """``node`` calls ``name`` (a plain name or an attribute)."""
+    return isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id == name) or
+        (isinstance(node.func, ast.Attribute) and node.func.attr == name))
+
+
 def _calls(tree: ast.AST, func: str) -> list[ast.Call]:
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            f = node.func
-            n = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-            if n == func:
-                out.append(node)
-    return out
+    return [node for node in ast.walk(tree) if _call_of(node, func)]
 
 
 def _enclosing_functions(tree: ast.AST) -> dict[int, str]:
@@ -217,20 +217,29 @@ def _enclosing_functions(tree: ast.AST) -> dict[int, str]:
     return where
 
 
-def test_exactly_one_function_writes_commit_records():
-    """A COMMIT record is appended in one place (engine/transaction.py append_commit_record),
-    and ``encode_commit`` is called only there and where the index packs its values."""
-    writers, encoders = set(), set()
+def _sites(match) -> set[tuple[str, str]]:
+    """(module path, enclosing function) of every ast node for which ``match(node)`` holds."""
+    out = set()
     for name, path in modules().items():
         tree = ast.parse(path.read_text())
         where = _enclosing_functions(tree)
         rel = str(path.relative_to(PACKAGE))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr == "COMMIT" and \
-                    isinstance(node.value, ast.Attribute) and node.value.attr == "RecordType":
-                writers.add((rel, where.get(id(node), "")))
-        for call in _calls(tree, "encode_commit"):
-            encoders.add((rel, where.get(id(call), "")))
+        out |= {(rel, where.get(id(node), "")) for node in ast.walk(tree) if match(node)}
+    return out
+
+
+def _member(node: ast.AST, owner: str, attr: str) -> bool:
+    """``node`` is ``owner.attr`` or ``<...>.owner.attr``."""
+    return isinstance(node, ast.Attribute) and node.attr == attr and (
+        (isinstance(node.value, ast.Attribute) and node.value.attr == owner) or
+        (isinstance(node.value, ast.Name) and node.value.id == owner))
+
+
+def test_exactly_one_function_writes_commit_records():
+    """A COMMIT record is appended in one place (engine/transaction.py append_commit_record),
+    and ``encode_commit`` is called only there and where the index packs its values."""
+    writers = _sites(lambda n: _member(n, "RecordType", "COMMIT"))
+    encoders = _sites(lambda n: _call_of(n, "encode_commit"))
     appenders = {w for w in writers if w[0] not in ("storage/log.py", "storage/segments.py",
                                                     "ops/fsck.py")}
     # the log scan, the segment scanner and fsck compare record types; they never write
@@ -246,17 +255,8 @@ def test_exactly_one_function_writes_commit_records():
 def test_exactly_one_function_writes_global_commit_records():
     """A multi-rank store's GLOBAL_COMMIT records are appended by one method
     (storage/job_log.py EpochLog.append_commits), which only the coordinator's committer calls."""
-    writers, callers = set(), set()
-    for name, path in modules().items():
-        tree = ast.parse(path.read_text())
-        where = _enclosing_functions(tree)
-        rel = str(path.relative_to(PACKAGE))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr == "GLOBAL_COMMIT" and \
-                    isinstance(node.value, ast.Name) and node.value.id == "JobRecordType":
-                writers.add((rel, where.get(id(node), "")))
-            if isinstance(node, ast.Attribute) and node.attr == "append_commits":
-                callers.add((rel, where.get(id(node), "")))
+    writers = _sites(lambda n: _member(n, "JobRecordType", "GLOBAL_COMMIT"))
+    callers = _sites(lambda n: isinstance(n, ast.Attribute) and n.attr == "append_commits")
     appenders = {w for w in writers if w != ("storage/job_log.py", "scan_epoch_log")}
     assert appenders == {("storage/job_log.py", "EpochLog.append_commits")}, appenders
     assert callers == {("multirank/committer.py", "GlobalCommitter._decide")}, callers

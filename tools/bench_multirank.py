@@ -175,16 +175,12 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--group", type=int, default=10, help="deltas per group commit")
     ap.add_argument("--dir", default="/tmp/bench_multirank")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--ctx", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=4)
+    from bench_delta import add_model_args, build
+
+    add_model_args(ap)  # the model of bench_delta.py, smaller by default (ranks share 2 cores)
+    ap.set_defaults(layers=4, dim=256, vocab=8192)
     args = ap.parse_args()
     import torch.multiprocessing as mp
-
-    from bench_delta import build
 
     model, _ = build(args)
     n = sum(p.numel() for p in model.parameters())
