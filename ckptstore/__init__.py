@@ -12,8 +12,8 @@ from .errors import (CheckpointAbortedError, ChecksumMismatch, CkptStoreError, C
                      IterationOrderError, NotFoundError, ReadOnlyStoreError,
                      ReplayDivergenceError, StoreClosedError, StoreIOError, StoreLockedError,
                      StoreNotFoundError, UnsupportedTypeError, UnsupportedVersionError,
-                     CommitOutcomeUnknownError, GlobalCommitAbortedError, RankFailureError,
-                     RankMismatchError, StaleWriterError)
+                     CheckpointPolicyError, CommitOutcomeUnknownError, GlobalCommitAbortedError,
+                     RankFailureError, RankMismatchError, StaleWriterError)
 import os as _os
 from typing import Any as _Any
 
@@ -55,5 +55,5 @@ __all__ = [
     "StoreIOError", "DiskFullError", "DamagedCheckpointError", "IndexUnusable", "DeltaChainError",
     "ReplayDivergenceError", "CheckpointAbortedError", "DamagedIndexWarning",
     "StaleWriterError", "RankMismatchError", "RankFailureError", "CommitOutcomeUnknownError",
-    "GlobalCommitAbortedError",
+    "GlobalCommitAbortedError", "CheckpointPolicyError",
 ]

@@ -188,3 +188,9 @@ class GlobalCommitAbortedError(CheckpointAbortedError):
     """A multi-rank store's commit round aborted this checkpoint on every rank: another rank
     failed before its records were durable (its error is named), or the global log could not be
     written. What this rank prepared was cut back; earlier commits are intact."""
+
+
+class CheckpointPolicyError(CkptStoreError):
+    """A Checkpointer running with ``on_failure="retry"`` gave up: too many checkpoints failed in
+    a row, or the last durable checkpoint is too old (ckptstore/torch/failure_policy.py).
+    ``__cause__`` is the last failure."""

@@ -46,6 +46,7 @@ from ..replay.gradcodecs import parse_codec
 from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
 from ..replay.partition import Partition, split_state
 from .dp_restore import can_load_in_parallel, load_in_parallel
+from .failure_policy import FailurePolicy
 from ..replay.replayer import fingerprint, fingerprint_digest
 
 
@@ -117,6 +118,9 @@ class Checkpointer:
     with a base snapshot of the live state when deltas were lost. The synchronous path does the
     same after a failed write or commit (see :meth:`step`).
     ``capture``: "hooks" (default: copy gradients during backward, exact codec only) or "step".
+    ``on_failure``: "raise" (default) or "retry": keep training through storage failures, logged
+    and counted, until ``max_failures`` in a row or no durable checkpoint for ``max_lag_s``
+    seconds (:mod:`ckptstore.torch.failure_policy`; :meth:`health` says how it is going).
     """
 
     def __init__(self, store, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -124,7 +128,8 @@ class Checkpointer:
                  apply_decoded: bool = False, group_commit: int = 1, group_seconds: float | None = None,
                  fingerprint_every: int = 10, target_recovery_s: float = 30.0,
                  asynchronous: bool = True, capture: str = "hooks",
-                 partition: bool | None = None) -> None:
+                 partition: bool | None = None, on_failure: str = "raise",
+                 max_failures: int = 3, max_lag_s: float | None = 3600.0) -> None:
         if type(optimizer).__name__ not in OPTIMIZER_NAMES or \
                 type(optimizer) is not getattr(torch.optim, type(optimizer).__name__):
             raise TypeError(f"optimizer {type(optimizer).__qualname__} is not replayable; supported: "
@@ -140,6 +145,7 @@ class Checkpointer:
         if capture not in ("hooks", "step"):
             raise ValueError('capture must be "hooks" or "step"')
         job = isinstance(store, JobStore)
+        self.policy = FailurePolicy(on_failure, max_failures=max_failures, max_lag_s=max_lag_s)
         self.store = store
         self.model = model
         self.optimizer = optimizer
@@ -244,17 +250,31 @@ class Checkpointer:
         """Write a base snapshot of the live state as ``iteration`` (flushes pending deltas).
         Asynchronous: returns the future of :meth:`ckptstore.Store.save_async`."""
         t0 = time.perf_counter()
+        state = self.state(iteration)
+        self.policy.check_space(self.store.path, _tensor_bytes(state), iteration)
         if self.asynchronous:
-            fut = self.store.save_async(iteration, self.state(iteration), meta=meta)
+            fut = self.store.save_async(iteration, state, meta=meta)
             fut.add_done_callback(self._cost_callback("_base_cost", 0.0))
+            fut.add_done_callback(self._durable_callback)
             self._last = self._base = iteration
             self._group_n = 0  # the base commits every pending delta
             return fut
-        stats = self.store.save(iteration, self.state(iteration), meta=meta)
+        stats = self.store.save(iteration, state, meta=meta)
         self._ema("_base_cost", time.perf_counter() - t0)
         self._last = self._base = iteration
         self._force_base = False
+        self.policy.succeeded()
         return stats
+
+    def health(self):
+        """How checkpointing is going: failures (total, in a row, the last), seconds since the
+        last durable checkpoint, low-space warnings (:class:`~ckptstore.torch.failure_policy.
+        CheckpointHealth`)."""
+        return self.policy.health()
+
+    def _durable_callback(self, fut) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.policy.succeeded()
 
     def _cost_callback(self, attr: str, foreground: float):
         def done(fut) -> None:
@@ -492,14 +512,18 @@ class Checkpointer:
         the live state (the chain restarts) when records were lost."""
         if self.asynchronous:
             return self._step_async(iteration, meta)
-        if self._resync or self._last is None:
-            self._restart_sync(iteration)
-        else:
-            try:
-                self.store.check()  # a failed group-timer commit, before optimizer.step
-            except BaseException:
-                self._resync = True
-                raise
+        try:
+            if self._resync or self._last is None:
+                self._restart_sync(iteration)
+            else:
+                try:
+                    self.store.check()  # a failed group-timer commit, before optimizer.step
+                except BaseException:
+                    self._resync = True
+                    raise
+        except BaseException as e:
+            self.policy.failed(e, iteration)  # raises unless the policy keeps training
+            return self._step_unrecorded(iteration)
         self._check_follows(iteration, self.store.tail())
         t0 = time.perf_counter()
         rng = capture_rng()
@@ -516,16 +540,29 @@ class Checkpointer:
                         self.group_seconds is not None and
                         self.store.pending_age() >= self.group_seconds):
                     self.store.flush()
+                    self.policy.succeeded()
                 # replaying a delta costs about its read (~ its write) plus the optimizer step
                 self._ema("_delta_cost", time.perf_counter() - t0)
-        except BaseException:
+        except BaseException as e:
             # the store rolled the failed record (or group) back; the live objects hold the state
             # of ``iteration``: the next step restarts the chain from them
             self._last = iteration
             self._resync = True
-            raise
+            self.policy.failed(e, iteration)  # raises unless the policy keeps training
+            return None
         self.last_stats = stats
         return stats
+
+    def _step_unrecorded(self, iteration: int) -> None:
+        """The "retry" policy's step when the store could not take a record: train on (the
+        optimizer's and scheduler's step); the next step restarts the chain with a base."""
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self._last = iteration
+        self._resync = True
+        self._captured = [None] * len(self._params)
+        return None
 
     def _check_resumes(self, iteration: int) -> None:
         """Before a chain restart: ``iteration`` must follow the live objects' iteration, or the
@@ -569,20 +606,26 @@ class Checkpointer:
         try:
             pipe = self.store.pipeline  # raises an earlier background failure before any change
             pipe.check()
-        except BaseException:
+        except BaseException as e:
             self._resync = True
-            raise
+            self.policy.failed(e, iteration)  # raises unless the policy keeps training
+            pipe = self.store.running_pipeline  # reported: the store takes records again
         tail = pipe.tail()
         if self._resync or self._last is None or tail is None or tail < self._last:
             # (a tail behind the last step: a failure reported through another call lost records)
             self._check_resumes(iteration)
-            latest = self.store.latest()
-            if latest is None or latest != iteration - 1:
-                # empty store, or records lost to a background failure: the live state (that of
-                # iteration - 1) starts a new chain
-                self.save_base(iteration - 1)
-            else:
-                self._continue_chain(latest)
+            try:
+                latest = self.store.latest()
+                if latest is None or latest != iteration - 1:
+                    # empty store, or records lost to a background failure: the live state (that
+                    # of iteration - 1) starts a new chain
+                    self.save_base(iteration - 1)
+                else:
+                    self._continue_chain(latest)
+            except BaseException as e:
+                self.policy.failed(e, iteration)
+                self._release_captures(pipe)
+                return self._step_unrecorded(iteration)
             self._resync = False
         self._check_follows(iteration, pipe.tail())
         t0 = time.perf_counter()
@@ -618,16 +661,25 @@ class Checkpointer:
                 fut = pipe.submit("delta", iteration, record, meta, commit=commit,
                                   owned=[owned] if owned is not None else None)
                 fut.add_done_callback(self._cost_callback("_delta_cost", time.perf_counter() - t0))
-        except BaseException:
+                fut.add_done_callback(self._durable_callback)
+        except BaseException as e:
             if arena is not None:
                 pipe.pool.release(arena)
             # the live objects may have stepped while the record is lost: the next step
             # re-reads the store and restarts the chain with a base when needed
             self._last = iteration
             self._resync = True
-            raise
+            self.policy.failed(e, iteration)  # raises unless the policy keeps training
+            return None
         self.last_stats = fut
         return fut
+
+    def _release_captures(self, pipe) -> None:
+        """Give back the gradients captured for a step that records nothing."""
+        with self._lock:
+            arena, self._arena = self._arena, None
+        if arena is not None:
+            pipe.pool.release(arena)
 
 
 def ddp_comm_hook(checkpointer: Checkpointer | None = None):
@@ -659,3 +711,14 @@ def ddp_comm_hook(checkpointer: Checkpointer | None = None):
             return out
         return fut.then(done)
     return hook
+
+
+def _tensor_bytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state: the size of a base snapshot, about."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in state)
+    return 0
