@@ -276,3 +276,16 @@ def test_readers_during_gc(tmp_path):
     assert w["gcs"] >= 2, f"too few gc runs: {w}"
     for r in rs:
         assert r["rounds"] >= 5 and r["loads"] >= 5, r
+
+
+@pytest.mark.slow
+def test_eight_readers_during_saves_deltas_and_gc(tmp_path):
+    """The load of issue 15: eight reader processes (fresh and long-lived, each verifying every
+    iteration it loads) beside a writer that saves, group-commits deltas and runs gc. No reader
+    sees wrong data or an error other than an iteration gc removed after its listing.
+    tools/bench_readers.py measures the rates."""
+    w, rs = _run_side_by_side(tmp_path, float(os.environ.get("CKPTSTORE_READERS_SECONDS", "4")),
+                              gc_every=6, readers=8)
+    print(w, rs)
+    assert w["gcs"] >= 1, f"no gc ran: {w}"
+    assert all(r["rounds"] >= 1 and r["loads"] >= 1 for r in rs), rs
