@@ -33,7 +33,6 @@ from ..errors import (CkptStoreError, DamagedCheckpointError, FormatError, NotFo
                       RankMismatchError, ReadOnlyStoreError, StoreClosedError, StoreNotFoundError)
 from ..engine.engine import DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE
 from ..engine.writer_engine import WriterEngine
-from ..format.header import StoreHeader
 from ..format.job import Epoch, GlobalCommit
 from ..replay.partition import merge_parts, partition_of
 from ..storage.fileops import FileOps
@@ -501,10 +500,6 @@ class JobStore:
 
     def base_of(self, iteration: int, *, rank: int | None = None) -> int:
         return self.stream(iteration, rank).base_of(iteration)
-
-    @property
-    def store_header(self) -> StoreHeader:
-        return self.header
 
 
 def _select(state: Any, keys: Sequence[Any] | None, iteration: int) -> Any:

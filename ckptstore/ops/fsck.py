@@ -28,7 +28,7 @@ from typing import Callable
 
 from ..errors import DamagedCheckpointError, FormatError
 from ..format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header
-from ..storage.index import ChunkRef, CommitEntry, Index, MemoryIndex
+from ..storage.index import ChunkRef, Index, MemoryIndex
 from ..storage.layout import Layout
 from ..storage.lmdb_index import IndexContents, read_index_unlocked
 from ..storage.lock import no_writer
