@@ -207,8 +207,8 @@ class Checkpointer:
         self._captured: list[Any] = [None] * len(self._params)
         self._slots: list[tuple[int, int]] = []
         off = 0
-        for p in self._params:
-            n = p.numel() * p.element_size()
+        for p, owned in zip(self._params, self._owned):
+            n = p.numel() * p.element_size() if owned else 0  # (others' gradients: never captured)
             self._slots.append((off, n))
             off += (n + ALIGN - 1) // ALIGN * ALIGN
         self._slot_bytes = off
