@@ -41,7 +41,7 @@ from .storage.layout import Layout
 from .storage.log import Log, ScanReport
 from .tensors import leaf_hook
 
-__all__ = ["CheckpointInfo", "Store", "TensorDiff", "flatten_meta"]
+__all__ = ["CheckpointInfo", "Store", "TensorDiff", "flatten_meta", "select_keys"]
 
 
 @dataclass(frozen=True)
@@ -431,13 +431,7 @@ class Store:
         # reads records with no lock and no retry of its own, else it would wait on that lock
         state = self.engine.read(lambda: replay_to(
             self, iteration, read_record=lambda it, into: self.engine.load_entry(it, into=into)))
-        if keys is not None:
-            missing = [k for k in keys if k not in state]
-            if missing:
-                raise NotFoundError(f"iteration {iteration}: keys {missing} are not in the "
-                                    f"state (it has {list(state)})")
-            state = {k: state[k] for k in keys}
-        return state
+        return select_keys(state, keys, iteration)
 
     def replay(self, start: int, stop: int, **options: Any):
         """Yield ``(iteration, state)`` for every iteration in ``start..stop`` (inclusive), each
@@ -468,6 +462,18 @@ class Store:
             engine.recover_if_needed()
             return engine.read(lambda: collect(engine, keep_last=keep_last, keep_every=keep_every,
                                                progress=progress))
+
+
+def select_keys(state: Any, keys: Sequence[Any] | None, iteration: int) -> Any:
+    """The top-level ``keys`` of a loaded ``state`` (all of it for None); NotFoundError names
+    the keys it lacks."""
+    if keys is None:
+        return state
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise NotFoundError(f"iteration {iteration}: keys {missing} are not in the state (it has "
+                            f"{list(state)})")
+    return {k: state[k] for k in keys}
 
 
 def _check_iteration(iteration: Any, low: int, what: str) -> None:

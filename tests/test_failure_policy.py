@@ -38,6 +38,16 @@ def _model():
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
+def _checkpointer(tmp_path, **options):
+    """A store on a FullDisk, a small model and its restored Checkpointer (base 0 written)."""
+    disk = FullDisk()
+    store = ckptstore.open(tmp_path / "s", file_ops=disk)
+    model, opt = _model()
+    ck = Checkpointer(store, model, opt, **options)
+    ck.restore()
+    return disk, store, model, opt, ck
+
+
 def _train(ck, model, opt, its, live, disk=None, full=()):
     for it in its:
         if disk is not None:
@@ -59,12 +69,8 @@ def _train(ck, model, opt, its, live, disk=None, full=()):
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_retry_keeps_training_through_a_full_disk_and_loses_nothing_committed(
         tmp_path, caplog, asynchronous):
-    disk = FullDisk()
-    store = ckptstore.open(tmp_path / "s", file_ops=disk)
-    model, opt = _model()
-    ck = Checkpointer(store, model, opt, base_every=5, asynchronous=asynchronous,
-                      on_failure="retry", max_failures=5)
-    ck.restore()
+    disk, store, model, opt, ck = _checkpointer(tmp_path, base_every=5, asynchronous=asynchronous,
+                                                on_failure="retry", max_failures=5)
     live: dict = {}
     with caplog.at_level(logging.WARNING, logger="ckptstore"):
         _train(ck, model, opt, range(1, 13), live, disk, full={4, 5, 6})
@@ -87,12 +93,8 @@ def test_retry_keeps_training_through_a_full_disk_and_loses_nothing_committed(
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_retry_gives_up_after_max_failures_in_a_row(tmp_path, asynchronous):
-    disk = FullDisk()
-    store = ckptstore.open(tmp_path / "s", file_ops=disk)
-    model, opt = _model()
-    ck = Checkpointer(store, model, opt, base_every=50, asynchronous=asynchronous,
-                      on_failure="retry", max_failures=2)
-    ck.restore()
+    disk, store, model, opt, ck = _checkpointer(tmp_path, base_every=50, asynchronous=asynchronous,
+                                                on_failure="retry", max_failures=2)
     with pytest.raises(ckptstore.CheckpointPolicyError, match="2 times in a row") as info:
         _train(ck, model, opt, range(1, 10), {}, disk, full=set(range(3, 10)))
     assert isinstance(info.value.__cause__, (ckptstore.StoreIOError, ckptstore.CheckpointAbortedError))
@@ -100,12 +102,8 @@ def test_retry_gives_up_after_max_failures_in_a_row(tmp_path, asynchronous):
 
 
 def test_retry_gives_up_when_the_last_durable_checkpoint_is_too_old(tmp_path):
-    disk = FullDisk()
-    store = ckptstore.open(tmp_path / "s", file_ops=disk)
-    model, opt = _model()
-    ck = Checkpointer(store, model, opt, asynchronous=False, on_failure="retry",
-                      max_failures=100, max_lag_s=0.05)
-    ck.restore()
+    disk, store, model, opt, ck = _checkpointer(tmp_path, asynchronous=False, on_failure="retry",
+                                                max_failures=100, max_lag_s=0.05)
     time.sleep(0.1)
     with pytest.raises(ckptstore.CheckpointPolicyError, match="s old"):
         _train(ck, model, opt, [1], {}, disk, full={1})
@@ -113,11 +111,7 @@ def test_retry_gives_up_when_the_last_durable_checkpoint_is_too_old(tmp_path):
 
 
 def test_the_default_policy_raises_at_the_failing_step(tmp_path):
-    disk = FullDisk()
-    store = ckptstore.open(tmp_path / "s", file_ops=disk)
-    model, opt = _model()
-    ck = Checkpointer(store, model, opt, asynchronous=False)
-    ck.restore()
+    disk, store, model, opt, ck = _checkpointer(tmp_path, asynchronous=False)
     with pytest.raises(ckptstore.DiskFullError):
         _train(ck, model, opt, [1], {}, disk, full={1})
     assert ck.health().policy == "raise"
@@ -125,10 +119,7 @@ def test_the_default_policy_raises_at_the_failing_step(tmp_path):
 
 
 def test_misuse_is_never_retried(tmp_path):
-    store = ckptstore.open(tmp_path / "s")
-    model, opt = _model()
-    ck = Checkpointer(store, model, opt, asynchronous=False, on_failure="retry")
-    ck.restore()
+    _, store, model, opt, ck = _checkpointer(tmp_path, asynchronous=False, on_failure="retry")
     with pytest.raises(ckptstore.DeltaChainError):
         ck.step(5)  # does not follow iteration 0
     store.close()

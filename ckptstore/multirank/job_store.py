@@ -38,7 +38,7 @@ from ..replay.partition import merge_parts, partition_of
 from ..storage.fileops import FileOps
 from ..storage.job_log import (EpochLog, JobLayout, JobView, create_job_store, read_job_header,
                                read_job_view)
-from ..store import CheckpointInfo, SaveStats, Store
+from ..store import CheckpointInfo, SaveStats, Store, select_keys
 from .committer import GlobalCommitter
 from .group import RankGroup
 
@@ -205,7 +205,8 @@ class JobStore:
     @property
     def view(self) -> JobView:
         """The committed state from the global logs (as of open, the last refresh, or the last
-        commit of this writer)."""
+        commit of this writer; the async persister extends it: read under no assumption that it
+        stays still)."""
         return self._view
 
     @property
@@ -347,7 +348,7 @@ class JobStore:
         """The newest iteration this rank wrote (pending or committed), or the latest global
         commit when later (an earlier epoch's)."""
         own = self._own.tail() if self._own is not None else None
-        latest = self._view.latest
+        latest = self.latest()
         return own if latest is None or (own is not None and own > latest) else latest
 
     def mark_broken(self, error: CkptStoreError) -> None:
@@ -379,17 +380,21 @@ class JobStore:
         """Readers: pick up global commits made since open."""
         self._check()
         if self._own is None:
-            self._view = read_job_view(self.layout, self.header.store_id)
+            view = read_job_view(self.layout, self.header.store_id)
+            with self._view_lock:
+                self._view = view
             for s in self._readers.values():
                 s.refresh()
 
     def iterations(self) -> list[int]:
         self._check()
-        return list(self._view.commits)
+        with self._view_lock:
+            return list(self._view.commits)
 
     def latest(self) -> int | None:
         self._check()
-        return self._view.latest
+        with self._view_lock:
+            return self._view.latest
 
     def durable_iteration(self) -> int | None:
         """The newest iteration committed on every rank (the global log's)."""
@@ -397,7 +402,8 @@ class JobStore:
 
     def global_commit(self, iteration: int) -> GlobalCommit:
         self._check()
-        g = self._view.commits.get(iteration) if type(iteration) is int else None
+        with self._view_lock:
+            g = self._view.commits.get(iteration) if type(iteration) is int else None
         if g is None:
             raise NotFoundError(f"iteration {iteration!r} is not committed in {self.path}")
         return g
@@ -480,10 +486,10 @@ class JobStore:
         if section is None:
             if mine is None and g.world_size > 1:
                 self._rank(None, g)  # raises: which rank's state?
-            return _select(first, keys, iteration)
+            return select_keys(first, keys, iteration)
         parts = [first if r == (mine or 0) else self.stream(iteration, r).load(iteration)
                  for r in range(g.world_size)]
-        return _select(merge_parts(parts, mine or 0), keys, iteration)
+        return select_keys(merge_parts(parts, mine or 0), keys, iteration)
 
     def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
                     rank: int | None = None) -> Any:
@@ -501,12 +507,3 @@ class JobStore:
     def base_of(self, iteration: int, *, rank: int | None = None) -> int:
         return self.stream(iteration, rank).base_of(iteration)
 
-
-def _select(state: Any, keys: Sequence[Any] | None, iteration: int) -> Any:
-    if keys is None:
-        return state
-    missing = [k for k in keys if k not in state]
-    if missing:
-        raise NotFoundError(f"iteration {iteration}: keys {missing} are not in the state "
-                            f"(it has {list(state)})")
-    return {k: state[k] for k in keys}

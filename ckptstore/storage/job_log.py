@@ -84,11 +84,11 @@ def is_job_store(path: str) -> bool:
     """Whether ``path`` holds a job store: a STORE file of version 2 and a ``global/`` folder
     (created before STORE). Anything else reads as False: the caller's own open then reports
     what it is."""
-    if not os.path.isdir(os.path.join(path, GLOBAL_DIR)):
+    layout = JobLayout(path)
+    if not os.path.isdir(layout.global_dir):
         return False
     try:
-        with open(os.path.join(path, STORE_FILE), "rb") as f:
-            decode_store_header(f.read(STORE_HEADER_SIZE + 1), (JOB_FORMAT_VERSION,))
+        read_job_header(layout)
         return True
     except (OSError, CkptStoreError):
         return False

@@ -556,9 +556,7 @@ class Checkpointer:
     def _step_unrecorded(self, iteration: int) -> None:
         """The "retry" policy's step when the store could not take a record: train on (the
         optimizer's and scheduler's step); the next step restarts the chain with a base."""
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        self._optimizer_step(iteration)  # (whether a base was due: the next step writes one)
         self._last = iteration
         self._resync = True
         self._captured = [None] * len(self._params)
