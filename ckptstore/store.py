@@ -63,7 +63,7 @@ class Store:
                  segment_size: int | None = None, file_ops: FileOps | None = None,
                  load_threads: int = 2, host_budget: int | None = None,
                  max_inflight: int | None = None, use_index: bool = True,
-                 evict_written: bool = True,
+                 evict_written: bool = True, direct_io: bool = True,
                  commit_round: Callable[[Callable[[], Any]], Any] | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
@@ -74,7 +74,8 @@ class Store:
         if mode == "a":
             self._writer = WriterEngine(self.path, chunk_size=chunk_size,
                                         segment_size=segment_size, file_ops=file_ops,
-                                        load_threads=load_threads, evict_written=evict_written)
+                                        load_threads=load_threads, evict_written=evict_written,
+                                        direct_io=direct_io)
             self.engine = self._writer
         else:
             self.engine = ReaderEngine(self.path, load_threads=load_threads, use_index=use_index)

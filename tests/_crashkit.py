@@ -90,6 +90,24 @@ def _fileops_base():
     return FileOps
 
 
+def torn_write(fd: int, data: bytes, cut: int, offset: int) -> None:
+    """Write the leading ``cut`` bytes of ``data`` at ``offset``: what a write interrupted by a
+    crash leaves. An O_DIRECT write moves whole blocks, so on an O_DIRECT descriptor the tear falls
+    on a block boundary (and the bytes come from an aligned buffer, as O_DIRECT requires)."""
+    import fcntl
+    import mmap
+
+    direct = getattr(os, "O_DIRECT", 0)
+    if direct and fcntl.fcntl(fd, fcntl.F_GETFL) & direct:
+        cut -= cut % 4096
+        if cut > 0:
+            buf = mmap.mmap(-1, cut)
+            buf[:] = data[:cut]
+            os.pwrite(fd, buf, offset)
+    elif cut > 0:
+        os.pwrite(fd, data[:cut], offset)
+
+
 class KillOps(_fileops_base()):
     """SIGKILL the process on the ``nth`` call of ``target`` ("write", "fsync", "truncate",
     "rename", "unlink" or "any"), counted only while ``armed``.
@@ -111,9 +129,7 @@ class KillOps(_fileops_base()):
     def _pwritev(self, fd, buffers, offset):
         if self._due("write"):
             data = b"".join(bytes(b) for b in buffers)
-            cut = min(len(data) - 1, int(len(data) * self.tear))
-            if cut > 0:
-                os.pwrite(fd, data[:cut], offset)
+            torn_write(fd, data, min(len(data) - 1, int(len(data) * self.tear)), offset)
             die()
         return super()._pwritev(fd, buffers, offset)
 
@@ -155,9 +171,7 @@ class FreezeOps(_fileops_base()):
         self.left -= 1
         if self.left == 0:
             data = b"".join(bytes(b) for b in buffers)
-            cut = min(len(data) - 1, int(len(data) * self.tear))
-            if cut > 0:
-                os.pwrite(fd, data[:cut], offset)
+            torn_write(fd, data, min(len(data) - 1, int(len(data) * self.tear)), offset)
             self.frozen = True
             self._dead()
         return super()._pwritev(fd, buffers, offset)
@@ -229,7 +243,7 @@ def _child(cmd: dict) -> None:
             die()
 
     store = ckptstore.open(cmd["path"], "a", chunk_size=CHUNK_SIZE, segment_size=SEGMENT_SIZE,
-                           file_ops=ops)
+                           file_ops=ops, direct_io=cmd.get("direct_io", True))
     journal("open")
     it = (store.latest() or 0) + 1
     mode = cmd["mode"]

@@ -257,9 +257,12 @@ def test_failing_writer_surfaces_error_and_keeps_earlier_checkpoints(tmp_path, a
     assert check(tmp_path / "s").clean
 
 
-def test_failure_rolls_back_uncommitted_async_deltas(tmp_path, assert_same):
+@pytest.mark.parametrize("direct_io,nth", [(False, 8), (True, 1)])
+def test_failure_rolls_back_uncommitted_async_deltas(tmp_path, assert_same, direct_io, nth):
+    """With O_DIRECT appends the group's records are staged and reach the file in its sync, so
+    the first write after the gate opens fails; buffered, the 8th (inside delta 4 or 5)."""
     ops = GateOps()
-    store = open_store(tmp_path / "s", file_ops=ops)
+    store = open_store(tmp_path / "s", file_ops=ops, direct_io=direct_io)
     store.save_async(1, state_for(1))
     d2 = store.save_delta_async(2, state_for(2), durable=True)
     d2.result(timeout=60)
@@ -268,7 +271,7 @@ def test_failure_rolls_back_uncommitted_async_deltas(tmp_path, assert_same):
     d4 = store.save_delta_async(4, state_for(4), durable=False)
     d5 = store.save_delta_async(5, state_for(5), durable=True)
     assert store.pending() == [3, 4, 5]
-    ops.arm("write", 8, errno.EIO)  # inside delta 4 or 5
+    ops.arm("write", nth, errno.EIO)
     ops.gate.set()
     for f in (d3, d4, d5):
         with pytest.raises((CheckpointAbortedError, StoreIOError)):

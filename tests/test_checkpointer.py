@@ -595,14 +595,15 @@ def test_sync_failure_restarts_chain_with_a_base(tmp_path, assert_same, op, err,
     base of the live state (the chain restarts) and every later iteration replays bit-exact.
     ``at`` = 15 is a base-snapshot step (base_every=15). ``lost``: the uncommitted deltas of the
     group the failure rolled back (groups of 3: 7-9, 13-15); a failed delta write keeps the
-    deltas appended before it (7 is committed with the restart)."""
+    deltas appended before it (7 is committed with the restart). Buffered appends, so a write
+    fails in the step that issues it (O_DIRECT appends write a group's records at its sync)."""
     import errno as errno_mod
 
     from test_faults import FaultyOps
 
     ops = FaultyOps()
     model, opt, sched = build("Adam", {"lr": 1e-2}, "step")
-    store = ckptstore.open(tmp_path / "s", file_ops=ops)
+    store = ckptstore.open(tmp_path / "s", file_ops=ops, direct_io=False)
     ck = Checkpointer(store, model, opt, sched, base_every=15, group_commit=3,
                       fingerprint_every=5, asynchronous=False)
     assert ck.restore() == 0

@@ -427,7 +427,8 @@ def tailed(pristine, tmp_path_factory) -> tuple[Path, int, int]:
     (path, segment holding the tail, offset where the tail starts)."""
     path = tmp_path_factory.mktemp("tailed") / "store"
     shutil.copytree(pristine.path, path)
-    w = ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=1 << 20, file_ops=FreezeOps(6, 0.5))
+    w = ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=1 << 20, file_ops=FreezeOps(6, 0.5),
+                       direct_io=False)  # buffered: one write per record, so the 6th is mid-save
     with pytest.raises(ckptstore.StoreIOError):
         w.save(ITERATIONS[-1] + 1, state_for(ITERATIONS[-1] + 1))
     w.close()

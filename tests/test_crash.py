@@ -230,8 +230,17 @@ def verify_after_crash(path: Path, before: set[int], journal: Journal, assert_sa
 
 def _save_trial_plan(rng: random.Random, trial: int, est_open: float, est_save: float,
                      per_save_bytes: int) -> tuple[dict, float | None, str]:
-    """(command extras, delay for an external kill or None, mode name)."""
+    """(command extras, delay for an external kill or None, mode name). Every other triple of
+    trials appends through O_DIRECT (fewer, larger writes: a save's records reach the file at its
+    syncs, so the write to kill is picked among fewer)."""
     mode = ("delay", "progress", "fileops")[trial % 3]
+    direct_io = (trial // 3) % 2 == 1
+    extra, delay, name = _save_trial_kill(rng, mode, direct_io, est_open, est_save, per_save_bytes)
+    return {**extra, "direct_io": direct_io}, delay, f"{name}{'/direct' if direct_io else ''}"
+
+
+def _save_trial_kill(rng: random.Random, mode: str, direct_io: bool, est_open: float,
+                     est_save: float, per_save_bytes: int) -> tuple[dict, float | None, str]:
     if mode == "delay":
         saves = rng.randint(1, 6)
         return ({"max_saves": saves, "idle": True},
@@ -239,7 +248,8 @@ def _save_trial_plan(rng: random.Random, trial: int, est_open: float, est_save: 
     if mode == "progress":
         return {"kill_at_bytes": rng.randint(1, 5 * per_save_bytes)}, None, "progress"
     target = rng.choices(["write", "fsync", "any"], weights=[55, 25, 20])[0]
-    nth = rng.randint(1, {"write": 45, "fsync": 12, "any": 60}[target])
+    nth = rng.randint(1, ({"write": 8, "fsync": 12, "any": 20} if direct_io else
+                          {"write": 45, "fsync": 12, "any": 60})[target])
     kill = {"target": target, "nth": nth, "tear": rng.random(), "after": rng.random() < 0.5}
     return {"kill": kill}, None, f"fileops:{target}"
 
@@ -268,7 +278,7 @@ def test_sigkill_during_save_loop(tmp_path, forkserver, assert_same):
         assert end["signal"] == signal.SIGKILL, f"{where}: victim was not killed: {end}"
         killed += 1
         journal = Journal(journal_path)
-        stats[f"mode {mode.split(':')[0]}"] += 1
+        stats[f"mode {mode.split(':')[0]}{'/direct' if mode.endswith('/direct') else ''}"] += 1
         if not journal.opened:
             stats["kill during open/recovery"] += 1
         elif journal.in_flight is not None:
@@ -322,7 +332,7 @@ def test_sigkill_during_gc(tmp_path, forkserver, assert_same):
         assert end["signal"] == signal.SIGKILL, f"{where}: victim was not killed: {end}"
         killed += 1
         journal = Journal(journal_path)
-        stats[f"mode {mode.split(':')[0]}"] += 1
+        stats[f"mode {mode.split(':')[0]}{'/direct' if mode.endswith('/direct') else ''}"] += 1
         present = verify_after_crash(path, present, journal, assert_same, where, stats)
     summary = f"{killed} SIGKILLs in {time.monotonic() - t0:.1f} s: {dict(stats)}"
     print(summary)
@@ -623,20 +633,37 @@ def _small(i: int) -> dict:
     return {"x": np.random.default_rng(i).standard_normal(4000)}  # 32000 B: 2 chunks
 
 
-@pytest.mark.parametrize("torn", [0, 1, 23, 24, 60, 120, 127])
-def test_sigkill_tearing_a_commit_record(tmp_path, torn, assert_same):
-    """SIGKILL while the COMMIT record is being written, after ``torn`` of its 128 bytes: a torn
-    commit is an uncommitted tail -- never damage, never a lost iteration, never quarantined
-    (only a complete commit with a damaged header is, test_corruption)."""
+def _commit_record_at(data: bytes, skip: int = 0) -> int | None:
+    """Offset in ``data`` of the first COMMIT record's (valid) header at or after ``skip``."""
     from ckptstore.format import records as rec
 
-    from _crashkit import die
+    i = data.find(rec.MAGIC + bytes([rec.RecordType.COMMIT]), skip)
+    while i != -1:
+        try:
+            rec.decode_header(data[i:i + rec.HEADER_SIZE])
+            return i
+        except ckptstore.FormatError:
+            i = data.find(rec.MAGIC + bytes([rec.RecordType.COMMIT]), i + 1)
+    return None
+
+
+@pytest.mark.parametrize("direct_io", [False, True], ids=["buffered", "direct"])
+@pytest.mark.parametrize("torn", [0, 1, 23, 24, 60, 120, 127])
+def test_sigkill_tearing_a_commit_record(tmp_path, torn, direct_io, assert_same):
+    """SIGKILL while the COMMIT record is being written, after ``torn`` of its 128 bytes: a torn
+    commit is an uncommitted tail -- never damage, never a lost iteration, never quarantined
+    (only a complete commit with a damaged header is, test_corruption). With O_DIRECT appends the
+    commit is written with the records staged before it, and a tear inside an O_DIRECT write
+    falls on a block boundary (_crashkit.torn_write)."""
+    from _crashkit import die, torn_write
 
     class KillInCommit(FileOps):
         def _pwritev(self, fd, buffers, offset):
             data = b"".join(bytes(b) for b in buffers)
-            if data[:4] == rec.MAGIC and data[4] == rec.RecordType.COMMIT:
-                os.pwrite(fd, data[:torn], offset)
+            # an O_DIRECT write rewrites its first block whole: skip the bytes already in the file
+            at = _commit_record_at(data, max(0, os.fstat(fd).st_size - offset))
+            if at is not None:
+                torn_write(fd, data, at + torn, offset)
                 die()
             return super()._pwritev(fd, buffers, offset)
 
@@ -646,7 +673,8 @@ def test_sigkill_tearing_a_commit_record(tmp_path, torn, assert_same):
         w.save(2, _small(2))
 
     def victim():
-        s = ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, file_ops=KillInCommit())
+        s = ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, file_ops=KillInCommit(),
+                           direct_io=direct_io)
         s.save(3, _small(3))
 
     _dies_by_sigkill(victim)

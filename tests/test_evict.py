@@ -4,6 +4,10 @@ The advice (posix_fadvise DONTNEED) must be page-aligned, move forward, cover ev
 come only from writers with ``evict_written=True``, and change nothing: a store whose advice
 fails everywhere holds the same bytes. tests/test_faults.py additionally fails the advice on every
 write path of its sweep scenarios.
+
+Advice is about the page cache that buffered appends fill: with ``direct_io`` (the default) a
+segment's bytes bypass it, so these writers append buffered (``direct_io=False``);
+tests/test_direct.py covers the direct path.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ def delta(i: int) -> dict:
 
 def workload(path: Path, ops: FileOps, **kw) -> None:
     """Snapshots, grouped and durable deltas, segment rolls (1 MiB segments) and a gc."""
+    kw.setdefault("direct_io", False)
     with ckptstore.open(path, chunk_size=64 << 10, segment_size=1 << 20, file_ops=ops, **kw) as s:
         for i in range(4):
             s.save(i * 10, state(i * 10))
@@ -187,7 +192,7 @@ def test_failing_advice_loses_nothing(tmp_path, assert_same):
     path = tmp_path / "s"
     workload(path, ops)
     assert ops.advice_failed >= 10
-    with ckptstore.open(path, file_ops=ops) as s:  # reopen as a writer with advice still failing
+    with ckptstore.open(path, file_ops=ops, direct_io=False) as s:  # advice still failing
         assert s.iterations() == [30, 31, 32, 33, 34, 35, 40, 50]
         s.gc(keep_last=1)
         assert s.iterations() == [50]

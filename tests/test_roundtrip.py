@@ -765,5 +765,13 @@ def test_chunk_encoding_policy_examples():
     assert _check_chunk(bytes(255)) is fchunk.Codec.RAW  # below 256 bytes: never compressed
     assert _check_chunk(bytes(100_000)) is fchunk.Codec.LZ4
     assert _check_chunk(os.urandom(100_000)) is fchunk.Codec.RAW
-    # incompressible 64 KiB sample prefix, compressible rest: the sample decides (stays raw)
-    assert _check_chunk(os.urandom(fchunk.SAMPLE_BYTES) + bytes(200_000)) is fchunk.Codec.RAW
+    # the sample spans the chunk: an incompressible head does not hide a compressible rest ...
+    assert _check_chunk(os.urandom(64 << 10) + bytes(200_000)) is fchunk.Codec.LZ4
+    # ... and where every sampled piece is incompressible the chunk stays raw untried, even when
+    # the bytes between the pieces would compress
+    n = 400_000
+    stride = (n - fchunk.SAMPLE_PIECE) // (fchunk.SAMPLES - 1)
+    raw = bytearray(n)
+    for i in range(fchunk.SAMPLES):
+        raw[i * stride:i * stride + fchunk.SAMPLE_PIECE] = os.urandom(fchunk.SAMPLE_PIECE)
+    assert _check_chunk(bytes(raw)) is fchunk.Codec.RAW

@@ -2,13 +2,15 @@
 
 A GPT-style model (~25M parameters by default) trained with AdamW on CPU:
 
-1. plain training loop (no checkpoints)                         -> step time
-2. Checkpointer every iteration, codec exact and topk:0.01      -> step-time ratio, bytes per delta
+1. plain training and a Checkpointer every iteration (codecs exact and topk:0.01), interleaved in
+   blocks (``--rounds`` x ``--block`` iterations each)         -> step-time ratio (medians), the
+   persister's CPU ms per iteration and per MB, bytes per delta, the share of the disk's O_DIRECT
+   write bandwidth the deltas use
 3. a full checkpoint (model + optimizer) with torch.save        -> its size and torch.load time
 4. restore of base + K deltas (K=50) via store.load             -> vs torch.load of the full file,
    both from a warm page cache and from a cold one (files evicted first, as after a crash)
 
-    python tools/bench_delta.py [--iters 8] [--k 50] [--dir /tmp/bench_delta] [--layers 6 --dim 512]
+    python tools/bench_delta.py [--rounds 6 --block 5] [--k 50] [--dir /tmp/bench_delta] [--layers 6 --dim 512]
                                 [--restore-only] [--codecs exact,topk:0.01]
 """
 
@@ -142,6 +144,130 @@ def run_ckpt(args, codec, path, iters, group_commit=1):
     return sorted(times)[len(times) // 2], written, base_bytes, (model, opt)
 
 
+def direct_write_bandwidth(directory: str, total: int = 256 << 20) -> float | None:
+    """Bytes/s of O_DIRECT writes of 8 MiB from a page-aligned reused buffer + fsync in
+    ``directory`` (the disk's limit for the writer's path); None where O_DIRECT is refused."""
+    import mmap
+
+    buf = mmap.mmap(-1, 8 << 20)
+    buf[:] = os.urandom(8 << 20)
+    path = os.path.join(directory, "direct-bandwidth.tmp")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+    except OSError:
+        return None
+    try:
+        best = None
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for off in range(0, total, 8 << 20):
+                os.pwrite(fd, memoryview(buf), off)
+            os.fsync(fd)
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+        return total / best
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+class _Variant:
+    """One training run of the interleaved step measurement: its own model, optimizer and (for a
+    codec) store and Checkpointer."""
+
+    def __init__(self, args, codec: str | None, path: str) -> None:
+        self.codec = codec
+        self.model, self.opt = build(args)
+        self.ck = self.store = None
+        if codec is not None:
+            shutil.rmtree(path, ignore_errors=True)
+            self.store = ckptstore.open(path)
+            self.ck = Checkpointer(self.store, self.model, self.opt, base_every=10_000, codec=codec,
+                                   fingerprint_every=10)
+            self.ck.restore()
+        self.it = 0
+        self.times: list[float] = []
+        self.futures: list = []
+        self.drains: list[float] = []
+
+    def step(self, args, timed: bool) -> None:
+        self.it += 1
+        t0 = time.perf_counter()
+        fwd_bwd(self.model, args, self.it)
+        if self.ck is not None:
+            fut = self.ck.step(self.it)
+            if timed:
+                self.futures.append(fut)
+        else:
+            self.opt.step()
+        self.opt.zero_grad()
+        if timed:
+            self.times.append(time.perf_counter() - t0)
+
+    def drain(self) -> None:
+        if self.ck is not None:
+            t0 = time.perf_counter()
+            self.ck.flush()
+            self.drains.append(time.perf_counter() - t0)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def interleaved_steps(args, codecs: list[str], rounds: int, block: int) -> list[_Variant]:
+    """Plain training and training with a Checkpointer per codec, in alternating blocks of
+    ``block`` iterations for ``rounds`` rounds (a shared machine's drift hits every variant
+    alike). Each checkpointed block ends with an untimed flush, so no persister work spills into
+    the next variant's block; its duration (the backlog at the block's end) is kept."""
+    variants = [_Variant(args, None, "")] + [
+        _Variant(args, c, os.path.join(args.dir, f"steps-{c.replace(':', '')}")) for c in codecs]
+    for v in variants:  # warm-up, untimed: allocator, first base snapshot
+        for _ in range(2):
+            v.step(args, timed=False)
+        v.drain()
+    for v in variants:
+        v.drains.clear()
+    for r in range(rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for v in order:
+            for _ in range(block):
+                v.step(args, timed=True)
+            v.drain()
+    for v in variants:
+        v.close()
+    return variants
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def report_steps(variants: list["_Variant"], bandwidth: float | None, full_bytes: int) -> None:
+    """Print step-time ratios, the persister's CPU per iteration and per MB, bytes per iteration and
+    the fraction of the disk's O_DIRECT bandwidth the checkpoints use."""
+    plain = median(variants[0].times)
+    print(f"plain step (median of {len(variants[0].times)}, interleaved): {plain * 1e3:.0f} ms")
+    for v in variants[1:]:
+        step = median(v.times)
+        stats = [f.result() for f in v.futures if f is not None]
+        stats = [s for s in stats if s is not None and s.kind == "delta"]
+        cpu = median([s.cpu_s for s in stats])
+        written = median([s.written_bytes for s in stats])
+        rate = written / step
+        disk = f"{100 * rate / bandwidth:.1f}% of the disk's O_DIRECT bandwidth " \
+               f"({bandwidth / 1e9:.2f} GB/s)" if bandwidth else "O_DIRECT bandwidth unknown"
+        print(f"[{v.codec}] step with Checkpointer every iteration: {step * 1e3:.0f} ms "
+              f"(ratio {step / plain:.3f}x plain, medians of {len(v.times)} interleaved); "
+              f"persister CPU {cpu * 1e3:.1f} ms/iteration = {cpu * 1e3 / (written / 1e6):.3f} ms/MB; "
+              f"delta {written / 2**20:.2f} MiB/iteration = {100 * written / full_bytes:.2f}% of a full "
+              f"checkpoint; {rate / 1e6:.0f} MB/s written = {disk}; flush at a block's end "
+              f"{median(v.drains) * 1e3:.0f} ms", flush=True)
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The GPT-style model's size and the torch thread count (shared with bench_async.py)."""
     ap.add_argument("--layers", type=int, default=6)
@@ -167,16 +293,17 @@ def setup(args, extra: str = "") -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--k", type=int, default=50)
     ap.add_argument("--dir", default="/tmp/bench_delta")
     ap.add_argument("--restore-only", action="store_true", help="skip the step-time runs")
     ap.add_argument("--codecs", default="exact,topk:0.01")
+    ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds of the step measurement")
+    ap.add_argument("--block", type=int, default=5, help="iterations per variant and round")
     add_model_args(ap)
     args = ap.parse_args()
     setup(args)
 
-    plain, model, opt = run_plain(args)
+    _, model, opt = run_plain(argparse.Namespace(**{**vars(args), "iters": 2}))
     full = os.path.join(args.dir, "full.pt")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, full)
     full_bytes = os.path.getsize(full)
@@ -186,20 +313,16 @@ def main():
         torch.load(full, weights_only=False)
         loads.append(time.perf_counter() - t0)
     t_load = min(loads)
-    print(f"plain step (median of {args.iters}): {plain * 1e3:.0f} ms")
     print(f"full checkpoint (model+optimizer, torch.save): {full_bytes / 2**20:.1f} MiB, "
           f"torch.load {t_load * 1e3:.0f} ms")
-
+    bandwidth = direct_write_bandwidth(args.dir)
     codecs = args.codecs.split(",")
-    for codec in ([] if args.restore_only else codecs):
-        path = os.path.join(args.dir, f"store-{codec.replace(':', '')}")
-        step, written, base_bytes, _ = run_ckpt(args, codec, path, args.iters)
-        per = sorted(written)[len(written) // 2]
-        print(f"[{codec}] step with Checkpointer every iteration: {step * 1e3:.0f} ms "
-              f"(ratio {step / plain:.2f}x plain); delta written per iteration {per / 2**20:.2f} MiB "
-              f"= {100 * per / full_bytes:.2f}% of a full checkpoint; base snapshot "
-              f"{base_bytes / 2**20:.1f} MiB")
-        shutil.rmtree(path, ignore_errors=True)
+    if not args.restore_only:
+        variants = interleaved_steps(args, codecs, args.rounds, args.block)
+        report_steps(variants, bandwidth, full_bytes)
+        for v in variants[1:]:
+            shutil.rmtree(os.path.join(args.dir, f"steps-{v.codec.replace(':', '')}"),
+                          ignore_errors=True)
 
     for codec in codecs:
         path = os.path.join(args.dir, f"restore-{codec.replace(':', '')}")

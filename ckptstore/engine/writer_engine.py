@@ -47,8 +47,10 @@ class WriterEngine(Engine):
 
     def __init__(self, path: str, *, chunk_size: int | None = None, segment_size: int | None = None,
                  file_ops: FileOps | None = None, load_threads: int = 2,
-                 evict_written: bool = True) -> None:
+                 evict_written: bool = True, direct_io: bool = True) -> None:
         super().__init__(path, file_ops=file_ops, load_threads=load_threads)
+        #: append through O_DIRECT where the file system takes it (storage/direct.py)
+        self.direct_io = direct_io
         #: advise the kernel to write back and drop the pages of what was written (SegmentWriter)
         self.evict_written = evict_written
         self.lock = WriterLock(self.layout, self.file_ops)
@@ -87,7 +89,8 @@ class WriterEngine(Engine):
         self.segment_size = segment_size or self.header.segment_size
         if not 0 < self.chunk_size <= MAX_CHUNK_SIZE:
             raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK_SIZE}")
-        self.log = Log(self.layout, self.header.store_id, self.file_ops, self.evict_written)
+        self.log = Log(self.layout, self.header.store_id, self.file_ops, self.evict_written,
+                       self.direct_io)
         self.finish_interrupted_gc()
         self.index = self._open_index()
         self.recover()

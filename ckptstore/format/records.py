@@ -123,6 +123,12 @@ def encode_trailer(*payload_parts: bytes | memoryview) -> bytes:
     return _U64.pack(payload_check(*payload_parts))
 
 
+def encode_check(check: int) -> bytes:
+    """Return the 8-byte trailer holding ``check`` (a :func:`payload_check` computed elsewhere,
+    e.g. over staged bytes piece by piece)."""
+    return _U64.pack(check)
+
+
 def check_trailer(payload: bytes | memoryview, trailer: bytes | memoryview) -> None:
     """Raise ChecksumMismatch unless ``trailer`` is the check of ``payload``."""
     if len(trailer) != TRAILER_SIZE:

@@ -88,7 +88,9 @@ class AsyncStats:
     (backpressure); ``snapshot_s``: copying tensors into host buffers; ``queue_depth``: checkpoints
     in flight ahead of this one when it was submitted; ``persist_s``: from the start of its
     background work until it was durable (for a delta in a group: until the group's commit);
-    ``write_s``: hashing, compressing and appending (before the manifest).
+    ``write_s``: hashing, compressing and appending (before the manifest); ``cpu_s``: CPU time
+    the background thread spent on it (``time.thread_time``; its share of a group's commit
+    included), the cost per iteration that competes with training for the cores.
     """
 
     iteration: int
@@ -103,6 +105,7 @@ class AsyncStats:
     logical_bytes: int = 0
     written_bytes: int = 0
     dedup_bytes: int = 0
+    cpu_s: float = 0.0
     save: SaveStats | None = None
 
     def to_manifest(self) -> dict:
@@ -604,6 +607,7 @@ class Pipeline:
         """Write ``job`` (and commit it when it commits); returns the jobs now committed, whose
         futures :meth:`_resolve` sets."""
         job.t_start = time.perf_counter()
+        cpu0 = time.thread_time()
         for ev in job.events:
             ev.synchronize()
         engine = self.engine
@@ -623,6 +627,7 @@ class Pipeline:
             s = job.stats
             s.save, s.logical_bytes, s.written_bytes = save, save.logical_bytes, save.written_bytes
             s.dedup_bytes, s.write_s = save.dedup_bytes, save.seconds
+            s.cpu_s = time.thread_time() - cpu0
         with self._cond:
             if job.kind != "flush":
                 self._uncommitted.append(job)

@@ -34,6 +34,8 @@ from typing import Any, Iterator, Sequence
 from ..errors import DiskFullError, StoreIOError
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
+#: The open flag of direct I/O (0 where the platform has none: macOS, Windows).
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 
 def wrap_os_error(operation: str, path: str, err: OSError) -> StoreIOError:
@@ -60,6 +62,19 @@ class FileOps:
         flags = os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
         with io_errors("create" if create else "open", path):
             return self._open(path, flags, 0o644)
+
+    def open_direct(self, path: str) -> int | None:
+        """A second, O_DIRECT write descriptor of the existing ``path`` (ckptstore/storage/direct.py),
+        or None where the platform or the file system refuses O_DIRECT (EINVAL)."""
+        if not O_DIRECT:
+            return None
+        try:
+            with io_errors("open (O_DIRECT)", path):
+                return self._open(path, os.O_WRONLY | os.O_CLOEXEC | O_DIRECT, 0o644)
+        except StoreIOError as e:
+            if e.errno == errno.EINVAL:
+                return None
+            raise
 
     def open_truncate(self, path: str) -> int:
         """Create (or empty) ``path`` for writing: temp files and quarantine copies."""
@@ -97,6 +112,19 @@ class FileOps:
                 views = rest
                 n = self._pwritev(fd, views, offset + done)
                 done += n
+
+    def write_direct(self, fd: int, path: str, buffer: memoryview, offset: int) -> int | None:
+        """One O_DIRECT write of ``buffer`` (aligned address, length and offset) at ``offset``.
+        Returns the bytes written (fewer than asked only when the device stopped short; the caller
+        writes the rest through its buffered descriptor, which reports the cause), or None when
+        the file system refuses O_DIRECT writes (EINVAL: nothing was written)."""
+        try:
+            with io_errors("write (O_DIRECT)", path):
+                return self._pwritev(fd, [buffer], offset)
+        except StoreIOError as e:
+            if e.errno == errno.EINVAL:
+                return None
+            raise
 
     def fsync(self, fd: int, path: str) -> None:
         with io_errors("fsync", path):

@@ -38,6 +38,7 @@ from ..format.tree import decode_tree
 from .fileops import FileOps
 from .index import ChunkRef, CommitEntry, Index, IndexBatch, Position
 from .layout import Layout, is_segment_seq
+from .direct import StagingBuffer, supported as direct_supported
 from .segments import (CorruptRegion, Loc, ScannedRecord, SegmentFile, SegmentWriter,
                        misnamed_segment_error, read_segment_header_record, scan_segment)
 
@@ -123,12 +124,15 @@ class Log:
     """Segment files of one store. Read methods are thread-safe; append methods are not."""
 
     def __init__(self, layout: Layout, store_id: bytes, ops: FileOps | None = None,
-                 evict_written: bool = False) -> None:
+                 evict_written: bool = False, direct_io: bool = False) -> None:
         self.layout = layout
         self.store_id = store_id
         self.ops = ops
         #: the writer (and quarantine copies) advise the kernel to drop written pages (SegmentWriter)
         self.evict_written = evict_written
+        #: the writer appends through O_DIRECT from this reused staging buffer (storage/direct.py)
+        self.stage: StagingBuffer | None = StagingBuffer() if direct_io and direct_supported() \
+            else None
         self._files: dict[int, SegmentFile] = {}
         self.headers: dict[int, SegmentHeader] = {}
         self.header_damage: dict[int, FormatError] = {}
@@ -254,12 +258,14 @@ class Log:
         return self.file(loc.seq).read_payload(loc, verify)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        try:
+            if self.writer is not None:
+                w, self.writer = self.writer, None
+                w.close()
+        finally:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
 
     # ---- scan -----------------------------------------------------------------------------
     def scan(self, index: Index, start: Position | None, *, verify: bool = False,
@@ -451,12 +457,14 @@ class Log:
             if live:
                 seq = live[-1]
                 self.writer = SegmentWriter.reopen(self.layout.segment_path(seq), seq,
-                                                   _header_len(), self.ops, self.evict_written)
+                                                   _header_len(), self.ops, self.evict_written,
+                                                   self.stage)
             else:
                 self.roll(segment_size)
             return
         self.writer = SegmentWriter.reopen(self.layout.segment_path(position.seq), position.seq,
-                                           position.offset, self.ops, self.evict_written)
+                                           position.offset, self.ops, self.evict_written,
+                                           self.stage)
 
     def close_writer(self) -> None:
         """Close the appending writer (gc, before its marker supersedes the writer's segment);
@@ -475,7 +483,7 @@ class Log:
             self.writer.close()
             self.writer = None  # never leave a closed writer behind if create() fails
         self.writer = SegmentWriter.create(self.layout.segment_path(seq), seq, self.store_id,
-                                           self.ops, supersedes, self.evict_written)
+                                           self.ops, supersedes, self.evict_written, self.stage)
         self.ops.fsync_dir(self.layout.segment_dir)
         self.headers[seq] = SegmentHeader(FORMAT_VERSION, seq, self.store_id, supersedes)
         return self.writer
@@ -503,7 +511,7 @@ class Log:
         # consecutive run of segments, never a gap that fsck would report as a missing file.
         for seq in sorted((s for s in live if s > cut_seq), reverse=True):
             if self.writer is not None and self.writer.seq == seq:
-                self.writer.close()
+                self.writer.close_fds()  # its staged bytes are cut with the file
                 self.writer = None
             self.file(seq).close()
             self._files.pop(seq, None)
@@ -512,12 +520,15 @@ class Log:
             self.ops.fsync_dir(self.layout.segment_dir)
         if position is not None:
             path = self.layout.segment_path(cut_seq)
+            live_writer = self.writer if self.writer is not None and self.writer.seq == cut_seq \
+                else None
             if os.path.getsize(path) > cut_off:
-                w = self.writer if self.writer is not None and self.writer.seq == cut_seq else \
-                    SegmentWriter.reopen(path, cut_seq, cut_off, self.ops)
+                w = live_writer or SegmentWriter.reopen(path, cut_seq, cut_off, self.ops)
                 w.truncate(cut_off)
                 if w is not self.writer:
                     w.close()
+            elif live_writer is not None and live_writer.offset > cut_off:
+                live_writer.rewind(cut_off)  # bytes staged for O_DIRECT only: none in the file
 
     def _quarantine(self, live: list[int], cut_seq: int, cut_off: int) -> None:
         assert self.ops is not None

@@ -13,9 +13,12 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import xxhash
+
 from ..errors import CorruptRecordError, FormatError
 from ..format import records as rec
 from ..format.header import SEGMENT_HEADER_SIZE, SegmentHeader, decode_segment_header, encode_segment_header
+from .direct import DirectAppender, StagingBuffer
 from .fileops import FileOps, io_errors
 
 #: Bytes read per step while hashing a large payload or searching for the next record after damage.
@@ -297,7 +300,7 @@ class SegmentWriter:
     """
 
     def __init__(self, path: str, seq: int, fd: int, offset: int, ops: FileOps,
-                 evict: bool = False) -> None:
+                 evict: bool = False, stage: StagingBuffer | None = None) -> None:
         self.path = path
         self.seq = seq
         self.fd = fd
@@ -305,6 +308,13 @@ class SegmentWriter:
         self.ops = ops
         self.dirty = False
         self.evict = evict
+        #: with a staging buffer, appends go through O_DIRECT (storage/direct.py) when the file
+        #: system takes it; None: buffered appends
+        self.direct: DirectAppender | None = None
+        if stage is not None:
+            direct_fd = ops.open_direct(path)
+            if direct_fd is not None:
+                self.direct = DirectAppender(path, fd, direct_fd, ops, stage, offset)
         #: end of the last advice (bytes before it were advised at least once) ...
         self._advised = offset
         #: ... and where the next advice starts: the end of the advice before the last one, or
@@ -313,27 +323,38 @@ class SegmentWriter:
 
     @classmethod
     def create(cls, path: str, seq: int, store_id: bytes, ops: FileOps, supersedes: int = 0,
-               evict: bool = False) -> "SegmentWriter":
+               evict: bool = False, stage: StagingBuffer | None = None) -> "SegmentWriter":
         """Create a new segment holding only its header record (fsynced; the caller fsyncs the dir)."""
         from ..format.header import FORMAT_VERSION
 
         fd = ops.open_append(path, create=True)
-        w = cls(path, seq, fd, 0, ops, evict)
+        try:
+            w = cls(path, seq, fd, 0, ops, evict, stage)
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             payload = encode_segment_header(SegmentHeader(FORMAT_VERSION, seq, store_id, supersedes))
             w.append(rec.RecordType.SEGMENT_HEADER, [payload])
             w.sync()
         except BaseException:
-            os.close(fd)
+            w.close_fds()
             raise
         return w
 
     @classmethod
-    def reopen(cls, path: str, seq: int, offset: int, ops: FileOps, evict: bool = False
-               ) -> "SegmentWriter":
-        return cls(path, seq, ops.open_append(path, create=False), offset, ops, evict)
+    def reopen(cls, path: str, seq: int, offset: int, ops: FileOps, evict: bool = False,
+               stage: StagingBuffer | None = None) -> "SegmentWriter":
+        fd = ops.open_append(path, create=False)
+        try:
+            return cls(path, seq, fd, offset, ops, evict, stage)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def append(self, record_type: int, payload_parts: Sequence[bytes | memoryview]) -> Loc:
+        if self.direct is not None:
+            return self._append_direct(self.direct, record_type, payload_parts)
         length = sum(len(p) for p in payload_parts)
         header = rec.encode_header(record_type, length)
         trailer = rec.encode_trailer(*payload_parts)
@@ -345,6 +366,28 @@ class SegmentWriter:
             self._advise()
         return loc
 
+    def _append_direct(self, direct: DirectAppender, record_type: int,
+                       payload_parts: Sequence[bytes | memoryview]) -> Loc:
+        """Stage the record; its trailer hashes the staged bytes while they are in cache."""
+        length = sum(memoryview(p).nbytes for p in payload_parts)
+        loc = Loc(self.seq, self.offset, length)
+        try:
+            direct.put(rec.encode_header(record_type, length))
+            check = xxhash.xxh3_64()
+            for part in payload_parts:
+                direct.put(part, check.update)
+            direct.put(rec.encode_check(check.intdigest()))
+        except BaseException:
+            direct.cut(self.offset)  # the record was never appended
+            raise
+        finally:
+            if not direct.active:  # the file system refused O_DIRECT: buffered from now on
+                direct.flush()
+                self.direct = None
+        self.offset = loc.end
+        self.dirty = True
+        return loc
+
     def _advise(self, all_clean: bool = False) -> None:
         """Advise ``[_window page-aligned down, offset)``; ``all_clean`` after an fsync (the whole
         range is dropped now, so the next advice need not cover it again)."""
@@ -354,14 +397,25 @@ class SegmentWriter:
         self._window = self.offset if all_clean else self._advised
         self._advised = self.offset
 
+    def flush(self) -> None:
+        """Write what is staged for O_DIRECT (no fsync); a no-op for buffered appends."""
+        if self.direct is not None:
+            self.direct.flush()
+
     def sync(self) -> None:
         if self.dirty:
+            self.flush()
             self.ops.fsync(self.fd, self.path)
             self.dirty = False
-            if self.evict:
+            if self.evict and self.direct is None:
                 self._advise(all_clean=True)
 
     def truncate(self, offset: int) -> None:
+        if self.direct is not None:
+            # staged bytes before the cut stay staged (flushed by the next sync); the file may
+            # grow to ``offset`` with zeros meanwhile, a tail past the last commit like any
+            # unsynced append. No write here: a rollback after a failed write must not retry it.
+            self.direct.cut(offset)
         self.ops.truncate(self.fd, self.path, offset)
         self.ops.fsync(self.fd, self.path)
         self.offset = offset
@@ -369,9 +423,29 @@ class SegmentWriter:
         self._advised = min(self._advised, offset)
         self._window = min(self._window, offset)
 
+    def rewind(self, offset: int) -> None:
+        """Forget what was appended after ``offset`` when none of it reached the file (the file
+        ends at or before ``offset``; bytes staged for O_DIRECT only): no system call, so a cut
+        after a failed write cannot fail in turn."""
+        if self.direct is not None:
+            self.direct.cut(offset)
+        self.offset = offset
+        self._advised = min(self._advised, offset)
+        self._window = min(self._window, offset)
+
     def close(self) -> None:
         if self.fd >= 0:
-            if self.evict and self.offset > self._advised:
-                self._advise()  # starts writeback of what was not synced (close paths sync first)
+            try:
+                self.flush()  # what was appended reaches the file, as buffered appends do
+            finally:
+                if self.evict and self.direct is None and self.offset > self._advised:
+                    self._advise()  # starts writeback of what was not synced (close paths sync first)
+                self.close_fds()
+
+    def close_fds(self) -> None:
+        """Close the descriptors without writing anything still staged."""
+        if self.direct is not None:
+            self.direct.close()
+        if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

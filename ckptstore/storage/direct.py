@@ -1,0 +1,193 @@
+"""Direct appends: file bytes staged in an aligned buffer and written with O_DIRECT.
+
+A buffered ``pwrite`` copies every byte into page-cache pages the kernel must first allocate,
+and on VMs that hand freed guest memory back to the host that costs 3-5x the copy itself
+(``../shared/MEASUREMENTS.md``; issue 18 measured 95 ms per 77 MB delta). An O_DIRECT write
+moves the bytes from the caller's memory to the device without the page cache, but only in whole
+blocks: the buffer's address, the length and the file offset must all be multiples of the
+block size. A log's records have any length, so they cannot be written straight from the
+tensors; they are copied (GIL released) into one reused, page-aligned :class:`StagingBuffer`
+that mirrors the file's bytes from the last block boundary, and the full blocks go out with
+O_DIRECT.
+
+Invariants of :class:`DirectAppender` (``base`` is always a multiple of :data:`ALIGN`):
+
+* the stage holds exactly the file's intended bytes ``[base, end)``: everything appended and
+  not yet in a full block written out, plus the head of the partial block at ``base``;
+* every byte before ``base`` has been written to the file (O_DIRECT, or buffered as a fallback);
+* after :meth:`DirectAppender.flush` every byte before ``end`` is in the file too: the partial
+  last block goes through the ordinary (buffered) descriptor at its exact offset, so the file
+  never holds padding past the last record and its size is the log's end, exactly as with
+  buffered appends. The next O_DIRECT write rewrites that block whole from the stage (the kernel
+  writes back and invalidates cached pages over an O_DIRECT range first);
+* nothing about the format or the commit protocol changes: the bytes, their order and the
+  points where they are made durable (the writer's fsync calls) are those of buffered appends.
+  Bytes appended and not yet flushed live only in memory, which is what an unsynced buffered
+  append promises as well: nothing before a sync is durable (format-spec/format.md, A2-A4).
+
+Where the file system refuses O_DIRECT (tmpfs on older kernels, some FUSE or network mounts),
+opening or writing reports EINVAL and the appender falls back to buffered writes of the same
+bytes from then on.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from typing import Callable
+
+import numpy as np
+
+from .fileops import O_DIRECT, FileOps
+
+#: Alignment of O_DIRECT buffers, lengths and offsets: the page size, which is a multiple of every
+#: logical block size Linux devices use (512 or 4096).
+ALIGN = 4096
+#: Bytes staged before a write: large enough that one write per 8 MiB costs little in system calls,
+#: small enough to stay a fixed, reused allocation per writer.
+STAGE_CAPACITY = 8 << 20
+#: Below this, a copy holds the GIL (a memoryview assignment); above it numpy releases it.
+_SMALL_COPY = 16 << 10
+
+
+
+def supported() -> bool:
+    """Whether this platform has O_DIRECT at all (Linux, FreeBSD; not macOS)."""
+    return O_DIRECT != 0
+
+
+class StagingBuffer:
+    """Page-aligned anonymous memory, allocated once and reused by every writer of a log."""
+
+    def __init__(self, capacity: int = STAGE_CAPACITY) -> None:
+        if capacity <= 0 or capacity % ALIGN:
+            raise ValueError(f"staging capacity must be a positive multiple of {ALIGN}")
+        self.capacity = capacity
+        self._map = mmap.mmap(-1, capacity)  # page-aligned by construction
+        self.view = memoryview(self._map)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.array[:] = 0  # touch every page now, not during the first save
+
+
+class DirectAppender:
+    """Appends to one file through a :class:`StagingBuffer`, see the module docstring.
+
+    ``fd`` is the file's ordinary write descriptor (partial blocks, fallback), ``direct_fd`` its
+    O_DIRECT one; ``end`` is the file's logical end when the appender takes over.
+    """
+
+    def __init__(self, path: str, fd: int, direct_fd: int, ops: FileOps, stage: StagingBuffer,
+                 end: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.direct_fd = direct_fd
+        self.ops = ops
+        self.stage = stage
+        self.base = end - end % ALIGN
+        self.fill = end - self.base
+        #: the stage's head ``[base, base + fill)`` holds the file's bytes (False after a reopen
+        #: or a cut before ``base``, until they are read back from the file)
+        self._loaded = self.fill == 0
+        #: ``end`` at the last flush: the partial block is written again only when it changed
+        self._flushed_end = end
+        #: bytes written with O_DIRECT and with the buffered descriptor (for stats and tests)
+        self.direct_bytes = 0
+        self.buffered_bytes = 0
+
+    @property
+    def end(self) -> int:
+        return self.base + self.fill
+
+    @property
+    def active(self) -> bool:
+        """False once the file system refused O_DIRECT (the caller appends buffered from then)."""
+        return self.direct_fd >= 0
+
+    def put(self, data: bytes | memoryview, update: Callable[[memoryview], None] | None = None
+            ) -> None:
+        """Append ``data``; ``update`` (a hash's update) sees each staged piece, so a checksum
+        is computed over the bytes as they will be written, while they are in cache."""
+        src = memoryview(data).cast("B")
+        n = len(src)
+        pos = 0
+        if not self._loaded:
+            self._load()
+        stage = self.stage
+        while pos < n:
+            if self.fill == stage.capacity:
+                self._write_blocks()
+            k = min(stage.capacity - self.fill, n - pos)
+            dst = slice(self.fill, self.fill + k)
+            if k >= _SMALL_COPY:
+                np.copyto(stage.array[dst], np.frombuffer(src[pos:pos + k], dtype=np.uint8))
+            else:
+                stage.view[dst] = src[pos:pos + k]
+            if update is not None:
+                update(stage.view[dst])
+            self.fill += k
+            pos += k
+
+    def flush(self) -> None:
+        """Write every staged byte: full blocks with O_DIRECT, the partial last block buffered
+        (kept staged: the next O_DIRECT write rewrites its block whole). No fsync."""
+        if self.fill >= ALIGN:
+            self._write_blocks()
+        if self.end > self._flushed_end and self.fill:
+            self._write_buffered(self.base, self.stage.view[:self.fill])
+        self._flushed_end = self.end
+
+    def cut(self, end: int) -> None:
+        """The file is being truncated to ``end`` (at or before :attr:`end`): forget staged bytes
+        after it (the caller truncates the file)."""
+        if end >= self.base and self._loaded:
+            self.fill = end - self.base
+        else:
+            self.base = end - end % ALIGN
+            self.fill = end - self.base
+            self._loaded = self.fill == 0
+        self._flushed_end = min(self._flushed_end, end)
+
+    def close(self) -> None:
+        if self.direct_fd >= 0:
+            os.close(self.direct_fd)
+            self.direct_fd = -1
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _load(self) -> None:
+        """Read the head of the partial block at ``base`` back from the file."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            got = os.preadv(fd, [self.stage.view[:self.fill]], self.base)
+        finally:
+            os.close(fd)
+        if got != self.fill:
+            raise OSError(errno.EIO, f"{self.path}: the file ends before offset {self.end}, "
+                                     f"where the writer resumes")
+        self._loaded = True
+
+    def _write_blocks(self) -> None:
+        """Write the stage's full blocks, then move the partial block's head to the front."""
+        whole = self.fill - self.fill % ALIGN
+        if whole == 0:
+            return
+        view = self.stage.view[:whole]
+        if self.active:
+            written = self.ops.write_direct(self.direct_fd, self.path, view, self.base)
+            if written is None:  # refused: this file system does not do O_DIRECT
+                self.close()
+                written = 0
+            self.direct_bytes += written
+            if written < whole:
+                self._write_buffered(self.base + written, view[written:])
+        else:
+            self._write_buffered(self.base, view)
+        rest = self.fill - whole
+        if rest:
+            self.stage.view[:rest] = self.stage.view[whole:self.fill]
+        self.base += whole
+        self.fill = rest
+
+    def _write_buffered(self, offset: int, view: memoryview) -> None:
+        self.ops.writev(self.fd, self.path, [view], offset)
+        self.buffered_bytes += len(view)
