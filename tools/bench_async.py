@@ -10,10 +10,12 @@ The GPT-style model of tools/bench_delta.py (~27M parameters by default) trained
 5. the training stall of a base snapshot (``store.save_async`` of the Checkpointer's state) vs a
    plain copy of the same tensors into preallocated buffers               -> ratio (target <= 1.2)
 
-Step time = forward + backward + checkpoint call + optimizer step, median over the iterations
-(the checkpointing peers' medians hide their periodic spikes, so the mean is printed too).
+Step time = forward + backward + checkpoint call + optimizer step, median over the iterations of
+``--passes`` passes run in ABBA order (the checkpointing peers' medians hide their periodic
+spikes, so the mean is printed too). For ckptstore also the background persister's CPU per
+iteration and per MB, and the share of the disk's O_DIRECT write bandwidth its deltas use.
 
-    python tools/bench_async.py [--iters 120] [--every 100] [--dir /tmp/bench_async] [--layers 6 --dim 512]
+    python tools/bench_async.py [--iters 120] [--every 100] [--passes 2] [--dir /tmp/bench_async] [--layers 6 --dim 512]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ckptstore  # noqa: E402
-from bench_delta import add_model_args, build, fwd_bwd, setup  # noqa: E402
+from bench_delta import add_model_args, build, direct_write_bandwidth, fwd_bwd, setup  # noqa: E402
 from ckptstore.torch import Checkpointer  # noqa: E402
 
 
@@ -183,18 +185,26 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/bench_async")
     add_model_args(ap)
     ap.add_argument("--skip-dcp", action="store_true")
+    ap.add_argument("--passes", type=int, default=2, help="passes over the peers, in ABBA order")
     args = ap.parse_args()
     setup(args, f", {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
     print(f"{args.iters} iterations per peer; checkpoint interval {args.every}; ckptstore group "
           f"commit {args.group_commit}", flush=True)
 
-    runs = {}
-    runs["no checkpointing"] = loop(args, plain_step, "plain")
-    ck = CkptStep(args)
-    runs["ckptstore: delta/iter + base/N (async)"] = loop(args, ck, "ckptstore")
-    runs[f"torch.save every {args.every}"] = loop(args, TorchSaveStep(args), "torch.save")
+    peers = [("no checkpointing", lambda: plain_step, "plain"),
+             ("ckptstore: delta/iter + base/N (async)", lambda: CkptStep(args), "ckptstore"),
+             (f"torch.save every {args.every}", lambda: TorchSaveStep(args), "torch.save")]
     if not args.skip_dcp:
-        runs[f"DCP async_save every {args.every}"] = loop(args, DcpAsyncStep(args), "dcp")
+        peers.append((f"DCP async_save every {args.every}", lambda: DcpAsyncStep(args), "dcp"))
+    runs: dict[str, list[float]] = {name: [] for name, _, _ in peers}
+    ck_stats, ck = [], None
+    for p in range(args.passes):  # ABBA: a shared machine's drift hits every peer alike
+        for name, make, label in (peers if p % 2 == 0 else peers[::-1]):
+            step = make()
+            runs[name] += loop(args, step, f"{label} (pass {p + 1})")
+            if isinstance(step, CkptStep):
+                ck = step
+                ck_stats += step.stats
 
     base = statistics.median(runs["no checkpointing"])
     print()
@@ -203,7 +213,7 @@ def main() -> None:
         med = statistics.median(ts)
         print(f"{name:42s} {med * 1e3:10.0f} {statistics.mean(ts) * 1e3:9.0f} {max(ts) * 1e3:8.0f} "
               f"{med / base:15.3f}")
-    st = ck.stats
+    st = ck_stats
     deltas = [s for s in st if s.kind == "delta"]
     bases = [s for s in st if s.kind == "snapshot"]
     if deltas:
@@ -214,6 +224,16 @@ def main() -> None:
               f"{statistics.median(s.written_bytes for s in deltas) / 2**20:.1f} MiB, max queue "
               f"{max(s.queue_depth for s in deltas)}, backpressure wait total "
               f"{sum(s.wait_s for s in deltas):.2f} s; gradient capture {ck.capture}")
+    if deltas:
+        cpu = statistics.median(s.cpu_s for s in deltas)
+        mb = statistics.median(s.written_bytes for s in deltas) / 1e6
+        step = statistics.median(runs["ckptstore: delta/iter + base/N (async)"])
+        bw = direct_write_bandwidth(args.dir)
+        share = f"{100 * mb * 1e6 / step / bw:.1f}% of the disk's O_DIRECT write bandwidth " \
+                f"({bw / 1e9:.2f} GB/s)" if bw else "O_DIRECT bandwidth unknown here"
+        print(f"ckptstore persister: CPU {cpu * 1e3:.1f} ms/iteration = {cpu * 1e3 / mb:.3f} ms/MB "
+              f"(median over deltas; time.thread_time of the background thread); "
+              f"{mb / step:.0f} MB/s of deltas = {share}")
     if bases:
         print(f"ckptstore bases: stall {', '.join(f'{s.stall_s * 1e3:.0f}' for s in bases)} ms")
 
