@@ -63,7 +63,7 @@ class Store:
                  segment_size: int | None = None, file_ops: FileOps | None = None,
                  load_threads: int = 2, host_budget: int | None = None,
                  max_inflight: int | None = None, use_index: bool = True,
-                 evict_written: bool = True, direct_io: bool = True,
+                 evict_written: bool = True, direct_io: bool | str = "deltas",
                  commit_round: Callable[[Callable[[], Any]], Any] | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')

@@ -146,7 +146,7 @@ def _state(i: int) -> dict:
 @pytest.mark.parametrize("ops_cls", [_RefusingOpen, _RefusingWrite])
 def test_a_file_system_that_refuses_o_direct_gets_buffered_appends(tmp_path: Path, ops_cls) -> None:
     ops = ops_cls()
-    with ckptstore.open(tmp_path / "s", file_ops=ops, chunk_size=1 << 20) as s:
+    with ckptstore.open(tmp_path / "s", file_ops=ops, chunk_size=1 << 20, direct_io=True) as s:
         for i in range(1, 4):
             s.save(i, _state(i))
         assert s.engine.log.writer.direct is None
@@ -160,7 +160,7 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_appends(tmp_path: Pat
 
 def test_store_saves_through_o_direct_and_loads_exactly(dio_dir: Path) -> None:
     path = dio_dir / "s"
-    with ckptstore.open(path, chunk_size=1 << 20) as s:
+    with ckptstore.open(path, chunk_size=1 << 20, direct_io=True) as s:
         for i in range(1, 4):
             s.save(i, _state(i))
         d = s.engine.log.writer.direct
@@ -168,7 +168,7 @@ def test_store_saves_through_o_direct_and_loads_exactly(dio_dir: Path) -> None:
     with ckptstore.open(path, direct_io=False) as s:  # the same store, buffered appends
         s.save(4, _state(4))
         assert s.engine.log.writer.direct is None
-    with ckptstore.open(path) as s:  # and direct again, resuming mid-block
+    with ckptstore.open(path, direct_io=True) as s:  # and direct again, resuming mid-block
         s.save(5, _state(5))
     with ckptstore.open(path, mode="r") as r:
         assert r.iterations() == [1, 2, 3, 4, 5]
@@ -212,7 +212,7 @@ def test_a_failed_direct_save_is_cut_from_the_stage_too(dio_dir: Path) -> None:
     commit ends and nothing of the failed one reaches the file."""
     ops = _FullOnDirect()
     path = dio_dir / "s"
-    s = ckptstore.open(path, file_ops=ops, chunk_size=1 << 20)
+    s = ckptstore.open(path, file_ops=ops, chunk_size=1 << 20, direct_io=True)
     s.save(1, _state(1))
     end_of_1 = s.engine.log.writer.offset
     ops.full = True
@@ -230,3 +230,105 @@ def test_a_failed_direct_save_is_cut_from_the_stage_too(dio_dir: Path) -> None:
     with ckptstore.open(path, mode="r") as r:
         assert r.iterations() == [1, 3]
         assert torch.equal(r.load(3)["w"], _state(3)["w"])
+
+
+def _delta(i: int) -> dict:
+    g = torch.Generator().manual_seed(1000 + i)
+    return {"g": torch.randn(300_000, generator=g), "i": i}
+
+
+def _mixed(s, its=range(1, 13)) -> None:
+    """Snapshots every 4 iterations, deltas between them in groups of 2 (a delta group is
+    committed by the next snapshot or every second delta)."""
+    for i in its:
+        if i % 4 == 1:
+            s.save(i, _state(i))
+        else:
+            s.save_delta(i, _delta(i), durable=i % 2 == 0)
+    s.flush()
+
+
+def test_default_mode_writes_deltas_direct_and_snapshots_buffered(dio_dir: Path) -> None:
+    """direct_io="deltas" (the default) switches the same segment between O_DIRECT (delta
+    records) and buffered appends (snapshots); every checkpoint loads exactly and fsck is clean
+    (tests/test_direct.py's writer-level test checks the bytes against buffered appends)."""
+    path = dio_dir / "s"
+    with ckptstore.open(path, chunk_size=1 << 20) as s:
+        _mixed(s)
+        d = s.engine.log.writer.direct
+        assert d is not None and d.direct_bytes >= 7 * 300_000 * 4 * 0.9
+        assert d.direct_bytes < 12 * 300_000 * 4  # the snapshots went buffered
+    assert check(str(path)).clean
+    with ckptstore.open(path, mode="r") as r:
+        assert r.iterations() == list(range(1, 13))
+        for i in range(1, 13):
+            if i % 4 == 1:
+                assert torch.equal(r.load(i)["w"], _state(i)["w"])
+            else:
+                assert torch.equal(r.load_record(i)["g"], _delta(i)["g"])
+
+
+def test_sigkill_at_every_write_and_fsync_of_mixed_direct_and_buffered_appends(dio_dir: Path,
+                                                                               assert_same) -> None:
+    """Kill the default-mode writer at each of its writes (torn: an O_DIRECT write on a block
+    boundary) and fsyncs: a prefix of whole iterations survives, every durable one among them,
+    fsck is clean and the writer finishes the run."""
+    import shutil
+
+    from _crashkit import KillOps, _Journal, read_journal
+    from test_crash import _dies_by_sigkill
+
+    template = dio_dir / "template"
+    with ckptstore.open(template, chunk_size=1 << 20) as s:
+        s.save(0, _state(0))
+
+    counts = {"write": 0, "fsync": 0}
+
+    class Count(FileOps):
+        def _pwritev(self, fd, buffers, offset):
+            counts["write"] += 1
+            return super()._pwritev(fd, buffers, offset)
+
+        def _fsync(self, fd):
+            counts["fsync"] += 1
+            return super()._fsync(fd)
+
+    def run(path: Path, ops: FileOps, journal=None) -> None:
+        s = ckptstore.open(path, chunk_size=1 << 20, file_ops=ops)
+        for i in range(1, 8):
+            if i % 4 == 1:
+                s.save(i, _state(i))
+            else:
+                s.save_delta(i, _delta(i), durable=i % 2 == 0)
+            if journal is not None and s.durable_iteration() is not None:
+                journal(f"durable {s.durable_iteration()}")
+        s.close()
+
+    work = dio_dir / "count"
+    shutil.copytree(template, work)
+    run(work, Count())
+    kills = [("write", n, 0.6, False) for n in range(1, counts["write"] + 1)] + \
+            [("fsync", n, 0.0, after) for n in range(1, counts["fsync"] + 1) for after in (False, True)]
+    for target, nth, tear, after in kills:
+        path = dio_dir / f"{target}-{nth}-{int(after)}"
+        shutil.copytree(template, path)
+        jpath = str(path) + ".journal"
+        _dies_by_sigkill(lambda: run(path, KillOps(target, nth, tear, after), _Journal(jpath)))
+        where = f"kill at {target} #{nth}{' (after)' if after else ''}"
+        assert check(str(path)).clean, where
+        durable = max([int(a) for _, e, a in read_journal(jpath) if e == "durable"], default=0)
+        with ckptstore.open(path, chunk_size=1 << 20) as w:
+            its = w.iterations()
+            assert its == list(range(len(its))) and its[-1] >= durable, f"{where}: {its}"
+            for i in its[1:]:
+                got = w.load(i) if i % 4 == 1 else w.load_record(i)
+                want = _state(i) if i % 4 == 1 else _delta(i)
+                assert_same(want, got, f"{where}: iteration {i}")
+            for i in range(its[-1] + 1, 8):  # the writer finishes the run
+                if i % 4 == 1:
+                    w.save(i, _state(i))
+                else:
+                    w.save_delta(i, _delta(i), durable=True)
+        with ckptstore.open(path, mode="r") as r:
+            assert r.iterations() == list(range(8)), where
+        shutil.rmtree(path)

@@ -47,9 +47,12 @@ class WriterEngine(Engine):
 
     def __init__(self, path: str, *, chunk_size: int | None = None, segment_size: int | None = None,
                  file_ops: FileOps | None = None, load_threads: int = 2,
-                 evict_written: bool = True, direct_io: bool = True) -> None:
+                 evict_written: bool = True, direct_io: bool | str = "deltas") -> None:
         super().__init__(path, file_ops=file_ops, load_threads=load_threads)
-        #: append through O_DIRECT where the file system takes it (storage/direct.py)
+        #: append through O_DIRECT where the file system takes it (storage/direct.py): True for
+        #: every record, "deltas" for delta checkpoints only (snapshots buffered), False never
+        if direct_io not in (True, False, "deltas"):
+            raise ValueError(f'direct_io must be True, False or "deltas", not {direct_io!r}')
         self.direct_io = direct_io
         #: advise the kernel to write back and drop the pages of what was written (SegmentWriter)
         self.evict_written = evict_written
@@ -265,6 +268,7 @@ class WriterEngine(Engine):
                     f"in {self.path}")
             txn = self.begin()
             try:
+                self.log.use_direct(self.direct_io is True)
                 staged, stats = append_checkpoint(txn, self.index, iteration, skeleton, meta, leaves,
                                                   chunk_size=self.chunk_size, progress=progress,
                                                   extra=extra, stats_field=stats_field)
@@ -327,6 +331,7 @@ class WriterEngine(Engine):
             txn = group if group is not None else self.begin()
             savepoint = txn.savepoint()
             try:
+                self.log.use_direct(bool(self.direct_io))
                 # chunks and trees of the group's earlier deltas deduplicate too (their records
                 # precede this one and are cut only together with it: append_checkpoint's
                 # invariant)

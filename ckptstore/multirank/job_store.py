@@ -55,7 +55,8 @@ class JobStore:
     def __init__(self, path: str | os.PathLike, mode: str = "a", *, process_group: Any = None,
                  commit_timeout: float = DEFAULT_COMMIT_TIMEOUT, chunk_size: int | None = None,
                  segment_size: int | None = None, file_ops: FileOps | None = None,
-                 load_threads: int = 2, evict_written: bool = True, direct_io: bool = True,
+                 load_threads: int = 2, evict_written: bool = True,
+                 direct_io: bool | str = "deltas",
                  host_budget: int | None = None, max_inflight: int | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
@@ -93,7 +94,7 @@ class JobStore:
 
     # ---- opening ------------------------------------------------------------------------------
     def _open_writer(self, process_group: Any, timeout: float, chunk_size: int | None,
-                     segment_size: int | None, evict_written: bool, direct_io: bool,
+                     segment_size: int | None, evict_written: bool, direct_io: bool | str,
                      host_budget: int | None, max_inflight: int | None) -> None:
         group = self._group = RankGroup(process_group, timeout)
         self.rank = group.rank

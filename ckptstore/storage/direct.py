@@ -131,6 +131,8 @@ class DirectAppender:
     def flush(self) -> None:
         """Write every staged byte: full blocks with O_DIRECT, the partial last block buffered
         (kept staged: the next O_DIRECT write rewrites its block whole). No fsync."""
+        if not self._loaded:
+            return  # nothing was put since the take-over: the stage's head is the file's, unread
         if self.fill >= ALIGN:
             self._write_blocks()
         if self.end > self._flushed_end and self.fill:
@@ -147,6 +149,14 @@ class DirectAppender:
             self.fill = end - self.base
             self._loaded = self.fill == 0
         self._flushed_end = min(self._flushed_end, end)
+
+    def resume(self, end: int) -> None:
+        """Take over again at ``end`` after the file was appended to by other means (buffered
+        appends): the partial block there is read back at the next :meth:`put`."""
+        self.base = end - end % ALIGN
+        self.fill = end - self.base
+        self._loaded = self.fill == 0
+        self._flushed_end = end
 
     def close(self) -> None:
         if self.direct_fd >= 0:

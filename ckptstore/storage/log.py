@@ -133,6 +133,8 @@ class Log:
         #: the writer appends through O_DIRECT from this reused staging buffer (storage/direct.py)
         self.stage: StagingBuffer | None = StagingBuffer() if direct_io and direct_supported() \
             else None
+        #: whether appends go through the stage now (:meth:`use_direct`)
+        self.direct_on = True
         self._files: dict[int, SegmentFile] = {}
         self.headers: dict[int, SegmentHeader] = {}
         self.header_damage: dict[int, FormatError] = {}
@@ -459,12 +461,20 @@ class Log:
                 self.writer = SegmentWriter.reopen(self.layout.segment_path(seq), seq,
                                                    _header_len(), self.ops, self.evict_written,
                                                    self.stage)
+                self.writer.use_direct(self.direct_on)
             else:
                 self.roll(segment_size)
             return
         self.writer = SegmentWriter.reopen(self.layout.segment_path(position.seq), position.seq,
                                            position.offset, self.ops, self.evict_written,
                                            self.stage)
+        self.writer.use_direct(self.direct_on)
+
+    def use_direct(self, on: bool) -> None:
+        """Append through O_DIRECT (when the log has a stage) or buffered, from now on."""
+        self.direct_on = on
+        if self.writer is not None:
+            self.writer.use_direct(on)
 
     def close_writer(self) -> None:
         """Close the appending writer (gc, before its marker supersedes the writer's segment);
@@ -484,6 +494,7 @@ class Log:
             self.writer = None  # never leave a closed writer behind if create() fails
         self.writer = SegmentWriter.create(self.layout.segment_path(seq), seq, self.store_id,
                                            self.ops, supersedes, self.evict_written, self.stage)
+        self.writer.use_direct(self.direct_on)
         self.ops.fsync_dir(self.layout.segment_dir)
         self.headers[seq] = SegmentHeader(FORMAT_VERSION, seq, self.store_id, supersedes)
         return self.writer

@@ -311,6 +311,8 @@ class SegmentWriter:
         #: with a staging buffer, appends go through O_DIRECT (storage/direct.py) when the file
         #: system takes it; None: buffered appends
         self.direct: DirectAppender | None = None
+        #: appends go through ``direct`` now (see :meth:`use_direct`)
+        self.direct_on = True
         if stage is not None:
             direct_fd = ops.open_direct(path)
             if direct_fd is not None:
@@ -352,8 +354,19 @@ class SegmentWriter:
             os.close(fd)
             raise
 
+    def use_direct(self, on: bool) -> None:
+        """Switch between O_DIRECT and buffered appends (a no-op without O_DIRECT). Going
+        buffered first writes what is staged; going direct reads the partial block back."""
+        if self.direct is None or on == self.direct_on:
+            return
+        if on:
+            self.direct.resume(self.offset)
+        else:
+            self.direct.flush()
+        self.direct_on = on
+
     def append(self, record_type: int, payload_parts: Sequence[bytes | memoryview]) -> Loc:
-        if self.direct is not None:
+        if self.direct is not None and self.direct_on:
             return self._append_direct(self.direct, record_type, payload_parts)
         length = sum(len(p) for p in payload_parts)
         header = rec.encode_header(record_type, length)
@@ -398,8 +411,9 @@ class SegmentWriter:
         self._advised = self.offset
 
     def flush(self) -> None:
-        """Write what is staged for O_DIRECT (no fsync); a no-op for buffered appends."""
-        if self.direct is not None:
+        """Write what is staged for O_DIRECT (no fsync); a no-op for buffered appends (while
+        they are on, the stage holds nothing: :meth:`use_direct` flushed it, and resumes it)."""
+        if self.direct is not None and self.direct_on:
             self.direct.flush()
 
     def sync(self) -> None:
@@ -407,11 +421,11 @@ class SegmentWriter:
             self.flush()
             self.ops.fsync(self.fd, self.path)
             self.dirty = False
-            if self.evict and self.direct is None:
+            if self.evict and (self.direct is None or not self.direct_on):
                 self._advise(all_clean=True)
 
     def truncate(self, offset: int) -> None:
-        if self.direct is not None:
+        if self.direct is not None and self.direct_on:
             # staged bytes before the cut stay staged (flushed by the next sync); the file may
             # grow to ``offset`` with zeros meanwhile, a tail past the last commit like any
             # unsynced append. No write here: a rollback after a failed write must not retry it.
@@ -427,7 +441,7 @@ class SegmentWriter:
         """Forget what was appended after ``offset`` when none of it reached the file (the file
         ends at or before ``offset``; bytes staged for O_DIRECT only): no system call, so a cut
         after a failed write cannot fail in turn."""
-        if self.direct is not None:
+        if self.direct is not None and self.direct_on:
             self.direct.cut(offset)
         self.offset = offset
         self._advised = min(self._advised, offset)
@@ -438,7 +452,8 @@ class SegmentWriter:
             try:
                 self.flush()  # what was appended reaches the file, as buffered appends do
             finally:
-                if self.evict and self.direct is None and self.offset > self._advised:
+                if self.evict and (self.direct is None or not self.direct_on) and \
+                        self.offset > self._advised:
                     self._advise()  # starts writeback of what was not synced (close paths sync first)
                 self.close_fds()
 
