@@ -90,6 +90,21 @@ def _fileops_base():
     return FileOps
 
 
+class CountOps(_fileops_base()):
+    """Counts the writes and fsyncs of a run (``counts``), so a sweep can kill at each of them."""
+
+    def __init__(self) -> None:
+        self.counts = {"write": 0, "fsync": 0}
+
+    def _pwritev(self, fd, buffers, offset):
+        self.counts["write"] += 1
+        return super()._pwritev(fd, buffers, offset)
+
+    def _fsync(self, fd):
+        self.counts["fsync"] += 1
+        return super()._fsync(fd)
+
+
 def torn_write(fd: int, data: bytes, cut: int, offset: int) -> None:
     """Write the leading ``cut`` bytes of ``data`` at ``offset``: what a write interrupted by a
     crash leaves. An O_DIRECT write moves whole blocks, so on an O_DIRECT descriptor the tear falls

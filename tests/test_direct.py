@@ -118,18 +118,25 @@ class _RefusingOpen(FileOps):
         return super()._open(path, flags, mode)
 
 
-class _RefusingWrite(FileOps):
-    """A file system that opens with O_DIRECT but refuses the writes (EINVAL)."""
+class _DirectFds(FileOps):
+    """Remembers the descriptors opened with O_DIRECT (for subclasses that fail their writes)."""
 
     def __init__(self) -> None:
         self.direct_fds: set[int] = set()
-        self.refused = 0
 
     def _open(self, path, flags, mode):
         fd = super()._open(path, flags, mode)
         if flags & direct.O_DIRECT:
             self.direct_fds.add(fd)
         return fd
+
+
+class _RefusingWrite(_DirectFds):
+    """A file system that opens with O_DIRECT but refuses the writes (EINVAL)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = 0
 
     def _pwritev(self, fd, buffers, offset):
         if fd in self.direct_fds:
@@ -186,18 +193,12 @@ def test_staging_buffer_is_page_aligned_and_touched() -> None:
         StagingBuffer(ALIGN + 1)
 
 
-class _FullOnDirect(FileOps):
+class _FullOnDirect(_DirectFds):
     """O_DIRECT writes fail with ENOSPC while ``full`` is set."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.full = False
-        self.direct_fds: set[int] = set()
-
-    def _open(self, path, flags, mode):
-        fd = super()._open(path, flags, mode)
-        if flags & direct.O_DIRECT:
-            self.direct_fds.add(fd)
-        return fd
 
     def _pwritev(self, fd, buffers, offset):
         if self.full and fd in self.direct_fds:
@@ -275,23 +276,12 @@ def test_sigkill_at_every_write_and_fsync_of_mixed_direct_and_buffered_appends(d
     fsck is clean and the writer finishes the run."""
     import shutil
 
-    from _crashkit import KillOps, _Journal, read_journal
+    from _crashkit import CountOps, KillOps, _Journal, read_journal
     from test_crash import _dies_by_sigkill
 
     template = dio_dir / "template"
     with ckptstore.open(template, chunk_size=1 << 20) as s:
         s.save(0, _state(0))
-
-    counts = {"write": 0, "fsync": 0}
-
-    class Count(FileOps):
-        def _pwritev(self, fd, buffers, offset):
-            counts["write"] += 1
-            return super()._pwritev(fd, buffers, offset)
-
-        def _fsync(self, fd):
-            counts["fsync"] += 1
-            return super()._fsync(fd)
 
     def run(path: Path, ops: FileOps, journal=None) -> None:
         s = ckptstore.open(path, chunk_size=1 << 20, file_ops=ops)
@@ -306,7 +296,9 @@ def test_sigkill_at_every_write_and_fsync_of_mixed_direct_and_buffered_appends(d
 
     work = dio_dir / "count"
     shutil.copytree(template, work)
-    run(work, Count())
+    counter = CountOps()
+    run(work, counter)
+    counts = counter.counts
     kills = [("write", n, 0.6, False) for n in range(1, counts["write"] + 1)] + \
             [("fsync", n, 0.0, after) for n in range(1, counts["fsync"] + 1) for after in (False, True)]
     for target, nth, tear, after in kills:

@@ -22,7 +22,7 @@ import ckptstore
 from ckptstore.ops.fsck import check
 from ckptstore.format.chunk import address_of
 
-from _crashkit import CHUNK_SIZE, SEGMENT_SIZE, KillOps, _Journal, die, read_journal
+from _crashkit import CHUNK_SIZE, SEGMENT_SIZE, CountOps, KillOps, _Journal, die, read_journal
 from test_crash import _dies_by_sigkill
 from test_faults import FaultyOps
 
@@ -166,23 +166,11 @@ def _workload(path, ops, journal=None, direct_io: bool = False) -> None:
 
 
 def _count(tmp_path, template, direct_io: bool) -> dict[str, int]:
-    from ckptstore.storage.fileops import FileOps
-
-    counts = {"write": 0, "fsync": 0}
-
-    class CountOps(FileOps):
-        def _pwritev(self, fd, buffers, offset):
-            counts["write"] += 1
-            return super()._pwritev(fd, buffers, offset)
-
-        def _fsync(self, fd):
-            counts["fsync"] += 1
-            return super()._fsync(fd)
-
     work = tmp_path / "count"
     shutil.copytree(template, work)
-    _workload(work, CountOps(), direct_io=direct_io)
-    return counts
+    ops = CountOps()
+    _workload(work, ops, direct_io=direct_io)
+    return ops.counts
 
 
 @pytest.mark.parametrize("direct_io", [False, True], ids=["buffered", "direct"])

@@ -108,6 +108,11 @@ def seg_bytes(path):
         else dir_bytes(path)
 
 
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
 def run_plain(args):
     model, opt = build(args)
     fwd_bwd(model, args, 0)
@@ -120,7 +125,7 @@ def run_plain(args):
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2], model, opt
+    return median(times), model, opt
 
 
 def run_ckpt(args, codec, path, iters, group_commit=1):
@@ -141,7 +146,7 @@ def run_ckpt(args, codec, path, iters, group_commit=1):
     ck.flush()
     written = [f.result().written_bytes for f in futs]
     store.close()
-    return sorted(times)[len(times) // 2], written, base_bytes, (model, opt)
+    return median(times), written, base_bytes, (model, opt)
 
 
 def direct_write_bandwidth(directory: str, total: int = 256 << 20) -> float | None:
@@ -240,11 +245,6 @@ def interleaved_steps(args, codecs: list[str], rounds: int, block: int) -> list[
     for v in variants:
         v.close()
     return variants
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else float("nan")
 
 
 def report_steps(variants: list["_Variant"], bandwidth: float | None, full_bytes: int) -> None:
@@ -352,11 +352,10 @@ def main():
                         st = r.load(args.k)
                     times.append(time.perf_counter() - t0)
                     cpu.append(time.process_time() - c0)
-            med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
             exact = all(torch.equal(a, st["model"][k]) for k, a in m.state_dict().items())
             print(f"[{codec}] restore base+{args.k}, {cache} page cache (store.load, median of 3): "
-                  f"{med(times):.2f} s (CPU {med(cpu):.2f} s) = {med(times) / med(loads):.1f}x torch.load "
-                  f"of the full checkpoint ({med(loads) * 1e3:.0f} ms, same run, {cache}); "
+                  f"{median(times):.2f} s (CPU {median(cpu):.2f} s) = {median(times) / median(loads):.1f}x "
+                  f"torch.load of the full checkpoint ({median(loads) * 1e3:.0f} ms, same run, {cache}); "
                   f"{'bit-exact' if exact else 'approximate (lossy codec)'}; store "
                   f"{seg_bytes(path) / 2**20:.0f} MiB", flush=True)
         shutil.rmtree(path, ignore_errors=True)

@@ -91,9 +91,8 @@ class DirectAppender:
         self._loaded = self.fill == 0
         #: ``end`` at the last flush: the partial block is written again only when it changed
         self._flushed_end = end
-        #: bytes written with O_DIRECT and with the buffered descriptor (for stats and tests)
+        #: bytes written with O_DIRECT (the rest went through the buffered descriptor)
         self.direct_bytes = 0
-        self.buffered_bytes = 0
 
     @property
     def end(self) -> int:
@@ -200,4 +199,3 @@ class DirectAppender:
 
     def _write_buffered(self, offset: int, view: memoryview) -> None:
         self.ops.writev(self.fd, self.path, [view], offset)
-        self.buffered_bytes += len(view)

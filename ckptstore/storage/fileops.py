@@ -29,7 +29,7 @@ from __future__ import annotations
 import errno
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import DiskFullError, StoreIOError
 
@@ -54,6 +54,18 @@ def io_errors(operation: str, path: str) -> Iterator[None]:
         raise wrap_os_error(operation, path, e) from e
 
 
+def _unless_refused(operation: str, path: str, call: Callable[..., int], *args: Any) -> int | None:
+    """``call(*args)``, or None when it fails with EINVAL (the file system refuses O_DIRECT);
+    any other OSError becomes a StoreIOError naming ``operation`` and ``path``."""
+    try:
+        with io_errors(operation, path):
+            return call(*args)
+    except StoreIOError as e:
+        if e.errno == errno.EINVAL:
+            return None
+        raise
+
+
 class FileOps:
     """Write-side file system calls. Subclass and override the underscore hooks (``_open``,
     ``_pwritev``, ``_fsync``, ...) to inject faults."""
@@ -68,13 +80,8 @@ class FileOps:
         or None where the platform or the file system refuses O_DIRECT (EINVAL)."""
         if not O_DIRECT:
             return None
-        try:
-            with io_errors("open (O_DIRECT)", path):
-                return self._open(path, os.O_WRONLY | os.O_CLOEXEC | O_DIRECT, 0o644)
-        except StoreIOError as e:
-            if e.errno == errno.EINVAL:
-                return None
-            raise
+        return _unless_refused("open (O_DIRECT)", path, self._open,
+                               path, os.O_WRONLY | os.O_CLOEXEC | O_DIRECT, 0o644)
 
     def open_truncate(self, path: str) -> int:
         """Create (or empty) ``path`` for writing: temp files and quarantine copies."""
@@ -118,13 +125,7 @@ class FileOps:
         Returns the bytes written (fewer than asked only when the device stopped short; the caller
         writes the rest through its buffered descriptor, which reports the cause), or None when
         the file system refuses O_DIRECT writes (EINVAL: nothing was written)."""
-        try:
-            with io_errors("write (O_DIRECT)", path):
-                return self._pwritev(fd, [buffer], offset)
-        except StoreIOError as e:
-            if e.errno == errno.EINVAL:
-                return None
-            raise
+        return _unless_refused("write (O_DIRECT)", path, self._pwritev, fd, [buffer], offset)
 
     def fsync(self, fd: int, path: str) -> None:
         with io_errors("fsync", path):

@@ -460,15 +460,13 @@ class Log:
                 seq = live[-1]
                 self.writer = SegmentWriter.reopen(self.layout.segment_path(seq), seq,
                                                    _header_len(), self.ops, self.evict_written,
-                                                   self.stage)
-                self.writer.use_direct(self.direct_on)
+                                                   self.stage, self.direct_on)
             else:
                 self.roll(segment_size)
             return
         self.writer = SegmentWriter.reopen(self.layout.segment_path(position.seq), position.seq,
                                            position.offset, self.ops, self.evict_written,
-                                           self.stage)
-        self.writer.use_direct(self.direct_on)
+                                           self.stage, self.direct_on)
 
     def use_direct(self, on: bool) -> None:
         """Append through O_DIRECT (when the log has a stage) or buffered, from now on."""
@@ -493,8 +491,8 @@ class Log:
             self.writer.close()
             self.writer = None  # never leave a closed writer behind if create() fails
         self.writer = SegmentWriter.create(self.layout.segment_path(seq), seq, self.store_id,
-                                           self.ops, supersedes, self.evict_written, self.stage)
-        self.writer.use_direct(self.direct_on)
+                                           self.ops, supersedes, self.evict_written, self.stage,
+                                           self.direct_on)
         self.ops.fsync_dir(self.layout.segment_dir)
         self.headers[seq] = SegmentHeader(FORMAT_VERSION, seq, self.store_id, supersedes)
         return self.writer

@@ -300,7 +300,8 @@ class SegmentWriter:
     """
 
     def __init__(self, path: str, seq: int, fd: int, offset: int, ops: FileOps,
-                 evict: bool = False, stage: StagingBuffer | None = None) -> None:
+                 evict: bool = False, stage: StagingBuffer | None = None,
+                 direct_on: bool = True) -> None:
         self.path = path
         self.seq = seq
         self.fd = fd
@@ -312,7 +313,7 @@ class SegmentWriter:
         #: system takes it; None: buffered appends
         self.direct: DirectAppender | None = None
         #: appends go through ``direct`` now (see :meth:`use_direct`)
-        self.direct_on = True
+        self.direct_on = direct_on
         if stage is not None:
             direct_fd = ops.open_direct(path)
             if direct_fd is not None:
@@ -325,13 +326,14 @@ class SegmentWriter:
 
     @classmethod
     def create(cls, path: str, seq: int, store_id: bytes, ops: FileOps, supersedes: int = 0,
-               evict: bool = False, stage: StagingBuffer | None = None) -> "SegmentWriter":
+               evict: bool = False, stage: StagingBuffer | None = None,
+               direct_on: bool = True) -> "SegmentWriter":
         """Create a new segment holding only its header record (fsynced; the caller fsyncs the dir)."""
         from ..format.header import FORMAT_VERSION
 
         fd = ops.open_append(path, create=True)
         try:
-            w = cls(path, seq, fd, 0, ops, evict, stage)
+            w = cls(path, seq, fd, 0, ops, evict, stage, direct_on)
         except BaseException:
             os.close(fd)
             raise
@@ -346,13 +348,18 @@ class SegmentWriter:
 
     @classmethod
     def reopen(cls, path: str, seq: int, offset: int, ops: FileOps, evict: bool = False,
-               stage: StagingBuffer | None = None) -> "SegmentWriter":
+               stage: StagingBuffer | None = None, direct_on: bool = True) -> "SegmentWriter":
         fd = ops.open_append(path, create=False)
         try:
-            return cls(path, seq, fd, offset, ops, evict, stage)
+            return cls(path, seq, fd, offset, ops, evict, stage, direct_on)
         except BaseException:
             os.close(fd)
             raise
+
+    @property
+    def _staging(self) -> DirectAppender | None:
+        """The O_DIRECT appender in use; None while appends are buffered."""
+        return self.direct if self.direct_on else None
 
     def use_direct(self, on: bool) -> None:
         """Switch between O_DIRECT and buffered appends (a no-op without O_DIRECT). Going
@@ -366,8 +373,9 @@ class SegmentWriter:
         self.direct_on = on
 
     def append(self, record_type: int, payload_parts: Sequence[bytes | memoryview]) -> Loc:
-        if self.direct is not None and self.direct_on:
-            return self._append_direct(self.direct, record_type, payload_parts)
+        staging = self._staging
+        if staging is not None:
+            return self._append_direct(staging, record_type, payload_parts)
         length = sum(len(p) for p in payload_parts)
         header = rec.encode_header(record_type, length)
         trailer = rec.encode_trailer(*payload_parts)
@@ -413,36 +421,35 @@ class SegmentWriter:
     def flush(self) -> None:
         """Write what is staged for O_DIRECT (no fsync); a no-op for buffered appends (while
         they are on, the stage holds nothing: :meth:`use_direct` flushed it, and resumes it)."""
-        if self.direct is not None and self.direct_on:
-            self.direct.flush()
+        staging = self._staging
+        if staging is not None:
+            staging.flush()
 
     def sync(self) -> None:
         if self.dirty:
             self.flush()
             self.ops.fsync(self.fd, self.path)
             self.dirty = False
-            if self.evict and (self.direct is None or not self.direct_on):
+            if self.evict and self._staging is None:
                 self._advise(all_clean=True)
 
     def truncate(self, offset: int) -> None:
-        if self.direct is not None and self.direct_on:
-            # staged bytes before the cut stay staged (flushed by the next sync); the file may
-            # grow to ``offset`` with zeros meanwhile, a tail past the last commit like any
-            # unsynced append. No write here: a rollback after a failed write must not retry it.
-            self.direct.cut(offset)
+        """Cut the file at ``offset`` (fsynced) and forget what was appended after it. Staged
+        bytes before the cut stay staged (flushed by the next sync); the file may grow to
+        ``offset`` with zeros meanwhile, a tail past the last commit like any unsynced append.
+        No staged write here: a rollback after a failed write must not retry it."""
         self.ops.truncate(self.fd, self.path, offset)
         self.ops.fsync(self.fd, self.path)
-        self.offset = offset
+        self.rewind(offset)
         self.dirty = False
-        self._advised = min(self._advised, offset)
-        self._window = min(self._window, offset)
 
     def rewind(self, offset: int) -> None:
         """Forget what was appended after ``offset`` when none of it reached the file (the file
         ends at or before ``offset``; bytes staged for O_DIRECT only): no system call, so a cut
         after a failed write cannot fail in turn."""
-        if self.direct is not None and self.direct_on:
-            self.direct.cut(offset)
+        staging = self._staging
+        if staging is not None:
+            staging.cut(offset)
         self.offset = offset
         self._advised = min(self._advised, offset)
         self._window = min(self._window, offset)
@@ -452,8 +459,7 @@ class SegmentWriter:
             try:
                 self.flush()  # what was appended reaches the file, as buffered appends do
             finally:
-                if self.evict and (self.direct is None or not self.direct_on) and \
-                        self.offset > self._advised:
+                if self.evict and self._staging is None and self.offset > self._advised:
                     self._advise()  # starts writeback of what was not synced (close paths sync first)
                 self.close_fds()
 
