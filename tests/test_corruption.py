@@ -640,6 +640,45 @@ def test_damaged_gc_marker_keeps_missing_segments_uncertain(tmp_path, assert_sam
                 assert_same(states[i], r.load(i))
 
 
+def test_cut_below_the_gc_marker_keeps_it(tmp_path, assert_same):
+    """§15 step 2: a tail cut that reaches below a gc marker (here: the COMMIT of the last copied
+    checkpoint is damaged, so recovery quarantines and cuts from the end of the one before) keeps
+    the marker, which carries the watermark, and empties the copies between the position and it
+    down to their header instead of deleting them: the live segments stay consecutive, nothing
+    the gc collected counts as missing, and the next writer appends after the marker."""
+    path = tmp_path / "store"
+    states = _one_per_segment(path)
+    with ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=40_000) as w:
+        w.gc(keep_last=3)
+    layout = Layout(str(path))
+    copies_and_marker = layout.list_segments()
+    assert copies_and_marker == [6, 7, 8, 9]  # one copy per kept iteration, then the marker
+    last_copy = Path(layout.segment_path(8))
+    data = bytearray(last_copy.read_bytes())
+    commit_at = data.rindex(rec.MAGIC)  # the last record: iteration 5's copied COMMIT
+    data[commit_at + rec.HEADER_SIZE + 3] ^= 0xFF
+    last_copy.write_bytes(bytes(data))
+
+    with ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=40_000) as w:
+        assert w.iterations() == [3, 4]
+        assert layout.list_segments() == [6, 7, 8, 9]
+        header_only = rec.OVERHEAD + 48
+        assert os.path.getsize(layout.segment_path(8)) == header_only  # emptied, not deleted
+        assert os.path.getsize(layout.segment_path(9)) == header_only  # the marker, kept
+        assert os.listdir(layout.quarantine_dir)  # the damaged commit is kept for inspection
+        w.save(6, states[1])
+    report = check(path)
+    assert report.clean and report.notes == [
+        "quarantine/ holds 1 cut tail that may contain a damaged commit; inspect, then delete it"
+    ], report.lines()
+    assert report.iterations == [3, 4, 6]
+    assert layout.list_segments() == [6, 7, 8, 9, 10]
+    with ckptstore.open(path, "r") as r:
+        for i in (3, 4):
+            assert_same(states[i], r.load(i))
+        assert_same(states[1], r.load(6))
+
+
 def test_damaged_header_of_a_segment_with_records_is_no_gc_marker(tmp_path, assert_same):
     """§15 step 2: a segment whose header is damaged but which holds valid records after it is no
     gc marker (a marker is a header record alone), so segment 3 deleted below it is certainly

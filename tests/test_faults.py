@@ -459,6 +459,13 @@ def _gc(s: ckptstore.Store) -> None:
     s.gc(keep_last=2)
 
 
+def _saves_then_gc(p: Path) -> None:
+    """Six snapshots collected down to the last two: the newest segment is the gc's marker."""
+    _saves(6, segment_size=100 << 10)(p)
+    with open_writer(p, FileOps(), segment_size=100 << 10) as s:
+        s.gc(keep_last=2)
+
+
 SCENARIOS = [
     Scenario("create", set(), {0}, act=_save_missing([0])),
     Scenario("save", {0, 1, 2}, {0, 1, 2, 3}, _saves(3), act=_save_missing([3])),
@@ -473,6 +480,11 @@ SCENARIOS = [
     # a damaged COMMIT record after the last commit: recovery copies the tail to quarantine/
     Scenario("tail-quarantine", {0, 1, 2}, {0, 1, 2, 3}, _with_tail(True), act=_save_missing([3])),
     Scenario("gc", set(range(6)), {4, 5}, _saves(6, segment_size=100 << 10), act=_gc),
+    # saves that roll past the gc's marker: a rollback or recovery cut must keep the marker (it
+    # carries the watermark; without it every collected segment counts as missing)
+    Scenario("save-after-gc", {4, 5}, {4, 5, 6, 7}, _saves_then_gc,
+             open=lambda p, ops: open_writer(p, ops, segment_size=100 << 10),
+             act=_save_missing([6, 7]), extra_states=[{4, 5, 6}]),
     Scenario("checkpointer", {0, 1, 2, 3}, set(range(CKPT_LAST + 1)),
              lambda p: _closing(p, lambda s: _train(s, last=3)), act=_train,
              extra_states=[{0, 1, 2, 3, 4, 5}], verify=_verify_trained),

@@ -158,9 +158,12 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
     if log.obsolete_segments():
         report.notes.append(f"segments {log.obsolete_segments()} are obsolete (interrupted gc); "
                             "the next writer open deletes them")
-    if os.path.isdir(log.layout.quarantine_dir) and os.listdir(log.layout.quarantine_dir):
-        report.notes.append(f"quarantine/ holds {len(os.listdir(log.layout.quarantine_dir))} cut "
-                            "tails that may contain a damaged commit; inspect, then delete them")
+    held = len(os.listdir(log.layout.quarantine_dir)) if os.path.isdir(log.layout.quarantine_dir) \
+        else 0
+    if held:
+        tails, them = ("cut tail", "it") if held == 1 else ("cut tails", "them")
+        report.notes.append(f"quarantine/ holds {held} {tails} that may contain a damaged "
+                            f"commit; inspect, then delete {them}")
     damaged_chunks = {d.address: d for d in scan.damage if d.address is not None}
     raw_lengths: dict[bytes, int | str] = {}
     for it in report.iterations:

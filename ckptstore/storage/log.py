@@ -452,8 +452,14 @@ class Log:
 
     # ---- appending (writer only) ------------------------------------------------------------
     def open_writer(self, position: Position | None, segment_size: int) -> None:
-        """Position the writer at ``position`` (the end of the last commit), or start segment 1."""
+        """Position the writer at ``position`` (the end of the last commit), or start segment 1.
+
+        Called after a scan, which read the log from the files: a writer still open holds nothing
+        staged before ``position`` and is replaced without writing."""
         assert self.ops is not None
+        if self.writer is not None:
+            w, self.writer = self.writer, None
+            w.close_fds()
         if position is None:
             live = self.refresh_segments()
             if live:
@@ -505,8 +511,12 @@ class Log:
         return self.writer.append(record_type, parts)
 
     def discard_after(self, position: Position | None, quarantine: bool) -> None:
-        """Cut the log back to ``position``: truncate its segment there and delete later segments.
+        """Cut the log back to ``position``: truncate its segment there and empty later segments.
 
+        Later segments are deleted, highest first, down to the highest one whose header carries a
+        gc watermark (``supersedes > 0``, a gc marker): that one and every one between it and the
+        position are truncated to their header record instead. Deleting the marker would drop
+        the watermark back, and every segment the gc collected would then count as missing.
         With ``quarantine`` the cut bytes are first copied to quarantine/ (fsynced), so a tail that
         may hold a damaged commit is kept for inspection instead of destroyed.
         """
@@ -516,9 +526,15 @@ class Log:
         cut_off = position.offset if position is not None else 0
         if quarantine:
             self._quarantine(live, cut_seq, cut_off)
+        later = sorted((s for s in live if s > cut_seq), reverse=True)
+        marker = next((s for s in later if s in self.headers and self.headers[s].supersedes > 0),
+                      None)
         # Highest first, each unlink made durable before the next: a crash part-way leaves a
         # consecutive run of segments, never a gap that fsck would report as a missing file.
-        for seq in sorted((s for s in live if s > cut_seq), reverse=True):
+        for seq in later:
+            if marker is not None and seq <= marker:
+                self._truncate_segment(seq, _header_len())
+                continue
             if self.writer is not None and self.writer.seq == seq:
                 self.writer.close_fds()  # its staged bytes are cut with the file
                 self.writer = None
@@ -528,16 +544,21 @@ class Log:
             self.ops.unlink(self.layout.segment_path(seq))
             self.ops.fsync_dir(self.layout.segment_dir)
         if position is not None:
-            path = self.layout.segment_path(cut_seq)
-            live_writer = self.writer if self.writer is not None and self.writer.seq == cut_seq \
-                else None
-            if os.path.getsize(path) > cut_off:
-                w = live_writer or SegmentWriter.reopen(path, cut_seq, cut_off, self.ops)
-                w.truncate(cut_off)
-                if w is not self.writer:
-                    w.close()
-            elif live_writer is not None and live_writer.offset > cut_off:
-                live_writer.rewind(cut_off)  # bytes staged for O_DIRECT only: none in the file
+            self._truncate_segment(cut_seq, cut_off)
+
+    def _truncate_segment(self, seq: int, offset: int) -> None:
+        """Cut segment ``seq`` at ``offset`` (fsynced), through the appending writer when it is
+        that segment's (its staged bytes after ``offset`` go too)."""
+        assert self.ops is not None
+        path = self.layout.segment_path(seq)
+        live_writer = self.writer if self.writer is not None and self.writer.seq == seq else None
+        if os.path.getsize(path) > offset:
+            w = live_writer or SegmentWriter.reopen(path, seq, offset, self.ops)
+            w.truncate(offset)
+            if w is not self.writer:
+                w.close()
+        elif live_writer is not None and live_writer.offset > offset:
+            live_writer.rewind(offset)  # bytes staged for O_DIRECT only: none in the file
 
     def _quarantine(self, live: list[int], cut_seq: int, cut_off: int) -> None:
         assert self.ops is not None
@@ -548,8 +569,8 @@ class Log:
             start = cut_off if seq == cut_seq else 0
             f = self.file(seq)
             size = f.size()
-            if size <= start:
-                continue
+            if size <= start or (seq > cut_seq and size <= _header_len()):
+                continue  # nothing cut, or a header record alone (a gc marker is kept)
             dest = self.layout.quarantine_path(seq, start)
             fd = self.ops.open_truncate(dest)
             try:
