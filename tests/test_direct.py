@@ -95,6 +95,36 @@ def test_direct_appends_write_the_bytes_buffered_appends_write(dio_dir: Path, se
     assert records and all(getattr(r, "error", None) is None and hasattr(r, "loc") for r in records)
 
 
+class _AppendOnlyOps(FileOps):
+    """Asserts that every write starts exactly at the file's current end: no write ever covers a
+    byte already in the file (format-spec §14: an interrupted write may leave garbage over its
+    whole range, A2/A3, so rewriting the block that holds the last COMMIT, even with the same
+    bytes, would put a committed checkpoint at risk)."""
+
+    writes = 0
+
+    def _pwritev(self, fd, buffers, offset):
+        size = os.fstat(fd).st_size
+        assert offset == size, f"a write at {offset} covers bytes already in the file (size {size})"
+        self.writes += 1
+        return super()._pwritev(fd, buffers, offset)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_appends_never_write_a_byte_twice(dio_dir: Path, seed: int) -> None:
+    ops = _AppendOnlyOps()
+    stage = StagingBuffer(64 << 10)
+    path = dio_dir / "s.seg"
+    w = SegmentWriter.create(str(path), 1, b"s" * 16, ops, stage=stage)
+    _drive(w, random.Random(seed), 60)
+    end = w.offset
+    w.close()
+    w = SegmentWriter.reopen(str(path), 1, end, ops, stage=stage)  # an unaligned end, read back
+    _drive(w, random.Random(seed + 100), 30)
+    w.close()
+    assert ops.writes > 20
+
+
 def test_unsynced_direct_appends_are_not_in_the_file(dio_dir: Path) -> None:
     """What was appended and not synced or flushed lives in memory only (as an unsynced buffered
     append may be lost to a power cut); a sync puts it in the file, exactly at its end."""

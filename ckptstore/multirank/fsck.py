@@ -14,11 +14,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import CkptStoreError, DamagedCheckpointError
-from ..format.job import GLOBAL_HEAD_SIZE, RANK_ENTRY_SIZE
-from ..format.records import OVERHEAD
+from ..errors import CkptStoreError, DamagedCheckpointError, StoreNotFoundError
 from ..ops.fsck import FsckReport, check
-from ..storage.job_log import JobLayout, read_job_header, read_job_view
+from ..storage.job_log import JobLayout, read_job_header, read_job_view, tail_is_suspicious
 from .job_store import JobStore
 
 _STREAM_RE = re.compile(r"^(\d{10})-(\d{5})$")
@@ -68,19 +66,43 @@ def check_job(path: str | os.PathLike, *, repair: bool = False,
     report.world_size = view.epoch.world_size if view.epoch is not None else None
     report.epochs = view.chain
     report.iterations = list(view.commits)
+    adopter = {view.chain[i]: view.chain[i + 1] for i in range(len(view.chain) - 1)}
     for n, scan in sorted(view.logs.items()):
         if scan.epoch is None:
             report.notes.append(f"global log {scan.path} holds no valid EPOCH record (a job that "
                                 "stopped while claiming the store): ignored")
             continue
         rest = scan.size - scan.valid_end
-        if rest:
-            full = OVERHEAD + GLOBAL_HEAD_SIZE + RANK_ENTRY_SIZE * scan.epoch.world_size
-            what = f"{rest} bytes after offset {scan.valid_end} of {scan.path} ({scan.damage})"
-            if rest < full and n == max(view.logs):
-                report.notes.append(f"torn tail of the current global log: {what}")
-            else:
-                report.damage.append(f"global log of epoch {n}: {what}: any commit in them is lost")
+        if n in adopter:  # an older job's log: only what the newer one adopted counts
+            newer = view.logs[adopter[n]].epoch
+            assert newer is not None
+            if scan.valid_end < newer.adopted_end:
+                report.damage.append(
+                    f"global log of epoch {n}: the records between offset {scan.valid_end} and "
+                    f"{newer.adopted_end} of {scan.path}, adopted by epoch {newer.epoch}, are "
+                    f"unreadable ({scan.damage}): the commits in them are lost")
+            elif rest:
+                report.notes.append(
+                    f"global log of epoch {n}: {rest} bytes after offset {scan.valid_end} of "
+                    f"{scan.path}, past what epoch {newer.epoch} adopted, are ignored (appended "
+                    "after the newer job began, or cut short by a crash)")
+            continue
+        if not rest:
+            continue
+        what = f"{rest} bytes after offset {scan.valid_end} of {scan.path} ({scan.damage})"
+        if n != view.chain[-1]:
+            report.notes.append(f"global log of epoch {n} (off the chain, nothing in it is "
+                                f"visible): {what}")
+        elif tail_is_suspicious(scan):
+            report.damage.append(
+                f"global log of epoch {n}: {what}: a complete record that fails its check, a "
+                "damaged commit (or one a power loss garbled during its own fsync); the next "
+                "job copies it to quarantine/ and continues from the valid prefix")
+        else:
+            report.notes.append(f"torn tail of the current global log: {what}")
+    if os.path.isdir(layout.quarantine_dir) and os.listdir(layout.quarantine_dir):
+        report.notes.append(f"quarantine/ holds {len(os.listdir(layout.quarantine_dir))} "
+                            "file(s) that may contain a damaged commit; inspect, then delete")
     report.notes += [n for n in view.notes if "was written after epoch" in n]
     try:
         names = sorted(os.listdir(layout.streams_dir))
@@ -94,6 +116,13 @@ def check_job(path: str | os.PathLike, *, repair: bool = False,
         try:
             report.streams[(epoch, rank)] = check(os.path.join(layout.streams_dir, name),
                                                   repair=repair, progress=progress)
+        except StoreNotFoundError as e:
+            where = f"rank {rank}'s stream {os.path.join(layout.streams_dir, name)} (epoch {epoch})"
+            if any(g.epoch == epoch for g in view.commits.values()):
+                report.damage.append(f"{where} cannot be checked: {e}")
+            else:  # a crash while the job opened, before it committed anything
+                report.notes.append(f"{where} was never completed ({e}); no visible commit "
+                                    "names it: ignored")
         except CkptStoreError as e:
             report.damage.append(f"rank {rank}'s stream {os.path.join(layout.streams_dir, name)} "
                                  f"(epoch {epoch}) cannot be checked: {e}")

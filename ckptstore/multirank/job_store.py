@@ -36,8 +36,8 @@ from ..engine.writer_engine import WriterEngine
 from ..format.job import Epoch, GlobalCommit
 from ..replay.partition import merge_parts, partition_of
 from ..storage.fileops import FileOps
-from ..storage.job_log import (EpochLog, JobLayout, JobView, create_job_store, read_job_header,
-                               read_job_view)
+from ..storage.job_log import (EpochLog, JobLayout, JobView, create_job_store, quarantine_tail,
+                               read_job_header, read_job_view, tail_is_suspicious)
 from ..store import CheckpointInfo, SaveStats, Store, select_keys
 from .committer import GlobalCommitter
 from .group import RankGroup
@@ -176,6 +176,8 @@ class JobStore:
             view = read_job_view(self.layout, header.store_id)
             prev = view.chain[-1] if view.chain else 0
             end = view.logs[prev].valid_end if prev else 0
+            if prev and tail_is_suspicious(view.logs[prev]):
+                quarantine_tail(self.layout, self._ops, view.logs[prev])  # kept, never adopted
             log.write_epoch(Epoch(number, world_size, header.store_id, prev, end, time.time_ns()))
         except BaseException:
             log.close()

@@ -18,8 +18,13 @@ Invariants of :class:`DirectAppender` (``base`` is always a multiple of :data:`A
 * after :meth:`DirectAppender.flush` every byte before ``end`` is in the file too: the partial
   last block goes through the ordinary (buffered) descriptor at its exact offset, so the file
   never holds padding past the last record and its size is the log's end, exactly as with
-  buffered appends. The next O_DIRECT write rewrites that block whole from the stage (the kernel
-  writes back and invalidates cached pages over an O_DIRECT range first);
+  buffered appends;
+* **no write covers a byte already in the file** (``in_file``): when the first staged block
+  starts before ``in_file`` (the partial block a flush or a reopen left), only its new bytes are
+  written, buffered, and O_DIRECT starts at the next block boundary. Rewriting the block whole,
+  even with identical bytes, would put the committed records at its head at risk: a power loss
+  during a write may leave garbage over the written range (format-spec A2/A3), while bytes no
+  write touches stay put (A5). Found by the power-loss simulation (tests/test_powerloss.py);
 * nothing about the format or the commit protocol changes: the bytes, their order and the
   points where they are made durable (the writer's fsync calls) are those of buffered appends.
   Bytes appended and not yet flushed live only in memory, which is what an unsynced buffered
@@ -89,8 +94,8 @@ class DirectAppender:
         #: the stage's head ``[base, base + fill)`` holds the file's bytes (False after a reopen
         #: or a cut before ``base``, until they are read back from the file)
         self._loaded = self.fill == 0
-        #: ``end`` at the last flush: the partial block is written again only when it changed
-        self._flushed_end = end
+        #: the file holds the intended bytes before this offset; no write covers them again
+        self.in_file = end
         #: bytes written with O_DIRECT (the rest went through the buffered descriptor)
         self.direct_bytes = 0
 
@@ -134,9 +139,10 @@ class DirectAppender:
             return  # nothing was put since the take-over: the stage's head is the file's, unread
         if self.fill >= ALIGN:
             self._write_blocks()
-        if self.end > self._flushed_end and self.fill:
-            self._write_buffered(self.base, self.stage.view[:self.fill])
-        self._flushed_end = self.end
+        if self.end > self.in_file:
+            start = max(self.base, self.in_file)
+            self._write_buffered(start, self.stage.view[start - self.base:self.fill])
+        self.in_file = self.end
 
     def cut(self, end: int) -> None:
         """The file is being truncated to ``end`` (at or before :attr:`end`): forget staged bytes
@@ -147,7 +153,7 @@ class DirectAppender:
             self.base = end - end % ALIGN
             self.fill = end - self.base
             self._loaded = self.fill == 0
-        self._flushed_end = min(self._flushed_end, end)
+        self.in_file = min(self.in_file, end)
 
     def resume(self, end: int) -> None:
         """Take over again at ``end`` after the file was appended to by other means (buffered
@@ -155,7 +161,7 @@ class DirectAppender:
         self.base = end - end % ALIGN
         self.fill = end - self.base
         self._loaded = self.fill == 0
-        self._flushed_end = end
+        self.in_file = end
 
     def close(self) -> None:
         if self.direct_fd >= 0:
@@ -176,21 +182,28 @@ class DirectAppender:
         self._loaded = True
 
     def _write_blocks(self) -> None:
-        """Write the stage's full blocks, then move the partial block's head to the front."""
+        """Write the stage's full blocks (never a byte before ``in_file``, module doc), then move
+        the partial block's head to the front."""
         whole = self.fill - self.fill % ALIGN
         if whole == 0:
             return
         view = self.stage.view[:whole]
-        if self.active:
-            written = self.ops.write_direct(self.direct_fd, self.path, view, self.base)
+        start = 0  # stage offset from which the blocks go out with O_DIRECT
+        if self.in_file > self.base:  # the first block's head is in the file: write its rest only
+            head = self.in_file - self.base
+            self._write_buffered(self.in_file, view[head:ALIGN])
+            start = ALIGN
+        if start < whole and self.active:
+            written = self.ops.write_direct(self.direct_fd, self.path, view[start:whole],
+                                            self.base + start)
             if written is None:  # refused: this file system does not do O_DIRECT
                 self.close()
                 written = 0
             self.direct_bytes += written
-            if written < whole:
-                self._write_buffered(self.base + written, view[written:])
-        else:
-            self._write_buffered(self.base, view)
+            start += written
+        if start < whole:
+            self._write_buffered(self.base + start, view[start:whole])
+        self.in_file = max(self.in_file, self.base + whole)
         rest = self.fill - whole
         if rest:
             self.stage.view[:rest] = self.stage.view[whole:self.fill]

@@ -165,15 +165,20 @@ class FileOps:
             return False
         return True
 
+    def write_file(self, path: str, data: bytes | memoryview) -> None:
+        """Create (or empty) ``path``, write ``data``, fsync it (the name is durable only after
+        the caller fsyncs the directory)."""
+        fd = self.open_truncate(path)
+        try:
+            self.writev(fd, path, [data], 0)
+            self.fsync(fd, path)
+        finally:
+            os.close(fd)
+
     def write_file_atomic(self, path: str, data: bytes) -> None:
         """temp file -> write -> fsync -> rename over ``path`` -> fsync the directory."""
         tmp = f"{path}.tmp"
-        fd = self.open_truncate(tmp)
-        try:
-            self.writev(fd, tmp, [data], 0)
-            self.fsync(fd, tmp)
-        finally:
-            os.close(fd)
+        self.write_file(tmp, data)
         self.rename(tmp, path)
         self.fsync_dir(os.path.dirname(path) or ".")
 

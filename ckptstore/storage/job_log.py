@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from ..errors import CkptStoreError, FormatError, StoreIOError
 from ..format import records as rec
 from ..format.header import STORE_HEADER_SIZE, StoreHeader, decode_store_header, encode_store_header
-from ..format.job import (JOB_FORMAT_VERSION, JOB_TYPES, Epoch, GlobalCommit, JobRecordType,
-                          decode_epoch, decode_global_commit, encode_epoch, encode_global_commit)
+from ..format.job import (GLOBAL_HEAD_SIZE, JOB_FORMAT_VERSION, JOB_TYPES, RANK_ENTRY_SIZE, Epoch,
+                          GlobalCommit, JobRecordType, decode_epoch, decode_global_commit,
+                          encode_epoch, encode_global_commit)
 from .fileops import FileOps, io_errors
-from .layout import STORE_FILE
+from .layout import QUARANTINE_DIR, STORE_FILE
 
 GLOBAL_DIR = "global"
 STREAMS_DIR = "streams"
@@ -65,6 +66,14 @@ class JobLayout:
         if not 0 < epoch < 10**10 or not 0 <= rank < 10**5:
             raise ValueError(f"stream of epoch {epoch}, rank {rank} out of range")
         return os.path.join(self.streams_dir, f"{epoch:010d}-{rank:05d}")
+
+    @property
+    def quarantine_dir(self) -> str:
+        return os.path.join(self.root, QUARANTINE_DIR)
+
+    def quarantine_path(self, epoch: int, offset: int) -> str:
+        """Where the suspicious tail of epoch ``epoch``'s global log, from ``offset``, is kept."""
+        return os.path.join(self.quarantine_dir, f"global-{epoch:010d}-{offset}.tail")
 
     def list_epochs(self) -> list[int]:
         """Epoch numbers of the global logs present (claimed epochs), ascending. A name that is
@@ -173,6 +182,32 @@ def scan_epoch_log(path: str, number: int, store_id: bytes) -> EpochScan:
         at += header.total_size
         out.valid_end = at
     return out
+
+
+def tail_is_suspicious(scan: EpochScan) -> bool:
+    """Whether the bytes after a global log's valid prefix are at least one GLOBAL_COMMIT record
+    long: a complete record that fails a check (a damaged commit, or one a power loss garbled
+    during its own fsync) rather than an append a crash cut short (format §22.2)."""
+    if scan.epoch is None:
+        return False
+    full = rec.OVERHEAD + GLOBAL_HEAD_SIZE + RANK_ENTRY_SIZE * scan.epoch.world_size
+    return scan.size - scan.valid_end >= full
+
+
+def quarantine_tail(layout: JobLayout, ops: FileOps, scan: EpochScan) -> str:
+    """Copy the bytes after ``scan``'s valid prefix to quarantine/ (fsynced, with the directory):
+    a newer job never writes an older job's log, so a suspicious tail it adopts past is kept
+    here for inspection instead. Returns the copy's path."""
+    with io_errors("read", scan.path):
+        with open(scan.path, "rb") as f:
+            f.seek(scan.valid_end)
+            data = f.read()
+    ops.makedirs(layout.quarantine_dir)
+    dest = layout.quarantine_path(scan.number, scan.valid_end)
+    ops.write_file(dest, data)
+    ops.fsync_dir(layout.quarantine_dir)
+    ops.fsync_dir(layout.root)
+    return dest
 
 
 @dataclass

@@ -435,13 +435,16 @@ class SegmentWriter:
 
     def truncate(self, offset: int) -> None:
         """Cut the file at ``offset`` (fsynced) and forget what was appended after it. Staged
-        bytes before the cut stay staged (flushed by the next sync); the file may grow to
-        ``offset`` with zeros meanwhile, a tail past the last commit like any unsynced append.
-        No staged write here: a rollback after a failed write must not retry it."""
-        self.ops.truncate(self.fd, self.path, offset)
+        bytes before the cut stay staged (flushed by the next sync), and the file is cut where
+        they start when that is earlier: it never holds bytes a later write would cover again
+        (ckptstore/storage/direct.py). No staged write here: a rollback after a failed write
+        must not retry it."""
+        staging = self._staging
+        length = offset if staging is None else min(offset, staging.in_file)
+        self.ops.truncate(self.fd, self.path, length)
         self.ops.fsync(self.fd, self.path)
         self.rewind(offset)
-        self.dirty = False
+        self.dirty = length < offset  # staged bytes before the cut still to be written
 
     def rewind(self, offset: int) -> None:
         """Forget what was appended after ``offset`` when none of it reached the file (the file
