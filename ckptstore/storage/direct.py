@@ -134,15 +134,12 @@ class DirectAppender:
 
     def flush(self) -> None:
         """Write every staged byte: full blocks with O_DIRECT, the partial last block buffered
-        (kept staged: the next O_DIRECT write rewrites its block whole). No fsync."""
+        (kept staged: the next write sends its new bytes only). No fsync."""
         if not self._loaded:
             return  # nothing was put since the take-over: the stage's head is the file's, unread
         if self.fill >= ALIGN:
             self._write_blocks()
-        if self.end > self.in_file:
-            start = max(self.base, self.in_file)
-            self._write_buffered(start, self.stage.view[start - self.base:self.fill])
-        self.in_file = self.end
+        self._write_buffered(self.base, self.end)
 
     def cut(self, end: int) -> None:
         """The file is being truncated to ``end`` (at or before :attr:`end`): forget staged bytes
@@ -187,28 +184,33 @@ class DirectAppender:
         whole = self.fill - self.fill % ALIGN
         if whole == 0:
             return
-        view = self.stage.view[:whole]
-        start = 0  # stage offset from which the blocks go out with O_DIRECT
-        if self.in_file > self.base:  # the first block's head is in the file: write its rest only
-            head = self.in_file - self.base
-            self._write_buffered(self.in_file, view[head:ALIGN])
-            start = ALIGN
-        if start < whole and self.active:
-            written = self.ops.write_direct(self.direct_fd, self.path, view[start:whole],
-                                            self.base + start)
+        stop = self.base + whole
+        # O_DIRECT starts at a block boundary: after the first block when its head is in the
+        # file already (that block's new bytes go buffered, first, so appends stay in order)
+        direct_from = self.base if self.in_file == self.base else self.base + ALIGN
+        self._write_buffered(self.base, direct_from)
+        if direct_from < stop and self.active:
+            written = self.ops.write_direct(self.direct_fd, self.path,
+                                            self.stage.view[direct_from - self.base:whole],
+                                            direct_from)
             if written is None:  # refused: this file system does not do O_DIRECT
                 self.close()
                 written = 0
             self.direct_bytes += written
-            start += written
-        if start < whole:
-            self._write_buffered(self.base + start, view[start:whole])
-        self.in_file = max(self.in_file, self.base + whole)
+            self.in_file = max(self.in_file, direct_from + written)
+        self._write_buffered(self.base, stop)  # what O_DIRECT did not write
         rest = self.fill - whole
         if rest:
             self.stage.view[:rest] = self.stage.view[whole:self.fill]
-        self.base += whole
+        self.base = stop
         self.fill = rest
 
-    def _write_buffered(self, offset: int, view: memoryview) -> None:
-        self.ops.writev(self.fd, self.path, [view], offset)
+    def _write_buffered(self, lo: int, hi: int) -> None:
+        """Write the staged bytes of file offsets ``[lo, hi)`` through the buffered descriptor,
+        skipping those already in the file: the one place that keeps ``in_file``'s promise for
+        buffered writes."""
+        lo = max(lo, self.in_file)
+        if hi > lo:
+            self.ops.writev(self.fd, self.path, [self.stage.view[lo - self.base:hi - self.base]],
+                            lo)
+            self.in_file = hi
