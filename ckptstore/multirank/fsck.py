@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import CkptStoreError, DamagedCheckpointError, StoreNotFoundError
-from ..ops.fsck import FsckReport, check
+from ..ops.fsck import FsckReport, check, quarantine_note
 from ..storage.job_log import JobLayout, read_job_header, read_job_view, tail_is_suspicious
 from .job_store import JobStore
 
@@ -100,9 +100,9 @@ def check_job(path: str | os.PathLike, *, repair: bool = False,
                 "job copies it to quarantine/ and continues from the valid prefix")
         else:
             report.notes.append(f"torn tail of the current global log: {what}")
-    if os.path.isdir(layout.quarantine_dir) and os.listdir(layout.quarantine_dir):
-        report.notes.append(f"quarantine/ holds {len(os.listdir(layout.quarantine_dir))} "
-                            "file(s) that may contain a damaged commit; inspect, then delete")
+    held = quarantine_note(layout.quarantine_dir)
+    if held:
+        report.notes.append(held)
     report.notes += [n for n in view.notes if "was written after epoch" in n]
     try:
         names = sorted(os.listdir(layout.streams_dir))
@@ -113,19 +113,18 @@ def check_job(path: str | os.PathLike, *, repair: bool = False,
         if m is None:
             continue
         epoch, rank = int(m.group(1)), int(m.group(2))
+        stream_dir = os.path.join(layout.streams_dir, name)
+        where = f"rank {rank}'s stream {stream_dir} (epoch {epoch})"
         try:
-            report.streams[(epoch, rank)] = check(os.path.join(layout.streams_dir, name),
-                                                  repair=repair, progress=progress)
+            report.streams[(epoch, rank)] = check(stream_dir, repair=repair, progress=progress)
         except StoreNotFoundError as e:
-            where = f"rank {rank}'s stream {os.path.join(layout.streams_dir, name)} (epoch {epoch})"
             if any(g.epoch == epoch for g in view.commits.values()):
                 report.damage.append(f"{where} cannot be checked: {e}")
             else:  # a crash while the job opened, before it committed anything
                 report.notes.append(f"{where} was never completed ({e}); no visible commit "
                                     "names it: ignored")
         except CkptStoreError as e:
-            report.damage.append(f"rank {rank}'s stream {os.path.join(layout.streams_dir, name)} "
-                                 f"(epoch {epoch}) cannot be checked: {e}")
+            report.damage.append(f"{where} cannot be checked: {e}")
     with JobStore(path, "r") as reader:
         for it, g in view.commits.items():
             for r in range(g.world_size):

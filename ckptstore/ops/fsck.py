@@ -101,6 +101,16 @@ def check(path: str | os.PathLike, *, repair: bool = False,
     return report
 
 
+def quarantine_note(quarantine_dir: str) -> str | None:
+    """fsck's note on what a quarantine directory holds (None when it is empty or absent)."""
+    held = len(os.listdir(quarantine_dir)) if os.path.isdir(quarantine_dir) else 0
+    if not held:
+        return None
+    tails, them = ("cut tail", "it") if held == 1 else ("cut tails", "them")
+    return (f"quarantine/ holds {held} {tails} that may contain a damaged commit; inspect, then "
+            f"delete {them}")
+
+
 def _note_recovery(scan: ScanReport | None, report: FsckReport) -> None:
     if scan is None:
         return
@@ -158,12 +168,9 @@ def _verify(log: Log, report: FsckReport, progress: Callable[[int], None] | None
     if log.obsolete_segments():
         report.notes.append(f"segments {log.obsolete_segments()} are obsolete (interrupted gc); "
                             "the next writer open deletes them")
-    held = len(os.listdir(log.layout.quarantine_dir)) if os.path.isdir(log.layout.quarantine_dir) \
-        else 0
+    held = quarantine_note(log.layout.quarantine_dir)
     if held:
-        tails, them = ("cut tail", "it") if held == 1 else ("cut tails", "them")
-        report.notes.append(f"quarantine/ holds {held} {tails} that may contain a damaged "
-                            f"commit; inspect, then delete {them}")
+        report.notes.append(held)
     damaged_chunks = {d.address: d for d in scan.damage if d.address is not None}
     raw_lengths: dict[bytes, int | str] = {}
     for it in report.iterations:
