@@ -136,10 +136,6 @@ def _read_dir(d: str) -> dict[str, bytes]:
     return out
 
 
-def _is_index_path(path: str) -> bool:
-    return f"{os.sep}index{os.sep}" in path or path.endswith(f"{os.sep}index")
-
-
 def snapshot_tree(root: str) -> tuple[dict[str, tuple[int, bytes]], set[str], dict[str, dict]]:
     """(files -> (inode, content), directories, index directories -> files) under ``root``, all
     taken as durable (the state an operation starts from, after a clean close)."""

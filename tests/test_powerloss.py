@@ -107,18 +107,29 @@ def verify_trained(r: ckptstore.Store, i: int, assert_same) -> None:
 
 # ---- scenarios -----------------------------------------------------------------------------------
 
+def _resume_saving(p: Path, where: str, assert_same) -> None:
+    """The next writer saves one more snapshot after the newest iteration."""
+    with open_writer(p) as w:
+        nxt = (w.latest() if w.latest() is not None else -1) + 1
+        w.save(nxt, snap(nxt))
+    with ckptstore.open(p, "r") as r:
+        verify_generated(r, nxt, assert_same)
+
+
 @dataclass
 class Scenario:
     """``prepare`` builds the starting store (closed cleanly, so durable); ``run`` performs the
     operation through the recording ops and marks what it was told: ("begin", i) before a save of
     iteration i, ("ack", i) once it returned, ("gc", [removed]) before a gc and ("gc-done",) once
-    gc returned. ``next`` saves one more iteration after a crash (the writer resumes)."""
+    gc returned. ``resume`` is the next writer after a crash: it recovers the store, goes on and
+    checks what it wrote. ``job``: a multi-rank store (its own fsck)."""
 
     name: str
     prepare: Callable[[Path], None]
     run: Callable[[Path, RecordingOps], None]
     verify: Callable[[ckptstore.Store, int, Any], None] = verify_generated
-    next: Callable[[ckptstore.Store], None] | None = None
+    resume: Callable[[Path, str, Any], None] = _resume_saving
+    job: bool = False
 
 
 def _saves(its: list[int], opener: Callable[..., Any] = open_writer) -> Callable[[Path], None]:
@@ -196,8 +207,12 @@ def _train(p: Path, ops: RecordingOps | None, last: int) -> None:
         ckpt.close()
 
 
-def _next_trained(s: ckptstore.Store) -> None:
-    pass  # the Checkpointer scenario checks resumption by training on in its own check
+def _resume_training(p: Path, where: str, assert_same) -> None:
+    """The next trainer restores from the store and trains on to the end, bit-exact."""
+    _train(p, None, TRAIN_LAST)
+    with ckptstore.open(p, "r") as r:
+        assert max(r.iterations()) == TRAIN_LAST, f"{where}: training did not resume"
+        verify_trained(r, TRAIN_LAST, assert_same)
 
 
 # ---- the multi-rank store: its global commit, with a one-rank gloo group in this process -------
@@ -240,10 +255,11 @@ SCENARIOS = [
     Scenario("delta-durable", _saves([0]), _run_deltas([1, 2], durable=True)),
     Scenario("delta-group", _saves([0]), _run_deltas([1, 2, 3], durable=False)),
     Scenario("checkpointer", lambda p: _train(p, None, 2), lambda p, ops: _train(p, ops, TRAIN_LAST),
-             verify=verify_trained),
+             verify=verify_trained, resume=_resume_training),
     Scenario("gc", _saves(list(range(6))), _run_gc),
     Scenario("save-after-gc", _saves_then_gc, _run_saves([6, 7])),
-    Scenario("multi-rank-commit", _saves([0], _job_writer), _run_saves([1, 2], _job_writer)),
+    Scenario("multi-rank-commit", _saves([0], _job_writer), _run_saves([1, 2], _job_writer),
+             job=True),
 ]
 
 #: per scenario: crash points, images checked, and what fsck found in them
@@ -296,7 +312,7 @@ def _check_image(sc: Scenario, state: CrashState, root: Path, dest: Path, before
     state.materialize(str(root), str(dest))
     if state.index is None:
         stats["index lost"] += 1
-    if sc.name.startswith("multi-rank"):
+    if sc.job:
         _check_job_image(where, dest, must, may, assert_same, stats)
         return
     if not os.path.exists(Layout(str(dest)).store_file):
@@ -328,18 +344,7 @@ def _check_image(sc: Scenario, state: CrashState, root: Path, dest: Path, before
             assert set(r.iterations()) == present, f"{where}: a reader lists {r.iterations()}"
             for i in sorted(present):
                 sc.verify(r, i, lambda a, b, msg="": assert_same(a, b, f"{where}: {msg}"))
-    # the next writer recovers whatever the crash left and goes on
-    if sc.verify is verify_trained:
-        _train(dest, None, TRAIN_LAST)
-        with ckptstore.open(dest, "r") as r:
-            assert max(r.iterations()) == TRAIN_LAST, f"{where}: training did not resume"
-            verify_trained(r, TRAIN_LAST, assert_same)
-    else:
-        with open_writer(dest) as w:
-            nxt = (w.latest() if w.latest() is not None else -1) + 1
-            w.save(nxt, snap(nxt))
-        with ckptstore.open(dest, "r") as r:
-            verify_generated(r, nxt, assert_same)
+    sc.resume(dest, where, assert_same)  # the next writer recovers whatever the crash left
     after = check(dest)
     assert after.clean and all("quarantine" in n for n in after.notes), \
         f"{where}: fsck after the next save:\n" + "\n".join(after.lines())
