@@ -176,10 +176,14 @@ def main() -> int:
         pid = int(replies.readline())
         time.sleep(rng.uniform(0, args.max_delay))
         finished = not _alive(pid)
-        os.kill(pid, signal.SIGKILL) if not finished else None
+        if not finished:
+            os.kill(pid, signal.SIGKILL)
         while _alive(pid):
             time.sleep(0.001)
-        lines = open(journal).read().splitlines() if os.path.exists(journal) else []
+        lines = []
+        if os.path.exists(journal):
+            with open(journal) as f:
+                lines = f.read().splitlines()
         errors = [ln for ln in lines if ln.startswith("error")]
         if errors:
             print(f"kill {kill}: the trainer failed: {errors[0]}", file=sys.stderr)
