@@ -6,20 +6,21 @@
         state = store.load(100)
 """
 
-from .errors import (CheckpointAbortedError, ChecksumMismatch, CkptStoreError, CorruptRecordError, DamagedCheckpointError,
+from .errors import (BisectError, BisectPredicateError, CheckpointAbortedError, ChecksumMismatch, CkptStoreError, CorruptRecordError, DamagedCheckpointError,
                      DamagedIndexWarning,
                      DeltaChainError, DiskFullError, FormatError, IndexUnusable,
                      IterationOrderError, NotFoundError, ReadOnlyStoreError,
                      ReplayDivergenceError, StoreClosedError, StoreIOError, StoreLockedError,
                      StoreNotFoundError, UnsupportedTypeError, UnsupportedVersionError,
                      CheckpointPolicyError, CommitOutcomeUnknownError, GlobalCommitAbortedError,
-                     RankFailureError, RankMismatchError, StaleWriterError)
+                     RankFailureError, RankMismatchError, StaleWriterError, TargetMismatchError)
 import os as _os
 from typing import Any as _Any
 
 from .engine.write_path import SaveStats
 from .multirank.job_store import JobStore
 from .storage.job_log import is_job_store
+from .ops.bisect import BisectResult
 from .store import CheckpointInfo, Store, TensorDiff
 
 __version__ = "0.1.0"
@@ -62,5 +63,6 @@ __all__ = [
     "StoreIOError", "DiskFullError", "DamagedCheckpointError", "IndexUnusable", "DeltaChainError",
     "ReplayDivergenceError", "CheckpointAbortedError", "DamagedIndexWarning",
     "StaleWriterError", "RankMismatchError", "RankFailureError", "CommitOutcomeUnknownError",
-    "GlobalCommitAbortedError", "CheckpointPolicyError",
+    "GlobalCommitAbortedError", "CheckpointPolicyError", "TargetMismatchError",
+    "BisectError", "BisectPredicateError", "BisectResult",
 ]

@@ -1,7 +1,7 @@
-"""The ``ckptstore`` command line: ls, show, diff, restore, fsck, gc, stats, demo.
+"""The ``ckptstore`` command line: ls, show, diff, restore, fsck, gc, stats, bisect, demo.
 
-Exit codes: 0 success (fsck: clean); 1 the store is damaged or an operation failed (the message
-says what and where); 2 bad usage.
+Exit codes: 0 success (fsck: clean; bisect: found); 1 the store is damaged or an operation failed
+(the message says what and where; bisect: the condition never holds); 2 bad usage.
 """
 
 from __future__ import annotations
@@ -261,6 +261,49 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bisect(args: argparse.Namespace) -> int:
+    """The first iteration where a condition holds (ckptstore/ops/bisect.py): exit 0 found,
+    1 never holds in the range (or an error), 2 a malformed condition or range."""
+    from .errors import BisectError
+    from .ops.bisect import parse_condition
+
+    if args.start is not None and args.end is not None and args.start > args.end:
+        print(f"ckptstore bisect: --start {args.start} is after --end {args.end}", file=sys.stderr)
+        return 2
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:  # a module:function condition may name a module of the working directory
+        sys.path.insert(0, cwd)
+    try:
+        cond = parse_condition(args.until)
+    except BisectError as e:
+        print(f"ckptstore bisect: error: {_printable(str(e))}", file=sys.stderr)
+        return 2
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+    with _open(args.path) as store:
+        if isinstance(store, JobStore):
+            r = store.bisect(cond, args.start, args.end, rank=args.rank)
+        else:
+            r = store.bisect(cond, args.start, args.end)
+    cost = (f"{r.meta_reads} meta reads" if cond.kind == "meta" else
+            f"{r.loaded} states loaded, {r.replayed} replayed") + f", {r.seconds:.2f} s"
+    if r.iteration is None:
+        print(f"{_printable(r.condition)}: never holds in {r.start}..{r.end} ({cost})")
+        return 1
+    print(f"{_printable(r.condition)}: first holds at iteration {r.iteration} "
+          f"(searched {r.start}..{r.end}; {cost})")
+    if r.value is not None:
+        print(f"{_printable(str(cond.key))} = {r.value!r} at iteration {r.iteration}")
+    if r.tensors:
+        rows = [[t.path, t.nan, t.inf, t.numel, ", ".join(map(str, t.indices)) + (
+                 " ..." if (t.nan if cond.kind == "nan" else t.nan + t.inf) > len(t.indices)
+                 else "")] for t in r.tensors]
+        print(_table(rows, ["tensor", "nan", "inf", "elements", "first indices"]))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -316,6 +359,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.add_argument("--last", type=int, help="only the last N checkpoints")
     s.set_defaults(func=cmd_stats)
+
+    s = sub.add_parser("bisect", help="the first iteration where a condition holds (NaN, inf, "
+                                      "a meta comparison, a function of the state)")
+    s.add_argument("path")
+    s.add_argument("--until", required=True, metavar="CONDITION",
+                   help='"nan", "inf" (any non-finite value), a meta comparison such as '
+                        '"loss > 10" (> >= < <= == !=), or module:function taking the state '
+                        "and returning a bool; assumed to keep holding once it holds")
+    s.add_argument("--start", type=int, help="first iteration searched (default: the first)")
+    s.add_argument("--end", type=int, help="last iteration searched (default: the latest)")
+    s.add_argument("--rank", type=int, help="multi-rank stores: this rank's state and meta")
+    s.set_defaults(func=cmd_bisect)
 
     s = sub.add_parser("demo", help="train a small model with per-iteration checkpoints, crash, "
                                     "restore and fsck")

@@ -93,6 +93,11 @@ class IterationOrderError(CkptStoreError, ValueError):
     """An iteration is not greater than the latest committed one (iterations must increase)."""
 
 
+class TargetMismatchError(CkptStoreError, ValueError):
+    """A tensor given to load into (``load(..., into=...)``) cannot hold the stored tensor at the
+    same path: another dtype, shape or device. Raised before any target is written."""
+
+
 class UnsupportedTypeError(CkptStoreError, TypeError):
     """A state structure holds an object the format cannot represent; the message names its path."""
 
@@ -141,6 +146,22 @@ class DeltaChainError(CkptStoreError, ValueError):
 class ReplayDivergenceError(CkptStoreError):
     """Replaying deltas produced a state whose fingerprint differs from the one the trainer
     recorded. ``iteration`` names the first iteration that diverged."""
+
+    def __init__(self, message: str, iteration: int) -> None:
+        self.iteration = iteration
+        super().__init__(message)
+
+
+class BisectError(CkptStoreError, ValueError):
+    """``bisect`` was asked something it cannot answer: a range that holds no committed
+    iteration (or starts after it ends), a malformed condition, a ``module:function`` condition
+    that cannot be imported or is not callable, a meta key that no iteration holds
+    (ckptstore/ops/bisect.py)."""
+
+
+class BisectPredicateError(CkptStoreError):
+    """A bisect condition failed at ``iteration``: its function raised (the error is the
+    ``__cause__``), or the meta value it compares is not a number there."""
 
     def __init__(self, message: str, iteration: int) -> None:
         self.iteration = iteration

@@ -26,10 +26,12 @@ from .format.commit import KIND_DELTA, KIND_NAMES
 from .format.header import StoreHeader
 from .format.manifest import Manifest
 from .format.state import flatten, unflatten
+from .inplace import copy_into
 from .engine.engine import Engine
 from .engine.reader_engine import ReaderEngine
 from .engine.write_path import SaveStats, flatten_meta
 from .engine.writer_engine import WriterEngine
+from .ops.bisect import BisectResult, Predicate, bisect as bisect_range
 from .ops.diff import TensorDiff, diff_manifests
 from .ops.gc import GcReport, collect
 from .ops.grouptimer import GroupTimer
@@ -418,21 +420,30 @@ class Store:
         return self.engine.read(lambda: self.engine.load_entry(iteration, keys, None, into))
 
     def load(self, iteration: int, keys: Sequence[Any] | None = None,
-             progress: Callable[[int], None] | None = None) -> Any:
+             progress: Callable[[int], None] | None = None, *, into: Any = None) -> Any:
         """The state saved at ``iteration``, bit-exact. ``keys`` selects top-level dict keys and
         reads only their tensors. Raises NotFoundError, DamagedCheckpointError.
+
+        ``into``: tensors to load into instead of fresh ones, in a structure shaped like the
+        state (``{"model": model.state_dict(), "optim": opt.state_dict()}``): each stored tensor
+        whose path holds a tensor there is read straight into that tensor's memory (a snapshot)
+        or copied into it (a replayed delta), and the returned state holds the caller's tensor.
+        Paths it lacks are allocated. A dtype or shape mismatch raises
+        TargetMismatchError before any target is written (:mod:`ckptstore.inplace`).
 
         A delta iteration is reconstructed: its chain's base snapshot, then every delta after it
         replayed (:mod:`ckptstore.replay`; DeltaChainError, ReplayDivergenceError).
         Writers: an iteration still in flight in the async pipeline is waited for."""
         self._await_inflight(iteration)
         if self._entry(iteration).commit.kind != KIND_DELTA:
-            return self.engine.read(lambda: self.engine.load_entry(iteration, keys, progress))
+            return self.engine.read(lambda: self.engine.load_entry(iteration, keys, progress,
+                                                                   target=into))
         # the whole replay is retried (a writer holds its lock throughout): its read-ahead thread
         # reads records with no lock and no retry of its own, else it would wait on that lock
         state = self.engine.read(lambda: replay_to(
             self, iteration, read_record=lambda it, into: self.engine.load_entry(it, into=into)))
-        return select_keys(state, keys, iteration)
+        state = select_keys(state, keys, iteration)
+        return state if into is None else copy_into(state, into)
 
     def replay(self, start: int, stop: int, **options: Any):
         """Yield ``(iteration, state)`` for every iteration in ``start..stop`` (inclusive), each
@@ -450,6 +461,15 @@ class Store:
         """Compare the tensors of two checkpoints by Merkle roots, then chunk addresses (see
         :func:`ckptstore.ops.diff.diff_manifests`)."""
         return diff_manifests(self.manifest(a), self.manifest(b), self.engine.tree_of)
+
+    def bisect(self, predicate: Predicate, start: int | None = None,
+               end: int | None = None) -> BisectResult:
+        """The first iteration in ``start..end`` (default: every committed one) where
+        ``predicate`` holds: "nan", "inf", a meta condition such as "loss > 10", "module:function"
+        or a callable taking the state. Assumes that once it holds it keeps holding; loads only
+        base snapshots, then replays the one base interval where it flips (meta conditions load
+        no tensor). See :mod:`ckptstore.ops.bisect` (BisectError, BisectPredicateError)."""
+        return bisect_range(self, predicate, start, end)
 
     # ---- maintenance ------------------------------------------------------------------------
     def gc(self, keep_last: int, keep_every: int | None = None,

@@ -18,12 +18,19 @@ What is measured (every figure is taken in this run, on this machine):
   ``save_file`` and ``torch.distributed.checkpoint.save`` with ``FileSystemWriter(sync_files=True)``
   and ``no_dist=True``. For the peers the clock includes an fsync of every file they wrote and of
   the directory.
-* **Full load**: ``ckptstore`` (``open(mode="r")`` + ``load`` + ``close``), ``torch.load
-  (weights_only=True)``, ``safetensors.load_file(backend="pread")`` (the default mmap backend
-  returns lazily mapped tensors and reads nothing) and DCP ``load`` into preallocated, touched
-  tensors. Page caches are dropped before each load (``echo 3 > /proc/sys/vm/drop_caches``) when
-  the kernel allows it ("cold"); loads are also measured without dropping ("warm"). The output says
-  which were obtained.
+* **Full load**: ``ckptstore`` (``open(mode="r")`` + ``load`` + ``close``), the same loading
+  into preallocated, touched tensors (``load(1, into=...)``), ``torch.load (weights_only=True)``,
+  ``safetensors.load_file(backend="pread")`` (the default mmap backend returns lazily mapped tensors
+  and reads nothing) and DCP ``load`` into preallocated, touched tensors. "Cold" loads start with
+  an empty page cache for the files read: ``echo 3 > /proc/sys/vm/drop_caches`` where the kernel
+  allows it, else ``posix_fadvise(DONTNEED)`` on every file of the checkpoint after a sync (the
+  same for every engine); loads are also measured without ("warm"). The output says which.
+* **Restore into a live model + AdamW** (``--restore-mib`` of parameters, 8 square Linear layers,
+  one AdamW step taken): a fresh process builds the model and optimizer with other values and no
+  optimizer state, and the clock runs from opening the checkpoint until the live objects hold the
+  saved state: ``ckptstore.open`` + ``Checkpointer(...).restore()`` against DCP's
+  ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``. Throughput counts parameters and both
+  AdamW moments.
 * **Incremental save**: after the full save, 10% of the tensors (evenly spaced) get ``add_(1)``
   and ckptstore saves the next iteration; written bytes and seconds are reported as fractions of the
   full save's (per repeat, then the median).
@@ -86,11 +93,13 @@ SEED = 1234
 COOL_DOWN_S = 4.0
 
 SAVE_ENGINES = ("ckptstore", "torch", "torch_nocrc", "safetensors", "dcp")
-LOAD_ENGINES = ("ckptstore", "torch", "safetensors", "dcp")
+LOAD_ENGINES = ("ckptstore", "ckptstore_into", "torch", "safetensors", "dcp")
+RESTORE_ENGINES = ("ckptstore", "dcp")
 SAVE_LABELS = {"ckptstore": "ckptstore save", "torch": "torch.save",
                "torch_nocrc": "torch.save (crc32 off)", "safetensors": "safetensors save_file",
                "dcp": "DCP save"}
-LOAD_LABELS = {"ckptstore": "ckptstore load", "torch": "torch.load(weights_only)",
+LOAD_LABELS = {"ckptstore": "ckptstore load", "ckptstore_into": "ckptstore load into (prealloc)",
+               "torch": "torch.load(weights_only)",
                "safetensors": "safetensors load_file(pread)", "dcp": "DCP load (prealloc)"}
 PEERS = (("torch", "x torch"), ("safetensors", "x safet."), ("dcp", "x DCP"))
 
@@ -169,6 +178,30 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def evict_files(*paths: str) -> None:
+    """Drop the page cache of every file under ``paths`` (posix_fadvise DONTNEED after a sync:
+    clean pages go; works without privileges, unlike drop_caches)."""
+    os.sync()
+    for top in paths:
+        files = [top] if os.path.isfile(top) else \
+            [os.path.join(r, f) for r, _, fs in os.walk(top) for f in fs]
+        for name in files:
+            fd = os.open(name, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def make_cold(*paths: str) -> str:
+    """Empty the page cache for a cold read: drop_caches where the kernel allows it, else evict
+    the files that will be read (both sides' the same way). Returns the method used."""
+    if drop_caches():
+        return "drop_caches"
+    evict_files(*paths)
+    return "fadvise"
 
 
 def fsync_path(path: str) -> None:
@@ -304,6 +337,14 @@ def load_safetensors(path: str) -> dict[str, Any]:
     return load_file(path, backend="pread")
 
 
+def load_ckptstore_into(path: str, into: dict[str, Any],
+                        progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    import ckptstore
+
+    with ckptstore.open(path, mode="r") as s:
+        return s.load(1, progress=progress, into=into)
+
+
 def load_dcp(path: str, into: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
@@ -317,12 +358,13 @@ def warm_up(engine: str, scratch: str, dcp_threads: int) -> None:
 
     tiny = {"a": torch.ones(4096), "b": torch.zeros(3, 5)}
     path = os.path.join(scratch, f"warmup-{engine}")
-    if engine == "ckptstore":
+    if engine in ("ckptstore", "ckptstore_into"):
         import ckptstore
 
         with ckptstore.open(path, mode="a") as s:
             s.save(1, tiny)
         load_ckptstore(path)
+        load_ckptstore_into(path, {k: torch.empty_like(v) for k, v in tiny.items()})
     elif engine == "dcp":
         save_dcp(tiny, path, dcp_threads)
         load_dcp(path, {k: torch.empty_like(v) for k, v in tiny.items()})
@@ -371,8 +413,9 @@ def child_limits(a: argparse.Namespace) -> dict[str, Any]:
     else:
         write_file(path, buf, total)
     rbuf = bytearray(READ_SIZE)
-    if drop_caches() or direct.result:  # an O_DIRECT-written file is not in the page cache
-        out["read_cold_s"] = measure(lambda: read_file(path, rbuf), a.prefault_bytes).seconds
+    if not direct.result:  # an O_DIRECT-written file is not in the page cache
+        make_cold(path)
+    out["read_cold_s"] = measure(lambda: read_file(path, rbuf), a.prefault_bytes).seconds
     read_file(path, rbuf)
     out["read_warm_s"] = measure(lambda: read_file(path, rbuf)).seconds
     os.unlink(path)
@@ -501,21 +544,109 @@ def child_load(a: argparse.Namespace) -> dict[str, Any]:
 
     specs = tensor_specs(a.size_mib, a.tensors)
     warm_up(a.engine, a.scratch, a.dcp_threads)
-    into = {name: torch.zeros(shape) for name, shape in specs} if a.engine == "dcp" else None
-    cold = drop_caches() if a.cold else False
+    prealloc = a.engine in ("dcp", "ckptstore_into")
+    into = {name: torch.zeros(shape) for name, shape in specs} if prealloc else None
+    evicted = make_cold(a.path) if a.cold else None
     watch = ThreadWatch()
     fn: Callable[[], dict[str, Any]] = {
         "ckptstore": lambda: load_ckptstore(a.path, progress=watch),
+        "ckptstore_into": lambda: load_ckptstore_into(a.path, into, progress=watch),  # type: ignore[arg-type]
         "torch": lambda: load_torch(a.path),
         "safetensors": lambda: load_safetensors(a.path),
         "dcp": lambda: load_dcp(a.path, into),  # type: ignore[arg-type]
     }[a.engine]
     m = measure(fn, a.prefault_bytes)
-    allocated = 0 if a.engine == "dcp" else state_bytes(specs)
+    allocated = 0 if prealloc else state_bytes(specs)
     verify_loaded(specs, m.result)
-    return {"bytes": state_bytes(specs), "seconds": m.seconds, "cache": "cold" if cold else "warm",
+    return {"bytes": state_bytes(specs), "seconds": m.seconds, "cache": "cold" if evicted else "warm",
+            "evicted_by": evicted,
             "peak_extra": m.peak_extra - allocated, "rss_file_after": m.rss_file_after,
             "workers": watch.workers}
+
+
+# ---- restore of a live model + AdamW ----------------------------------------------------------
+def restore_model(restore_mib: float, seed: int) -> tuple[Any, Any]:
+    """An MLP of 8 square Linear layers with ``restore_mib`` MiB of float32 parameters, and AdamW."""
+    import torch
+
+    width = max(8, int(math.sqrt(restore_mib * MiB / 4 / 8)))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def trained_model(restore_mib: float) -> tuple[Any, Any]:
+    """The state both engines save: one AdamW step, so the optimizer has its moments."""
+    import torch
+
+    model, opt = restore_model(restore_mib, SEED)
+    model(torch.randn(4, model[0].in_features, generator=torch.Generator().manual_seed(SEED))) \
+        .square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def child_restore_prep(a: argparse.Namespace) -> dict[str, Any]:
+    """Save the trained model + AdamW with a Checkpointer (a base) and with DCP (not timed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ckptstore
+    from ckptstore.torch import Checkpointer
+
+    model, opt = trained_model(a.restore_mib)
+    with ckptstore.open(os.path.join(a.path, "ckptstore"), mode="a") as store:
+        Checkpointer(store, model, opt, asynchronous=False).save_base(1)
+    msd, osd = get_state_dict(model, opt)
+    writer = dcp.FileSystemWriter(os.path.join(a.path, "dcp"), sync_files=True,
+                                  thread_count=a.dcp_threads)
+    dcp.save({"model": msd, "optim": osd}, storage_writer=writer, no_dist=True)
+    return {"param_bytes": sum(p.numel() * 4 for p in model.parameters())}
+
+
+def child_restore(a: argparse.Namespace) -> dict[str, Any]:
+    """A restarted trainer: a fresh model + AdamW (other values, no optimizer state) brought to
+    the saved state, timed from opening the checkpoint to the live objects holding it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import ckptstore
+    from ckptstore.torch import Checkpointer
+
+    warm_up("ckptstore" if a.engine == "ckptstore" else "dcp", a.scratch, a.dcp_threads)
+    tiny = torch.nn.Linear(4, 4)  # first calls of the state-dict helpers, outside the clock
+    tiny_opt = torch.optim.AdamW(tiny.parameters())
+    set_state_dict(tiny, tiny_opt, **dict(zip(("model_state_dict", "optim_state_dict"),
+                                              get_state_dict(tiny, tiny_opt))))
+    model, opt = restore_model(a.restore_mib, SEED + 1)
+    where = os.path.join(a.path, a.engine)
+    evicted = make_cold(where) if a.cold else None
+    stores: list[Any] = []
+
+    def ours() -> None:
+        store = ckptstore.open(where, mode="a")
+        stores.append(store)
+        Checkpointer(store, model, opt, asynchronous=False).restore()
+
+    def theirs() -> None:
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, storage_reader=dcp.FileSystemReader(where),
+                 no_dist=True)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+    m = measure(ours if a.engine == "ckptstore" else theirs)
+    for store in stores:
+        store.close()
+    ref, ref_opt = trained_model(a.restore_mib)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if not (torch.equal(p, q) and torch.equal(opt.state[p]["exp_avg_sq"],
+                                                   ref_opt.state[q]["exp_avg_sq"])):
+            raise AssertionError(f"{a.engine}: the restored model or optimizer differs")
+    nbytes = 3 * sum(p.numel() * 4 for p in model.parameters())
+    return {"bytes": nbytes, "seconds": m.seconds, "cache": "cold" if evicted else "warm",
+            "evicted_by": evicted, "peak_extra": m.peak_extra}
 
 
 def disk_usage(path: str) -> int:
@@ -525,7 +656,8 @@ def disk_usage(path: str) -> int:
 
 
 def child_main(a: argparse.Namespace) -> None:
-    op = {"limits": child_limits, "save": child_save, "load": child_load}[a.child]
+    op = {"limits": child_limits, "save": child_save, "load": child_load,
+          "restore_prep": child_restore_prep, "restore": child_restore}[a.child]
     print(RESULT_PREFIX + json.dumps(op(a)), flush=True)
 
 
@@ -614,7 +746,8 @@ def run_child(a: argparse.Namespace, op: str, path: str, scratch: str, r: int, e
               cold: bool = False) -> dict[str, Any]:
     argv = [sys.executable, os.path.abspath(__file__), "--child", op, "--path", path,
             "--scratch", scratch, "--size-mib", str(a.size_mib), "--tensors", str(a.tensors),
-            "--dcp-threads", str(a.dcp_threads), "--round", str(r)]
+            "--dcp-threads", str(a.dcp_threads), "--round", str(r),
+            "--restore-mib", str(a.restore_mib)]
     if a.prefault:
         argv.append("--prefault")
     if engine:
@@ -654,6 +787,7 @@ def run_repeat(a: argparse.Namespace, work: str, r: int, samples: dict[str, list
     log(f"  repeat {r + 1}/{a.repeat}: limits")
     samples["limits"].append(run_child(a, "limits", rdir, scratch, r))
     paths = {e: os.path.join(rdir, f"{e}.ckpt") for e in SAVE_ENGINES}
+    paths["ckptstore_into"] = paths["ckptstore"]
     for engine in rotated(SAVE_ENGINES, r):
         settle()
         log(f"  repeat {r + 1}/{a.repeat}: save {engine}")
@@ -664,6 +798,17 @@ def run_repeat(a: argparse.Namespace, work: str, r: int, samples: dict[str, list
             log(f"  repeat {r + 1}/{a.repeat}: load {engine} ({cache})")
             res = run_child(a, "load", paths[engine], scratch, r, engine, cold=cache == "cold")
             samples.setdefault(f"load:{engine}:{res['cache']}", []).append(res)
+    if a.restore_mib > 0:
+        rpath = os.path.join(rdir, "restore")
+        os.makedirs(rpath)
+        log(f"  repeat {r + 1}/{a.repeat}: restore: saving model + AdamW with both engines")
+        run_child(a, "restore_prep", rpath, scratch, r)
+        for engine in rotated(RESTORE_ENGINES, r):
+            for cache in caches:
+                settle()
+                log(f"  repeat {r + 1}/{a.repeat}: restore {engine} ({cache})")
+                res = run_child(a, "restore", rpath, scratch, r, engine, cold=cache == "cold")
+                samples.setdefault(f"restore:{engine}:{res['cache']}", []).append(res)
     shutil.rmtree(rdir)
     settle()
 
@@ -723,6 +868,13 @@ def targets(agg: dict[str, Any], caches: list[str]) -> list[dict[str, Any]]:
         if mine and peer:
             out.append(target(f"load ({cache}) >= torch.load throughput", mine["gbps"] / peer["gbps"],
                               ">=", 1.0, f"{mine['gbps']:.2f} vs {peer['gbps']:.2f} GB/s"))
+    for cache in caches:
+        for kind, mine_key, what in (("load", "ckptstore_into", "load into preallocated tensors"),
+                                     ("restore", "ckptstore", "restore into a live model + AdamW")):
+            mine, peer = ops.get(f"{kind}:{mine_key}:{cache}"), ops.get(f"{kind}:dcp:{cache}")
+            if mine and peer:
+                out.append(target(f"{what} ({cache}) >= 1.2x DCP", mine["gbps"] / peer["gbps"],
+                                  ">=", 1.2, f"{mine['seconds']:.3f} vs {peer['seconds']:.3f} s"))
     budget = MEM_CHUNKS * chunk * save["workers"] + MEM_METADATA
     out.append(target(f"save peak extra RSS <= {MEM_CHUNKS} chunks x {save['workers']} thread(s) + "
                       f"{MEM_METADATA // MiB} MiB", save["peak_extra"] / MiB, "<=", budget / MiB,
@@ -804,6 +956,21 @@ def ops_table(agg: dict[str, Any], kind: str, cache: str = "") -> str:
                   *(h for _, h in PEERS), ref_name, mem], rows)
 
 
+def restore_table(agg: dict[str, Any]) -> str:
+    ops = agg["ops"]
+    rows = []
+    for cache in ("cold", "warm"):
+        for e, label in (("ckptstore", "ckptstore Checkpointer.restore()"),
+                         ("dcp", "DCP get_state_dict + load + set_state_dict")):
+            op, peer = ops.get(f"restore:{e}:{cache}"), ops.get(f"restore:dcp:{cache}")
+            if op:
+                rows.append([f"{label} ({cache})", fmt(op["seconds"], ".3f"), fmt(op["gbps"]),
+                             fmt(op["gbps"] / peer["gbps"] if peer else None),
+                             fmt(op["peak_extra"] / MiB, ".1f"), str(op["n"])])
+    return table(["restore into a live model + AdamW", "median s", "GB/s", "x DCP",
+                  "peak extra MiB", "n"], rows) if rows else ""
+
+
 def incremental_table(agg: dict[str, Any]) -> str:
     inc = agg["incremental"]
     row = ["ckptstore save, 10% of tensors changed", fmt(inc["seconds"], ".3f"),
@@ -839,6 +1006,9 @@ def report(env: dict[str, Any], a: argparse.Namespace, total: int, agg: dict[str
     for cache in ("cold", "warm"):
         if any(k.endswith(f":{cache}") for k in agg["ops"]):
             parts += [ops_table(agg, "load", cache), ""]
+    restore = restore_table(agg)
+    if restore:
+        parts += [restore, ""]
     parts += [targets_table(ts)]
     prof = profile_text(samples)
     if prof:
@@ -866,7 +1036,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-malloc-env", action="store_true", help="do not re-exec with MALLOC_* set")
     p.add_argument("--allow-tmpfs", action="store_true", help="allow --dir on tmpfs")
     p.add_argument("--child-timeout", type=int, default=900, help=argparse.SUPPRESS)
-    p.add_argument("--child", choices=("limits", "save", "load"), help=argparse.SUPPRESS)
+    p.add_argument("--restore-mib", type=float, default=None,
+                   help="MiB of parameters of the model + AdamW restored into a live model "
+                        "(default 128; 16 with --quick; 0 skips)")
+    p.add_argument("--child", choices=("limits", "save", "load", "restore_prep", "restore"),
+                   help=argparse.SUPPRESS)
     p.add_argument("--engine", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     p.add_argument("--scratch", help=argparse.SUPPRESS)
@@ -875,6 +1049,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.size_mib = a.size_mib if a.size_mib is not None else (64.0 if a.quick else 1024.0)
     a.repeat = a.repeat if a.repeat is not None else (1 if a.quick else 3)
+    a.restore_mib = a.restore_mib if a.restore_mib is not None else (16.0 if a.quick else 128.0)
     a.dir = os.path.abspath(a.dir)
     state = state_bytes(tensor_specs(a.size_mib, a.tensors))
     a.prefault_bytes = 2 * state + 256 * MiB if a.prefault else 0
@@ -905,9 +1080,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     got = sorted({k.rsplit(":", 1)[1] for k in samples if k.startswith("load:")})
-    wanted_cold = "cold" in caches
-    note = ", ".join(got) + ("" if not wanted_cold or "cold" in got
-                             else "  (drop_caches refused: cold numbers are warm-cache numbers)")
+    methods = sorted({r["evicted_by"] for k, rows in samples.items() for r in rows
+                      if r.get("evicted_by")})
+    note = ", ".join(got) + (f" (cold: page cache emptied by {' / '.join(methods)} before each "
+                             "read: drop_caches where allowed, else posix_fadvise DONTNEED on "
+                             "the files read, both sides the same way)" if methods else "")
     agg = aggregate(samples, total)
     env["loadavg_during_run"] = contention(samples)
     ts = targets(agg, got)

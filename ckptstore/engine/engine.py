@@ -172,10 +172,11 @@ class Engine:
 
     def load_entry(self, iteration: int, keys: Sequence[Any] | None = None,
                    progress: Callable[[int], None] | None = None,
-                   into: Callable[[Any], Any] | None = None) -> Any:
+                   into: Callable[[Any], Any] | None = None, target: Any = None) -> Any:
         """The state stored for ``iteration`` as written (a delta's record, not replayed), with
-        no retry: for callers that retry a larger read themselves."""
-        return self.state_reader().load(self.entry(iteration), keys, progress, into)
+        no retry: for callers that retry a larger read themselves. ``target``: see
+        :meth:`StateReader.load`."""
+        return self.state_reader().load(self.entry(iteration), keys, progress, into, target)
 
     def manifest(self, iteration: int) -> Manifest:
         return self.read(lambda: read_manifest(self.log, self.entry(iteration)))

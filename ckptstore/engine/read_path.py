@@ -11,17 +11,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
 
 from ..errors import DamagedCheckpointError, FormatError, NotFoundError, StoreIOError
 from ..format import records as rec
 from ..format.chunk import (CHUNK_HEADER_SIZE, Codec, address_of, decode_chunk_data,
                            decode_chunk_header, max_raw_length)
 from ..format.manifest import Manifest, TensorEntry, decode_committed_manifest
-from ..format.state import top_level_items, leaf_indices, unflatten
+from ..format.state import leaf_indices, leaf_paths, top_level_items, unflatten
 from ..format.tree import Tree, decode_tree, tree_root
 from ..storage.index import ChunkRef, CommitEntry, Index
 from ..storage.log import Log
 from ..storage.segments import Loc
+from ..inplace import destinations
 from ..tensors import allocate, finish, into_view
 
 _HEAD = rec.HEADER_SIZE + CHUNK_HEADER_SIZE
@@ -130,10 +132,12 @@ class StateReader:
 
     def load(self, entry: CommitEntry, keys: Sequence[Any] | None = None,
              progress: Callable[[int], None] | None = None,
-             into: Callable[[TensorEntry], Any] | None = None) -> Any:
+             into: Callable[[TensorEntry], Any] | None = None, target: Any = None) -> Any:
         """The state of ``entry``'s commit. ``into(tensor_entry)`` may return an existing torch
         tensor (contiguous, CPU, of the entry's dtype and shape) to read that tensor's bytes into
-        instead of a fresh allocation (verified in place like any other); None allocates."""
+        instead of a fresh allocation (verified in place like any other); None allocates.
+        ``target``: a state-shaped structure whose tensors receive the stored tensors at the same
+        paths (:mod:`ckptstore.inplace`; checked before anything is read)."""
         manifest = read_manifest(self.log, entry)
         skeleton = manifest.state
         if keys is not None:
@@ -152,7 +156,12 @@ class StateReader:
         if needed and needed[-1] >= len(manifest.tensors):
             raise DamagedCheckpointError(f"iteration {manifest.iteration}: manifest names tensor "
                                          f"{needed[-1]} but lists {len(manifest.tensors)}")
-        values = self._load_tensors(manifest, needed, progress, into)
+        targets: dict[int, Any] = {}
+        if target is not None:
+            paths = leaf_paths(skeleton)
+            targets = destinations({i: paths[i] for i in needed if i in paths},
+                                   list(manifest.tensors), target)
+        values = self._load_tensors(manifest, needed, progress, into, targets)
 
         def leaf(i: int, path: Any) -> Any:
             if i not in values:
@@ -166,9 +175,12 @@ class StateReader:
 
     def _load_tensors(self, manifest: Manifest, needed: list[int],
                       progress: Callable[[int], None] | None,
-                      into: Callable[[TensorEntry], Any] | None = None) -> dict[int, Any]:
+                      into: Callable[[TensorEntry], Any] | None = None,
+                      targets: dict[int, Any] | None = None) -> dict[int, Any]:
         it = manifest.iteration
         values: dict[int, Any] = {}
+        given_back: dict[int, Any] = {}  # index -> the caller's tensor, returned as it is
+        staged: list[tuple[Any, Any]] = []  # (fresh CPU tensor, GPU or strided target) to copy
         jobs: list[_ChunkRead] = []
         for i in needed:
             e = manifest.tensors[i]
@@ -176,8 +188,18 @@ class StateReader:
                 # The tree and its chunk records bound the size before anything is allocated.
                 spans = chunk_spans_bounded(self.log, self.index, e) \
                     if e.inline is None and e.nbytes else []
-                given = into(e) if into is not None else None
+                target = targets.get(i) if targets else None
+                if target is None:
+                    given = into(e) if into is not None else None
+                elif target.device.type == "cpu" and target.is_contiguous():
+                    given = target.detach()  # the reads fill it (and verify it) in place
+                else:
+                    given = None  # read into a fresh CPU tensor, copied into it at the end
                 value, view = allocate(e) if given is None else into_view(e, given)
+                if target is not None:
+                    given_back[i] = target
+                    if given is None:
+                        staged.append((value, target))
                 if e.inline is not None:
                     if e.nbytes:
                         view[:] = e.inline
@@ -206,4 +228,9 @@ class StateReader:
                 n = run(job)
                 if progress is not None:
                     progress(n)
-        return {i: finish(e, v) for i, (e, v) in values.items()}
+        if staged:
+            with torch.no_grad():
+                for fresh, target in staged:
+                    target.copy_(fresh)
+        return {i: given_back[i] if i in given_back else finish(e, v)
+                for i, (e, v) in values.items()}

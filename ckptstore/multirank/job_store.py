@@ -34,6 +34,7 @@ from ..errors import (CkptStoreError, DamagedCheckpointError, FormatError, NotFo
 from ..engine.engine import DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE
 from ..engine.writer_engine import WriterEngine
 from ..format.job import Epoch, GlobalCommit
+from ..inplace import copy_into
 from ..replay.partition import merge_parts, partition_of
 from ..storage.fileops import FileOps
 from ..storage.job_log import (EpochLog, JobLayout, JobView, create_job_store, quarantine_tail,
@@ -473,14 +474,20 @@ class JobStore:
         return store
 
     def load(self, iteration: int, keys: Sequence[Any] | None = None, *,
-             rank: int | None = None) -> Any:
+             rank: int | None = None, into: Any = None) -> Any:
         """The state at ``iteration``, bit-exact (a delta is replayed within its stream).
+        ``into``: tensors to fill, as in :meth:`ckptstore.Store.load` (here always copied into
+        once the state is merged).
 
         With ``rank``: what that rank saved (its part, for a partitioned Checkpointer state).
         Without: the job's state. When the ranks' states are parts of one data-parallel state
         (:mod:`ckptstore.replay.partition`), every part is loaded and they are merged, with this
         rank's own RNG and scheduler states (rank 0's for a reader without a group); otherwise
         this process's rank's state."""
+        state = self._load(iteration, keys, rank)
+        return state if into is None else copy_into(state, into)
+
+    def _load(self, iteration: int, keys: Sequence[Any] | None, rank: int | None) -> Any:
         if rank is not None:
             return self.stream(iteration, rank).load(iteration, keys)
         g = self.global_commit(iteration)
@@ -510,4 +517,17 @@ class JobStore:
 
     def base_of(self, iteration: int, *, rank: int | None = None) -> int:
         return self.stream(iteration, rank).base_of(iteration)
+
+    def bisect(self, predicate: Any, start: int | None = None, end: int | None = None, *,
+               rank: int | None = None) -> Any:
+        """:meth:`ckptstore.Store.bisect` over the job's global commits. States are those
+        :meth:`load` returns (with ``rank``: that rank's part); meta conditions read ``rank``'s
+        meta (default: this process's rank, else rank 0). A job store has no ``replay``: each
+        iteration of the one interval walked is loaded on its own (:mod:`ckptstore.ops.bisect`)."""
+        from ..ops.bisect import bisect
+
+        meta_rank = rank if rank is not None else (self.rank or 0)
+        return bisect(self, predicate, start, end,
+                      meta=lambda it: self.meta(it, rank=meta_rank),
+                      load=lambda it: self.load(it, rank=rank))
 

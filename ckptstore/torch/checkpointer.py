@@ -472,6 +472,11 @@ class Checkpointer:
         target = its[-1] if iteration is None else iteration
         if can_load_in_parallel(self.store, target):
             state = load_in_parallel(self.store, target)  # each rank replays its own part
+        elif self._partition is None:
+            # straight into the live parameters and optimizer state: no allocation, and
+            # load_state_dict below then copies nothing (optimizer) or onto itself (model)
+            live = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+            state = self.store.load(target, into=live)
         else:
             state = self.store.load(target)
         self.model.load_state_dict(state["model"])
