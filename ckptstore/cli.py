@@ -11,53 +11,17 @@ import datetime
 import json
 import os
 import sys
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
+from .console import human_bytes, printable, progress, table
 from .errors import CkptStoreError
 from .multirank.fsck import check_job
 from .multirank.job_store import JobStore
 from .storage.job_log import is_job_store
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def _when(ns: int) -> str:
     return datetime.datetime.fromtimestamp(ns / 1e9).isoformat(timespec="seconds")
-
-
-def _printable(text: str) -> str:
-    """Escape what a terminal would interpret. Names and messages come from the store, which may
-    be hostile: a raw ESC, BEL, newline or bidi override could retitle the terminal, move the
-    cursor or forge output lines."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-
-
-def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    cells = [list(map(str, header))] + [[_printable(str(c)) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
-
-
-@contextmanager
-def _progress(desc: str, total: int | None) -> Iterator[Any]:
-    """A tqdm byte counter on stderr (hidden when stderr is not a terminal)."""
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
-               disable=None, file=sys.stderr)
-    try:
-        yield bar.update
-    finally:
-        bar.close()
 
 
 def _open(path: str, mode: str = "r"):
@@ -73,11 +37,11 @@ def _ls_job(store: Any, path: str) -> int:
         g = store.global_commit(it)
         infos = [store.info(it, rank=r) for r in range(g.world_size)]
         rows.append([it, infos[0].kind, g.epoch, g.world_size, _when(infos[0].created_ns),
-                     _human(sum(i.logical_bytes for i in infos)),
-                     _human(sum(i.written_bytes for i in infos))])
+                     human_bytes(sum(i.logical_bytes for i in infos)),
+                     human_bytes(sum(i.written_bytes for i in infos))])
     print(f"{path}: multi-rank job store, {store.world_size} ranks, epochs {store.view.chain}")
     if rows:
-        print(_table(rows, ["iteration", "kind", "epoch", "ranks", "created", "size", "written"]))
+        print(table(rows, ["iteration", "kind", "epoch", "ranks", "created", "size", "written"]))
     else:
         print("no committed checkpoints")
     return 0
@@ -90,12 +54,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows = []
         for it in store.iterations():
             info = store.info(it)
-            rows.append([it, info.kind, _when(info.created_ns), _human(info.logical_bytes),
-                         _human(info.written_bytes), info.snapshot_root[:12]])
+            rows.append([it, info.kind, _when(info.created_ns), human_bytes(info.logical_bytes),
+                         human_bytes(info.written_bytes), info.snapshot_root[:12]])
         if not rows:
             print(f"{args.path}: no committed checkpoints")
             return 0
-        print(_table(rows, ["iteration", "kind", "created", "size", "written", "root"]))
+        print(table(rows, ["iteration", "kind", "created", "size", "written", "root"]))
     return 0
 
 
@@ -111,13 +75,13 @@ def cmd_show(args: argparse.Namespace) -> int:
         info = store.info(args.iteration)
         m = store.manifest(args.iteration)
         print(f"iteration {info.iteration} ({info.kind}), created {_when(info.created_ns)}")
-        print(f"size {_human(info.logical_bytes)} in {len(m.tensors)} tensors, written "
-              f"{_human(info.written_bytes)}, chunk size {_human(m.chunk_size)}, root {info.snapshot_root}")
+        print(f"size {human_bytes(info.logical_bytes)} in {len(m.tensors)} tensors, written "
+              f"{human_bytes(info.written_bytes)}, chunk size {human_bytes(m.chunk_size)}, root {info.snapshot_root}")
         print(f"meta: {json.dumps(store.meta(args.iteration), default=repr)}")
-        rows = [[t.path, t.lib, t.dtype, "x".join(map(str, t.shape)) or "scalar", _human(t.nbytes),
+        rows = [[t.path, t.lib, t.dtype, "x".join(map(str, t.shape)) or "scalar", human_bytes(t.nbytes),
                  t.root.hex()[:12]] for t in m.tensors]
         if rows:
-            print(_table(rows, ["tensor", "lib", "dtype", "shape", "bytes", "root"]))
+            print(table(rows, ["tensor", "lib", "dtype", "shape", "bytes", "root"]))
     return 0
 
 
@@ -125,14 +89,14 @@ def cmd_diff(args: argparse.Namespace) -> int:
     with _open(args.path) as store:
         diffs = store.diff(args.a, args.b)
         shown = [d for d in diffs if args.all or d.status != "unchanged"]
-        rows = [[d.path, d.status, _human(d.nbytes_a), _human(d.nbytes_b), _human(d.bytes_changed)]
+        rows = [[d.path, d.status, human_bytes(d.nbytes_a), human_bytes(d.nbytes_b), human_bytes(d.bytes_changed)]
                 for d in shown]
         if rows:
-            print(_table(rows, ["tensor", "status", f"bytes@{args.a}", f"bytes@{args.b}", "changed"]))
+            print(table(rows, ["tensor", "status", f"bytes@{args.a}", f"bytes@{args.b}", "changed"]))
         changed = sum(d.bytes_changed for d in diffs)
         total = sum(d.nbytes_b for d in diffs)
         n = sum(d.status != "unchanged" for d in diffs)
-        print(f"{n} of {len(diffs)} tensors differ; {_human(changed)} of {_human(total)} changed")
+        print(f"{n} of {len(diffs)} tensors differ; {human_bytes(changed)} of {human_bytes(total)} changed")
     return 0
 
 
@@ -167,7 +131,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
             state = store.load(args.iteration, keys=args.keys or None, rank=args.rank)
         else:
             total = store.info(args.iteration).logical_bytes
-            with _progress("restore", total) as tick:
+            with progress("restore", total) as tick:
                 state = store.load(args.iteration, keys=args.keys or None, progress=tick)
     if args.format == "torch":
         import torch
@@ -187,13 +151,13 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def cmd_fsck(args: argparse.Namespace) -> int:
     from .ops.fsck import check
 
-    with _progress("fsck", None) as tick:
+    with progress("fsck", None) as tick:
         if is_job_store(args.path):
             report: Any = check_job(args.path, repair=args.repair, progress=tick)
         else:
             report = check(args.path, repair=args.repair, progress=tick)
     for line in report.lines():
-        print(_printable(line))
+        print(printable(line))
     return 0 if report.clean else 1
 
 
@@ -207,12 +171,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
               "stores is not supported yet", file=sys.stderr)
         return 2
     with _open(args.path, "a") as store:
-        with _progress("gc", None) as tick:
+        with progress("gc", None) as tick:
             r = store.gc(keep_last=args.keep_last, keep_every=args.keep_every, progress=tick)
     print(f"kept {len(r.kept)} checkpoints, removed {len(r.removed)}"
           + (f" ({', '.join(map(str, r.removed[:20]))}{' ...' if len(r.removed) > 20 else ''})"
              if r.removed else ""))
-    print(f"log {_human(r.bytes_before)} -> {_human(r.bytes_after)} in {r.seconds:.2f} s")
+    print(f"log {human_bytes(r.bytes_before)} -> {human_bytes(r.bytes_after)} in {r.seconds:.2f} s")
     return 0
 
 
@@ -238,12 +202,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
             info = store.info(it)
             p = store.manifest(it).extra.get("pipeline")
             if p is None:
-                rows.append([it, info.kind, "-", "-", "-", "-", "-", _human(info.written_bytes), "-"])
+                rows.append([it, info.kind, "-", "-", "-", "-", "-", human_bytes(info.written_bytes), "-"])
                 continue
             rows.append([it, info.kind, _num(p, "stall_s", 1e3), _num(p, "wait_s", 1e3),
                          _num(p, "snapshot_s", 1e3), _num(p, "write_s", 1e3),
-                         _num(p, "queue_depth", fmt="{:.0f}"), _human(info.written_bytes),
-                         _human(p["dedup_bytes"]) if isinstance(p, dict) and
+                         _num(p, "queue_depth", fmt="{:.0f}"), human_bytes(info.written_bytes),
+                         human_bytes(p["dedup_bytes"]) if isinstance(p, dict) and
                          type(p.get("dedup_bytes")) is int else "?"])
             if isinstance(p, dict) and type(p.get("stall_s")) in (int, float):
                 stalls.append(p["stall_s"])
@@ -252,7 +216,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if not rows:
             print(f"{args.path}: no committed checkpoints")
             return 0
-        print(_table(rows, ["iteration", "kind", "stall ms", "wait ms", "snapshot ms", "write ms",
+        print(table(rows, ["iteration", "kind", "stall ms", "wait ms", "snapshot ms", "write ms",
                             "queue", "written", "dedup"]))
         if stalls:
             print(f"{len(stalls)} async checkpoints: median stall {statistics.median(stalls) * 1e3:.1f} ms, "
@@ -277,7 +241,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     try:
         cond = parse_condition(args.until)
     except BisectError as e:
-        print(f"ckptstore bisect: error: {_printable(str(e))}", file=sys.stderr)
+        print(f"ckptstore bisect: error: {printable(str(e))}", file=sys.stderr)
         return 2
     finally:
         if added and cwd in sys.path:
@@ -290,17 +254,17 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     cost = (f"{r.meta_reads} meta reads" if cond.kind == "meta" else
             f"{r.loaded} states loaded, {r.replayed} replayed") + f", {r.seconds:.2f} s"
     if r.iteration is None:
-        print(f"{_printable(r.condition)}: never holds in {r.start}..{r.end} ({cost})")
+        print(f"{printable(r.condition)}: never holds in {r.start}..{r.end} ({cost})")
         return 1
-    print(f"{_printable(r.condition)}: first holds at iteration {r.iteration} "
+    print(f"{printable(r.condition)}: first holds at iteration {r.iteration} "
           f"(searched {r.start}..{r.end}; {cost})")
     if r.value is not None:
-        print(f"{_printable(str(cond.key))} = {r.value!r} at iteration {r.iteration}")
+        print(f"{printable(str(cond.key))} = {r.value!r} at iteration {r.iteration}")
     if r.tensors:
         rows = [[t.path, t.nan, t.inf, t.numel, ", ".join(map(str, t.indices)) + (
                  " ..." if (t.nan if cond.kind == "nan" else t.nan + t.inf) > len(t.indices)
                  else "")] for t in r.tensors]
-        print(_table(rows, ["tensor", "nan", "inf", "elements", "first indices"]))
+        print(table(rows, ["tensor", "nan", "inf", "elements", "first indices"]))
     return 0
 
 
@@ -386,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (CkptStoreError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
-        print(f"ckptstore {args.command}: error: {_printable(str(e))}", file=sys.stderr)
+        print(f"ckptstore {args.command}: error: {printable(str(e))}", file=sys.stderr)
         return 1
 
 

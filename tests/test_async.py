@@ -616,10 +616,11 @@ def test_cli_stats(tmp_path, capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["iteration", "kind", "stall"]
-    assert lines[1].split()[2] == "-"  # the synchronous save
-    assert float(lines[2].split()[2]) >= 0 and "median stall" in out
+    assert set(lines[1]) == {"─"}  # the header rule
+    assert lines[2].split()[2] == "-"  # the synchronous save
+    assert float(lines[3].split()[2]) >= 0 and "median stall" in out
     assert main(["stats", str(tmp_path / "s"), "--last", "1"]) == 0
-    assert len(capsys.readouterr().out.splitlines()) == 3
+    assert len(capsys.readouterr().out.splitlines()) == 4
 
 
 # ---- group-commit timer (ckptstore/grouptimer.py) ----------------------------------------------

@@ -289,7 +289,8 @@ def test_cli_end_to_end(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert f"nan: first holds at iteration {it} (searched 0..{N};" in out
     assert "states loaded" in out and "replayed" in out
-    header, *rows = out.splitlines()[1:]
+    header, rule, *rows = out.splitlines()[1:]
+    assert set(rule) == {"─"}
     assert header.split() == ["tensor", "nan", "inf", "elements", "first", "indices"]
     assert rows[0].split()[:3] == [f"model.{name}", "1", "0"] and rows[0].split()[-1] == str(idx)
 

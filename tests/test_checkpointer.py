@@ -320,7 +320,7 @@ def test_ls_shows_bases_and_deltas(tmp_path, capsys):
     store.close()
     assert main(["ls", str(tmp_path / "s")]) == 0
     out = capsys.readouterr().out.splitlines()
-    kinds = {int(line.split()[0]): line.split()[1] for line in out[1:]}
+    kinds = {int(line.split()[0]): line.split()[1] for line in out[2:]}
     assert kinds == {0: "snapshot", 1: "delta", 2: "delta", 3: "snapshot", 4: "delta"}
     out_file = tmp_path / "r.pt"
     assert main(["restore", str(tmp_path / "s"), "2", "--out", str(out_file)]) == 0
