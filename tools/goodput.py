@@ -1,0 +1,815 @@
+#!/usr/bin/env python3
+"""goodput: replay failure traces against checkpoint strategies, side by side (issue 17, section 3).
+
+For each failure scenario (public preemption traces, a Poisson failure model) and each strategy the
+tool simulates a job of fixed useful work and reports goodput (useful training time / wall time),
+the work lost per failure and the time to resume. Costs are measured ones, read from a JSON cost
+file (default ``tools/goodput_costs.json``, every figure copied from README "Performance" with its
+source); the tool prints the figures it used and how it derived each strategy's costs from them,
+then one Markdown table (a row per scenario and strategy) and, with ``--plot``, a PNG.
+
+    python tools/goodput.py                                  # the default run, table on stdout
+    python tools/goodput.py --plot docs/goodput.png          # + goodput and lost work vs failure rate
+    python tools/goodput.py --gpus 4096 --strategies torch.save,ckptstore --hours 24
+    python tools/goodput.py --from-bench core.json           # throughputs from bench_core.py --json
+
+Model (a discrete-event simulation; every time below is wall-clock seconds)
+--------------------------------------------------------------------------
+* **Job.** ``I`` iterations of useful work, ``I = ceil(hours * 3600 / step_plain)``, where
+  ``step_plain`` is the measured step of training without checkpoints. Useful time is
+  ``I * step_plain``; the wall time is when iteration ``I`` completes (there is no final
+  checkpoint). Goodput = useful / wall, pooled over the runs (sums of useful over sums of wall).
+* **Steps.** Under a strategy an iteration takes ``step_plain * ratio``: ratio 1 for torch.save, DCP
+  and PCcheck (their medians in bench_async equal plain training: background work is not charged
+  to their steps), the measured ratio for ckptstore (it includes the background persister's
+  contention and a base every 30 iterations).
+* **Checkpoints.** Requested after every iteration that is a multiple of ``N``, counted from the
+  start of the job (so a resumed job keeps the same schedule). At a request: if ``K`` checkpoints
+  are requested but not yet durable, training waits until the oldest one is; then training stalls
+  ``stall``; then the checkpoint is persisted for ``persist`` seconds of the storage device, which
+  persists checkpoints one after another in request order (concurrent checkpoints share one disk's
+  bandwidth: no faster in aggregate). A checkpoint is **durable** when its persistence ends; with
+  ``persist = 0``, at the end of its stall.
+
+  ==================  =======================  ===========================  ==================  ====
+  strategy            N                        stall                        persist             K
+  ==================  =======================  ===========================  ==================  ====
+  torch.save          Young/Daly on the stall  torch.save + fsync           0                   1
+  dcp-async           Young/Daly on the stall  async_save's blocking part   until done          1
+  pccheck             Young/Daly on the stall  copy into staging buffers    bytes / disk fsync  4
+  ckptstore           group commit (10)        0 (inside the step ratio)    last delta's write  1
+  ckptstore+follower  group commit (10)        0                            last delta's write  1
+  ==================  =======================  ===========================  ==================  ====
+
+  Young/Daly: ``N = max(1, round(sqrt(2 * C * MTBF) / step))`` with ``C`` the strategy's stall and
+  MTBF the scenario's mean time between failures (1 / rate; a trace's duration over its failures).
+* **Failures.** At a failure at time ``tf`` the job resumes from ``D``, the last checkpoint durable
+  at or before ``tf`` (the initial state, iteration 0, counts as durable); checkpoints still in flight are lost (DCP: a failure inside the background
+  window loses that checkpoint; ckptstore: one inside a group loses the group). **Lost work** is
+  ``tf`` minus the moment training went on after ``D`` (the end of ``D``'s stall, or the end of the
+  resume that restored ``D``): computation, stalls and waits thrown away.
+* **Resume.** ``restart + load``, then training continues at iteration ``D + 1``. ``restart``
+  (scheduling, process start, rendezvous) is not measured here: ``--restart-s``, 0 by default, the
+  same for every strategy. Load: torch.save and PCcheck a torch.load of the full checkpoint (cold);
+  DCP its cold load; ckptstore the base load plus ``D mod base_every`` deltas replayed (bases every
+  ``base_every`` iterations, durable with the group they fall in); with a follower (a replica that
+  replays each committed delta as it lands, on other hardware, at no cost to training), about one
+  base load: the follower's state at ``D``. A failure during a resume starts the resume again; it
+  counts as a failure that loses no work. Time to resume = the mean of the resume costs charged
+  per failure.
+* **Scenarios.** Poisson: exponential times between failures at a per-job rate; by default the
+  LLaMA 3 rate (419 interruptions in 54 days on 16,384 GPUs) scaled to ``--gpus``. Traces: Bamboo
+  (``t_ms,add|remove,nodeN``): each distinct time with a removal is one failure of the job;
+  PCcheck (``,Time,GPUs``): each row with fewer GPUs than the row before is one failure. Additions
+  are not failures, capacity for the restart is assumed (the job keeps its size; periods with no
+  GPUs are ignored), the trace repeats cyclically over its duration (first to last row), and each
+  run starts at a random offset in it. Both traces are sampled on a grid (60 s, 63 s): a failure is
+  placed uniformly within the grid step before its row (otherwise a checkpoint period that divides
+  the grid step would see every failure at the same phase).
+* **Determinism.** Runs ``r = 0..runs-1`` draw from ``random.Random(seed * 100003 + r)``; a Poisson
+  run scales the same unit-rate draws by the rate, so every rate sees the same failure pattern.
+* **Not modelled.** GPUs (every figure is from a 2-core CPU VM), contention of DCP's and PCcheck's
+  background persistence with training (not measured for PCcheck), the extra persistence time of a
+  ckptstore base (345 MiB against a 104 MiB delta) before its group is durable, what a follower
+  costs, and correlated failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import sys
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_COSTS = Path(__file__).resolve().parent / "goodput_costs.json"
+DEFAULT_TRACES = ROOT.parent / "shared" / "traces"
+
+#: LLaMA 3 report: 419 unexpected interruptions in 54 days of pre-training on 16,384 H100 GPUs
+LLAMA3_INTERRUPTIONS = 419
+LLAMA3_DAYS = 54
+LLAMA3_GPUS = 16384
+
+STRATEGIES = ("torch.save", "dcp-async", "pccheck", "ckptstore", "ckptstore+follower")
+#: failure rates (per hour) of the plot's Poisson sweep
+SWEEP_PER_HOUR = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
+
+
+class TraceFormatError(ValueError):
+    """A trace file does not parse: ``path`` and ``line`` (1-based) locate the bad row."""
+
+    def __init__(self, path: str | os.PathLike, line: int, reason: str) -> None:
+        self.path = str(path)
+        self.line = line
+        self.reason = reason
+        super().__init__(f"{self.path}, line {line}: {reason}")
+
+
+# ---- failure scenarios ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Trace:
+    """Failure times of a trace, as offsets in ``(0, period_s]`` from its first row, and the
+    trace's time resolution (the smallest gap between two of its row times)."""
+
+    name: str
+    failures: tuple[float, ...]
+    period_s: float
+    resolution_s: float = 0.0
+
+    @property
+    def mtbf_s(self) -> float:
+        return self.period_s / len(self.failures) if self.failures else math.inf
+
+
+def llama3_rate_per_hour(gpus: int) -> float:
+    """A job's failure rate (per hour) at LLaMA 3's per-GPU rate: 419 in 54 days on 16,384 GPUs."""
+    if not gpus > 0:
+        raise ValueError(f"GPU count must be positive, got {gpus}")
+    return gpus * LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 24 * LLAMA3_GPUS)
+
+
+def check_rate(rate_per_hour: float) -> float:
+    """``rate_per_hour`` if it is a positive finite number, else ValueError."""
+    if not (rate_per_hour > 0 and math.isfinite(rate_per_hour)):
+        raise ValueError(f"failure rate must be a positive number per hour, got {rate_per_hour}")
+    return rate_per_hour
+
+
+def poisson_failure_times(rate_per_hour: float, seed: int) -> Iterator[float]:
+    """Failure times (s) of a Poisson process at ``rate_per_hour``: unit-rate exponential draws of
+    ``random.Random(seed)`` scaled by the mean time between failures."""
+    mean = 3600.0 / check_rate(rate_per_hour)
+    rng = random.Random(seed)
+    t = 0.0
+    while True:
+        t += rng.expovariate(1.0) * mean
+        yield t
+
+
+def trace_failure_times(trace: Trace, start_s: float = 0.0,
+                        rng: random.Random | None = None) -> Iterator[float]:
+    """Failure times (s) of a job that starts ``start_s`` into ``trace``, the trace repeated. With
+    ``rng``, each failure is placed uniformly within the resolution before its recorded time (a row
+    only says the failure happened since the row before)."""
+    offsets = sorted(((f - start_s) % trace.period_s) or trace.period_s for f in trace.failures)
+    if not offsets:
+        return
+    cycle, last = 0, -math.inf
+    while True:
+        for f in offsets:
+            t = cycle * trace.period_s + f
+            if rng is not None:
+                t -= rng.random() * trace.resolution_s
+            last = max(last, t)
+            yield last
+        cycle += 1
+
+
+def _trace(path: Path, times: list[float], failures: list[float], line: int) -> Trace:
+    if len(times) < 2 or times[-1] <= times[0]:
+        raise TraceFormatError(path, line, "a trace needs rows spanning a positive duration")
+    period = times[-1] - times[0]
+    offs = sorted({(f - times[0]) or period for f in failures})
+    resolution = min(b - a for a, b in itertools.pairwise(times) if b > a)
+    return Trace(path.stem.removesuffix("-trace"), tuple(offs), period, resolution)
+
+
+def parse_bamboo_trace(path: str | os.PathLike, lines: Iterable[tuple[int, list[str]]]) -> Trace:
+    """Rows ``t_ms,add|remove,nodeN`` (no header), times non-decreasing. Each distinct time with a
+    removal is one failure."""
+    path = Path(path)
+    times: list[float] = []
+    failures: list[float] = []
+    line = 0
+    for line, row in lines:
+        if len(row) != 3:
+            raise TraceFormatError(path, line, f"expected 't_ms,add|remove,node', got {len(row)} fields")
+        t_ms, action, node = (c.strip() for c in row)
+        try:
+            t = float(t_ms) / 1000.0
+        except ValueError:
+            raise TraceFormatError(path, line, f"time {t_ms!r} is not a number of milliseconds") from None
+        if not (math.isfinite(t) and t >= 0):
+            raise TraceFormatError(path, line, f"time {t_ms!r} is not a non-negative number")
+        if times and t < times[-1]:
+            raise TraceFormatError(path, line, f"time {t_ms} ms goes back (previous row: "
+                                               f"{times[-1] * 1e3:g})")
+        if action not in ("add", "remove"):
+            raise TraceFormatError(path, line, f"action {action!r} is neither 'add' nor 'remove'")
+        if not node:
+            raise TraceFormatError(path, line, "empty node name")
+        times.append(t)
+        if action == "remove":
+            failures.append(t)
+    return _trace(path, times, failures, line)
+
+
+def parse_pccheck_trace(path: str | os.PathLike, lines: Iterable[tuple[int, list[str]]]) -> Trace:
+    """Rows ``index,unix_seconds,gpus`` after the header ``,Time,GPUs``, times increasing. Each row
+    with fewer GPUs than the row before is one failure."""
+    path = Path(path)
+    times: list[float] = []
+    failures: list[float] = []
+    gpus_before = None
+    line = 0
+    for line, row in lines:
+        if len(row) != 3:
+            raise TraceFormatError(path, line, f"expected 'index,Time,GPUs', got {len(row)} fields")
+        try:
+            t, gpus = float(row[1]), int(row[2])
+        except ValueError:
+            raise TraceFormatError(path, line,
+                                   f"Time {row[1]!r} or GPUs {row[2]!r} is not a number") from None
+        if not math.isfinite(t) or gpus < 0:
+            raise TraceFormatError(path, line, f"bad Time {row[1]!r} or GPU count {row[2]!r}")
+        if times and t <= times[-1]:
+            raise TraceFormatError(path, line, f"Time {row[1]} does not increase")
+        if gpus_before is not None and gpus < gpus_before:
+            failures.append(t)
+        times.append(t)
+        gpus_before = gpus
+    return _trace(path, times, failures, line)
+
+
+def load_trace(path: str | os.PathLike) -> Trace:
+    """Parse a Bamboo or PCcheck trace, told apart by the first row (PCcheck's has a header).
+    Raises :class:`TraceFormatError` naming the file and line of the first bad row."""
+    path = Path(path)
+    rows = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                text = raw.decode()
+            except UnicodeDecodeError:
+                raise TraceFormatError(path, n, "not UTF-8 text") from None
+            if text.strip():
+                rows.append((n, text.rstrip("\r\n").split(",")))
+    if not rows:
+        raise TraceFormatError(path, 1, "empty trace")
+    line, head = rows[0]
+    if [c.strip() for c in head] == ["", "Time", "GPUs"]:
+        return parse_pccheck_trace(path, rows[1:])
+    if len(head) == 3 and head[1].strip() in ("add", "remove"):
+        return parse_bamboo_trace(path, rows)
+    raise TraceFormatError(path, line, "neither a Bamboo trace (t_ms,add|remove,node) nor a "
+                                       "PCcheck one (header ',Time,GPUs')")
+
+
+def load_traces(directory: str | os.PathLike) -> list[Trace]:
+    """Every ``*.csv`` trace in ``directory``, by file name."""
+    return [load_trace(p) for p in sorted(Path(directory).glob("*.csv"))]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Where failures come from: a Poisson rate (per hour) or a trace."""
+
+    name: str
+    rate_per_hour: float | None = None
+    trace: Trace | None = None
+
+    def __post_init__(self) -> None:
+        if (self.rate_per_hour is None) == (self.trace is None):
+            raise ValueError("a scenario has either a rate or a trace")
+        if self.rate_per_hour is not None:
+            check_rate(self.rate_per_hour)
+
+    @property
+    def mtbf_s(self) -> float:
+        if self.trace is not None:
+            return self.trace.mtbf_s
+        assert self.rate_per_hour is not None
+        return 3600.0 / self.rate_per_hour
+
+    def failure_times(self, seed: int, run: int) -> Iterator[float]:
+        """Failure times of run ``run``: deterministic given ``seed``."""
+        rng_seed = seed * 100003 + run
+        if self.trace is not None:
+            rng = random.Random(rng_seed)
+            return trace_failure_times(self.trace, rng.uniform(0, self.trace.period_s), rng)
+        assert self.rate_per_hour is not None
+        return poisson_failure_times(self.rate_per_hour, rng_seed)
+
+
+# ---- costs ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Figure:
+    value: float
+    unit: str
+    source: str
+
+
+class Costs:
+    """The figures of a cost file; records which ones the strategies read (``used``)."""
+
+    def __init__(self, figures: dict[str, Figure], origin: str) -> None:
+        self.figures = figures
+        self.origin = origin
+        self.used: set[str] = set()
+
+    def __getitem__(self, name: str) -> float:
+        if name not in self.figures:
+            raise ValueError(f"{self.origin}: figure {name!r} is missing")
+        self.used.add(name)
+        return self.figures[name].value
+
+
+def load_costs(path: str | os.PathLike) -> Costs:
+    """Read a cost file: ``{"figures": {name: {"value": number > 0, "unit": str, "source": str}}}``."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    figs = doc.get("figures") if isinstance(doc, dict) else None
+    if not isinstance(figs, dict):
+        raise ValueError(f"{path}: no 'figures' object")
+    out = {}
+    for name, fig in figs.items():
+        value = fig.get("value") if isinstance(fig, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf \
+                or not isinstance(fig.get("source"), str):
+            raise ValueError(f"{path}: figure {name!r} needs a positive numeric 'value' and a 'source'")
+        out[name] = Figure(float(value), str(fig.get("unit", "")), fig["source"])
+    return Costs(out, str(path))
+
+
+def costs_from_bench(costs: Costs, path: str | os.PathLike) -> tuple[Costs, list[str]]:
+    """Override the throughput figures that ``tools/bench_core.py --json FILE`` measured (save and
+    cold-load GB/s of ckptstore, DCP and torch, the disk's fsync'd bandwidth). The other figures
+    (step times, ratios, restore) come from benchmarks without a JSON output and stay.
+    Returns the new costs and the names of the figures replaced."""
+    with open(path) as f:
+        try:
+            doc = json.load(f)
+            agg, ops = doc["aggregate"], doc["aggregate"]["ops"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}: not a bench_core.py --json file (no aggregate.ops)") from None
+    env = doc.get("environment")
+    version = env.get("ckptstore", "?") if isinstance(env, dict) else "?"
+    src = f"{path} (bench_core --json, ckptstore {version})"
+    figs = dict(costs.figures)
+    changed: list[str] = []
+
+    def gbps(key: str) -> float | None:
+        op = ops.get(key) if isinstance(ops, dict) else None
+        v = op.get("gbps") if isinstance(op, dict) else None
+        return float(v) if isinstance(v, (int, float)) and v > 0 else None
+
+    def put(name: str, value: float, how: str) -> None:
+        figs[name] = Figure(value, figs[name].unit if name in figs else "", f"{src}: {how}")
+        changed.append(name)
+
+    ck_save, dcp_save = gbps("save:ckptstore"), gbps("save:dcp")
+    ck_load, dcp_load = gbps("load:ckptstore:cold"), gbps("load:dcp:cold")
+    torch_load = gbps("load:torch:cold")
+    if ck_save:
+        put("ckptstore_save_gbps", ck_save, "aggregate.ops['save:ckptstore'].gbps")
+        if dcp_save:
+            put("ckptstore_save_vs_dcp", ck_save / dcp_save, "save:ckptstore / save:dcp gbps")
+    if ck_load:
+        put("ckptstore_load_cold_gbps", ck_load, "aggregate.ops['load:ckptstore:cold'].gbps")
+        if dcp_load:
+            put("ckptstore_load_cold_vs_dcp", ck_load / dcp_load, "load:ckptstore:cold / load:dcp:cold gbps")
+    if torch_load and "checkpoint_mib" in figs:
+        put("torch_load_cold_s", figs["checkpoint_mib"].value * 2**20 / (torch_load * 1e9),
+            "checkpoint_mib / aggregate.ops['load:torch:cold'].gbps")
+    if isinstance(agg.get("disk_fsync_gbps"), (int, float)) and agg["disk_fsync_gbps"] > 0:
+        put("disk_fsync_gbps", float(agg["disk_fsync_gbps"]), "aggregate.disk_fsync_gbps")
+    if not changed:
+        raise ValueError(f"{path}: no figure this tool uses (save/load GB/s, disk_fsync_gbps)")
+    return Costs(figs, f"{costs.origin} + {path}"), changed
+
+
+# ---- strategies ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Strategy:
+    """A checkpointing strategy's costs (see the module docstring for their meaning)."""
+
+    name: str
+    every: int                  # N: iterations between checkpoint requests
+    step_s: float               # one iteration under this strategy
+    stall_s: float = 0.0        # training blocked per request
+    persist_s: float = 0.0      # storage time from the end of the stall until durable
+    max_inflight: int = 1       # K: requested but not durable before training waits
+    load_s: float = 0.0         # load of a full checkpoint, or of a base
+    replay_s: float = 0.0       # per delta replayed after the base
+    base_every: int = 0         # 0: every checkpoint is a full one
+    restart_s: float = 0.0
+    derivation: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.max_inflight < 1 or self.base_every < 0:
+            raise ValueError(f"{self.name}: every and max_inflight must be >= 1, base_every >= 0")
+        if not self.step_s > 0:
+            raise ValueError(f"{self.name}: step time must be positive, got {self.step_s}")
+        for k in ("stall_s", "persist_s", "load_s", "replay_s", "restart_s"):
+            if not getattr(self, k) >= 0:
+                raise ValueError(f"{self.name}: {k} must be >= 0, got {getattr(self, k)} "
+                                 "(check the cost file's figures)")
+
+    def resume_s(self, durable: int) -> float:
+        """Restart + load of the checkpoint at iteration ``durable``."""
+        since_base = durable % self.base_every if self.base_every else 0
+        return self.restart_s + self.load_s + since_base * self.replay_s
+
+
+def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:
+    """Young/Daly's first-order optimal checkpoint interval, sqrt(2 * C * MTBF)."""
+    if not (cost_s >= 0 and mtbf_s > 0):
+        raise ValueError(f"need a checkpoint cost >= 0 and an MTBF > 0, got {cost_s} and {mtbf_s}")
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def young_daly_every(cost_s: float, mtbf_s: float, step_s: float) -> int:
+    """The Young/Daly interval in whole iterations (at least 1)."""
+    if math.isinf(mtbf_s):
+        return sys.maxsize
+    return max(1, round(young_daly_interval_s(cost_s, mtbf_s) / step_s))
+
+
+def make_strategy(name: str, costs: Costs, mtbf_s: float, *, restart_s: float = 0.0,
+                  pccheck_inflight: int = 4) -> Strategy:
+    """Build strategy ``name`` from the measured ``costs`` for a scenario of mean time between
+    failures ``mtbf_s``. ``derivation`` says how each cost follows from the figures."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
+    if not restart_s >= 0:
+        raise ValueError(f"restart time must be >= 0, got {restart_s}")
+    plain = costs["step_plain_s"]
+    ckpt_bytes = costs["checkpoint_mib"] * 2**20
+    mb = ckpt_bytes / 1e6
+    if name == "torch.save":
+        stall = costs["torch_save_max_step_s"] - plain
+        load = costs["torch_load_cold_s"]
+        return Strategy(name, young_daly_every(stall, mtbf_s, plain), plain, stall_s=stall, load_s=load,
+                        restart_s=restart_s, derivation=(
+                            f"stall = torch_save_max_step_s - step_plain_s = {stall:.3f} s",
+                            f"load = torch_load_cold_s = {load:.3f} s"))
+    if name == "dcp-async":
+        block = costs["dcp_async_max_step_s"] - plain
+        dcp_save = costs["ckptstore_save_gbps"] / costs["ckptstore_save_vs_dcp"]
+        dcp_load = costs["ckptstore_load_cold_gbps"] / costs["ckptstore_load_cold_vs_dcp"]
+        persist, load = mb / (dcp_save * 1e3), mb / (dcp_load * 1e3)
+        return Strategy(name, young_daly_every(block, mtbf_s, plain), plain, stall_s=block,
+                        persist_s=persist, load_s=load, restart_s=restart_s, derivation=(
+                            f"stall = dcp_async_max_step_s - step_plain_s = {block:.3f} s (blocking part)",
+                            (f"persist = {mb:.1f} MB / (ckptstore_save_gbps / ckptstore_save_vs_dcp = "
+                             f"{dcp_save:.3f} GB/s) = {persist:.3f} s (background until done)"),
+                            (f"load = {mb:.1f} MB / (ckptstore_load_cold_gbps / ckptstore_load_cold_vs_dcp"
+                             f" = {dcp_load:.3f} GB/s) = {load:.3f} s")))
+    if name == "pccheck":
+        stall = costs["copy_stall_s"]
+        persist = mb / (costs["disk_fsync_gbps"] * 1e3)
+        load = costs["torch_load_cold_s"]
+        return Strategy(name, young_daly_every(stall, mtbf_s, plain), plain, stall_s=stall,
+                        persist_s=persist, max_inflight=pccheck_inflight, load_s=load, restart_s=restart_s,
+                        derivation=(
+                            f"stall = copy_stall_s = {stall * 1e3:.1f} ms (copy into preallocated buffers)",
+                            (f"persist = {mb:.1f} MB / disk_fsync_gbps = {persist:.3f} s, "
+                             f"at most {pccheck_inflight} in flight, persisted in order"),
+                            f"load = torch_load_cold_s = {load:.3f} s"))
+    step = plain * costs["ckptstore_step_ratio"]
+    group = int(costs["ckptstore_group_commit"])
+    base_every = int(costs["ckptstore_base_every"])
+    persist = costs["ckptstore_persist_per_delta_s"]
+    base_load = mb / (costs["ckptstore_load_cold_gbps"] * 1e3)
+    derivation = [f"step = step_plain_s * ckptstore_step_ratio = {step:.4f} s",
+                  (f"every = ckptstore_group_commit = {group} (a group is durable "
+                   f"ckptstore_persist_per_delta_s = {persist * 1e3:.1f} ms after its last iteration)"),
+                  f"base load = {mb:.1f} MB / ckptstore_load_cold_gbps = {base_load:.3f} s"]
+    n = costs["restore_deltas"]
+    replay = (costs["restore_base_plus_deltas_cold_s"] - base_load) / n
+    derivation.append(f"replay = (restore_base_plus_deltas_cold_s - base load) / restore_deltas ({n:g}) = "
+                      f"{replay:.4f} s per delta")
+    if name == "ckptstore":
+        derivation.append(f"resume = base load + (D mod ckptstore_base_every = {base_every}) x replay")
+        return Strategy(name, group, step, persist_s=persist, load_s=base_load, replay_s=replay,
+                        base_every=base_every, restart_s=restart_s, derivation=tuple(derivation))
+    # the follower must keep up with training for its state to be at D when a failure comes
+    if replay > step:
+        raise ValueError(f"{costs.origin}: a follower replays a delta in {replay:.3f} s, slower than "
+                         f"a training step ({step:.3f} s): it cannot keep up")
+    derivation.append("the follower keeps up (replay < step): resume = one base load")
+    return Strategy(name, group, step, persist_s=persist, load_s=base_load, restart_s=restart_s,
+                    derivation=tuple(derivation))
+
+
+# ---- simulation ----------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    useful_s: float
+    wall_s: float = 0.0
+    failures: int = 0
+    lost_s: float = 0.0     # summed over failures
+    resume_s: float = 0.0   # summed over failures
+    checkpoints: int = 0    # requested
+
+    @property
+    def goodput(self) -> float:
+        return self.useful_s / self.wall_s
+
+    def add(self, other: RunResult) -> RunResult:
+        return RunResult(self.useful_s + other.useful_s, self.wall_s + other.wall_s,
+                         self.failures + other.failures, self.lost_s + other.lost_s,
+                         self.resume_s + other.resume_s, self.checkpoints + other.checkpoints)
+
+    @property
+    def lost_per_failure_s(self) -> float:
+        return self.lost_s / self.failures if self.failures else 0.0
+
+    @property
+    def resume_per_failure_s(self) -> float:
+        return self.resume_s / self.failures if self.failures else 0.0
+
+
+def simulate(st: Strategy, iterations: int, step_plain_s: float, failures: Iterable[float], *,
+             fast_forward: bool = True) -> RunResult:
+    """Run a job of ``iterations`` iterations under ``st`` against the sorted failure times
+    ``failures`` (s from the job's start) and return its totals. ``fast_forward`` skips whole
+    checkpoint periods that no failure reaches in one step (False steps through each; the same
+    result up to float rounding)."""
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    res = RunResult(useful_s=iterations * step_plain_s)
+    upcoming = iter(failures)
+
+    def next_failure(after: float) -> float:
+        for f in upcoming:
+            if f > after:
+                return f
+        return math.inf
+
+    period = st.every * st.step_s + st.stall_s
+    # each checkpoint is durable before the next request, so every period looks the same
+    steady = st.persist_s <= st.every * st.step_s
+    t, i = 0.0, 0
+    safe_it, safe_t = 0, 0.0     # last durable checkpoint, and when training went on after it
+    inflight: deque[tuple[int, float, float]] = deque()   # (iteration, durable at, went on at)
+    device_free = 0.0
+    tf = next_failure(0.0)
+    while True:
+        if fast_forward and steady and device_free <= t + st.every * st.step_s:
+            k = (iterations - 1 - i) // st.every
+            if tf < math.inf:
+                k = min(k, int((tf - t) // period) - 1)
+            if k >= 2:
+                for j in (k - 1, k):
+                    inflight.append((i + j * st.every, t + j * period + st.persist_s, t + j * period))
+                i, t = i + k * st.every, t + k * period
+                device_free = t + st.persist_s
+                res.checkpoints += k
+        nxt = min((i // st.every + 1) * st.every, iterations)
+        t_next = t + (nxt - i) * st.step_s
+        if tf >= t_next:
+            t, i = t_next, nxt
+            if i >= iterations:
+                break
+            while inflight and inflight[0][1] <= t:
+                safe_it, _, safe_t = inflight.popleft()
+            # with K checkpoints not yet durable, training waits for the oldest; then it stalls
+            t_wait = inflight[-st.max_inflight][1] if len(inflight) >= st.max_inflight else t
+            t_go = t_wait + st.stall_s
+            if tf >= t_go:
+                device_free = max(t_go, device_free) + st.persist_s
+                inflight.append((i, device_free, t_go))
+                res.checkpoints += 1
+                t = t_go
+                continue
+        # a failure at tf: back to the last checkpoint durable by then
+        while inflight and inflight[0][1] <= tf:
+            safe_it, _, safe_t = inflight.popleft()
+        inflight.clear()
+        res.failures += 1
+        res.lost_s += tf - safe_t
+        t = tf
+        while True:
+            r = st.resume_s(safe_it)
+            res.resume_s += r
+            tf = next_failure(t)
+            if tf >= t + r:
+                break
+            res.failures += 1   # during the resume: nothing more to lose, start it again
+            t = tf
+        t += r
+        i, safe_t, device_free = safe_it, t, t
+    res.wall_s = t
+    return res
+
+
+def job_iterations(hours: float, step_plain_s: float) -> int:
+    if not hours > 0:
+        raise ValueError(f"useful work must be positive, got {hours} h")
+    return math.ceil(hours * 3600.0 / step_plain_s)
+
+
+def run_scenario(scenario: Scenario, strategy: Strategy, iterations: int, step_plain_s: float,
+                 runs: int, seed: int) -> RunResult:
+    """Totals over ``runs`` runs of ``strategy`` under ``scenario``."""
+    total = RunResult(0.0)
+    for r in range(runs):
+        total = total.add(simulate(strategy, iterations, step_plain_s, scenario.failure_times(seed, r)))
+    return total
+
+
+# ---- output --------------------------------------------------------------------------------------
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table with aligned columns (text left, numbers right)."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    numeric = [all(_is_number(r[k]) for r in rows) if rows else False for k in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(c).rjust(w) if num else str(c).ljust(w)
+                                 for c, w, num in zip(cells, widths, numeric, strict=True)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 1) + ":" if num else "-" * (w + 2)
+                         for w, num in zip(widths, numeric, strict=True)) + "|"
+    return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s.replace(",", ""))
+        return True
+    except ValueError:
+        return False
+
+
+def plot(path: str | os.PathLike, sweep: dict[str, list[tuple[float, RunResult]]],
+         points: dict[str, list[tuple[str, float, RunResult]]], title: str) -> None:
+    """Goodput and lost work per failure against the failure rate: one line per strategy over the
+    Poisson sweep, the traces as labelled markers."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_g, ax_l) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    markers = "osD^v<>p"
+    trace_names = sorted({name for pts in points.values() for name, _, _ in pts})
+    for k, (strategy, series) in enumerate(sweep.items()):
+        color = f"C{k}"
+        xs = [rate for rate, _ in series]
+        ax_g.plot(xs, [r.goodput for _, r in series], "-", color=color, label=strategy)
+        lx = [(rate, r.lost_per_failure_s) for rate, r in series if r.failures]
+        ax_l.plot([x for x, _ in lx], [y for _, y in lx], "-", color=color, label=strategy)
+        for name, rate, r in points.get(strategy, []):
+            m = markers[trace_names.index(name) % len(markers)]
+            ax_g.plot([rate], [r.goodput], m, color=color, mfc="none", ms=7)
+            if r.failures:
+                ax_l.plot([rate], [r.lost_per_failure_s], m, color=color, mfc="none", ms=7)
+    for k, name in enumerate(trace_names):
+        ax_g.plot([], [], markers[k % len(markers)], color="k", mfc="none", label=f"trace: {name}")
+    for ax in (ax_g, ax_l):
+        ax.set_xscale("log")
+        ax.set_xlabel("job failures per hour (lines: Poisson; markers: traces)")
+        ax.grid(True, which="both", alpha=0.3)
+        top = ax.secondary_xaxis("top", functions=(lambda r: r / llama3_rate_per_hour(1),
+                                                   lambda g: g * llama3_rate_per_hour(1)))
+        top.set_xlabel("GPUs in the job at LLaMA 3's failure rate per GPU")
+    ax_g.set_ylabel("goodput (useful training time / wall time)")
+    ax_l.set_ylabel("work lost per failure (s)")
+    ax_l.set_yscale("log")
+    ax_g.legend(fontsize=8, loc="lower left")
+    fig.suptitle(title, fontsize=9)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt_rate(per_hour: float) -> str:
+    return f"{per_hour:.3g}"
+
+
+# ---- main ----------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--costs", default=str(DEFAULT_COSTS), help="cost file (default tools/goodput_costs.json)")
+    p.add_argument("--from-bench", metavar="FILE",
+                   help="override throughput figures with those of a `bench_core.py --json FILE` run")
+    p.add_argument("--traces", default=str(DEFAULT_TRACES),
+                   help="directory of trace CSVs (default ../shared/traces from the repository root; "
+                        "skipped when absent)")
+    p.add_argument("--trace", action="append", default=[], metavar="FILE", help="a trace file (repeatable)")
+    p.add_argument("--gpus", type=int, default=LLAMA3_GPUS,
+                   help="Poisson scenario: GPUs in the job, at LLaMA 3's per-GPU rate (default 16384)")
+    p.add_argument("--rate", type=float, help="Poisson scenario: failures per hour (overrides --gpus)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help=f"comma-separated, of: {', '.join(STRATEGIES)} (default all)")
+    p.add_argument("--hours", type=float, default=72.0, help="useful work of the job, hours (default 72)")
+    p.add_argument("--runs", type=int, default=16, help="runs per scenario and strategy (default 16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--restart-s", type=float, default=0.0,
+                   help="fixed restart overhead per failure, every strategy (not measured; default 0)")
+    p.add_argument("--pccheck-inflight", type=int, default=4,
+                   help="PCcheck-style: concurrent checkpoints in flight (default 4)")
+    p.add_argument("--plot", metavar="PNG", help="write goodput and lost work vs failure rate here")
+    a = p.parse_args(argv)
+    a.strategies = [s.strip() for s in a.strategies.split(",") if s.strip()]
+    unknown = [s for s in a.strategies if s not in STRATEGIES]
+    if unknown or not a.strategies:
+        p.error(f"unknown strategy {', '.join(map(repr, unknown)) or '(none given)'}; "
+                f"known: {', '.join(STRATEGIES)}")
+    try:
+        if a.rate is not None:
+            check_rate(a.rate)
+        else:
+            llama3_rate_per_hour(a.gpus)
+    except ValueError as e:
+        p.error(f"--rate/--gpus: {e}")
+    if not (a.hours > 0 and math.isfinite(a.hours)) or a.runs < 1 or a.pccheck_inflight < 1 \
+            or not a.restart_s >= 0:
+        p.error("--hours, --runs and --pccheck-inflight must be positive, --restart-s >= 0")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    try:
+        return run(a)
+    except (OSError, ValueError) as e:   # a bad cost, bench or trace file, a figure out of range
+        print(f"goodput: {e}", file=sys.stderr)
+        return 2
+
+
+def run(a: argparse.Namespace) -> int:
+    costs = load_costs(a.costs)
+    changed: list[str] = []
+    if a.from_bench:
+        costs, changed = costs_from_bench(costs, a.from_bench)
+    traces = [load_trace(t) for t in a.trace]
+    if os.path.isdir(a.traces):
+        traces += load_traces(a.traces)
+    elif a.traces != str(DEFAULT_TRACES):
+        raise ValueError(f"--traces {a.traces}: not a directory")
+    rate = a.rate if a.rate is not None else llama3_rate_per_hour(a.gpus)
+    poisson = f"Poisson {_fmt_rate(rate)}/h" if a.rate is not None else \
+        f"Poisson, LLaMA 3 rate x {a.gpus} GPUs"
+    scenarios = [Scenario(poisson, rate_per_hour=rate)]
+    scenarios += [Scenario(f"trace {t.name}", trace=t) for t in traces if t.failures]
+    step_plain = costs["step_plain_s"]
+    iterations = job_iterations(a.hours, step_plain)
+
+    def simulate_all(sc: Scenario) -> list[tuple[Strategy, RunResult]]:
+        sts = [make_strategy(s, costs, sc.mtbf_s, restart_s=a.restart_s, pccheck_inflight=a.pccheck_inflight)
+               for s in a.strategies]
+        return [(st, run_scenario(sc, st, iterations, step_plain, a.runs, a.seed)) for st in sts]
+
+    table = []
+    derivations: dict[str, tuple[str, ...]] = {}
+    at_traces: dict[str, list[tuple[str, float, RunResult]]] = {s: [] for s in a.strategies}
+    for sc in scenarios:
+        per_hour = 3600.0 / sc.mtbf_s
+        for st, r in simulate_all(sc):
+            derivations.setdefault(st.name, st.derivation)
+            if sc.trace is not None:
+                at_traces[st.name].append((sc.trace.name, per_hour, r))
+            table.append([sc.name, _fmt_rate(per_hour), st.name, f"{st.every}", f"{r.goodput:.4f}",
+                          f"{r.lost_per_failure_s:.1f}", f"{r.resume_per_failure_s:.2f}",
+                          f"{r.failures / a.runs:.1f}"])
+    sweep: dict[str, list[tuple[float, RunResult]]] = {s: [] for s in a.strategies}
+    if a.plot:
+        for per_hour in SWEEP_PER_HOUR:
+            for st, r in simulate_all(Scenario("sweep", rate_per_hour=per_hour)):
+                sweep[st.name].append((per_hour, r))
+
+    print(f"goodput: a job of {a.hours:g} h of useful work ({iterations} iterations of "
+          f"{step_plain * 1e3:.0f} ms), {a.runs} runs per row, seed {a.seed}, "
+          f"restart overhead {a.restart_s:g} s")
+    print(f"figures used ({costs.origin}):")
+    for name in sorted(costs.used):
+        fig = costs.figures[name]
+        mark = " [from --from-bench]" if name in changed else ""
+        print(f"  {name} = {fig.value:g} {fig.unit}{mark}\n      {fig.source}")
+    print("derived costs:")
+    for name, lines in derivations.items():
+        print(f"  {name}: " + "; ".join(lines))
+    notes = [f"no trace directory at {a.traces}"] if not (os.path.isdir(a.traces) or a.trace) else []
+    notes += [f"trace {t.name} has no failure: skipped" for t in traces if not t.failures]
+    print(f"scenarios: {', '.join(s.name for s in scenarios)}" + "".join(f" ({n})" for n in notes))
+    print()
+    print(format_table(["scenario", "failures/h", "strategy", "every (it)", "goodput",
+                        "lost per failure (s)", "resume (s)", "failures per run"], table))
+    if a.plot:
+        try:
+            plot(a.plot, sweep, at_traces, f"{a.hours:g} h of useful work, step {step_plain * 1e3:.0f} ms, "
+                                           f"costs: {os.path.basename(a.costs)}"
+                                           f"{' + ' + os.path.basename(a.from_bench) if a.from_bench else ''}"
+                                           f"; {a.runs} runs per point")
+        except ImportError:
+            print("goodput: matplotlib is not installed (pip install -e '.[plots]'): no plot",
+                  file=sys.stderr)
+            return 1
+        print(f"\nplot: {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
