@@ -170,14 +170,93 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"ckptstore gc: {args.path} is (a stream of) a multi-rank job store; gc of job "
               "stores is not supported yet", file=sys.stderr)
         return 2
+    from .ops.retention import policy_from_options
+
+    usage = None
+    if (args.keep_best is None) != (args.metric is None):
+        usage = "--keep-best N and --metric KEY go together"
+    elif args.mode is not None and args.keep_best is None:
+        usage = "--mode goes with --keep-best N --metric KEY"
+    elif all(v is None for v in (args.keep_last, args.keep_every, args.keep_best,
+                                 args.keep_newer_than, args.keep_since_iteration)):
+        usage = ("no retention policy given: use --keep-last, --keep-every, --keep-best with "
+                 "--metric, --keep-newer-than and/or --keep-since-iteration")
+    try:
+        policy = None if usage else policy_from_options(
+            keep_last=args.keep_last, keep_every=args.keep_every, keep_best=args.keep_best,
+            metric=args.metric, mode=args.mode or "min", keep_newer_than=args.keep_newer_than,
+            keep_since_iteration=args.keep_since_iteration)
+    except ValueError as e:
+        usage = str(e)
+    if usage is not None or policy is None:
+        print(f"ckptstore gc: {usage} (see ckptstore gc --help)", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        # a reader: nothing under the directory is written (no lock, no recovery, no compaction)
+        with _open(args.path, "r") as store:
+            r = store.gc(policy=policy, dry_run=True)
+        print(f"dry run, nothing changed: gc would remove {len(r.removed)} of "
+              f"{len(r.kept) + len(r.removed)} checkpoints"
+              + (f": {_ranges(r.removed)}" if r.removed else ""))
+        print(f"would keep {len(r.kept)}: {_ranges(r.kept)}" if r.kept else "would keep none")
+        if r.added:
+            print(f"  (kept beyond the policy, as the latest iteration or for delta chains: "
+                  f"{_ranges(list(r.added))})")
+        print(f"would free about {human_bytes(max(0, r.bytes_freed))}: log "
+              f"{human_bytes(r.bytes_before)} -> about {human_bytes(r.bytes_after)} (an estimate "
+              "from the index: the records gc would copy)")
+        return 0
     with _open(args.path, "a") as store:
         with progress("gc", None) as tick:
-            r = store.gc(keep_last=args.keep_last, keep_every=args.keep_every, progress=tick)
+            r = store.gc(policy=policy, progress=tick)
     print(f"kept {len(r.kept)} checkpoints, removed {len(r.removed)}"
           + (f" ({', '.join(map(str, r.removed[:20]))}{' ...' if len(r.removed) > 20 else ''})"
              if r.removed else ""))
     print(f"log {human_bytes(r.bytes_before)} -> {human_bytes(r.bytes_after)} in {r.seconds:.2f} s")
     return 0
+
+
+def _ranges(its: Sequence[int]) -> str:
+    """Ascending iterations as runs: "0, 5-9, 20"."""
+    runs: list[list[int]] = []
+    for i in its:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _count(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {n}")
+    return n
+
+
+def _iteration(text: str) -> int:
+    """argparse type: an iteration (int >= 0)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {n}")
+    return n
+
+
+def _duration(text: str) -> float:
+    """argparse type: a duration such as 90s, 15m, 2h, 3d (seconds)."""
+    from .ops.retention import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _num(d: Any, key: str, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
@@ -312,10 +391,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "(never deletes committed checkpoints)")
     s.set_defaults(func=cmd_fsck)
 
-    s = sub.add_parser("gc", help="drop checkpoints by retention policy and compact the log")
+    s = sub.add_parser("gc", help="drop checkpoints by retention policy and compact the log",
+                       description="Keep the union of what the given policies keep, plus the "
+                       "latest iteration and every base and delta a kept delta needs; drop the "
+                       "rest and compact the log. A policy set that keeps no iteration is an "
+                       "error and nothing is removed.")
     s.add_argument("path")
-    s.add_argument("--keep-last", type=int, required=True)
-    s.add_argument("--keep-every", type=int)
+    s.add_argument("--keep-last", type=_count, metavar="N", help="the N newest iterations")
+    s.add_argument("--keep-every", type=_count, metavar="K",
+                   help="every iteration that is a multiple of K")
+    s.add_argument("--keep-best", type=_count, metavar="N",
+                   help="the N iterations with the best --metric")
+    s.add_argument("--metric", metavar="KEY", help="numeric meta key of --keep-best (dotted "
+                   "keys reach into nested dicts)")
+    s.add_argument("--mode", choices=("min", "max"), help="--keep-best: lowest (min, default) "
+                   "or highest (max) value is best")
+    s.add_argument("--keep-newer-than", type=_duration, metavar="DURATION",
+                   help="iterations committed within DURATION of now (90s, 15m, 2h, 3d, 1w)")
+    s.add_argument("--keep-since-iteration", type=_iteration, metavar="I",
+                   help="iterations >= I")
+    s.add_argument("--dry-run", action="store_true", help="show what would be removed and the "
+                   "bytes freed (estimated) without changing anything")
     s.set_defaults(func=cmd_gc)
 
     s = sub.add_parser("stats", help="per-checkpoint async pipeline statistics (stall, snapshot, "
@@ -336,11 +432,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rank", type=int, help="multi-rank stores: this rank's state and meta")
     s.set_defaults(func=cmd_bisect)
 
-    s = sub.add_parser("demo", help="train a small model with per-iteration checkpoints, crash, "
-                                    "restore and fsck")
+    s = sub.add_parser("demo", help="train a small GPT with a delta checkpoint every iteration, "
+                                    "SIGKILL it, resume bit-exactly, restore a past iteration, "
+                                    "bisect a NaN, fsck")
     s.add_argument("--dir", default="demo-run")
-    s.add_argument("--iterations", type=int, default=60)
-    s.add_argument("--crash-at", type=int, default=37)
+    s.add_argument("--iterations", type=int, default=240)
+    s.add_argument("--crash-at", type=int, default=137, help="SIGKILL the trainer after this iteration")
     s.set_defaults(func=cmd_demo)
     return p
 

@@ -5,7 +5,8 @@ One place decides how output looks, so every command prints tables and progress 
 * :func:`table` renders rows under a header as a rich table (a header rule, no borders), to a
   string. On a terminal it fits the terminal's width; piped, lines are never wrapped or cut, so
   scripts and ``grep`` see every cell whole.
-* :func:`progress` is a byte counter with rate and ETA on stderr, shown only on a terminal.
+* :func:`progress` is a byte counter with rate and ETA, :func:`steps` a step counter with a
+  status text; both on stderr, shown only on a terminal.
 * :func:`printable` escapes what a terminal would interpret. Names and messages come from the
   store, which may be hostile; every cell goes through it and is rendered as plain text (rich
   markup such as ``[bold]`` in a tensor name is printed, never interpreted).
@@ -88,3 +89,20 @@ def progress(description: str, total: int | None) -> Iterator[Callable[[int], No
     with bar:
         task = bar.add_task(printable(description), total=total)
         yield lambda n: bar.advance(task, n)
+
+
+@contextmanager
+def steps(description: str, total: int, completed: int = 0) -> Iterator[Callable[[int, str], None]]:
+    """A step counter (``n/total``, a status text, ETA) on stderr while the block runs (hidden
+    when stderr is not a terminal); yields ``advance(n, status)``. It stays on screen at the end."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeRemainingColumn)
+
+    console = Console(file=sys.stderr)
+    bar = Progress(TextColumn("   {task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console,
+                   disable=not console.is_terminal)
+    with bar:
+        task = bar.add_task(printable(description), total=total, completed=completed, status="")
+        yield lambda n, status: bar.update(task, advance=n, status=printable(status))

@@ -27,6 +27,7 @@ LAYERS = [
     ("ckptstore.errors", 0, "errors"),
     ("ckptstore.format", 1, "format"),
     ("ckptstore.tensors", 2, "tensors"),
+    ("ckptstore.inplace", 2, "tensors"),
     ("ckptstore.storage", 3, "storage"),
     ("ckptstore.engine", 4, "engine"),
     ("ckptstore.ops", 5, "ops"),
