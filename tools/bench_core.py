@@ -1082,9 +1082,9 @@ def main(argv: list[str] | None = None) -> int:
     got = sorted({k.rsplit(":", 1)[1] for k in samples if k.startswith("load:")})
     methods = sorted({r["evicted_by"] for k, rows in samples.items() for r in rows
                       if r.get("evicted_by")})
-    note = ", ".join(got) + (f" (cold: page cache emptied by {' / '.join(methods)} before each "
-                             "read: drop_caches where allowed, else posix_fadvise DONTNEED on "
-                             "the files read, both sides the same way)" if methods else "")
+    note = ", ".join(got) + (f" (cold: the page cache emptied before each read by "
+                             f"{' / '.join(methods)}, the same way for every engine)"
+                             if methods else "")
     agg = aggregate(samples, total)
     env["loadavg_during_run"] = contention(samples)
     ts = targets(agg, got)
