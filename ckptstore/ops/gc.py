@@ -17,6 +17,12 @@ A crash before 3 completes leaves temp files (deleted on the next writer open) a
 copies that duplicate live checkpoints (harmless: replay lets a later copy of the same commit win).
 A crash after it leaves obsolete segments, which the next writer open deletes. Either way every
 kept checkpoint stays readable, and a damaged chunk aborts gc before anything is renamed.
+
+Which checkpoints are kept is decided by a retention policy (:mod:`ckptstore.ops.retention`: keep
+the last N, every K-th, the best N by a meta metric, everything newer than an age or since an
+iteration, and unions of these), then closed under the delta chain rule. A dry run
+(``dry_run=True``) plans the same and estimates the bytes gc would leave by adding up the records
+it would copy (sizes from the index, trees read), writing nothing.
 """
 
 from __future__ import annotations
@@ -24,31 +30,54 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import DamagedCheckpointError, FormatError
 from ..format import records as rec
 from ..format.chunk import decode_chunk
-from ..format.commit import KIND_DELTA, Commit
+from ..format.commit import COMMIT_SIZE, KIND_NAMES, Commit
 from ..format.manifest import decode_committed_manifest
+from ..format.state import unflatten
 from ..format.tree import decode_tree
 from ..storage.index import Index
 from ..storage.segments import SEGMENT_HEADER_RECORD_SIZE, Loc, SegmentWriter
+from ..engine.engine import Engine
 from ..engine.transaction import append_commit_record
 from ..engine.writer_engine import WriterEngine
+from .retention import (Checkpoint, KeepEvery, KeepLast, Policy, RetentionPlan, chain_closure,
+                        plan_retention)
 
 
 @dataclass(frozen=True)
 class GcReport:
+    """What a gc did (or, with ``dry_run``, would do).
+
+    ``bytes_before`` / ``bytes_after``: the live segments' sizes before and after; for a dry run
+    ``bytes_after`` is an estimate (``estimated``): the sizes of the records gc would copy,
+    from the index, laid out as gc lays them out. ``compacted``: False when nothing was written
+    (a dry run, or an automatic retention run that had nothing to remove). ``added``: kept
+    iterations the policy did not select (the latest one and the chains of kept deltas)."""
+
     kept: list[int]
     removed: list[int]
     bytes_before: int
     bytes_after: int
     seconds: float
+    dry_run: bool = False
+    estimated: bool = False
+    compacted: bool = True
+    added: tuple[int, ...] = ()
+    policy: str = ""
+
+    @property
+    def bytes_freed(self) -> int:
+        return self.bytes_before - self.bytes_after
 
 
 def retained(iterations: list[int], keep_last: int, keep_every: int | None) -> list[int]:
-    """The iterations a policy keeps: the newest ``keep_last`` plus every multiple of ``keep_every``.
+    """The iterations a policy keeps: the newest ``keep_last`` plus every multiple of ``keep_every``
+    (:class:`~ckptstore.ops.retention.KeepLast` | :class:`~ckptstore.ops.retention.KeepEvery`),
+    before the chain closure.
 
     ``keep_last`` must be >= 1 so the latest iteration always survives (iterations keep increasing).
     """
@@ -56,29 +85,152 @@ def retained(iterations: list[int], keep_last: int, keep_every: int | None) -> l
         raise ValueError("keep_last must be an int >= 1 (the latest checkpoint is always kept)")
     if keep_every is not None and (type(keep_every) is not int or keep_every < 1):
         raise ValueError("keep_every must be a positive int")
-    keep = set(iterations[-keep_last:])
-    if keep_every:
-        keep.update(i for i in iterations if i % keep_every == 0)
-    return sorted(keep)
+    policy: Policy = KeepLast(keep_last) if keep_every is None else KeepLast(keep_last) | KeepEvery(keep_every)
+    cps = [Checkpoint(i, "snapshot", 0) for i in sorted(iterations)]
+    return sorted(policy.select(cps, 0))
+
+
+def layout_of(index: Index) -> list[tuple[int, str]]:
+    """(iteration, "snapshot" | "delta") of every committed iteration, ascending."""
+    return [(it, KIND_NAMES.get(kind, "unknown")) for it, kind in index.kinds()]
 
 
 def with_chains(index: Index, keep: list[int]) -> list[int]:
     """Add to ``keep`` every iteration a kept delta needs: its predecessors back to its base
-    snapshot (format-spec/deltas.md, "Garbage collection"). A base is never removed while a
-    retained delta depends on it."""
-    out = set(keep)
+    snapshot (format-spec/deltas.md, "Garbage collection"; :func:`~ckptstore.ops.retention.
+    chain_closure`). A base is never removed while a retained delta depends on it."""
+    return sorted(chain_closure(layout_of(index), keep))
+
+
+def gc_policy(keep_last: int | None, keep_every: int | None, policy: Policy | None) -> Policy:
+    """The policy of :meth:`ckptstore.Store.gc`'s arguments: the union of ``KeepLast(keep_last)``,
+    ``KeepEvery(keep_every)`` and ``policy`` (those given). Keeps the old messages for bad
+    ``keep_last`` / ``keep_every``."""
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        raise ValueError("keep_last must be an int >= 1 (the latest checkpoint is always kept)")
+    if keep_every is not None and (type(keep_every) is not int or keep_every < 1):
+        raise ValueError("keep_every must be a positive int")
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a retention policy (ckptstore.ops.retention), not {policy!r}")
+    parts: list[Policy] = []
+    if keep_last is not None:
+        parts.append(KeepLast(keep_last))
+    if keep_every is not None:
+        parts.append(KeepEvery(keep_every))
+    if policy is not None:
+        parts.append(policy)
+    if not parts:
+        raise TypeError("gc needs a retention policy: keep_last (with keep_every) or policy=")
+    out = parts[0]
+    for p in parts[1:]:
+        out = out | p
+    return out
+
+
+def checkpoints_of(engine: Engine, with_meta: bool,
+                   meta_cache: dict[int, Any] | None = None) -> list[Checkpoint]:
+    """Every committed iteration of ``engine`` as a :class:`~ckptstore.ops.retention.Checkpoint`,
+    ascending; the meta is read (one manifest per iteration, verified) only when ``with_meta``.
+    ``meta_cache``: iteration -> meta of earlier calls (committed iterations never change);
+    entries of iterations no longer committed are dropped."""
+    out = []
+    for it in engine.index.iterations():
+        e = engine.index.get_commit(it)
+        if e is None:
+            continue
+        c = e.commit
+        meta = None
+        if with_meta:
+            if meta_cache is not None and it in meta_cache:
+                meta = meta_cache[it]
+            else:
+                meta = unflatten(engine.manifest(it).meta, lambda i, p: None)
+                if meta_cache is not None:
+                    meta_cache[it] = meta
+        out.append(Checkpoint(it, KIND_NAMES.get(c.kind, "unknown"), c.created_ns, meta))
+    if meta_cache is not None:
+        live = {c.iteration for c in out}
+        for it in [i for i in meta_cache if i not in live]:
+            del meta_cache[it]
+    return out
+
+
+def plan(engine: Engine, policy: Policy, now_ns: int | None = None,
+         meta_cache: dict[int, Any] | None = None) -> RetentionPlan:
+    """The retention plan of ``policy`` over the committed iterations of ``engine``
+    (RetentionError when it selects none)."""
+    return plan_retention(checkpoints_of(engine, policy.uses_meta, meta_cache), policy, now_ns)
+
+
+def live_bytes(engine: Engine) -> int:
+    """Bytes of the live segments (what gc compacts), from the directory."""
+    layout = engine.layout
+    return sum(os.path.getsize(layout.segment_path(s)) for s in engine.log.refresh_segments())
+
+
+def estimate_bytes_after(engine: Engine, keep: Sequence[int]) -> int:
+    """The live bytes a gc keeping ``keep`` would leave, computed without writing: the records
+    :class:`_Compactor` would copy (each chunk and tree once, every manifest and a COMMIT per
+    kept iteration; record sizes from the index and the commits, trees read to list their chunks),
+    laid out into segments as it lays them out, plus the final marker segment. Exact unless the
+    store changes in between or the index points a chunk at a copy of another size."""
+    index = engine.index
+    seg_size = engine.segment_size
+    done: list[int] = []
+    offset = 0  # of the open output segment (0: none open yet)
+    chunks: set[bytes] = set()
+    trees: set[bytes] = set()
+
+    def add(payload: int) -> None:
+        nonlocal offset
+        if offset == 0:
+            offset = SEGMENT_HEADER_RECORD_SIZE
+        elif offset > SEGMENT_HEADER_RECORD_SIZE and offset + rec.OVERHEAD + payload > seg_size:
+            done.append(offset)
+            offset = SEGMENT_HEADER_RECORD_SIZE
+        offset += rec.OVERHEAD + payload
+
     for it in keep:
-        p = it
-        while True:
-            e = index.get_commit(p)
-            if e is None or e.commit.kind != KIND_DELTA:
-                break
-            p -= 1
-            if p in out:
-                break
-            if index.get_commit(p) is not None:
-                out.add(p)
-    return sorted(out)
+        entry = index.get_commit(it)
+        if entry is None:
+            raise DamagedCheckpointError(f"iteration {it} is not committed (the store changed?)")
+        c = entry.commit
+        try:
+            for t in engine.manifest(it).tensors:
+                if t.inline is not None or t.nbytes == 0 or t.root in trees:
+                    continue
+                tloc = index.get_tree(t.root)
+                if tloc is None:
+                    raise FormatError(f"tree of tensor {t.path} is missing")
+                for addr in engine.tree_of(t).addresses:
+                    if addr in chunks:
+                        continue
+                    ref = index.get_chunk(addr)
+                    if ref is None:
+                        raise FormatError(f"chunk {addr.hex()} of tensor {t.path} is missing")
+                    add(ref.loc.length)
+                    chunks.add(addr)
+                add(tloc.length)
+                trees.add(t.root)
+        except FormatError as e:
+            raise DamagedCheckpointError(
+                f"iteration {it} cannot be read: {e}; run `ckptstore fsck` to locate the "
+                "damage") from e
+        add(c.manifest_length)
+        add(COMMIT_SIZE)
+    return sum(done) + offset + SEGMENT_HEADER_RECORD_SIZE  # + the record-less marker segment
+
+
+def dry_run(engine: Engine, policy: Policy, now_ns: int | None = None,
+            meta_cache: dict[int, Any] | None = None) -> GcReport:
+    """What :func:`collect` would keep and remove with ``policy``, and the bytes it would leave
+    (an estimate, :func:`estimate_bytes_after`). Writes nothing: works on a reader too."""
+    t0 = time.perf_counter()
+    p = plan(engine, policy, now_ns, meta_cache)
+    before = live_bytes(engine)
+    after = estimate_bytes_after(engine, p.kept) if p.kept else before
+    return GcReport(list(p.kept), list(p.removed), before, after, time.perf_counter() - t0,
+                    dry_run=True, estimated=True, compacted=False, added=p.added, policy=str(policy))
 
 
 class _Compactor:
@@ -169,19 +321,26 @@ class _Compactor:
                 pass
 
 
-def collect(engine: WriterEngine, *, keep_last: int, keep_every: int | None = None,
-            progress: Callable[[int], None] | None = None) -> GcReport:
-    """Drop the checkpoints the policy does not keep and compact the log. The caller holds the
-    engine's lock with no transaction open (pending deltas committed first)."""
+def collect(engine: WriterEngine, *, keep_last: int | None = None, keep_every: int | None = None,
+            policy: Policy | None = None, progress: Callable[[int], None] | None = None,
+            now_ns: int | None = None, only_if_removing: bool = False,
+            meta_cache: dict[int, Any] | None = None) -> GcReport:
+    """Drop the checkpoints the policy does not keep and compact the log. The policy is the
+    union of ``keep_last``, ``keep_every`` and ``policy`` (:func:`gc_policy`); the plan adds the
+    latest iteration and the chains of kept deltas, and a policy that selects nothing raises
+    RetentionError before anything is written. ``only_if_removing``: write nothing when the plan
+    removes nothing (automatic retention). The caller holds the engine's lock with no
+    transaction open (pending deltas committed first)."""
     t0 = time.perf_counter()
     layout = engine.layout
-    iterations = engine.index.iterations()
-    keep = with_chains(engine.index, retained(iterations, keep_last, keep_every))
-    removed = [i for i in iterations if i not in set(keep)]
+    pol = gc_policy(keep_last, keep_every, policy)
+    p = plan(engine, pol, now_ns, meta_cache)
+    keep, removed = list(p.kept), list(p.removed)
     live = engine.log.refresh_segments()
     bytes_before = sum(os.path.getsize(layout.segment_path(s)) for s in live)
-    if not live:
-        return GcReport(keep, removed, 0, 0, time.perf_counter() - t0)
+    if not live or (only_if_removing and not removed):
+        return GcReport(keep, removed, bytes_before, bytes_before, time.perf_counter() - t0,
+                        compacted=False, added=p.added, policy=str(pol))
     watermark = live[-1]
     # Temp files of an earlier gc that failed in this process (its abort could not delete them)
     # would collide with this gc's names; they are never replayed, so delete them first.
@@ -206,4 +365,5 @@ def collect(engine: WriterEngine, *, keep_last: int, keep_every: int | None = No
         compactor.abort()
         raise
     bytes_after = sum(os.path.getsize(layout.segment_path(s)) for s in engine.log.refresh_segments())
-    return GcReport(keep, removed, bytes_before, bytes_after, time.perf_counter() - t0)
+    return GcReport(keep, removed, bytes_before, bytes_after, time.perf_counter() - t0,
+                    added=p.added, policy=str(pol))

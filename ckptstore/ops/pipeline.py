@@ -18,7 +18,9 @@ Background, one persister thread, FIFO (so commits happen in iteration order):
   5. hash, compress and append (the engine's write path, under the engine's lock), then fsync and
      COMMIT (a snapshot, or a delta that ends its group) or leave it pending (a delta with
      ``commit=False``, committed with the next group);
-  6. release the arena to the pool; resolve the future of every checkpoint now committed.
+  6. release the arena to the pool; resolve the future of every checkpoint now committed;
+  7. after a snapshot committed: call ``after_snapshot(iteration)`` when set (the store's automatic
+     retention, ckptstore/store.py), before the next job starts: between saves, never inside one.
 
 Invariants:
   * A future resolves successfully only after its checkpoint's COMMIT record is fsynced: whatever a
@@ -39,6 +41,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -349,6 +352,9 @@ class Pipeline:
         self._history: deque[AsyncStats] = deque(maxlen=10_000)
         self._streams: dict = {}
         self._layouts: dict[tuple, _Layout] = {}  # snapshot layouts by structure (_snapshot_leaves)
+        #: called by the persister with the iteration of each snapshot once it is committed and
+        #: its future resolved, before the next job (automatic retention); must not raise
+        self.after_snapshot: Callable[[int], None] | None = None
         self._thread = threading.Thread(target=self._run, name=f"ckptstore-persist:{engine.path}",
                                         daemon=True)
         self._thread.start()
@@ -579,6 +585,13 @@ class Pipeline:
                     if job.kind in ("snapshot", "delta"):
                         self._inflight -= 1
                     self._cond.notify_all()
+            hook = self.after_snapshot
+            if hook is not None and job.kind == "snapshot" and job.future.done() and \
+                    not job.future.cancelled() and job.future.exception() is None:
+                try:
+                    hook(job.iteration)
+                except Exception:  # noqa: BLE001 - a hook failure must not stop the persister
+                    logging.getLogger("ckptstore").exception("ckptstore: after-snapshot hook failed")
 
     def _vote_failed(self, job: _Job) -> None:
         """The round of a job whose submit failed on this rank: vote FAILED (the caller already
