@@ -2,7 +2,8 @@
 
 Every byte returned was checked: the manifest against the commit's digest, each tree against its
 root, each chunk against its address (raw chunks are read straight into the destination array and
-verified in place; nothing is copied twice).
+verified in place; nothing is copied twice). :func:`read_ranges` reads byte ranges of stored
+tensors, touching only the chunks that overlap them (ckptstore/dcp.py's partial reads).
 """
 
 from __future__ import annotations
@@ -234,3 +235,66 @@ class StateReader:
                     target.copy_(fresh)
         return {i: given_back[i] if i in given_back else finish(e, v)
                 for i, (e, v) in values.items()}
+
+
+@dataclass
+class RangeRead:
+    """Bytes ``start:end`` of the raw (C-order) bytes of the manifest's tensor ``index``, to be
+    placed into ``dest`` (``end - start`` bytes)."""
+
+    index: int
+    start: int
+    end: int
+    dest: memoryview
+
+
+def read_ranges(reader: StateReader, manifest: Manifest, requests: Sequence[RangeRead]) -> int:
+    """Fill each request's ``dest`` with the verified bytes ``start:end`` of a stored tensor,
+    reading only the chunks that overlap the range: a chunk wholly inside it is read straight into
+    ``dest`` (verified in place), a chunk the range cuts is read into a scratch buffer of its own
+    size, verified whole against its address, and only the overlap copied. Chunk reads run on the
+    reader's threads. Returns the bytes read from the log. Raises DamagedCheckpointError (naming
+    the tensor) for damage or a request outside the tensor."""
+    it = manifest.iteration
+    jobs: list[tuple[TensorEntry, bytes, memoryview, int, int, int]] = []
+    for rq in requests:
+        if not 0 <= rq.index < len(manifest.tensors):
+            raise DamagedCheckpointError(f"iteration {it}: tensor index {rq.index} unknown")
+        e = manifest.tensors[rq.index]
+        if not 0 <= rq.start <= rq.end <= e.nbytes or len(rq.dest) != rq.end - rq.start:
+            raise DamagedCheckpointError(
+                f"iteration {it}: tensor {e.path}: bytes {rq.start}-{rq.end} requested into "
+                f"{len(rq.dest)} bytes, the tensor holds {e.nbytes}")
+        if rq.start == rq.end:
+            continue
+        try:
+            if e.inline is not None:
+                if tree_root(e.nbytes, manifest.chunk_size, [address_of(e.inline)]) != e.root:
+                    raise FormatError("inline tensor bytes do not match its root")
+                rq.dest[:] = memoryview(e.inline)[rq.start:rq.end]
+                continue
+            for s, t, addr in chunk_spans_bounded(reader.log, reader.index, e):
+                lo, hi = max(s, rq.start), min(t, rq.end)
+                if lo < hi:
+                    jobs.append((e, addr, rq.dest, s, t, rq.start))
+        except (FormatError, StoreIOError, FileNotFoundError) as err:
+            raise DamagedCheckpointError(f"iteration {it}: tensor {e.path}: {err}") from err
+
+    def run(job: tuple[TensorEntry, bytes, memoryview, int, int, int]) -> int:
+        e, addr, dest, s, t, base = job
+        lo, hi = max(s, base), min(t, base + len(dest))
+        try:
+            if lo == s and hi == t:
+                read_chunk_into(reader.log, reader.index, addr, dest[s - base:t - base])
+            else:
+                scratch = bytearray(t - s)
+                read_chunk_into(reader.log, reader.index, addr, memoryview(scratch))
+                dest[lo - base:hi - base] = memoryview(scratch)[lo - s:hi - s]
+        except (FormatError, StoreIOError, FileNotFoundError) as err:
+            raise DamagedCheckpointError(f"iteration {it}: tensor {e.path}: {err}") from err
+        return t - s
+
+    if len(jobs) > 1 and reader.threads > 1:
+        with ThreadPoolExecutor(reader.threads, thread_name_prefix="ckptstore-load") as pool:
+            return sum(pool.map(run, jobs))
+    return sum(run(job) for job in jobs)

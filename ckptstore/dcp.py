@@ -1,0 +1,771 @@
+"""ckptstore as the storage layer of ``torch.distributed.checkpoint`` (DCP).
+
+    import torch.distributed.checkpoint as dcp
+    import ckptstore, ckptstore.dcp
+
+    store = ckptstore.open("runs/gpt", mode="a")
+    dcp.save(state, storage_writer=ckptstore.dcp.StorageWriter(store, 100))
+    dcp.load(state, storage_reader=ckptstore.dcp.StorageReader(store, 100))   # in place
+    fut = dcp.async_save(state, storage_writer=ckptstore.dcp.StorageWriter(store, 200))
+    fut.result()
+    # or one writer/reader for many iterations, each named by DCP's checkpoint_id:
+    dcp.save(state, checkpoint_id=300, storage_writer=ckptstore.dcp.StorageWriter(store))
+
+:class:`StorageWriter` and :class:`StorageReader` implement DCP's ``StorageWriter`` and
+``StorageReader`` interfaces (``torch/distributed/checkpoint/storage.py``; they are registered as
+virtual subclasses of both, so ``isinstance`` holds). ``torch.distributed.checkpoint`` is
+imported by this module only, and only when the first writer or reader is made: ``import
+ckptstore`` never imports it.
+
+**A DCP checkpoint is one iteration of the store.** ``checkpoint_id`` is the iteration: an int,
+or a string of decimal digits (:meth:`StorageWriter.validate_checkpoint_id` says which ids are
+accepted). The iteration's state is::
+
+    {"dcp":   {"format": "ckptstore.dcp", "version": 1, "metadata": <DCP's Metadata, encoded>},
+     "items": {storage key: tensor | JSON-like value, ...}}
+
+one entry of ``items`` per DCP write item, keyed by its fully qualified name (``fqn``, with
+``@offsets`` appended for a chunk that does not start at the origin). So everything the store
+does applies unchanged: a tensor identical to one saved before (another iteration, or another
+key of the same one, e.g. tied weights) is stored once (chunks are content-addressed); ``fsck``
+verifies DCP iterations like any other; ``gc`` keeps or drops them as whole iterations; any
+committed iteration can be loaded (point-in-time restore); ``ckptstore show``/``store.load(it)``
+read them as ordinary states.
+
+**Nothing is pickled, nothing is unpickled.** DCP's ``Metadata`` is stored in the store's own
+state encoding (format-spec/format.md, "State encoding"): per key either a tensor's dtype,
+size, chunks (offsets and sizes) and properties (layout, requires_grad, memory format,
+pin_memory) or a bytes item; the planner data (the default planner's flattening map, tuples of
+keys) and the storage meta; and the storage data (which store key holds which DCP index). On
+read it is checked field by field and rebuilt into torch's ``Metadata`` dataclasses; anything
+malformed raises :class:`~ckptstore.errors.DCPError`.
+
+Non-tensor values (``lr``, ``betas``, ``step`` counters, parameter-name lists...) reach a
+storage layer as DCP ``BYTE_IO`` items, which the default planner turns into ``torch.save``
+bytes and, on load, hands to ``torch.load(weights_only=False)``: storing those bytes would mean
+unpickling them on every load. Instead the writer takes the object itself from the default
+planner (``DefaultSavePlanner.lookup_object``) and stores it natively when it is JSON-like (None,
+bool, int, float, str, bytes, and lists, tuples and str/int-keyed dicts of them: everything a
+``Module``/optimizer/LR-scheduler state dict holds besides tensors). On load the value is
+decoded and set into the caller's state dict exactly where the default load planner's
+``load_bytes`` would put it, with no bytes in between; a custom ``LoadPlanner`` that overrides
+``load_bytes`` gets ``torch.save`` bytes made here from the decoded value (not bytes read from
+the store). Refused at save time, with an :class:`~ckptstore.errors.UnsupportedTypeError` that
+names the DCP key, before anything is written: any other object (a custom class, a tuple
+holding tensors, a numpy scalar), and every ``BYTE_IO`` item of a ``SavePlanner`` that
+serializes objects its own way (its bytes could only be read back by unpickling them).
+
+**Atomic commit.** ``write_data`` resolves every item (the planner's ``resolve_data``), checks
+it and returns its ``WriteResult``; it writes nothing. ``finish`` (the coordinator's last call)
+saves the iteration with :meth:`ckptstore.Store.save`: chunks, trees, manifest, fsync, then the
+COMMIT record and its fsync, the commit point. The iteration is visible only once ``finish``
+has committed it; a failure before (in planning, ``write_data``, or inside ``finish``: a full
+disk, an unsupported value) leaves nothing visible, every earlier iteration intact, and the next
+save retries cleanly. DCP's ``FileSystemWriter`` writes into the checkpoint directory in place
+and, in ``finish``, deletes the old ``.metadata`` before renaming the new one over it: between
+the two the directory holds no metadata, and a crash there leaves the checkpoint unloadable.
+Here there is no such window: an iteration never changes once committed, a new one is
+invisible until its single COMMIT record is durable, and the store's previous iterations stay
+loadable throughout.
+
+**Reads.** ``read_data`` reads each requested box of a stored tensor (``storage_offsets`` and
+``lengths``) from the smallest byte range that holds it, reading only the store chunks that
+overlap that range (each verified against its address, as every read of the store is). When the
+box is contiguous in the stored tensor and DCP's destination (``LoadPlanner.resolve_tensor``) is
+a contiguous CPU tensor of the stored dtype, whole chunks are read straight into the
+destination's memory; otherwise into a scratch buffer that is copied into the destination (any
+device, any layout, dtype conversion as DCP's own reader does with ``copy_``).
+
+**Ranks.** Saving runs in one process: ``no_dist=True``, no process group, or a process group
+of one rank. A save on more ranks (with or without ``use_collectives``) raises ``DCPError`` on
+every rank through DCP's ``CheckpointException``: the global two-phase commit of a
+:class:`~ckptstore.JobStore` would have to run inside DCP's ``write_data`` (the last call
+non-coordinator ranks get), before ``finish`` has the metadata, so it is not done. A
+:class:`~ckptstore.JobStore` of one rank works as a store. Loading works at any world size:
+every rank reads what its plan asks for from its own open store (readers may run beside the
+writer).
+
+Errors DCP catches come back wrapped in its ``CheckpointException`` (``failures[rank][0]`` is the
+ckptstore error). The typed errors a caller most often wants are raised before DCP runs: the
+constructors and ``reset(checkpoint_id)`` raise ``NotFoundError`` (no such iteration),
+``DCPError`` (an iteration that holds no DCP checkpoint, a bad checkpoint_id),
+``IterationOrderError`` (a writer's iteration not after the latest) and ``ReadOnlyStoreError``.
+
+A writer is used by one save at a time (``async_save`` runs it in DCP's thread; wait for the
+future before the next save with the same writer).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import uuid
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from .engine.read_path import RangeRead, read_ranges
+from .errors import (DCPError, FormatError, IterationOrderError, NotFoundError,
+                     ReadOnlyStoreError, UnsupportedTypeError)
+from .format.state import Path, flatten, format_path, top_level_items, unflatten
+from .multirank.job_store import JobStore
+from .store import Store
+from .tensors import TORCH_DTYPES
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+    from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadItem, SavePlan,
+                                                      SavePlanner, WriteItem)
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+__all__ = ["StorageWriter", "StorageReader", "FORMAT", "FORMAT_VERSION"]
+
+#: the marker of a DCP iteration (``state["dcp"]["format"]``) and its layout version
+FORMAT = "ckptstore.dcp"
+FORMAT_VERSION = 1
+#: bytes of scratch buffers one read batch may hold (boxes read into scratch, then copied)
+SCRATCH_BATCH = 64 << 20
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in TORCH_DTYPES.items()}
+_MEMORY_FORMATS: dict[str, torch.memory_format] = {
+    "contiguous_format": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "preserve_format": torch.preserve_format,
+}
+_MEMORY_FORMAT_NAMES = {v: k for k, v in _MEMORY_FORMATS.items()}
+_registered = False
+
+
+def _register() -> None:
+    """Import DCP (first use only) and register the two classes as virtual subclasses of its
+    interfaces."""
+    global _registered
+    if not _registered:
+        from torch.distributed.checkpoint import storage
+
+        storage.StorageWriter.register(StorageWriter)
+        storage.StorageReader.register(StorageReader)
+        _registered = True
+
+
+def iteration_of(checkpoint_id: Any) -> int:
+    """The iteration a DCP ``checkpoint_id`` names: a non-negative int, or a string of ASCII
+    decimal digits. Raises DCPError for anything else."""
+    if type(checkpoint_id) is int and 0 <= checkpoint_id < 1 << 63:
+        return checkpoint_id
+    if type(checkpoint_id) is str and checkpoint_id.isascii() and checkpoint_id.isdigit() \
+            and len(checkpoint_id) <= 19 and int(checkpoint_id) < 1 << 63:
+        return int(checkpoint_id)
+    raise DCPError(f"checkpoint_id {checkpoint_id!r} is not an iteration: ckptstore.dcp takes an "
+                   "int >= 0 or a string of decimal digits")
+
+
+def _valid_id(checkpoint_id: Any) -> bool:
+    try:
+        iteration_of(checkpoint_id)
+    except DCPError:
+        return False
+    return True
+
+
+# ---- the metadata, encoded in the store's state encoding ------------------------------------------
+
+def _plain(x: Any, path: Path) -> None:
+    """flatten() hook for values that must hold no array: refuses tensors and arrays."""
+    if isinstance(x, torch.Tensor) or type(x).__module__.split(".")[0] == "numpy":
+        raise UnsupportedTypeError(f"a {type(x).__module__}.{type(x).__qualname__} at "
+                                   f"{format_path(path)}")
+    return None
+
+
+def _dtype_name(dtype: Any, fqn: str) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise UnsupportedTypeError(f"DCP key {fqn!r}: tensor dtype {dtype} is not supported")
+    return name
+
+
+def encode_metadata(md: Metadata) -> dict[str, Any]:
+    """DCP's Metadata as a JSON-like structure of the state encoding (its storage_data must map
+    MetadataIndex -> store key). Raises UnsupportedTypeError for what the encoding cannot hold."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    entries: list[Any] = []
+    for fqn, v in md.state_dict_metadata.items():
+        if type(fqn) is not str:
+            raise UnsupportedTypeError(f"DCP key {fqn!r} is not a str")
+        if isinstance(v, BytesStorageMetadata):
+            entries.append([fqn, {"type": "bytes"}])
+        elif isinstance(v, TensorStorageMetadata):
+            p = v.properties
+            if p.layout != torch.strided:
+                raise UnsupportedTypeError(f"DCP key {fqn!r}: layout {p.layout} is not supported")
+            mf = _MEMORY_FORMAT_NAMES.get(p.memory_format)
+            if mf is None:
+                raise UnsupportedTypeError(f"DCP key {fqn!r}: memory format {p.memory_format} "
+                                           "is not supported")
+            entries.append([fqn, {
+                "type": "tensor", "dtype": _dtype_name(p.dtype, fqn), "size": [int(n) for n in v.size],
+                "layout": "strided", "requires_grad": bool(p.requires_grad), "memory_format": mf,
+                "pin_memory": bool(p.pin_memory),
+                "chunks": [[[int(n) for n in c.offsets], [int(n) for n in c.sizes]]
+                           for c in v.chunks]}])
+        else:
+            raise UnsupportedTypeError(f"DCP key {fqn!r}: storage metadata of type "
+                                       f"{type(v).__qualname__} is not supported")
+    try:
+        flatten(md.planner_data, _plain)
+    except UnsupportedTypeError as e:
+        raise UnsupportedTypeError(f"DCP planner_data cannot be stored without pickling: {e}; "
+                                   "ckptstore.dcp stores JSON-like planner data only") from e
+    sm = md.storage_meta
+    storage = []
+    for index, key in (md.storage_data or {}).items():
+        storage.append([index.fqn, None if index.offset is None else [int(n) for n in index.offset],
+                        key])
+    return {
+        "version": md.version,
+        "state_dict_metadata": entries,
+        "planner_data": md.planner_data,
+        "storage_meta": None if sm is None else {
+            "checkpoint_id": None if sm.checkpoint_id is None else os.fspath(sm.checkpoint_id),
+            "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)},
+        "storage": storage,
+    }
+
+
+class _Bad(Exception):
+    pass
+
+
+def _need(ok: bool, why: str) -> None:
+    if not ok:
+        raise _Bad(why)
+
+
+def _ints(x: Any, what: str, low: int = 0) -> list[int]:
+    _need(type(x) is list and all(type(n) is int and n >= low for n in x),
+          f"{what} is not a list of ints >= {low}")
+    return x
+
+
+def _opt_str(x: Any, what: str) -> str | None:
+    _need(x is None or type(x) is str, f"{what} is not a string")
+    return x
+
+
+def decode_metadata(doc: Any) -> tuple[Metadata, dict[Any, str]]:
+    """Rebuild torch's Metadata from :func:`encode_metadata`'s structure. Returns it and its
+    storage map (MetadataIndex -> store key). Raises _Bad for anything malformed."""
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                       Metadata, MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    _need(type(doc) is dict, "metadata is not a dict")
+    entries = doc.get("state_dict_metadata")
+    _need(type(entries) is list, "state_dict_metadata is not a list")
+    sdm: dict[str, Any] = {}
+    for item in entries:
+        _need(type(item) is list and len(item) == 2 and type(item[0]) is str
+              and type(item[1]) is dict, "a state_dict_metadata entry is malformed")
+        fqn, v = item
+        _need(fqn not in sdm, f"key {fqn!r} appears twice")
+        kind = v.get("type")
+        if kind == "bytes":
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        _need(kind == "tensor", f"key {fqn!r}: unknown entry type {kind!r}")
+        dtype = TORCH_DTYPES.get(v.get("dtype")) if type(v.get("dtype")) is str else None
+        if dtype is None:
+            raise _Bad(f"key {fqn!r}: unknown dtype {v.get('dtype')!r}")
+        _need(v.get("layout") == "strided", f"key {fqn!r}: unknown layout {v.get('layout')!r}")
+        mf = _MEMORY_FORMATS.get(v.get("memory_format")) if type(v.get("memory_format")) is str \
+            else None
+        if mf is None:
+            raise _Bad(f"key {fqn!r}: unknown memory format {v.get('memory_format')!r}")
+        _need(type(v.get("requires_grad")) is bool and type(v.get("pin_memory")) is bool,
+              f"key {fqn!r}: requires_grad/pin_memory are not booleans")
+        size = _ints(v.get("size"), f"key {fqn!r}: size")
+        chunks = v.get("chunks")
+        _need(type(chunks) is list, f"key {fqn!r}: chunks is not a list")
+        cs = []
+        for c in chunks:
+            _need(type(c) is list and len(c) == 2, f"key {fqn!r}: a chunk is malformed")
+            offsets = _ints(c[0], f"key {fqn!r}: chunk offsets")
+            sizes = _ints(c[1], f"key {fqn!r}: chunk sizes")
+            _need(len(offsets) == len(sizes) == len(size) and
+                  all(o + n <= d for o, n, d in zip(offsets, sizes, size)),
+                  f"key {fqn!r}: a chunk lies outside the tensor")
+            cs.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        props = TensorProperties(dtype=dtype, layout=torch.strided,
+                                 requires_grad=v["requires_grad"], memory_format=mf,
+                                 pin_memory=v["pin_memory"])
+        sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=cs)
+    sm_doc = doc.get("storage_meta")
+    sm: StorageMeta | None = None
+    if sm_doc is not None:
+        _need(type(sm_doc) is dict, "storage_meta is not a dict")
+        modules = sm_doc.get("modules", [])
+        _need(type(modules) is list and all(type(m) is str for m in modules),
+              "storage_meta.modules is not a list of strings")
+        sm = StorageMeta(checkpoint_id=_opt_str(sm_doc.get("checkpoint_id"), "checkpoint_id"),
+                         save_id=_opt_str(sm_doc.get("save_id"), "save_id"),
+                         load_id=_opt_str(sm_doc.get("load_id"), "load_id"), modules=modules)
+    storage: dict[Any, str] = {}
+    rows = doc.get("storage")
+    _need(type(rows) is list, "storage is not a list")
+    for row in rows:
+        _need(type(row) is list and len(row) == 3 and type(row[0]) is str and type(row[2]) is str,
+              "a storage entry is malformed")
+        offset = None if row[1] is None else torch.Size(_ints(row[1], "a storage offset"))
+        storage[MetadataIndex(row[0], offset)] = row[2]
+    md = Metadata(state_dict_metadata=sdm, planner_data=doc.get("planner_data"),
+                  storage_data=dict(storage), storage_meta=sm,
+                  version=_opt_str(doc.get("version"), "version"))
+    return md, storage
+
+
+def _storage_key(index: MetadataIndex, taken: dict[str, Any]) -> str:
+    """The store key of a write item: its fqn, ``@offsets`` appended for a chunk away from the
+    origin, ``#`` appended while the key is taken."""
+    key = index.fqn
+    if index.offset is not None and any(index.offset):
+        key += "@" + ",".join(str(int(n)) for n in index.offset)
+    while key in taken:
+        key += "#"
+    return key
+
+
+def _set_element(root: Any, path: Sequence[Any], value: Any) -> None:
+    """Put ``value`` into the nested state ``root`` at the default load planner's object path
+    (str keys: dict entries, int keys: list positions; missing containers made on the way),
+    as DCP's ``load_bytes`` does."""
+    node = root
+    for key, nxt in zip(path, path[1:]):
+        fresh: Any = {} if type(nxt) is str else []
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+            if node[key] is None:
+                node[key] = fresh
+            node = node[key]
+        else:
+            node = node.setdefault(key, fresh)
+    last = path[-1]
+    if isinstance(node, list):
+        node.extend([None] * (last + 1 - len(node)))
+    node[last] = value
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _writable(store: Any) -> None:
+    if isinstance(store, JobStore):
+        store.check()
+        if store.mode != "a":
+            raise ReadOnlyStoreError(f'store {store.path} is open read-only (mode="r")')
+        if (store.world_size or 1) > 1:
+            raise DCPError(f"{store.path}: a DCP save into a job store of {store.world_size} ranks "
+                           "is not supported (ckptstore.dcp saves from one process)")
+    elif isinstance(store, Store):
+        store.check()
+        if store.mode != "a":
+            raise ReadOnlyStoreError(f'store {store.path} is open read-only (mode="r")')
+    else:
+        raise TypeError(f"ckptstore.dcp needs a ckptstore Store or JobStore, not {type(store)!r}")
+
+
+# ---- writing ----------------------------------------------------------------------------------------
+
+class StorageWriter:
+    """DCP's ``StorageWriter`` over a ckptstore store (see the module docstring): each
+    ``dcp.save``/``dcp.async_save`` commits one iteration, ``iteration`` here or the
+    ``checkpoint_id`` given to DCP. ``meta``: the iteration's user meta (JSON-like)."""
+
+    def __init__(self, store: Store | JobStore, iteration: int | str | None = None, *,
+                 meta: dict | None = None) -> None:
+        _register()
+        _writable(store)
+        self.store = store
+        self.meta = meta
+        self.iteration: int | None = None
+        if iteration is not None:
+            self.iteration = self._checked(iteration_of(iteration))
+        #: the SaveStats of the last committed save (written and deduplicated bytes)
+        self.last_stats: Any = None
+        self.save_id = str(uuid.uuid4())
+        self._staged: dict[str, Any] | None = None
+        self.rank: int | None = None
+
+    def _checked(self, iteration: int) -> int:
+        latest = self.store.latest()
+        if latest is not None and iteration <= latest:
+            raise IterationOrderError(f"{self.store.path}: iteration {iteration} is not after the "
+                                      f"latest committed iteration {latest}")
+        return iteration
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        """The iteration the next save commits, as DCP's checkpoint_id (a string of digits)."""
+        return None if self.iteration is None else str(self.iteration)
+
+    def reset(self, checkpoint_id: str | os.PathLike | int | None = None) -> None:
+        """A new save begins; ``checkpoint_id`` (when given) names its iteration."""
+        if checkpoint_id is not None:
+            self.iteration = self._checked(iteration_of(checkpoint_id))
+        self._staged = None
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.rank = kwargs.get("rank")
+        if kwargs.get("use_collectives", True) is False and _world_size() > 1:
+            # every rank would run to DCP's closing barrier on its own: refuse on all of them
+            raise DCPError("ckptstore.dcp does not support use_collectives=False in a process "
+                           "group of several ranks (ckptstore.dcp saves from one process)")
+        if not is_coordinator:
+            raise DCPError(f"rank {self.rank}: ckptstore.dcp saves from one process only (no_dist="
+                           "True, or a process group of one rank); this save runs on several")
+        _writable(self.store)
+        if self.iteration is None:
+            raise DCPError("no iteration to save: pass StorageWriter(store, iteration) or "
+                           "checkpoint_id= to dcp.save")
+        self._checked(self.iteration)
+        self._staged = None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if len(plans) != 1:
+            raise DCPError(f"ckptstore.dcp saves from one process only; this save has "
+                           f"{len(plans)} ranks")
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Resolve and check every item of the plan; nothing is written until :meth:`finish`."""
+        from torch.distributed.checkpoint.planner import WriteItemType
+        from torch.distributed.checkpoint.storage import WriteResult
+        from torch.futures import Future
+
+        staged: dict[str, Any] = {}
+        results: list[WriteResult] = []
+        for item in plan.items:
+            key = _storage_key(item.index, staged)
+            if item.type == WriteItemType.BYTE_IO:
+                value = _object_of(item, planner)
+                size = len(json.dumps(flatten(value, _plain)[0]))
+            else:
+                value = planner.resolve_data(item)
+                if not isinstance(value, torch.Tensor):
+                    raise DCPError(f"DCP key {item.index.fqn!r}: the planner resolved a tensor item "
+                                   f"to a {type(value).__qualname__}")
+                value = value.detach()
+                want = None if item.tensor_data is None else tuple(item.tensor_data.chunk.sizes)
+                if want is not None and tuple(value.shape) != want:
+                    raise DCPError(f"DCP key {item.index.fqn!r}: the planner resolved a chunk of "
+                                   f"sizes {list(want)} to a tensor of shape {list(value.shape)}")
+                size = value.numel() * value.element_size()
+            staged[key] = value
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=key))
+        self._staged = staged
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Store the metadata and every item as the iteration, and commit it (durable when this
+        returns)."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            raise DCPError("finish() without write_data(): nothing to commit")
+        assert self.iteration is not None
+        try:
+            from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+            metadata.version = CURRENT_DCP_VERSION
+        except ImportError:  # pragma: no cover - older torch
+            pass
+        storage = {}
+        for per_rank in results:
+            for wr in per_rank:
+                if type(wr.storage_data) is not str or wr.storage_data not in staged:
+                    raise DCPError(f"DCP key {wr.index.fqn!r}: write result {wr.storage_data!r} "
+                                   "names no item this writer staged")
+                storage[wr.index] = wr.storage_data
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        state = {"dcp": {"format": FORMAT, "version": FORMAT_VERSION,
+                         "metadata": encode_metadata(metadata)},
+                 "items": staged}
+        self.last_stats = self.store.save(self.iteration, state, meta=self.meta)
+
+    def storage_meta(self) -> StorageMeta | None:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike | int) -> bool:
+        """Whether ``checkpoint_id`` names an iteration (an int >= 0 or a string of digits)."""
+        return _valid_id(checkpoint_id)
+
+
+def _object_of(item: WriteItem, planner: SavePlanner) -> Any:
+    """The non-tensor value of a BYTE_IO item, checked to be storable natively."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    fqn = item.index.fqn
+    cls = type(planner)
+    if not (isinstance(planner, DefaultSavePlanner)
+            and cls.resolve_data is DefaultSavePlanner.resolve_data
+            and getattr(cls, "transform_object", None) is DefaultSavePlanner.transform_object):
+        raise UnsupportedTypeError(
+            f"DCP key {fqn!r}: the planner {cls.__qualname__} serializes non-tensor values its own "
+            "way, and ckptstore.dcp stores none of them (reading them back would mean "
+            "unpickling); use DefaultSavePlanner or store the value as a tensor")
+    value = planner.lookup_object(item.index)
+    try:
+        flatten(value, _plain)
+    except UnsupportedTypeError as e:
+        raise UnsupportedTypeError(
+            f"DCP key {fqn!r} holds a value ckptstore.dcp cannot store without pickling ({e}); "
+            "non-tensor values must be None, bool, int, float, str, bytes or lists, tuples and "
+            "dicts of them") from e
+    return value
+
+
+# ---- reading ----------------------------------------------------------------------------------------
+
+class StorageReader:
+    """DCP's ``StorageReader`` over a ckptstore store (see the module docstring): loads the DCP
+    checkpoint of ``iteration``, or of the ``checkpoint_id`` given to DCP, else of the latest
+    iteration. Raises NotFoundError / DCPError at once when the iteration is missing or holds no
+    DCP checkpoint."""
+
+    def __init__(self, store: Store | JobStore, iteration: int | str | None = None) -> None:
+        _register()
+        if not isinstance(store, (Store, JobStore)):
+            raise TypeError(f"ckptstore.dcp needs a ckptstore Store or JobStore, not {type(store)!r}")
+        self.store = store
+        self.iteration: int | None = None
+        self.load_id = str(uuid.uuid4())
+        #: bytes of tensor data the last read_data read from the store (whole chunks)
+        self.last_read_bytes = 0
+        self._source: Store | None = None
+        self._manifest: Any = None
+        self._doc: Any = None
+        self._items: dict[str, Any] = {}
+        self._storage: dict[Any, str] = {}
+        if iteration is not None:
+            self._open(iteration_of(iteration))
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return None if self.iteration is None else str(self.iteration)
+
+    def _open(self, iteration: int) -> None:
+        """Read and check the iteration's manifest and DCP metadata (no tensor data)."""
+        store = self.store
+        source = store.stream(iteration) if isinstance(store, JobStore) else store
+        if source.kind(iteration) != "snapshot":
+            raise DCPError(f"{store.path}: iteration {iteration} is a delta record, not a DCP "
+                           "checkpoint")
+        manifest = source.manifest(iteration)
+        top = dict(top_level_items(manifest.state) or [])
+        head, items = top.get("dcp"), top.get("items")
+        try:
+            _need(head is not None and items is not None, "")
+            doc = unflatten(head, _no_leaf)
+            _need(type(doc) is dict and doc.get("format") == FORMAT, "")
+        except (_Bad, DCPError, FormatError):
+            raise DCPError(f"{store.path}: iteration {iteration} holds no DCP checkpoint (it "
+                           "was not saved through ckptstore.dcp)") from None
+        try:
+            _need(doc.get("version") == FORMAT_VERSION,
+                  f"layout version {doc.get('version')!r} is not {FORMAT_VERSION}")
+            entries = top_level_items(items)
+            _need(entries is not None, "items is not a dict")
+            md, storage = decode_metadata(doc.get("metadata"))
+            assert entries is not None
+            by_key = {k: v for k, v in entries if type(k) is str}
+            missing = [k for k in storage.values() if k not in by_key]
+            _need(not missing, f"the metadata names items the checkpoint lacks: {missing[:5]}")
+        except _Bad as e:
+            raise DCPError(f"{store.path}: iteration {iteration}: the DCP metadata does not "
+                           f"decode: {e}") from None
+        self.iteration, self._source, self._manifest = iteration, source, manifest
+        self._doc, self._items, self._storage = doc["metadata"], by_key, storage
+
+    def reset(self, checkpoint_id: str | os.PathLike | int | None = None) -> None:
+        if checkpoint_id is not None:
+            self._open(iteration_of(checkpoint_id))
+        self.load_id = str(uuid.uuid4())
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's Metadata of the iteration, rebuilt from the store (a fresh object per call)."""
+        if self._manifest is None:
+            latest = self.store.latest()
+            if latest is None:
+                raise NotFoundError(f"{self.store.path} holds no committed iteration")
+            self._open(latest)
+        md, _ = decode_metadata(self._doc)
+        if md.storage_meta is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        if self._manifest is None:
+            raise DCPError("set_up_storage_reader() before read_metadata()")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike | int) -> bool:
+        """Whether ``checkpoint_id`` names an iteration (an int >= 0 or a string of digits)."""
+        return _valid_id(checkpoint_id)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of the plan into the planner's destinations (tensors: only the chunks
+        holding the requested boxes; non-tensor values: decoded from the manifest)."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.futures import Future
+
+        if self._manifest is None or self._source is None:
+            raise DCPError("read_data() before read_metadata()")
+        self.last_read_bytes = 0
+        batch: list[_Box] = []
+        scratch = 0
+        for req in plan.items:
+            key = self._storage.get(req.storage_index)
+            if key is None:
+                raise DCPError(f"iteration {self.iteration}: the checkpoint holds no item "
+                               f"{req.storage_index.fqn!r} at offset {req.storage_index.offset}")
+            node = self._items[key]
+            if req.type == LoadItemType.BYTE_IO:
+                _deliver_object(planner, req, unflatten(node, _no_leaf))
+                continue
+            box = self._box(req, node, planner)
+            if box is None:
+                continue
+            batch.append(box)
+            scratch += box.scratch_bytes
+            if scratch >= SCRATCH_BATCH:
+                self._read(batch, planner)
+                batch, scratch = [], 0
+        self._read(batch, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _box(self, req: ReadItem, node: Any, planner: LoadPlanner) -> _Box | None:
+        """Plan the read of one tensor request: the byte range of the stored tensor that holds
+        the requested box, and where it goes."""
+        it = self.iteration
+        if not (type(node) is dict and set(node) == {"T"} and type(node["T"]) is int
+                and 0 <= node["T"] < len(self._manifest.tensors)):
+            raise DCPError(f"iteration {it}: item {req.storage_index.fqn!r} is not a tensor")
+        index = node["T"]
+        entry = self._manifest.tensors[index]
+        dtype = TORCH_DTYPES.get(entry.dtype) if entry.lib == "torch" else None
+        if dtype is None:
+            raise DCPError(f"iteration {it}: item {req.storage_index.fqn!r} is a {entry.lib} "
+                           f"{entry.dtype} array, not a torch tensor")
+        shape, offsets, lengths = list(entry.shape), list(req.storage_offsets), list(req.lengths)
+        if not (len(offsets) == len(lengths) == len(shape) and
+                all(0 <= o and 0 <= n and o + n <= d for o, n, d in zip(offsets, lengths, shape))):
+            raise DCPError(f"iteration {it}: item {req.storage_index.fqn!r}: the box at "
+                           f"{offsets} of sizes {lengths} lies outside the stored tensor {shape}")
+        dest = planner.resolve_tensor(req).detach()
+        if list(dest.shape) != lengths:
+            raise DCPError(f"iteration {it}: item {req.storage_index.fqn!r}: the destination's "
+                           f"shape {list(dest.shape)} is not the box's {lengths}")
+        numel = math.prod(lengths)
+        if numel == 0:
+            planner.commit_tensor(req, dest)
+            return None
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        first = sum(o * s for o, s in zip(offsets, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+        item = dtype.itemsize
+        start, end = first * item, (last + 1) * item
+        direct = (end - start == numel * item and dest.device.type == "cpu"
+                  and dest.dtype == dtype and dest.is_contiguous()
+                  and not dest.is_conj() and not dest.is_neg())
+        return _Box(req, index, start, end, dest, dtype, lengths, strides, direct)
+
+    def _read(self, batch: list[_Box], planner: LoadPlanner) -> None:
+        if not batch:
+            return
+        source, manifest = self._source, self._manifest
+        assert source is not None
+        ranges = [RangeRead(b.index, b.start, b.end, b.target()) for b in batch]
+        engine = source.engine
+        source.check()
+        self.last_read_bytes += engine.read(
+            lambda: read_ranges(engine.state_reader(), manifest, ranges))
+        with torch.no_grad():
+            for b in batch:
+                b.place()
+                planner.commit_tensor(b.req, b.dest)
+
+
+class _Box:
+    """One tensor request: bytes ``start:end`` of stored tensor ``index`` hold the box; read
+    straight into ``dest`` (``direct``) or into scratch, then copied."""
+
+    def __init__(self, req: Any, index: int, start: int, end: int, dest: torch.Tensor,
+                 dtype: torch.dtype, lengths: list[int], strides: list[int], direct: bool) -> None:
+        self.req, self.index, self.start, self.end = req, index, start, end
+        self.dest, self.dtype, self.lengths, self.strides = dest, dtype, lengths, strides
+        self.direct = direct
+        self.scratch: torch.Tensor | None = None
+        self.scratch_bytes = 0 if direct else end - start
+
+    def target(self) -> memoryview:
+        if self.direct:
+            flat = self.dest.reshape(-1).view(torch.uint8)
+        else:
+            self.scratch = flat = torch.empty(self.end - self.start, dtype=torch.uint8)
+        return memoryview(flat.numpy())  # type: ignore[arg-type]
+
+    def place(self) -> None:
+        if self.scratch is not None:
+            src = self.scratch.view(self.dtype).as_strided(self.lengths, self.strides)
+            self.dest.copy_(src)
+            self.scratch = None
+
+
+def _no_leaf(index: int, path: Path) -> Any:
+    raise DCPError(f"a tensor at {format_path(path)} where a non-tensor value is stored")
+
+
+def _deliver_object(planner: LoadPlanner, req: ReadItem, value: Any) -> None:
+    """Put a decoded non-tensor value where DCP's load_bytes would, without unpickling."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    if isinstance(planner, DefaultLoadPlanner) and \
+            type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
+        fqn = req.dest_index.fqn
+        if planner.flatten_state_dict:
+            _set_element(planner.original_state_dict, planner.mappings[fqn], value)
+        else:
+            planner.state_dict[fqn] = value
+        return
+    # a planner with its own load_bytes: the bytes the default SavePlanner would have produced,
+    # made here from the decoded value (nothing read from the store is unpickled)
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    planner.load_bytes(req, buf)
