@@ -9,12 +9,15 @@
 
 ``step(it)`` calls ``optimizer.step()`` and ``scheduler.step()`` itself, then appends the delta
 record of iteration ``it`` (gradients as applied, hyperparameters, scheduler and RNG states,
-non-parameter model state, meta) or, when due, a base snapshot. Deltas are group-committed: one
-fsync pair per ``group_commit`` deltas or once the oldest uncommitted delta is ``group_seconds``
-old, whichever comes first. The time bound holds without further steps (an eval loop, a data
-stall): ``group_seconds`` starts the store's group-commit timer (``Store.set_group_seconds``,
-:mod:`ckptstore.ops.grouptimer`), which commits from a background thread. ``store.durable_iteration()``
-says what survives a crash now.
+non-parameter model state, meta) or, when due, a base snapshot. A loop that applies the
+optimizer step itself (a framework's trainer) calls the two halves instead,
+``before_step(it)``, its own ``optimizer.step()`` / ``scheduler.step()``, ``after_step(meta)``,
+and gets the same record. Deltas are group-committed: one fsync pair per ``group_commit``
+deltas or once the oldest uncommitted delta is ``group_seconds`` old, whichever comes first.
+The time bound holds without further steps (an eval loop, a data stall): ``group_seconds``
+starts the store's group-commit timer (``Store.set_group_seconds``, :mod:`ckptstore.ops.grouptimer`),
+which commits from a background thread. ``store.durable_iteration()`` says what survives a crash
+now.
 
 By default (``asynchronous=True``) every record goes through the store's pipeline
 (:mod:`ckptstore.ops.pipeline`): ``step`` only snapshots into host buffers and returns a future; the
@@ -34,6 +37,7 @@ import threading
 import time
 import weakref
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -94,6 +98,25 @@ def counters_like(loaded: Any, live: Any) -> Any:
     if type(live) in (list, tuple) and type(loaded) is type(live) and len(loaded) == len(live):
         return type(loaded)(counters_like(a, b) for a, b in zip(loaded, live))
     return loaded
+
+
+@dataclass
+class _Step:
+    """One step between :meth:`Checkpointer._begin` and :meth:`Checkpointer._end` (for
+    :meth:`Checkpointer.before_step`, between the two halves): what the record takes from before
+    ``optimizer.step()``."""
+
+    iteration: int
+    #: False: the store could not take a record and the failure policy trains on without one
+    recorded: bool
+    t0: float = 0.0
+    rng: Any = None
+    hyper: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    err: dict = field(default_factory=dict)
+    #: the host arena holding the captured gradients (owned until the record is submitted)
+    arena: Any = None
+    pipe: Any = None
 
 
 def _json_defaults(defaults: dict) -> dict:
@@ -218,6 +241,8 @@ class Checkpointer:
         self.capture_counts = {"hook": 0, "ddp": 0, "step": 0}
         self.capture_wait_s = 0.0  # backpressure met while capturing gradients
         self._hooks: list[Any] = []
+        #: a step begun with before_step() and not yet ended with after_step()
+        self._open: _Step | None = None
         self._capture_grads = self.asynchronous and not self.codec.lossy
         if self._capture_grads:
             self.store.pipeline  # noqa: B018 - start it now: hooks need its pool
@@ -403,18 +428,24 @@ class Checkpointer:
                 record["fp"] = {"xxh3": fingerprint_digest(params)}
         return record
 
-    def _optimizer_step(self, iteration: int) -> bool:
-        """The optimizer's and scheduler's step for ``iteration``; whether a base snapshot is due
-        there (instead of a delta)."""
+    def _apply_step(self) -> None:
+        """The optimizer's and the scheduler's step (what :meth:`step` applies itself)."""
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+
+    def base_due(self, iteration: int) -> bool:
+        """Whether the record of ``iteration``, the next step, will be a base snapshot rather
+        than a delta (the base interval, or a chain that must restart with a base). A step whose
+        chain is restarted after a failure first writes a base of ``iteration - 1``; this says
+        nothing about that one."""
         return self._force_base or \
             iteration - (self._base if self._base is not None else 0) >= self.interval()
 
-    def _take_grads(self) -> tuple[list[Any], Any]:
+    def _take_grads(self, own: bool = False) -> tuple[list[Any], Any]:
         """Gradient payloads for the delta record, in slots of a host arena (ownership passes to
-        the caller, who hands it to the pipeline)."""
+        the caller, who hands it to the pipeline). ``own``: copy the gradients that cannot go to
+        a slot too (else the payload is the live gradient, copied when the record is submitted)."""
         grads: list[Any] = []
         arena = None
         for i, p in enumerate(self._params):
@@ -423,8 +454,8 @@ class Checkpointer:
                 grads.append(None)
                 continue
             if not self._capturable(i, g):
-                grads.append({"g": g.detach()})  # copied by the pipeline's snapshot
-                continue
+                grads.append({"g": g.detach().clone() if own else g.detach()})  # (else copied
+                continue                                 # by the pipeline's snapshot)
             arena = arena or self._ensure_arena()
             slot = self._slot(i, arena)
             c = self._captured[i]
@@ -448,29 +479,39 @@ class Checkpointer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._drop_open_step()
         with self._lock:
             pipe = self.store.running_pipeline
             if self._arena is not None and pipe is not None:
                 pipe.pool.release(self._arena)
             self._arena = None
 
-    def restore(self, iteration: int | None = None) -> int:
+    def restore(self, iteration: int | None = None, *, state: dict | None = None) -> int:
         """Load ``iteration`` (default: the latest recoverable one) into the live model, optimizer,
         scheduler and RNGs and return its number. On an empty store, write the live (initial)
-        state as base snapshot 0 and return 0."""
+        state as base snapshot 0 and return 0. ``state``: the state of ``iteration`` as
+        ``store.load(iteration)`` returned it, when the caller has read it already (it is not
+        read again; ``iteration`` is then required). A step left open by :meth:`before_step` is
+        dropped."""
+        if state is not None and iteration is None:
+            raise ValueError("restore(state=...) needs the iteration the state is of")
+        self._drop_open_step()
         self.store.flush() if self.store.pending() or self.store.running_pipeline is not None else None
         self._captured = [None] * len(self._params)
         self._resync = False
         its = self.store.iterations()
         if not its:
-            if iteration not in (None, 0):
+            if iteration not in (None, 0) or state is not None:
                 raise NotFoundError(f"iteration {iteration} is not in the empty store {self.store.path}")
             fut = self.save_base(0)
             if self.asynchronous:
                 fut.result()  # the chain's first base is durable when restore returns
             return 0
         target = its[-1] if iteration is None else iteration
-        if can_load_in_parallel(self.store, target):
+        if state is not None:
+            if target not in its:
+                raise NotFoundError(f"iteration {target} is not in {self.store.path}")
+        elif can_load_in_parallel(self.store, target):
             state = load_in_parallel(self.store, target)  # each rank replays its own part
         elif self._partition is None:
             # straight into the live parameters and optimizer state: no allocation, and
@@ -515,8 +556,72 @@ class Checkpointer:
         is raised once the store is back to its last committed state; the live objects did take
         the step, so continue with ``iteration + 1``, whose step first writes a base snapshot of
         the live state (the chain restarts) when records were lost."""
+        self._refuse_open_step(f"step({iteration})")
+        st = self._begin(iteration, own_grads=False)
+        if not st.recorded:
+            self._apply_step()  # the "retry" policy trains on without a record
+            return self._end(st, meta)
+        try:
+            self._apply_step()
+        except BaseException as e:
+            return self._failed(st, e)
+        return self._end(st, meta)
+
+    def before_step(self, iteration: int) -> None:
+        """First half of :meth:`step`, for a training loop that applies the optimizer step itself
+        (a framework's trainer: :mod:`ckptstore.hf`)::
+
+            loss.backward(); clip_grad_norm_(...)   # gradients final
+            ckpt.before_step(it)
+            optimizer.step(); scheduler.step()      # the caller's own step
+            optimizer.zero_grad()                   # allowed here: the gradients were taken
+            ckpt.after_step(meta)                   # logs iteration ``it``: a delta, or a base when due
+
+        ``before_step`` does what :meth:`step` does before ``optimizer.step()``: the checks (a
+        refused iteration raises here and leaves everything untouched: retry it) and it takes
+        what the record holds from before the step: the gradients (copied, so the caller may
+        zero or free them before ``after_step``), the hyperparameters in effect and the RNG
+        states. ``after_step`` takes the rest from after it (parameter groups, scheduler state,
+        buffers, fingerprint) and writes the record with the same failure handling as
+        :meth:`step` (an error there means the step was applied but its record is lost: continue
+        with ``it + 1``, whose record starts a new chain with a base).
+
+        Between the two the caller applies exactly one ``optimizer.step()`` of the optimizer
+        given to the Checkpointer, with the gradients it had at ``before_step``, and nothing else
+        that changes the parameters or the optimizer state (replay would diverge from the live
+        state; the recorded fingerprints detect a changed parameter). Stepping the scheduler
+        (or not), and changing hyperparameters between steps, is recorded as it happens:
+        ``hyper`` at ``before_step``, parameter groups and scheduler state at ``after_step``.
+        One step at a time: :meth:`step`, :meth:`before_step` and :meth:`restore` raise
+        DeltaChainError while a step is open; :meth:`close` drops an open step."""
+        self._refuse_open_step(f"before_step({iteration})")
+        self._open = self._begin(iteration, own_grads=True)
+
+    def after_step(self, meta: dict | None = None):
+        """Second half of :meth:`before_step`: log the step the caller applied since then.
+        Returns what :meth:`step` returns (None when the record could not be written and the
+        failure policy keeps training)."""
+        st, self._open = self._open, None
+        if st is None:
+            raise DeltaChainError("Checkpointer.after_step() without before_step()")
+        return self._end(st, meta)
+
+    def _refuse_open_step(self, what: str) -> None:
+        if self._open is not None:
+            raise DeltaChainError(f"Checkpointer.{what}: step {self._open.iteration} was begun with "
+                                  "before_step() and not ended with after_step()")
+
+    def _drop_open_step(self) -> None:
+        st, self._open = self._open, None
+        if st is not None and st.arena is not None and st.pipe is not None:
+            st.pipe.pool.release(st.arena)
+
+    def _begin(self, iteration: int, own_grads: bool) -> _Step:
+        """What a step does before ``optimizer.step()``: resynchronise with the store after a
+        failure, check ``iteration``, take RNG states, hyperparameters and gradients.
+        ``own_grads``: the gradient payloads must not alias the live gradients."""
         if self.asynchronous:
-            return self._step_async(iteration, meta)
+            return self._begin_async(iteration, own_grads)
         try:
             if self._resync or self._last is None:
                 self._restart_sync(iteration)
@@ -528,17 +633,47 @@ class Checkpointer:
                     raise
         except BaseException as e:
             self.policy.failed(e, iteration)  # raises unless the policy keeps training
-            return self._step_unrecorded(iteration)
+            return _Step(iteration, recorded=False)
         self._check_follows(iteration, self.store.tail())
         t0 = time.perf_counter()
         rng = capture_rng()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         grads, err = self._encode_grads()
+        if own_grads:
+            grads = self._own_payloads(grads)
+        return _Step(iteration, True, t0, rng, hyper, grads, err)
+
+    def _own_payloads(self, grads: list[Any]) -> list[Any]:
+        """``grads`` (payloads from :meth:`_encode_grads`) with every tensor that shares memory
+        with its parameter's live gradient copied (the exact codec's payload is the gradient)."""
+        out: list[Any] = []
+        for p, payload in zip(self._params, grads):
+            g = p.grad
+            if payload is not None and g is not None:
+                ptr = g.untyped_storage().data_ptr()
+                payload = {k: v.clone() if isinstance(v, torch.Tensor) and
+                           v.untyped_storage().data_ptr() == ptr else v for k, v in payload.items()}
+            out.append(payload)
+        return out
+
+    def _end(self, st: _Step, meta: dict | None):
+        """What a step does after ``optimizer.step()`` and ``scheduler.step()``: write the record
+        of ``st.iteration`` (a base when due, else a delta)."""
+        iteration = st.iteration
+        if not st.recorded:
+            # the "retry" policy's step when the store could not take a record: training went
+            # on; the next step restarts the chain with a base
+            self._last = iteration
+            self._resync = True
+            self._captured = [None] * len(self._params)
+            return None
+        if self.asynchronous:
+            return self._end_async(st, meta)
         try:
-            if self._optimizer_step(iteration):
+            if self.base_due(iteration):
                 stats = self.save_base(iteration, meta)
             else:
-                record = self._delta_record(iteration, grads, hyper, rng, err)
+                record = self._delta_record(iteration, st.grads, st.hyper, st.rng, st.err)
                 stats = self.store.save_delta(iteration, record, meta, durable=False)
                 self._last = iteration
                 if len(self.store.pending()) >= self.group_commit or (
@@ -547,24 +682,22 @@ class Checkpointer:
                     self.store.flush()
                     self.policy.succeeded()
                 # replaying a delta costs about its read (~ its write) plus the optimizer step
-                self._ema("_delta_cost", time.perf_counter() - t0)
+                self._ema("_delta_cost", time.perf_counter() - st.t0)
         except BaseException as e:
-            # the store rolled the failed record (or group) back; the live objects hold the state
-            # of ``iteration``: the next step restarts the chain from them
-            self._last = iteration
-            self._resync = True
-            self.policy.failed(e, iteration)  # raises unless the policy keeps training
-            return None
+            return self._failed(st, e)
         self.last_stats = stats
         return stats
 
-    def _step_unrecorded(self, iteration: int) -> None:
-        """The "retry" policy's step when the store could not take a record: train on (the
-        optimizer's and scheduler's step); the next step restarts the chain with a base."""
-        self._optimizer_step(iteration)  # (whether a base was due: the next step writes one)
-        self._last = iteration
+    def _failed(self, st: _Step, e: BaseException) -> None:
+        """The step of ``st`` failed after ``optimizer.step()`` began: the store rolled the failed
+        record (or group) back, the live objects may hold the state of ``st.iteration``: the next
+        step re-reads the store and restarts the chain with a base when records were lost."""
+        if st.arena is not None and st.pipe is not None:
+            st.pipe.pool.release(st.arena)
+            st.arena = None
+        self._last = st.iteration
         self._resync = True
-        self._captured = [None] * len(self._params)
+        self.policy.failed(e, st.iteration)  # raises unless the policy keeps training
         return None
 
     def _check_resumes(self, iteration: int) -> None:
@@ -605,7 +738,7 @@ class Checkpointer:
         """Commit pending deltas now; returns store.durable_iteration()."""
         return self.store.flush()
 
-    def _step_async(self, iteration: int, meta: dict | None):
+    def _begin_async(self, iteration: int, own_grads: bool) -> _Step:
         try:
             pipe = self.store.pipeline  # raises an earlier background failure before any change
             pipe.check()
@@ -628,7 +761,7 @@ class Checkpointer:
             except BaseException as e:
                 self.policy.failed(e, iteration)
                 self._release_captures(pipe)
-                return self._step_unrecorded(iteration)
+                return _Step(iteration, recorded=False)
             self._resync = False
         self._check_follows(iteration, pipe.tail())
         t0 = time.perf_counter()
@@ -636,19 +769,25 @@ class Checkpointer:
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         arena = None
         if self._capture_grads:
-            grads, arena = self._take_grads()
+            grads, arena = self._take_grads(own_grads)
             err = {"max_abs": [], "l2": 0.0, "grad_l2": 0.0}
         else:
             grads, err = self._encode_grads()
+            if own_grads:
+                grads = self._own_payloads(grads)
+        return _Step(iteration, True, t0, rng, hyper, grads, err, arena, pipe)
+
+    def _end_async(self, st: _Step, meta: dict | None):
+        iteration, pipe = st.iteration, st.pipe
         try:
-            if self._optimizer_step(iteration):
-                owned, arena = arena, None
+            if self.base_due(iteration):
+                owned, st.arena = st.arena, None
                 if owned is not None:
                     pipe.pool.release(owned)
                 self._last = iteration
                 fut = self.save_base(iteration, meta)
             else:
-                record = self._delta_record(iteration, grads, hyper, rng, err)
+                record = self._delta_record(iteration, st.grads, st.hyper, st.rng, st.err)
                 now = time.monotonic()
                 if self._group_n and not pipe.pending_deltas():
                     self._group_n = 0  # the group timer (or a flush) committed the group
@@ -659,21 +798,14 @@ class Checkpointer:
                     self.group_seconds is not None and now - self._group_t0 >= self.group_seconds)
                 if commit:
                     self._group_n = 0
-                owned, arena = arena, None
+                owned, st.arena = st.arena, None
                 self._last = iteration
                 fut = pipe.submit("delta", iteration, record, meta, commit=commit,
                                   owned=[owned] if owned is not None else None)
-                fut.add_done_callback(self._cost_callback("_delta_cost", time.perf_counter() - t0))
+                fut.add_done_callback(self._cost_callback("_delta_cost", time.perf_counter() - st.t0))
                 fut.add_done_callback(self._durable_callback)
         except BaseException as e:
-            if arena is not None:
-                pipe.pool.release(arena)
-            # the live objects may have stepped while the record is lost: the next step
-            # re-reads the store and restarts the chain with a base when needed
-            self._last = iteration
-            self._resync = True
-            self.policy.failed(e, iteration)  # raises unless the policy keeps training
-            return None
+            return self._failed(st, e)
         self.last_stats = fut
         return fut
 
