@@ -74,6 +74,12 @@ class WriterEngine(Engine):
         #: the outer commit every transaction's commit calls after its local commit point (a
         #: multi-rank job store's global commit; ckptstore/engine/transaction.py)
         self.commit_hook: Callable[[list[CommitEntry]], BaseException | None] | None = None
+        #: called (under the lock, in the committing thread) after each change of what is
+        #: durable: a commit indexed (:meth:`apply_committed`) or a gc installed
+        #: (:meth:`install_compaction`). A listener must be quick and must not raise (an error
+        #: is swallowed: the commit is durable whatever a listener does); the remote tier's
+        #: uploader (ckptstore/remote/) only wakes its thread. Not part of the commit protocol.
+        self.durable_listeners: list[Callable[[], None]] = []
         try:
             self._open(chunk_size, segment_size)
         except BaseException:
@@ -246,6 +252,15 @@ class WriterEngine(Engine):
             # commit again. If even that fails, the next write retries the recovery.
             self._unclean = True
             self.recover()
+        self.notify_durable()
+
+    def notify_durable(self) -> None:
+        """Tell :attr:`durable_listeners` that what is durable changed (never raises)."""
+        for listener in list(self.durable_listeners):
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - a listener never fails a durable commit
+                pass
 
     def transaction_closed(self, txn: Transaction) -> None:
         if self._txn is txn:
@@ -399,6 +414,7 @@ class WriterEngine(Engine):
         except BaseException:
             self._unclean = True
             raise
+        self.notify_durable()
 
     # ---- look-ups ------------------------------------------------------------------------------
     def indexed(self, lookup: Callable[[], Any]) -> Any:

@@ -1,0 +1,24 @@
+"""The remote tier: a copy of a single-writer store in an S3-compatible object store that
+outlives the machine (format-spec/remote.md).
+
+* :func:`push` -- upload a store's committed state (a catch-up; resumes an interrupted upload);
+* :class:`Uploader` -- the writer's background uploader (``ckptstore.open(path, "a",
+  remote="s3://bucket/run", remote_options={...})``), the same code path after every commit,
+  rate-limited to one HEAD per ``head_interval`` seconds and ``bandwidth`` bytes/s;
+* :func:`pull` -- restore the newest remote HEAD into a local directory (what
+  ``ckptstore.open("s3://...", mode="r")`` reads from);
+* :func:`verify_remote` -- fsck of the remote copy.
+
+Layers: above the engine (it reads a live engine's committed state under its lock), beside ops/.
+Multi-rank job stores are not supported (RemoteUnsupportedError).
+"""
+
+from .client import ObjectStore, RemoteURL, is_remote_url, parse_url
+from .head import Head
+from .replicate import PushResult, RemoteOptions, push, split_options
+from .restore import PullResult, RemoteFsckReport, newest_head, pull, pull_for_open, verify_remote
+from .uploader import RemoteStatus, Uploader
+
+__all__ = ["ObjectStore", "RemoteURL", "is_remote_url", "parse_url", "Head", "PushResult",
+           "RemoteOptions", "push", "split_options", "PullResult", "RemoteFsckReport",
+           "newest_head", "pull", "pull_for_open", "verify_remote", "RemoteStatus", "Uploader"]

@@ -1,0 +1,439 @@
+"""Restoring from the object store alone, and verifying the remote copy (format-spec/remote.md).
+
+:func:`pull` copies the objects of the newest valid remote HEAD into a local directory, which is
+then an ordinary store: ``ckptstore.open(DIR, "r")`` loads any iteration the HEAD holds, bit for
+bit, and a writer may continue it (with ``remote=`` the same URL, it continues the remote copy).
+Every byte is checked against the HEAD's xxh3-128 digests while it streams in (memory: one
+block); an object that fails is cut off again and raises RemoteIntegrityError naming it. Pulling
+into a directory that already holds a copy is incremental: extents whose local bytes match are
+kept, only the rest is downloaded; a local copy that holds bytes the remote does not (it was
+written to since) is never overwritten (RemoteConflictError).
+
+What is not done: reading one iteration's records straight from the objects with range GETs
+(a direct remote reader). A pull takes the whole HEAD: every live segment, whatever iteration
+is wanted.
+
+:func:`verify_remote` (``ckptstore fsck s3://...``) checks every HEAD, then every object the
+newest valid HEAD names: present, of the right length, with the right digest; it reports what
+is missing or damaged by name, and, given the local store, whether the remote copy is older.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import xxhash
+
+from ..engine.reader_engine import ReaderEngine
+from ..errors import (FormatError, RemoteConflictError, RemoteError, RemoteIntegrityError,
+                      RemoteUnsupportedError, StoreLockedError, StoreNotFoundError)
+from ..format.header import decode_store_header
+from ..storage.fileops import FileOps, io_errors
+from ..storage.layout import Layout
+from ..storage.lock import no_writer
+from .client import ObjectStore, parse_url
+from .head import SEGMENTS_DIR, STORE_OBJECT, Extent, Head, SegmentEntry, parse_extent_name
+from .replicate import list_heads, pos_key, read_head, split_options
+
+log = logging.getLogger("ckptstore")
+
+#: Bytes per block while streaming an object in.
+BLOCK = 8 << 20
+
+
+def newest_head(store: ObjectStore, listed: dict[str, int] | None = None) -> Head:
+    """The newest HEAD that passes its checks (a damaged newer one is skipped, with a warning);
+    StoreNotFoundError when there is none at all, RemoteIntegrityError when none is valid."""
+    listed = store.list_objects("heads/") if listed is None else listed
+    gens = list_heads(listed)
+    if not gens:
+        raise StoreNotFoundError(f"no ckptstore store at {store.where} (no HEAD object under "
+                                 f"{store.where.url('heads/')})")
+    first: RemoteIntegrityError | None = None
+    for g in gens:
+        try:
+            return read_head(store, g)
+        except RemoteIntegrityError as e:
+            log.warning("ckptstore: %s; using an older HEAD", e)
+            first = first or e
+    assert first is not None
+    raise first
+
+
+# ---- pull --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PullResult:
+    """What a pull did: the HEAD restored, bytes and objects downloaded, bytes kept."""
+
+    url: str
+    path: str
+    head: Head
+    downloaded_bytes: int
+    downloaded_objects: int
+    kept_bytes: int
+    seconds: float
+
+
+def pull(url: str, path: str | os.PathLike, options: dict | None = None, *,
+         progress: Callable[[int], None] | None = None) -> PullResult:
+    """Restore the newest valid remote HEAD of ``url`` into the directory ``path`` (created if
+    needed; empty, or a copy of the same store that no writer holds)."""
+    client_opts, _ = split_options(options)
+    store = ObjectStore(url, client_opts)
+    path = os.fspath(path)
+    t0 = time.perf_counter()
+    head = newest_head(store)
+    for _ in range(5):
+        stats = _Stats()
+        try:
+            _pull_head(store, head, path, stats, progress)
+        except RemoteError as e:
+            if e.code not in ("NoSuchKey", "404"):
+                raise
+            # an object vanished: a newer HEAD's gc collected it (a writer is uploading), or
+            # someone deleted it. A newer HEAD: start over from it; the same: it is missing.
+            newer = newest_head(store)
+            if newer.generation == head.generation:
+                raise RemoteIntegrityError("pull", e.url, f"named by HEAD generation "
+                                           f"{head.generation} but missing") from e
+            head = newer
+            continue
+        return PullResult(str(store.where), path, head, stats.downloaded, stats.objects,
+                          stats.kept, time.perf_counter() - t0)
+    raise RemoteError("pull", url, "the remote copy kept changing under the pull", code="Busy")
+
+
+@dataclass
+class _Stats:
+    downloaded: int = 0
+    objects: int = 0
+    kept: int = 0
+
+
+def _pull_head(store: ObjectStore, head: Head, path: str, stats: _Stats,
+               progress: Callable[[int], None] | None) -> None:
+    ops = FileOps()
+    layout = Layout(path)
+    ops.makedirs(path)
+    with no_writer(layout) as state:
+        if state == "locked":
+            raise StoreLockedError(f"{path} is open for writing by another process; a pull would "
+                                   "change it under its writer")
+        store_bytes = store.get(STORE_OBJECT, 0, 65)
+        _check_store_object(store, head, store_bytes)
+        if os.path.exists(layout.store_file):
+            with io_errors("read", layout.store_file), open(layout.store_file, "rb") as f:
+                if f.read(65) != store_bytes:
+                    raise RemoteConflictError("pull", path, f"it holds another store than "
+                                              f"{store.where}; pull into an empty directory")
+        else:
+            others = [n for n in os.listdir(path) if n not in ("segments", "STORE.tmp")]
+            if others or layout.list_segments():
+                raise RemoteConflictError("pull", path, "the directory is neither empty nor a "
+                                          "copy of this store")
+            ops.makedirs(layout.segment_dir)
+            ops.fsync_dir(path)
+            ops.write_file_atomic(layout.store_file, store_bytes)
+        ops.makedirs(layout.segment_dir)
+        wanted = {s.seq for s in head.segments}
+        first = min(wanted) if wanted else 0
+        stale = []
+        for seq in layout.list_segments():
+            if seq in wanted:
+                continue
+            if seq < first:
+                stale.append(seq)  # collected by a gc the remote copy already has
+            else:
+                raise RemoteConflictError(
+                    "pull", layout.segment_path(seq), f"this local segment is not in the remote "
+                    f"copy (HEAD generation {head.generation}): the local store was written to "
+                    "after it was pulled; pull into an empty directory")
+        for seg in head.segments:
+            _pull_segment(store, ops, layout, seg, stats, progress)
+        for seq in stale:
+            ops.unlink(layout.segment_path(seq))
+        ops.fsync_dir(layout.segment_dir)
+        ops.fsync_dir(path)
+
+
+def _check_store_object(store: ObjectStore, head: Head, data: bytes) -> None:
+    url = store.where.url(STORE_OBJECT)
+    got = xxhash.xxh3_128_digest(data)
+    if got != head.store_digest:
+        raise RemoteIntegrityError("check", url, f"digest mismatch: HEAD generation "
+                                   f"{head.generation} says {head.store_digest.hex()}, the object "
+                                   f"holds {got.hex()}")
+    try:
+        h = decode_store_header(data)
+    except FormatError as e:
+        raise RemoteIntegrityError("check", url, str(e)) from e
+    if h.store_id != head.store_id:
+        raise RemoteIntegrityError("check", url, f"store_id {h.store_id.hex()} differs from the "
+                                   f"HEAD's {head.store_id.hex()}")
+
+
+def _pull_segment(store: ObjectStore, ops: FileOps, layout: Layout, seg: SegmentEntry,
+                  stats: _Stats, progress: Callable[[int], None] | None) -> None:
+    """Make the local segment file hold the remote segment's bytes: keep a verified prefix,
+    stream in the rest (checking that bytes already there agree), verify every extent."""
+    path = layout.segment_path(seg.seq)
+    exists = os.path.exists(path)
+    size = os.path.getsize(path) if exists else 0
+    if size > seg.length:
+        raise RemoteConflictError("pull", path, f"holds {size} bytes, the remote copy "
+                                  f"{seg.length}: the local store was written to after it was "
+                                  "pulled; pull into an empty directory")
+    rfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if exists else -1
+    wfd = ops.open_append(path, create=not exists)
+    try:
+        if rfd < 0:
+            rfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        at = 0
+        for e in seg.extents:
+            if e.end <= size and _local_digest(rfd, path, e) == e.digest:
+                at = e.end
+                stats.kept += e.length
+                continue
+            break
+        for e in seg.extents:
+            if e.offset < at:
+                continue
+            try:
+                _download_extent(store, ops, wfd, rfd, path, e, size, stats, progress)
+            except RemoteConflictError:
+                raise  # found before writing a byte that differs: the local bytes stay
+            except BaseException:
+                # never leave bytes that failed a check: cut back to the verified prefix
+                if e.offset == 0 and not exists:
+                    os.close(wfd)
+                    wfd = -1
+                    ops.unlink(path)
+                else:
+                    ops.truncate(wfd, path, e.offset)
+                raise
+        if wfd >= 0:
+            ops.fsync(wfd, path)
+    finally:
+        if wfd >= 0:
+            os.close(wfd)
+        if rfd >= 0:
+            os.close(rfd)
+
+
+def _local_digest(fd: int, path: str, e: Extent) -> bytes:
+    h = xxhash.xxh3_128()
+    pos = e.offset
+    with io_errors("read", path):
+        while pos < e.end:
+            block = os.pread(fd, min(BLOCK, e.end - pos), pos)
+            if not block:
+                break
+            h.update(block)
+            pos += len(block)
+    return h.digest()
+
+
+def _download_extent(store: ObjectStore, ops: FileOps, wfd: int, rfd: int, path: str,
+                     e: Extent, size: int, stats: _Stats,
+                     progress: Callable[[int], None] | None) -> None:
+    url = store.where.url(e.name)
+    h = xxhash.xxh3_128()
+    pos = e.offset
+    for block in store.stream(e.name, BLOCK):
+        if pos + len(block) > e.end:
+            raise RemoteIntegrityError("get", url, f"longer than the {e.length} bytes the HEAD "
+                                       "names")
+        if pos < size:  # bytes already here (an interrupted pull) must agree
+            with io_errors("read", path):
+                mine = os.pread(rfd, min(size, pos + len(block)) - pos, pos)
+            if mine != block[:len(mine)]:
+                raise RemoteConflictError("pull", path, f"local bytes at offset {pos} differ from "
+                                          f"{url}: the local store was written to after it was "
+                                          "pulled; pull into an empty directory")
+        h.update(block)
+        ops.writev(wfd, path, [block], pos)
+        pos += len(block)
+        stats.downloaded += len(block)
+        if progress is not None:
+            progress(len(block))
+    if pos != e.end:
+        raise RemoteIntegrityError("get", url, f"holds {pos - e.offset} bytes, the HEAD names "
+                                   f"{e.length}")
+    if h.digest() != e.digest:
+        raise RemoteIntegrityError("get", url, f"digest mismatch: expected {e.digest.hex()}, "
+                                   f"got {h.hexdigest()} (changed behind our back)")
+    stats.objects += 1
+
+
+# ---- open("s3://...") ----------------------------------------------------------------------------
+def pull_for_open(url: str, mode: str, options: dict[str, Any]
+                  ) -> tuple[str, Callable[[], None] | None, dict[str, Any]]:
+    """What ``ckptstore.open(url, "r", storage_options=..., cache_dir=...)`` reads from: pull
+    into ``cache_dir`` (kept: the next open pulls only what is new) or into a new temporary
+    directory (removed by the returned cleanup). Returns (local directory, cleanup or None,
+    the options left for the Store)."""
+    if mode != "r":
+        raise RemoteUnsupportedError(f"{url}: a remote store opens read-only (mode=\"r\"); to "
+                                     "write, open a local path with remote=URL")
+    rest = dict(options)
+    storage = rest.pop("storage_options", None) or {}
+    cache = rest.pop("cache_dir", None)
+    for k in ("remote", "remote_options", "process_group"):
+        if rest.get(k) is not None:
+            raise RemoteUnsupportedError(f"{url}: option {k!r} does not apply to a remote reader")
+        rest.pop(k, None)
+    parse_url(url)
+    if cache is not None:
+        pull(url, os.fspath(cache), storage)
+        return os.fspath(cache), None, rest
+    tmp = tempfile.mkdtemp(prefix="ckptstore-pull-")
+    try:
+        pull(url, tmp, storage)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp, lambda: shutil.rmtree(tmp, ignore_errors=True), rest
+
+
+# ---- fsck of the remote copy ---------------------------------------------------------------------
+@dataclass
+class RemoteFsckReport:
+    """What :func:`verify_remote` found. ``clean``: a valid HEAD, and every object it names is
+    present, whole and matches its digest."""
+
+    url: str
+    head: Head | None = None
+    heads: int = 0
+    objects: int = 0
+    bytes_verified: int = 0
+    damage: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    #: with a local store: its newest recoverable iteration, and whether the remote lags it
+    local_iteration: int | None = None
+    behind: bool = False
+
+    @property
+    def clean(self) -> bool:
+        return self.head is not None and not self.damage and not self.missing
+
+    def lines(self) -> list[str]:
+        h = self.head
+        out = [f"remote {self.url}: " + (
+            f"HEAD generation {h.generation}, iteration {h.recoverable} ({h.count} iterations), "
+            f"{len(h.segments)} segments, {self.objects} objects, {self.bytes_verified} bytes "
+            "verified" if h is not None else "no valid HEAD")]
+        out += [f"MISSING {m}" for m in self.missing]
+        out += [f"DAMAGE {d}" for d in self.damage]
+        out += [f"note: {n}" for n in self.notes]
+        if self.behind:
+            out.append(f"BEHIND: the remote copy holds iteration "
+                       f"{None if h is None else h.recoverable}, the local store "
+                       f"{self.local_iteration}")
+        out.append("clean" if self.clean else f"NOT CLEAN: {len(self.missing)} missing objects, "
+                   f"{len(self.damage)} damaged" + ("" if h is not None else ", no valid HEAD"))
+        return out
+
+
+def verify_remote(url: str, options: dict | None = None, *, local: str | os.PathLike | None = None,
+                  progress: Callable[[int], None] | None = None) -> RemoteFsckReport:
+    """Verify the remote copy at ``url`` (every HEAD; every object of the newest valid one, by
+    length and digest); with ``local``, compare it with that local store."""
+    client_opts, _ = split_options(options)
+    store = ObjectStore(url, client_opts)
+    report = RemoteFsckReport(str(store.where))
+    listed = store.list_objects()
+    gens = list_heads(listed)
+    report.heads = len(gens)
+    valid: list[Head] = []
+    for g in gens:
+        try:
+            valid.append(read_head(store, g))
+        except RemoteIntegrityError as e:
+            if valid:  # older than the newest valid one: the next upload deletes it
+                report.notes.append(f"an older HEAD is damaged: {e}")
+            else:
+                report.damage.append(f"{e}" + (" (readers use the next older valid HEAD)"
+                                               if len(gens) > 1 else ""))
+    if not gens:
+        report.damage.append(f"no HEAD object under {store.where.url('heads/')}: nothing was "
+                             "uploaded, or no upload finished")
+    if not valid:
+        return report
+    head = report.head = valid[0]
+    wanted: list[tuple[str, int, bytes]] = [(STORE_OBJECT, 64, head.store_digest)]
+    wanted += [(e.name, e.length, e.digest) for e in head.extents()]
+    for name, length, dig in wanted:
+        u = store.where.url(name)
+        if name not in listed:
+            report.missing.append(f"{u} (named by HEAD generation {head.generation})")
+            continue
+        if listed[name] != length:
+            report.damage.append(f"{u}: {listed[name]} bytes, the HEAD names {length}")
+            continue
+        h = xxhash.xxh3_128()
+        try:
+            for block in store.stream(name, BLOCK):
+                h.update(block)
+                report.bytes_verified += len(block)
+                if progress is not None:
+                    progress(len(block))
+        except RemoteError as e:
+            if e.code in ("NoSuchKey", "404"):
+                report.missing.append(f"{u} (named by HEAD generation {head.generation})")
+                continue
+            raise
+        report.objects += 1
+        if h.digest() != dig:
+            report.damage.append(f"{u}: digest mismatch: the HEAD says {dig.hex()}, the object "
+                                 f"holds {h.hexdigest()} (changed behind our back)")
+        elif name == STORE_OBJECT:
+            try:
+                _check_store_object(store, head, store.get(STORE_OBJECT, 0, 65))
+            except RemoteIntegrityError as e:
+                report.damage.append(str(e))
+    named = set().union(*(h.objects() for h in valid))
+    stray = [n for n in listed if n.startswith(SEGMENTS_DIR) and n not in named]
+    odd = [n for n in stray if parse_extent_name(n) is None]
+    if stray:
+        report.notes.append(f"{len(stray)} objects under {store.where.url(SEGMENTS_DIR)} that no "
+                            "HEAD names (an interrupted upload: the next one reuses or deletes "
+                            "them)" + (f", {len(odd)} not named like extents" if odd else ""))
+    if len(valid) > 1:
+        report.notes.append(f"{len(valid) - 1} older HEADs kept (generations "
+                            f"{[h.generation for h in valid[1:]]})")
+    if local is not None:
+        _compare_local(report, head, os.fspath(local))
+    return report
+
+
+def _compare_local(report: RemoteFsckReport, head: Head, local: str) -> None:
+    engine = ReaderEngine(local)
+    try:
+        if engine.header.store_id != head.store_id:
+            report.damage.append(f"{local} is another store ({engine.header.store_id.hex()}) "
+                                 f"than the remote copy ({head.store_id.hex()})")
+            return
+        recoverable = engine.recoverable()
+        report.local_iteration = recoverable[-1] if recoverable else None
+        p = engine.index.position()
+        local_pos = None if p is None else (p.seq, p.offset)
+        if pos_key(head.position) < pos_key(local_pos):
+            report.behind = True
+            report.notes.append(f"the remote copy is older than {local}: it holds iteration "
+                                f"{head.recoverable} ({head.count} iterations), the local store "
+                                f"{report.local_iteration} ({len(recoverable)} iterations)")
+        elif pos_key(head.position) > pos_key(local_pos):
+            report.notes.append(f"the remote copy is newer than {local} (iteration "
+                                f"{head.recoverable}; local {report.local_iteration})")
+        else:
+            report.notes.append(f"the remote copy holds what {local} holds (iteration "
+                                f"{report.local_iteration})")
+    finally:
+        engine.close()
