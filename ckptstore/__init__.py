@@ -13,7 +13,11 @@ from .errors import (BisectError, BisectPredicateError, CheckpointAbortedError, 
                      ReplayDivergenceError, StoreClosedError, StoreIOError, StoreLockedError,
                      StoreNotFoundError, UnsupportedTypeError, UnsupportedVersionError,
                      CheckpointPolicyError, CommitOutcomeUnknownError, GlobalCommitAbortedError,
-                     RankFailureError, RankMismatchError, StaleWriterError, TargetMismatchError)
+                     RankFailureError, RankMismatchError, RetentionError, StaleWriterError,
+                     TargetMismatchError, DCPError, ExportError, ImportSkippedWarning,
+                     ImportSourceError)
+from .errors import (RemoteConflictError, RemoteError, RemoteIntegrityError,
+                     RemoteUnsupportedError)
 import os as _os
 from typing import Any as _Any
 
@@ -21,6 +25,8 @@ from .engine.write_path import SaveStats
 from .multirank.job_store import JobStore
 from .storage.job_log import is_job_store
 from .ops.bisect import BisectResult
+from .ops.retention import (AnyOf, KeepBest, KeepEvery, KeepLast, KeepNewerThan,
+                             KeepSinceIteration, Policy)
 from .store import CheckpointInfo, Store, TensorDiff
 
 __version__ = "0.1.0"
@@ -49,9 +55,35 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  #
     faster for one large save on this kind of machine because the kernel's writeback overlaps the
     writer; True: every record through O_DIRECT; False: none. The partial last block and every
     append on a file system that refuses O_DIRECT go through ordinary writes; the bytes and their
-    durability points are the same either way).
+    durability points are the same either way), ``retention`` and ``retention_every`` (writers:
+    a retention policy applied by an automatic gc after every ``retention_every``-th base
+    snapshot this writer commits; see :meth:`Store.set_retention`).
+
+    Remote tier (single-writer stores; format-spec/remote.md): ``remote="s3://bucket/run"`` and
+    ``remote_options={...}`` (writers: endpoint and credentials, ``bandwidth``, ``head_interval``,
+    ...; see :mod:`ckptstore.remote`) upload every commit in the background; a URL as ``path``
+    with ``mode="r"`` (``storage_options={...}``, optional ``cache_dir``) restores the newest
+    remote HEAD into a local directory and reads it.
     """
+    if isinstance(path, str) and "://" in path:
+        # a remote copy (format-spec/remote.md): pulled into cache_dir (or a temporary
+        # directory removed when the Store is dropped), then read as a local store
+        import weakref as _weakref
+
+        from .remote.restore import pull_for_open
+
+        local, cleanup, rest = pull_for_open(path, mode, options)
+        store = Store(local, "r", **rest)
+        if cleanup is not None:
+            _weakref.finalize(store, cleanup)
+        return store
     if options.get("process_group") is not None or (mode == "r" and is_job_store(_os.fspath(path))):
+        if options.get("remote") is not None:
+            raise RemoteUnsupportedError(f"{_os.fspath(path)}: the remote tier supports "
+                                         "single-writer stores only, not multi-rank job stores")
+        if options.get("retention") is not None:
+            raise RetentionError(f"{_os.fspath(path)}: retention (gc) is not supported on "
+                                 "multi-rank job stores yet")
         return JobStore(path, mode, **options)
     return Store(path, mode, **options)
 
@@ -64,5 +96,8 @@ __all__ = [
     "ReplayDivergenceError", "CheckpointAbortedError", "DamagedIndexWarning",
     "StaleWriterError", "RankMismatchError", "RankFailureError", "CommitOutcomeUnknownError",
     "GlobalCommitAbortedError", "CheckpointPolicyError", "TargetMismatchError",
-    "BisectError", "BisectPredicateError", "BisectResult",
+    "BisectError", "BisectPredicateError", "BisectResult", "RetentionError", "DCPError",
+    "ImportSourceError", "ExportError", "ImportSkippedWarning",
+    "Policy", "KeepLast", "KeepEvery", "KeepBest", "KeepNewerThan", "KeepSinceIteration", "AnyOf",
 ]
+__all__ += ["RemoteError", "RemoteIntegrityError", "RemoteConflictError", "RemoteUnsupportedError"]

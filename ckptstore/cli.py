@@ -1,4 +1,5 @@
-"""The ``ckptstore`` command line: ls, show, diff, restore, fsck, gc, stats, bisect, demo.
+"""The ``ckptstore`` command line: ls, show, diff, restore, import, fsck, gc, stats, bisect, demo,
+push, pull.
 
 Exit codes: 0 success (fsck: clean; bisect: found); 1 the store is damaged or an operation failed
 (the message says what and where; bisect: the condition never holds); 2 bad usage.
@@ -100,30 +101,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flat_tensors(state: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a nested state into {path: tensor} and {path: JSON-able value} for safetensors."""
-    import numpy as np
-    import torch
-
-    tensors: dict[str, Any] = {}
-    other: dict[str, Any] = {}
-    items = state.items() if isinstance(state, dict) else enumerate(state) \
-        if isinstance(state, (list, tuple)) else None
-    if items is None:
-        if isinstance(state, torch.Tensor):
-            tensors[prefix] = state.detach().contiguous()
-        elif isinstance(state, np.ndarray):
-            tensors[prefix] = torch.from_numpy(np.ascontiguousarray(state))
-        else:
-            other[prefix] = state if not isinstance(state, bytes) else state.hex()
-        return tensors, other
-    for k, v in items:
-        t, o = _flat_tensors(v, f"{prefix}/{k}" if prefix else str(k))
-        tensors.update(t)
-        other.update(o)
-    return tensors, other
-
-
 def cmd_restore(args: argparse.Namespace) -> int:
     with _open(args.path) as store:
         if isinstance(store, JobStore):
@@ -133,24 +110,176 @@ def cmd_restore(args: argparse.Namespace) -> int:
             total = store.info(args.iteration).logical_bytes
             with progress("restore", total) as tick:
                 state = store.load(args.iteration, keys=args.keys or None, progress=tick)
-    if args.format == "torch":
-        import torch
+    from .interop import write_state
 
-        torch.save(state, args.out)
-    else:
-        from safetensors.torch import save_file
-
-        tensors, other = _flat_tensors(state)
-        meta = {"ckptstore.iteration": str(args.iteration),
-                "ckptstore.values": json.dumps(other, default=repr)}
-        save_file(tensors, args.out, metadata=meta)
+    # torch, safetensors or a DCP directory, written under a temporary name and renamed into place
+    write_state(state, args.out, args.format, iteration=args.iteration)
     print(f"restored iteration {args.iteration} to {args.out} ({args.format})")
+    return 0
+
+
+def _import_usage(msg: str) -> int:
+    print(f"ckptstore import: {msg} (usage: ckptstore import STORE [ITER] SOURCE [--kind K] "
+          "[--meta JSON] | ckptstore import STORE --from-dir DIR [--meta JSON])", file=sys.stderr)
+    return 2
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Import a checkpoint of another tool (ckptstore/interop.py): the source is read and checked
+    before the store is opened, so a bad source leaves no trace (not even a new empty store)."""
+    from .interop import import_checkpoint, import_dir, load_source, scan_dir
+
+    if is_job_store(args.path):  # its iterations are committed by every rank of a job together
+        return _import_usage(f"{args.path} is a multi-rank job store; import into a "
+                             "single-writer store")
+    meta = None
+    if args.meta is not None:
+        try:
+            meta = json.loads(args.meta)
+        except ValueError as e:
+            return _import_usage(f"--meta is not valid JSON ({e})")
+        if type(meta) is not dict:
+            return _import_usage("--meta must be a JSON object")
+    if args.from_dir is not None:
+        if args.source or args.kind:
+            return _import_usage("--from-dir takes no ITER, SOURCE or --kind")
+        scan_dir(args.from_dir)  # everything checked before the store is opened
+        rows: list[list[Any]] = []
+
+        def imported(r: Any) -> None:
+            print(f"imported {printable(r.source)} ({r.kind}) as iteration {r.iteration}: "
+                  f"{human_bytes(r.stats.logical_bytes)}, {human_bytes(r.stats.written_bytes)} "
+                  "written", flush=True)
+            rows.append([r.iteration, r.kind, printable(os.path.basename(r.source)),
+                         human_bytes(r.stats.logical_bytes), human_bytes(r.stats.written_bytes),
+                         human_bytes(r.stats.dedup_bytes)])
+
+        with _open(args.path, "a") as store:
+            rep = import_dir(store, args.from_dir, meta=meta, on_import=imported)
+        print(table(rows, ["iteration", "kind", "source", "size", "written", "dedup"]))
+        for name, why in rep.skipped:
+            print(f"left out {printable(name)}: {printable(why)}")
+        pct = 100.0 * rep.saved_bytes / rep.logical_bytes if rep.logical_bytes else 0.0
+        print(f"imported {len(rep.imported)} checkpoints: {human_bytes(rep.logical_bytes)} of "
+              f"state, {human_bytes(rep.written_bytes)} written; dedup saved "
+              f"{human_bytes(rep.saved_bytes)} ({pct:.0f}%) in {rep.seconds:.2f} s")
+        return 0
+    if len(args.source) not in (1, 2):
+        return _import_usage("give [ITER] SOURCE, or --from-dir DIR")
+    iteration = None
+    if len(args.source) == 2:
+        try:
+            iteration = _iteration(args.source[0])
+        except argparse.ArgumentTypeError as e:
+            return _import_usage(f"ITER {e}")
+    loaded = load_source(args.source[-1], args.kind)  # read and checked before the store opens
+    with _open(args.path, "a") as store:
+        with progress("import", None) as tick:
+            r = import_checkpoint(store, iteration, loaded, meta=meta, progress=tick)
+    print(f"imported {printable(r.source)} ({r.kind}) as iteration {r.iteration}: "
+          f"{human_bytes(r.stats.logical_bytes)} in {r.stats.tensors} tensors, "
+          f"{human_bytes(r.stats.written_bytes)} written, {human_bytes(r.stats.dedup_bytes)} "
+          "already stored")
+    for name, why in r.skipped:
+        print(f"left out {printable(name)}: {printable(why)}")
+    return 0
+
+
+def _remote_options(args: argparse.Namespace) -> dict:
+    """storage/remote options from --endpoint-url, --region, --bandwidth and --option K=V
+    (credentials: boto3's usual chain, e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)."""
+    opts: dict[str, Any] = {}
+    for item in getattr(args, "option", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            print(f"ckptstore {args.command}: --option wants KEY=VALUE, not {item!r}",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        try:
+            opts[key] = int(value)
+        except ValueError:
+            try:
+                opts[key] = float(value)
+            except ValueError:
+                opts[key] = {"true": True, "false": False}.get(value.lower(), value)
+    if getattr(args, "endpoint_url", None):
+        opts["endpoint_url"] = args.endpoint_url
+    if getattr(args, "region", None):
+        opts["region_name"] = args.region
+    if getattr(args, "bandwidth", None) is not None:
+        opts["bandwidth"] = args.bandwidth
+    from .remote import split_options
+
+    try:
+        split_options(opts)
+    except (TypeError, ValueError) as e:
+        print(f"ckptstore {args.command}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return opts
+
+
+def _rate(text: str) -> float:
+    """argparse type: bytes/s, with an optional K, M or G suffix (powers of 1024)."""
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:].lower(), 1)
+    try:
+        n = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (e.g. 50M)") from None
+    if not n > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text!r}")
+    return n
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    """Upload a store's committed state to an object store (only what the remote lacks)."""
+    from .remote import push
+
+    with progress("push", None) as tick:
+        r = push(args.path, args.url, _remote_options(args), progress=tick)
+    h = r.head
+    print(f"pushed {args.path} to {r.url}: HEAD generation {h.generation}, iteration "
+          f"{h.recoverable} ({h.count} iterations); sent {human_bytes(r.stats.uploaded_bytes)} in "
+          f"{r.stats.uploaded_objects} objects, {r.stats.reused_objects} already there, "
+          f"{r.seconds:.2f} s")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    """Restore the newest remote HEAD into a local directory (incremental into a copy)."""
+    from .remote import pull
+
+    with progress("pull", None) as tick:
+        r = pull(args.url, args.path, _remote_options(args), progress=tick)
+    h = r.head
+    print(f"pulled {r.url} (HEAD generation {h.generation}, iteration {h.recoverable}, "
+          f"{h.count} iterations) into {r.path}: {human_bytes(r.downloaded_bytes)} downloaded in "
+          f"{r.downloaded_objects} objects, {human_bytes(r.kept_bytes)} already there, "
+          f"{r.seconds:.2f} s")
     return 0
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
     from .ops.fsck import check
+    from .remote import is_remote_url, verify_remote
 
+    if is_remote_url(args.path) or args.remote:
+        if args.repair:
+            print("ckptstore fsck: --repair applies to local stores only", file=sys.stderr)
+            return 2
+        url = args.path if is_remote_url(args.path) else args.remote
+        local = None if is_remote_url(args.path) else args.path
+        clean = True
+        if local is not None:
+            with progress("fsck", None) as tick:
+                local_report = check(local, progress=tick)
+            for line in local_report.lines():
+                print(printable(line))
+            clean = local_report.clean
+        with progress("fsck remote", None) as tick:
+            remote_report = verify_remote(url, _remote_options(args), local=local, progress=tick)
+        for line in remote_report.lines():
+            print(printable(line))
+        return 0 if clean and remote_report.clean else 1
     with progress("fsck", None) as tick:
         if is_job_store(args.path):
             report: Any = check_job(args.path, repair=args.repair, progress=tick)
@@ -192,8 +321,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"ckptstore gc: {usage} (see ckptstore gc --help)", file=sys.stderr)
         return 2
     if args.dry_run:
-        # a reader: nothing under the directory is written (no lock, no recovery, no compaction)
-        with _open(args.path, "r") as store:
+        # a reader that scans the log instead of using the writer's LMDB index: no byte under
+        # the directory changes (not even LMDB's reader table in index/lock.mdb), no lock is
+        # taken, nothing is recovered or compacted
+        from . import open as open_store
+
+        with open_store(args.path, "r", use_index=False) as store:
             r = store.gc(policy=policy, dry_run=True)
         print(f"dry run, nothing changed: gc would remove {len(r.removed)} of "
               f"{len(r.kept) + len(r.removed)} checkpoints"
@@ -353,6 +486,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.dir, iterations=args.iterations, crash_at=args.crash_at)
 
 
+def _remote_arguments(s: argparse.ArgumentParser, bandwidth: bool) -> None:
+    s.add_argument("--endpoint-url", help="the S3 endpoint (MinIO, R2, a test server, ...); "
+                   "credentials come from the environment (AWS_ACCESS_KEY_ID, ...)")
+    s.add_argument("--region", help="the bucket's region")
+    if bandwidth:
+        s.add_argument("--bandwidth", type=_rate, metavar="BYTES_PER_S",
+                       help="bound the average upload rate, e.g. 50M")
+    s.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="another remote option (ckptstore/remote/client.py, replicate.py)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptstore", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -374,22 +518,64 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--all", action="store_true", help="also list unchanged tensors")
     s.set_defaults(func=cmd_diff)
 
-    s = sub.add_parser("restore", help="write one checkpoint as a torch or safetensors file")
+    s = sub.add_parser("restore", help="write one checkpoint as a torch or safetensors file or "
+                                       "a DCP directory")
     s.add_argument("path")
     s.add_argument("iteration", type=int)
     s.add_argument("--out", required=True)
-    s.add_argument("--format", choices=("torch", "safetensors"), default="torch")
+    s.add_argument("--format", choices=("torch", "safetensors", "dcp"), default="torch",
+                   help="dcp: a torch.distributed.checkpoint directory (--out must not exist or "
+                        "be empty)")
     s.add_argument("--keys", nargs="*", help="only these top-level keys")
     s.add_argument("--rank", type=int, help="multi-rank stores: this rank's state (default: the "
                    "job's, merged from every rank's part)")
     s.set_defaults(func=cmd_restore)
 
+    s = sub.add_parser("import", help="import a torch.save or safetensors file, a DCP directory "
+                                      "or a Hugging Face checkpoint-N directory (or --from-dir: "
+                                      "every checkpoint in a directory, deduplicated)",
+                       usage="ckptstore import STORE [ITER] SOURCE [--kind K] [--meta JSON]\n"
+                             "       ckptstore import STORE --from-dir DIR [--meta JSON]",
+                       description="Import checkpoints written by other tools as iterations of "
+                       "STORE (created if needed). torch.save files are read with "
+                       "torch.load(weights_only=True) only. ITER defaults to the number in "
+                       "SOURCE's name (checkpoint-500 -> 500). Each import is one atomic commit; "
+                       "a source that cannot be read leaves the store unchanged.")
+    s.add_argument("path", metavar="STORE")
+    s.add_argument("source", nargs="*", metavar="[ITER] SOURCE")
+    s.add_argument("--kind", choices=("torch", "safetensors", "dcp", "hf"),
+                   help="the source's kind (default: detected from its files)")
+    s.add_argument("--meta", metavar="JSON", help="a JSON object stored as the meta of each "
+                   "imported iteration (beside meta[\"import\"]: source kind, path, metadata)")
+    s.add_argument("--from-dir", metavar="DIR", help="import every checkpoint in DIR "
+                   "(checkpoint-N and DCP directories, torch and safetensors files with a number "
+                   "in the name) in increasing iteration order")
+    s.set_defaults(func=cmd_import)
+
     s = sub.add_parser("fsck", help="verify every record and checkpoint; --repair recovers")
-    s.add_argument("path")
+    s.add_argument("path", help="a store directory, or s3://BUCKET/PREFIX: verify a remote "
+                   "copy (every object against its HEAD's digests)")
     s.add_argument("--repair", action="store_true",
                    help="cut an uncommitted tail, finish an interrupted gc, rebuild the index "
                         "(never deletes committed checkpoints)")
+    s.add_argument("--remote", metavar="URL", help="also verify this remote copy of the store "
+                   "and say whether it is older than the local one")
+    _remote_arguments(s, bandwidth=False)
     s.set_defaults(func=cmd_fsck)
+
+    s = sub.add_parser("push", help="upload a store to an object store (s3://): only what the "
+                       "remote copy lacks; an interrupted push resumes")
+    s.add_argument("path")
+    s.add_argument("url", help="s3://BUCKET/PREFIX")
+    _remote_arguments(s, bandwidth=True)
+    s.set_defaults(func=cmd_push)
+
+    s = sub.add_parser("pull", help="restore a store from an object store (s3://) into a "
+                       "local directory, verified; then open or restore from it")
+    s.add_argument("url", help="s3://BUCKET/PREFIX")
+    s.add_argument("path", help="an empty directory, or an earlier pull of the same store")
+    _remote_arguments(s, bandwidth=False)
+    s.set_defaults(func=cmd_pull)
 
     s = sub.add_parser("gc", help="drop checkpoints by retention policy and compact the log",
                        description="Keep the union of what the given policies keep, plus the "

@@ -218,8 +218,9 @@ def bisect_nan(path: str, iterations: int = 40, seed: int = 0) -> tuple[int, Any
         ckpt.restore()
         for it in range(1, iterations + 1):
             forward_backward(model, it)
-            if it == bad:
-                model.head.weight.grad[3, 5] = float("nan")
+            grad = model.head.weight.grad
+            if it == bad and grad is not None:
+                grad[3, 5] = float("nan")
             ckpt.step(it)
             opt.zero_grad()
     with ckptstore.open(path, "r") as store:

@@ -211,7 +211,78 @@ class GlobalCommitAbortedError(CheckpointAbortedError):
     written. What this rank prepared was cut back; earlier commits are intact."""
 
 
+class DCPError(CkptStoreError):
+    """``ckptstore.dcp`` (the storage layer of ``torch.distributed.checkpoint``) cannot do what
+    DCP asked: a save on more than one rank, a ``checkpoint_id`` that names no iteration, an
+    iteration that holds no DCP checkpoint or whose DCP metadata does not decode, a plan that
+    names what the checkpoint does not hold. Nothing was committed."""
+
+
 class CheckpointPolicyError(CkptStoreError):
     """A Checkpointer running with ``on_failure="retry"`` gave up: too many checkpoints failed in
     a row, or the last durable checkpoint is too old (ckptstore/torch/failure_policy.py).
     ``__cause__`` is the last failure."""
+
+
+class RetentionError(CkptStoreError, ValueError):
+    """A retention policy cannot be applied: it selects none of the committed iterations (it
+    would delete every iteration: a meta key no checkpoint holds, an age or iteration bound past
+    the newest one), or retention was asked of a store gc does not support (a multi-rank job
+    store). Nothing was removed (ckptstore/ops/retention.py)."""
+
+
+class ImportSourceError(CkptStoreError, ValueError):
+    """A checkpoint written by another tool cannot be imported (ckptstore/interop.py): an
+    unknown source kind, a torch.save file that ``torch.load(weights_only=True)`` refuses (the
+    message names the file and what torch refused; nothing is ever unpickled beyond that), a DCP
+    directory with missing or truncated files, a Hugging Face checkpoint without a model file, a
+    value the store cannot hold. Raised before anything is written: the store is unchanged."""
+
+
+class ExportError(CkptStoreError, ValueError):
+    """An iteration cannot be written in the requested format (ckptstore/interop.py): an unknown
+    format, a target that already exists where it may not, a state the format cannot hold.
+    Nothing is left at the target."""
+
+
+class ImportSkippedWarning(UserWarning):
+    """An optional file of an imported checkpoint was left out (an RNG state that
+    ``torch.load(weights_only=True)`` refuses); the warning names it and why."""
+
+
+class RemoteError(StoreIOError):
+    """The object store behind a remote tier (``remote="s3://..."``, ``ckptstore push/pull``)
+    failed or refused a request: unreachable endpoint, wrong credentials, missing bucket,
+    throttling, a timeout (ckptstore/remote/, format-spec/remote.md). ``operation`` says what was
+    attempted, ``url`` (also ``filename``) which object or prefix, ``code`` the service's error
+    code ("NoSuchBucket", "InvalidAccessKeyId", "Unreachable", ...). Nothing local is ever lost
+    or changed by it: the local log stays the durable copy, and the uploader retries with
+    backoff."""
+
+    def __init__(self, operation: str, url: str, message: str, *, code: str = "",
+                 errno_: int = 5) -> None:
+        self.operation = operation
+        self.filename = url
+        self.url = url
+        self.code = code
+        OSError.__init__(self, errno_, f"{operation} failed on {url}: {message}"
+                         + (f" [{code}]" if code and code not in message else ""))
+
+
+class RemoteIntegrityError(RemoteError):
+    """A remote object does not hold what the remote HEAD says (its length or xxh3-128 digest
+    differs: changed or truncated behind our back), or a HEAD object fails its own check. The
+    message names the object; nothing wrong is ever written locally."""
+
+
+class RemoteConflictError(RemoteError):
+    """The remote prefix holds another store (another store_id), or a history this store cannot
+    continue: the remote copy is newer than the local one or diverged from it, or another writer
+    wrote the same HEAD generation. Nothing was overwritten, remotely or locally."""
+
+
+class RemoteUnsupportedError(CkptStoreError, ValueError):
+    """A remote tier was asked of something it does not support: a multi-rank job store (only
+    single-writer stores have a remote tier so far), a URL scheme other than ``s3://``, a
+    remote store opened for writing (``mode="a"`` on a URL), or a missing client library
+    (``pip install 'ckptstore[remote]'``)."""

@@ -11,17 +11,26 @@ The Store adds argument checks, flattening of user states, the ordering between 
 pipeline and synchronous calls, and reporting of background failures (raised once by the next
 call on the store). A writer (mode "a") holds the single-writer lock; readers (mode "r") never
 write under the directory and may run beside the writer.
+
+Automatic retention (:meth:`Store.set_retention`, or ``retention=`` / ``retention_every=`` at
+open) runs gc with a retention policy right after every ``every``-th base snapshot this writer
+commits: never inside a save (a base commit also commits every pending delta, so no transaction
+is open then), in the thread that committed the base (the async pipeline's persister, or the
+caller of a synchronous :meth:`Store.save`). It compacts only when the policy removes something,
+and a failure is logged and kept in :attr:`Store.last_retention`, never raised into training.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .errors import NotFoundError, ReadOnlyStoreError, StoreClosedError
+from .errors import NotFoundError, ReadOnlyStoreError, RetentionError, StoreClosedError
+from .errors import RemoteUnsupportedError
 from .format.commit import KIND_DELTA, KIND_NAMES
 from .format.header import StoreHeader
 from .format.manifest import Manifest
@@ -33,9 +42,11 @@ from .engine.write_path import SaveStats, flatten_meta
 from .engine.writer_engine import WriterEngine
 from .ops.bisect import BisectResult, Predicate, bisect as bisect_range
 from .ops.diff import TensorDiff, diff_manifests
-from .ops.gc import GcReport, collect
+from .ops.gc import GcReport, collect, dry_run as gc_dry_run, gc_policy
 from .ops.grouptimer import GroupTimer
 from .ops.pipeline import AsyncStats, Pipeline
+from .ops.retention import Policy
+from .remote.uploader import RemoteStatus, Uploader
 from .replay.replayer import replay_range, replay_to
 from .storage.fileops import FileOps
 from .storage.index import Index
@@ -43,7 +54,9 @@ from .storage.layout import Layout
 from .storage.log import Log, ScanReport
 from .tensors import leaf_hook
 
-__all__ = ["CheckpointInfo", "Store", "TensorDiff", "flatten_meta", "select_keys"]
+__all__ = ["CheckpointInfo", "RetentionRun", "Store", "TensorDiff", "flatten_meta", "select_keys"]
+
+log = logging.getLogger("ckptstore")
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,19 @@ class CheckpointInfo:
     kind: str
 
 
+@dataclass(frozen=True)
+class RetentionRun:
+    """One automatic retention run (:meth:`Store.set_retention`): ``after`` is the base snapshot
+    whose commit triggered it; ``report`` what the gc did (``report.compacted`` False: the policy
+    removed nothing, nothing was written), or ``error`` why it failed (nothing removed then;
+    the store stays consistent, as after any failed gc)."""
+
+    after: int
+    report: GcReport | None
+    error: BaseException | None
+    seconds: float
+
+
 class Store:
     """A checkpoint store. Use :func:`ckptstore.open` to create one."""
 
@@ -66,9 +92,14 @@ class Store:
                  load_threads: int = 2, host_budget: int | None = None,
                  max_inflight: int | None = None, use_index: bool = True,
                  evict_written: bool = True, direct_io: bool | str = "deltas",
-                 commit_round: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+                 commit_round: Callable[[Callable[[], Any]], Any] | None = None,
+                 retention: Policy | None = None, retention_every: int = 1,
+                 remote: str | None = None, remote_options: dict | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
+        _check_every(retention_every)  # (retention itself: below, before anything is opened)
+        if retention is not None:
+            _check_retention(retention, os.fspath(path), mode, commit_round)
         self.path = os.fspath(path)
         self.mode = mode
         self.engine: Engine
@@ -89,6 +120,26 @@ class Store:
         self._commit_round = commit_round
         # the group-commit timer (ckptstore/ops/grouptimer.py), started by set_group_seconds
         self._timer: GroupTimer | None = None
+        # automatic retention (set_retention): policy, every how many bases, bases counted
+        self._retention: tuple[Policy, int] | None = None
+        self._bases = 0
+        self._meta_cache: dict[int, Any] = {}
+        self._last_retention: RetentionRun | None = None
+        if retention is not None:
+            self._retention = (retention, retention_every)
+        # the remote tier (ckptstore/remote/): uploads commits in the background
+        self._remote: Uploader | None = None
+        if remote is not None:
+            if self._writer is None:
+                self.close()
+                raise RemoteUnsupportedError(
+                    f"{self.path}: remote= needs a writer (mode=\"a\"); to read a remote copy, "
+                    "open its URL: ckptstore.open(\"s3://...\", mode=\"r\")")
+            try:
+                self._remote = Uploader(self._writer, remote, remote_options)
+            except BaseException:
+                self.close()
+                raise
 
     # ---- what the engine holds --------------------------------------------------------------
     @property
@@ -161,6 +212,16 @@ class Store:
                 self._pipeline.close()
             except BaseException as e:  # noqa: BLE001 - re-raised once the files are released
                 err = err or e
+        if self._remote is not None and not self._closed:
+            # the final upload: pending deltas committed first, so the remote copy ends where
+            # the local store does (bounded by close_timeout; a remote failure is only logged)
+            try:
+                with self.engine.locked():
+                    if self._writer is not None and self._writer.group is not None and err is None:
+                        self._writer.commit_group()
+            except BaseException as e:  # noqa: BLE001 - re-raised once the files are released
+                err = err or e
+            self._remote.close()
         with self.engine.locked():
             if not self._closed:
                 try:
@@ -197,8 +258,10 @@ class Store:
             self.check()
             _check_iteration(iteration, 0, "iteration must be a non-negative int")
             skeleton, leaves = flatten(state, leaf_hook)
-            return engine.save_snapshot(iteration, skeleton, flatten_meta(meta), leaves,
-                                        progress=progress)
+            stats = engine.save_snapshot(iteration, skeleton, flatten_meta(meta), leaves,
+                                         progress=progress)
+        self._after_base(iteration)  # committed: automatic retention, when due
+        return stats
 
     def save_delta(self, iteration: int, record: Any, meta: dict | None = None, *,
                    durable: bool = True) -> SaveStats:
@@ -303,6 +366,8 @@ class Store:
                 budget, inflight = self._async_limits
                 self._pipeline = Pipeline(engine, host_budget=budget, max_inflight=inflight,
                                           commit_round=self._commit_round)
+                if self._commit_round is None:
+                    self._pipeline.after_snapshot = self._after_base
             return self._pipeline
 
     @property
@@ -378,6 +443,34 @@ class Store:
         recoverable. Pending deltas (durable=False, not yet flushed) are not counted."""
         self._sync_view()
         return self.engine.recoverable_latest()
+
+    # ---- the remote tier (remote="s3://...", ckptstore/remote/) -------------------------------
+    def _remote_tier(self) -> Uploader:
+        if self._remote is None:
+            raise RemoteUnsupportedError(f"{self.path} was opened without remote=")
+        return self._remote
+
+    def remote_iteration(self) -> int | None:
+        """The newest iteration that survives losing this machine: the newest recoverable
+        iteration of the remote HEAD (None while the remote copy holds none). The remote copy
+        follows the local log (at most one HEAD per ``head_interval`` seconds):
+        :meth:`remote_flush` waits for it. RemoteUnsupportedError without ``remote=``."""
+        head = self._remote_tier().head
+        return None if head is None else head.recoverable
+
+    def remote_status(self) -> RemoteStatus:
+        """Where the remote copy stands: its iteration and HEAD generation, whether it is behind
+        the local store, bytes sent, and the last upload failure (a typed RemoteError, retried
+        with backoff; training is never interrupted by it). Also after close."""
+        return self._remote_tier().status()
+
+    def remote_flush(self, timeout: float | None = None) -> int | None:
+        """Wait until the remote copy holds every iteration durable locally now (without waiting
+        for ``head_interval``); returns :meth:`remote_iteration`. Raises the uploader's last
+        RemoteError when that does not happen within ``timeout`` seconds (local data is never
+        affected), RemoteConflictError at once when the URL holds another or a newer store."""
+        head = self._remote_tier().flush(timeout)
+        return head.recoverable
 
     def _entry(self, iteration: Any) -> Any:
         self.check()
@@ -472,17 +565,105 @@ class Store:
         return bisect_range(self, predicate, start, end)
 
     # ---- maintenance ------------------------------------------------------------------------
-    def gc(self, keep_last: int, keep_every: int | None = None,
-           progress: Callable[[int], None] | None = None) -> GcReport:
-        """Apply a retention policy, then compact. See :mod:`ckptstore.ops.gc`."""
+    def gc(self, keep_last: int | None = None, keep_every: int | None = None,
+           progress: Callable[[int], None] | None = None, *, policy: Policy | None = None,
+           dry_run: bool = False, now_ns: int | None = None) -> GcReport:
+        """Apply a retention policy, then compact (:mod:`ckptstore.ops.gc`).
+
+        The policy is the union of ``KeepLast(keep_last)``, ``KeepEvery(keep_every)`` and
+        ``policy`` (any of :mod:`ckptstore.ops.retention`; at least one is needed). Kept: what it
+        selects, the latest iteration, and every base and delta a kept delta needs. A policy that
+        selects no iteration raises RetentionError and nothing is removed. ``now_ns``: the time
+        ``KeepNewerThan`` measures ages from (default: now).
+
+        ``dry_run``: plan only and return the report gc would give, ``bytes_after`` estimated
+        (``report.estimated``) from the index; nothing is removed or compacted. Works on readers
+        (mode "r": nothing under the directory is written). On a writer it first commits what is
+        pending, as gc does, so it reports what gc would do now."""
+        pol = gc_policy(keep_last, keep_every, policy)
+        if dry_run and self._writer is None:
+            with self.engine.locked():
+                self._sync_view()
+                engine = self.engine
+                return engine.read(lambda: gc_dry_run(engine, pol, now_ns))
         self._drain_async()
-        engine = self._writable()
-        with engine.locked():
+        writer = self._writable()
+        with writer.locked():
             self.check()
-            engine.commit_group()  # gc rebuilds the log's writer: commit pending deltas, never drop them
-            engine.recover_if_needed()
-            return engine.read(lambda: collect(engine, keep_last=keep_last, keep_every=keep_every,
-                                               progress=progress))
+            writer.commit_group()  # gc rebuilds the log's writer: commit pending deltas, never drop them
+            writer.recover_if_needed()
+            if dry_run:
+                return writer.read(lambda: gc_dry_run(writer, pol, now_ns, self._meta_cache))
+            return writer.read(lambda: collect(writer, policy=pol, progress=progress,
+                                               now_ns=now_ns, meta_cache=self._meta_cache))
+
+    # ---- automatic retention ------------------------------------------------------------------
+    def set_retention(self, policy: Policy | None, every: int = 1) -> None:
+        """Apply ``policy`` automatically: a gc runs right after every ``every``-th base snapshot
+        this writer commits (counted from this call; ``None`` turns it off).
+
+        When: a base commit also commits every pending delta, so no transaction is open and no
+        save is in progress; the gc runs in the thread that committed the base. With async saves
+        (the Checkpointer's default) that is the pipeline's persister: training goes on and
+        waits only when it fills ``max_inflight`` / ``host_budget`` while the gc runs, or calls
+        a synchronous store method. With synchronous saves :meth:`save` returns after the gc.
+        A gc copies every kept checkpoint, so it costs about the kept bytes (each unique chunk
+        once): raise ``every`` to amortise it. A run whose policy removes nothing writes nothing.
+
+        Never raises into the save: a failure (RetentionError when the policy selects nothing,
+        an I/O error, damage) is logged (logger ``ckptstore``, WARNING) and kept in
+        :attr:`last_retention`; nothing is removed then. Multi-rank job stores are refused
+        (RetentionError), as gc is."""
+        _check_every(every)
+        if policy is not None:
+            _check_retention(policy, self.path, self.mode, self._commit_round)
+        self._writable()
+        self._retention = None if policy is None else (policy, every)
+        self._bases = 0
+
+    @property
+    def retention(self) -> Policy | None:
+        """The automatic retention policy (None: off)."""
+        return None if self._retention is None else self._retention[0]
+
+    @property
+    def last_retention(self) -> RetentionRun | None:
+        """The latest automatic retention run of this writer, or None."""
+        return self._last_retention
+
+    def _after_base(self, iteration: int) -> None:
+        """Called once base snapshot ``iteration`` is committed (by :meth:`save`, or by the
+        pipeline's persister between jobs): run the automatic gc when due. Never raises."""
+        ret = self._retention
+        if ret is None or self._writer is None:
+            return
+        policy, every = ret
+        self._bases += 1
+        if self._bases % every:
+            return
+        writer = self._writer
+        t0 = time.perf_counter()
+        report: GcReport | None = None
+        error: BaseException | None = None
+        try:
+            with writer.locked():
+                if self._closed or writer.closed:
+                    return
+                writer.recover_if_needed()
+                if writer.group is not None:
+                    # deltas appended after the base (not possible from the pipeline, which runs
+                    # this before its next job): never commit them on the trainer's behalf
+                    return
+                report = writer.read(lambda: collect(writer, policy=policy, only_if_removing=True,
+                                                     meta_cache=self._meta_cache))
+        except Exception as e:  # noqa: BLE001 - logged and kept: retention never fails a save
+            error = e
+            log.warning("ckptstore: automatic retention after base %d of %s failed, nothing "
+                        "removed: %s", iteration, self.path, e)
+        self._last_retention = RetentionRun(iteration, report, error, time.perf_counter() - t0)
+        if report is not None and report.removed:
+            log.info("ckptstore: retention after base %d removed %d checkpoints of %s",
+                     iteration, len(report.removed), self.path)
 
 
 def select_keys(state: Any, keys: Sequence[Any] | None, iteration: int) -> Any:
@@ -495,6 +676,22 @@ def select_keys(state: Any, keys: Sequence[Any] | None, iteration: int) -> Any:
         raise NotFoundError(f"iteration {iteration}: keys {missing} are not in the state (it has "
                             f"{list(state)})")
     return {k: state[k] for k in keys}
+
+
+def _check_retention(policy: Any, path: str, mode: str, commit_round: Any) -> None:
+    if not isinstance(policy, Policy):
+        raise TypeError(f"retention must be a retention policy (ckptstore.ops.retention), "
+                        f"not {policy!r}")
+    if mode != "a":
+        raise ReadOnlyStoreError(f'store {path} is open read-only (mode="r"): no retention')
+    if commit_round is not None:
+        raise RetentionError(f"{path}: retention (gc) is not supported on multi-rank job "
+                             "stores yet")
+
+
+def _check_every(every: Any) -> None:
+    if type(every) is not int or every < 1:
+        raise ValueError(f"retention_every must be an int >= 1 (bases between runs), not {every!r}")
 
 
 def _check_iteration(iteration: Any, low: int, what: str) -> None:

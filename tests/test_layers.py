@@ -3,7 +3,7 @@
 Layers, lowest first (README "Layout"); a module may import only from its own layer or below, and
 two packages of one layer (ops/ and replay/) do not import each other:
 
-    errors <- format/ <- tensors <- storage/ <- engine/ <- ops/, replay/ <- store <- multirank/
+    errors <- format/ <- tensors <- storage/ <- engine/ <- ops/, replay/, remote/ <- store <- multirank/
     <- torch/ <- ckptstore/__init__ (the public API) <- demo <- cli
 
 (the demo and the CLI are clients of the public API, ``ckptstore.open`` and ``ckptstore.torch``).
@@ -32,11 +32,16 @@ LAYERS = [
     ("ckptstore.engine", 4, "engine"),
     ("ckptstore.ops", 5, "ops"),
     ("ckptstore.replay", 5, "replay"),
+    ("ckptstore.remote", 5, "remote"),
     ("ckptstore.store", 6, "store"),
     ("ckptstore.multirank", 7, "multirank"),
     ("ckptstore.torch", 8, "torch"),
     ("ckptstore", 9, "api"),
     ("ckptstore.demo", 10, "demo"),
+    # framework integrations: clients of the public API; nothing in the package imports them
+    # (importing ckptstore must not import transformers or lightning)
+    ("ckptstore.hf", 10, "hf"),
+    ("ckptstore.lightning", 10, "lightning"),
     ("ckptstore.cli", 11, "cli"),
 ]
 
