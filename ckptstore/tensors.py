@@ -155,7 +155,7 @@ def allocate(entry: TensorEntry) -> tuple[Any, memoryview]:
     value: torch.Tensor | np.ndarray
     try:
         if entry.lib == "torch":
-            value = torch.empty(entry.shape, dtype=dtype)
+            value = _empty_torch(entry.shape, dtype, entry.nbytes)
             view = (memoryview(value.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
                     if entry.nbytes else _EMPTY)
         else:
@@ -170,6 +170,17 @@ def allocate(entry: TensorEntry) -> tuple[Any, memoryview]:
         raise FormatError(f"tensor {entry.path}: shape {list(entry.shape)[:8]} cannot be "
                           f"represented by {entry.lib}: {e}") from e
     return value, view
+
+
+def _empty_torch(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)``. Under ``torch.use_deterministic_algorithms(True)``
+    torch fills new tensors, which it cannot do for some dtypes (the bits types): those are
+    allocated as bytes and viewed as ``dtype`` (the reader overwrites every byte anyway)."""
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except NotImplementedError:
+        flat = torch.empty(nbytes, dtype=torch.uint8)
+        return flat.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
 
 
 def into_view(entry: TensorEntry, value: Any) -> tuple[Any, memoryview]:

@@ -76,6 +76,24 @@ def test_every_torch_dtype_roundtrips_bit_exact(name, roundtrip, assert_same):
         assert out[k].is_contiguous()
 
 
+@pytest.mark.parametrize("name", ["bits16", "bits8", "bits1x8", "float32", "int64"])
+def test_loads_under_torch_deterministic_mode(name, roundtrip, assert_same):
+    """torch.use_deterministic_algorithms(True) makes torch fill every new tensor, which it
+    cannot do for the bits dtypes: a load (which allocates) must still work."""
+    import torch
+
+    dtype = TORCH_DTYPES[name]
+    state = {"t": random_tensor(dtype, 3 * CHUNK // dtype.itemsize + 5, seed=5),
+             "zero_d": random_tensor(dtype, 1, seed=6).reshape(())}
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        out = roundtrip(state, chunk_size=CHUNK)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert_same(state, out)
+
+
 def test_float_special_values_and_nan_payloads(roundtrip, assert_same):
     bits32 = torch.tensor([0x7FC00000, 0x7FC00001, 0xFFFFFFFF, 0x7F800001, 0x80000000, 0x00000001,
                            0x7F800000, 0xFF800000], dtype=torch.int64).to(torch.int32)
