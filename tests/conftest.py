@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import struct
 from collections import OrderedDict
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import ckptstore
+from ckptstore.storage.fileops import FileOps
 
 
 def _torch_bytes(t: torch.Tensor) -> bytes:
@@ -88,3 +90,14 @@ def roundtrip(tmp_path):
         return second
 
     return run
+
+
+class FullDisk(FileOps):
+    """Every segment write fails with ENOSPC while ``full`` is set."""
+
+    full = False
+
+    def _pwritev(self, fd, buffers, offset):
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return super()._pwritev(fd, buffers, offset)

@@ -6,7 +6,6 @@ max_failures in a row or max_lag_s without a durable checkpoint."""
 from __future__ import annotations
 
 import copy
-import errno
 import logging
 import time
 from collections import namedtuple
@@ -15,21 +14,9 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.storage.fileops import FileOps
 from ckptstore.torch import Checkpointer
 
-from conftest import _same
-
-
-class FullDisk(FileOps):
-    """Every segment write fails with ENOSPC while ``full`` is set."""
-
-    full = False
-
-    def _pwritev(self, fd, buffers, offset):
-        if self.full:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        return super()._pwritev(fd, buffers, offset)
+from conftest import FullDisk, _same
 
 
 def _model():

@@ -6,7 +6,6 @@ not installed (extras ``hf`` and ``lightning``); nothing downloads anything (HF_
 from __future__ import annotations
 
 import copy
-import errno
 import json
 import os
 import subprocess
@@ -16,10 +15,9 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.storage.fileops import FileOps
 from ckptstore.torch import Checkpointer
 
-from conftest import _same
+from conftest import FullDisk, _same
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # never reach the hub (set before transformers is imported)
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -46,17 +44,6 @@ def one_thread():
 
 
 # ---- the Checkpointer's two-phase step ------------------------------------------------------
-
-class FullDisk(FileOps):
-    """Every segment write fails with ENOSPC while ``full`` is set."""
-
-    full = False
-
-    def _pwritev(self, fd, buffers, offset):
-        if self.full:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        return super()._pwritev(fd, buffers, offset)
-
 
 def _small(buffers=True):
     torch.manual_seed(0)
