@@ -25,7 +25,10 @@ accepted). The iteration's state is::
      "items": {storage key: tensor | JSON-like value, ...}}
 
 one entry of ``items`` per DCP write item, keyed by its fully qualified name (``fqn``, with
-``@offsets`` appended for a chunk that does not start at the origin). So everything the store
+``@offsets`` appended for a chunk that does not start at the origin). In a job store saved by
+several ranks, each rank's state of the iteration holds the items that rank wrote, and the
+metadata is in the coordinator's (rank 0's unless DCP's ``coordinator_rank`` says otherwise;
+"Many ranks" below). So everything the store
 does applies unchanged: a tensor identical to one saved before (another iteration, or another
 key of the same one, e.g. tied weights) is stored once (chunks are content-addressed); ``fsck``
 verifies DCP iterations like any other; ``gc`` keeps or drops them as whole iterations; any
@@ -55,8 +58,9 @@ names the DCP key, before anything is written: any other object (a custom class,
 holding tensors, a numpy scalar), and every ``BYTE_IO`` item of a ``SavePlanner`` that
 serializes objects its own way (its bytes could only be read back by unpickling them).
 
-**Atomic commit.** ``write_data`` resolves every item (the planner's ``resolve_data``), checks
-it and returns its ``WriteResult``; it writes nothing. ``finish`` (the coordinator's last call)
+**Atomic commit** (one process; many ranks: below). ``write_data`` resolves every item (the
+planner's ``resolve_data``), checks it and returns its ``WriteResult``; it writes nothing.
+``finish`` (the coordinator's last call)
 saves the iteration with :meth:`ckptstore.Store.save`: chunks, trees, manifest, fsync, then the
 COMMIT record and its fsync, the commit point. The iteration is visible only once ``finish``
 has committed it; a failure before (in planning, ``write_data``, or inside ``finish``: a full
@@ -76,14 +80,59 @@ a contiguous CPU tensor of the stored dtype, whole chunks are read straight into
 destination's memory; otherwise into a scratch buffer that is copied into the destination (any
 device, any layout, dtype conversion as DCP's own reader does with ``copy_``).
 
-**Ranks.** Saving runs in one process: ``no_dist=True``, no process group, or a process group
-of one rank. A save on more ranks (with or without ``use_collectives``) raises ``DCPError`` on
-every rank through DCP's ``CheckpointException``: the global two-phase commit of a
-:class:`~ckptstore.JobStore` would have to run inside DCP's ``write_data`` (the last call
-non-coordinator ranks get), before ``finish`` has the metadata, so it is not done. A
-:class:`~ckptstore.JobStore` of one rank works as a store. Loading works at any world size:
-every rank reads what its plan asks for from its own open store (readers may run beside the
-writer).
+**Many ranks.** Over a :class:`~ckptstore.JobStore` of N > 1 ranks (``ckptstore.open(path, "a",
+process_group=pg)`` on every rank), ``dcp.save`` runs on every rank of ``pg`` and each save is
+one iteration of the job store, committed by its global two-phase commit (format-spec/format.md
+§22.3): visible only once every rank's items are durable, or not at all::
+
+    js = ckptstore.open("runs/gpt", "a", process_group=dist.group.WORLD)   # every rank
+    dcp.save(state, storage_writer=ckptstore.dcp.StorageWriter(js, 100))   # every rank
+
+How a save runs (DCP's flow, ``state_dict_saver._save_state_dict``):
+
+1. *Planning.* DCP gathers every rank's plan on the coordinator; its planner deduplicates the
+   items every rank holds alike (a replicated parameter, a non-tensor value: one rank writes
+   each, chosen by DCP's ``dedup_save_plans``) and makes the global metadata. The writer's
+   ``prepare_global_plan`` (coordinator) then gives each rank's plan ``storage_data``: the store
+   key of each of its items (JSON-like lists; DCP ships plans with its own object collectives).
+   Keys are a pure function of a rank's items (``fqn``, ``@offsets`` off the origin, ``#`` while
+   taken), so the coordinator knows every rank's keys without another message.
+2. *write_data, every rank, collective.* Each rank resolves its items (nothing is written when one
+   cannot be stored) and saves ``{"dcp": head, "items": its items}`` as its state of the iteration
+   with :meth:`JobStore.save`: its stream's records and local COMMIT are made durable, every rank
+   votes, rank 0 of the job store writes the GLOBAL_COMMIT (the commit point), every rank learns
+   the outcome. The coordinator's ``head`` holds DCP's metadata of the whole save (the
+   planner's, the Metadata DCP passes to ``finish``), its storage map naming the rank and key of
+   every item; the other ranks' heads name the coordinator (``metadata_rank``). A rank that fails
+   before its vote (an item that cannot be stored, a planner that raises) still takes part in
+   the round, voting FAILED: every rank aborts at once, nothing is visible, and the store is
+   ready for the next save.
+3. *finish (coordinator).* Nothing is left to commit: it checks that the Metadata DCP passes is
+   the one committed and sets its storage map. So a failure in ``finish`` (a subclass raising,
+   the check failing) is reported by DCP while the iteration stays whole and visible; it can
+   never be half-visible.
+
+Failures: DCP reports every rank's error in ``CheckpointException.failures`` (the failing rank's
+own, :class:`~ckptstore.errors.GlobalCommitAbortedError` on the others). A rank that dies (or
+hangs) before its vote makes the others' round fail within the job store's ``commit_timeout``
+with ``RankFailureError`` (``CommitOutcomeUnknownError`` after their vote; the global log then
+decides); DCP's own next collective over the dead rank then fails with torch's error (gloo's
+``RuntimeError``), which is what ``dcp.save`` raises: the typed error stays in the writer's
+``error``. A rank that raises in DCP between planning and this writer's ``write_data`` (a
+planner's ``finish_plan``, a subclass's ``write_data`` before it calls this one) never votes:
+the others wait for the commit timeout. Refused with ``DCPError`` on every rank before any round
+runs: ``use_collectives=False``, ``no_dist=True``, a DCP process group of another size or rank
+numbering than the job store's (save over the group the store was opened with), a job store
+whose async pipeline runs (its persister runs the rounds). DCP's plan
+caching (``DefaultSavePlanner(enable_plan_caching=True)``) works: unchanged plans keep the keys
+made from the same items.
+
+Loads work at any world size, and in one process without a group: the reader takes DCP's
+metadata from the coordinator's state and reads each requested box from the stream of the rank
+that holds it (a rank's manifest is read when a request first needs it), reading only the chunks
+that hold it. A one-writer :class:`~ckptstore.Store` (or a job store of one rank) takes saves from
+one process only (``no_dist=True``, or a process group of one rank); more ranks raise
+``DCPError`` on every rank. The layout: format-spec/dcp.md.
 
 Errors DCP catches come back wrapped in its ``CheckpointException`` (``failures[rank][0]`` is the
 ckptstore error). The typed errors a caller most often wants are raised before DCP runs: the
@@ -92,16 +141,18 @@ constructors and ``reset(checkpoint_id)`` raise ``NotFoundError`` (no such itera
 ``IterationOrderError`` (a writer's iteration not after the latest) and ``ReadOnlyStoreError``.
 
 A writer is used by one save at a time (``async_save`` runs it in DCP's thread; wait for the
-future before the next save with the same writer).
+future before the next save with the same writer, or with the same job store).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
 import os
 import uuid
+from collections import ChainMap
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -190,7 +241,8 @@ def _dtype_name(dtype: Any, fqn: str) -> str:
 
 def encode_metadata(md: Metadata) -> dict[str, Any]:
     """DCP's Metadata as a JSON-like structure of the state encoding (its storage_data must map
-    MetadataIndex -> store key). Raises UnsupportedTypeError for what the encoding cannot hold."""
+    MetadataIndex -> store key, or -> (rank, store key) for an item another rank's state holds).
+    Raises UnsupportedTypeError for what the encoding cannot hold."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     entries: list[Any] = []
@@ -223,9 +275,15 @@ def encode_metadata(md: Metadata) -> dict[str, Any]:
                                    "ckptstore.dcp stores JSON-like planner data only") from e
     sm = md.storage_meta
     storage = []
-    for index, key in (md.storage_data or {}).items():
-        storage.append([index.fqn, None if index.offset is None else [int(n) for n in index.offset],
-                        key])
+    for index, where in (md.storage_data or {}).items():
+        row: list[Any] = [index.fqn, None if index.offset is None else
+                          [int(n) for n in index.offset]]
+        if type(where) is str:      # the item is in this state's "items"
+            row.append(where)
+        else:                       # (rank, key): in that rank's state of the iteration
+            rank, key = where
+            row += [key, int(rank)]
+        storage.append(row)
     return {
         "version": md.version,
         "state_dict_metadata": entries,
@@ -257,9 +315,10 @@ def _opt_str(x: Any, what: str) -> str | None:
     return x
 
 
-def decode_metadata(doc: Any) -> tuple[Metadata, dict[Any, str]]:
+def decode_metadata(doc: Any) -> tuple[Metadata, dict[Any, tuple[int | None, str]]]:
     """Rebuild torch's Metadata from :func:`encode_metadata`'s structure. Returns it and its
-    storage map (MetadataIndex -> store key). Raises _Bad for anything malformed."""
+    storage map (MetadataIndex -> (rank, store key); rank None: the state holding the metadata).
+    Raises _Bad for anything malformed."""
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
                                                        Metadata, MetadataIndex, StorageMeta,
                                                        TensorProperties, TensorStorageMetadata)
@@ -314,16 +373,22 @@ def decode_metadata(doc: Any) -> tuple[Metadata, dict[Any, str]]:
         sm = StorageMeta(checkpoint_id=_opt_str(sm_doc.get("checkpoint_id"), "checkpoint_id"),
                          save_id=_opt_str(sm_doc.get("save_id"), "save_id"),
                          load_id=_opt_str(sm_doc.get("load_id"), "load_id"), modules=modules)
-    storage: dict[Any, str] = {}
+    storage: dict[Any, tuple[int | None, str]] = {}
+    plain: dict[Any, Any] = {}
     rows = doc.get("storage")
     _need(type(rows) is list, "storage is not a list")
     for row in rows:
-        _need(type(row) is list and len(row) == 3 and type(row[0]) is str and type(row[2]) is str,
+        _need(type(row) is list and len(row) in (3, 4) and type(row[0]) is str
+              and type(row[2]) is str and (len(row) == 3 or (type(row[3]) is int and row[3] >= 0)),
               "a storage entry is malformed")
         offset = None if row[1] is None else torch.Size(_ints(row[1], "a storage offset"))
-        storage[MetadataIndex(row[0], offset)] = row[2]
+        index = MetadataIndex(row[0], offset)
+        _need(index not in storage, f"key {row[0]!r} at offset {row[1]} is stored twice")
+        rank = row[3] if len(row) == 4 else None
+        storage[index] = (rank, row[2])
+        plain[index] = row[2] if rank is None else (rank, row[2])
     md = Metadata(state_dict_metadata=sdm, planner_data=doc.get("planner_data"),
-                  storage_data=dict(storage), storage_meta=sm,
+                  storage_data=plain, storage_meta=sm,
                   version=_opt_str(doc.get("version"), "version"))
     return md, storage
 
@@ -365,20 +430,81 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _multi_rank(store: Any) -> bool:
+    """Whether a save into ``store`` is multi-rank: a job store written by several ranks."""
+    return isinstance(store, JobStore) and (store.world_size or 1) > 1
+
+
 def _writable(store: Any) -> None:
-    if isinstance(store, JobStore):
-        store.check()
-        if store.mode != "a":
-            raise ReadOnlyStoreError(f'store {store.path} is open read-only (mode="r")')
-        if (store.world_size or 1) > 1:
-            raise DCPError(f"{store.path}: a DCP save into a job store of {store.world_size} ranks "
-                           "is not supported (ckptstore.dcp saves from one process)")
-    elif isinstance(store, Store):
-        store.check()
-        if store.mode != "a":
-            raise ReadOnlyStoreError(f'store {store.path} is open read-only (mode="r")')
-    else:
+    if not isinstance(store, (Store, JobStore)):
         raise TypeError(f"ckptstore.dcp needs a ckptstore Store or JobStore, not {type(store)!r}")
+    store.check()
+    if store.mode != "a":
+        raise ReadOnlyStoreError(f'store {store.path} is open read-only (mode="r")')
+
+
+def _assign_keys(items: Sequence[WriteItem]) -> list[str]:
+    """The store keys of one rank's write items, in plan order (:func:`_storage_key`): a pure
+    function of the items, so the coordinator and the rank that writes them agree."""
+    taken: dict[str, None] = {}
+    for item in items:
+        taken[_storage_key(item.index, taken)] = None
+    return list(taken)
+
+
+def _offset_of(index: MetadataIndex) -> list[int] | None:
+    return None if index.offset is None else [int(n) for n in index.offset]
+
+
+def _dcp_version(default: str | None) -> str | None:
+    try:
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+        return CURRENT_DCP_VERSION
+    except ImportError:  # pragma: no cover - older torch
+        return default
+
+
+def _resolved(value: Any) -> Future[Any]:
+    from torch.futures import Future
+
+    fut: Future[Any] = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _vote_failed(store: JobStore, error: BaseException) -> None:
+    """This rank cannot save its part of a multi-rank save (``error``): run the rounds
+    :meth:`JobStore.save` runs on the other ranks (the commit of pending deltas, then the save's
+    own), voting FAILED in the save's, so every rank aborts at once instead of waiting for this
+    rank's vote until the commit timeout. Never raises: the caller raises ``error``."""
+
+    def fail() -> None:
+        raise error
+
+    try:
+        own, committer = store._writer()
+        store._round(own.flush)
+        committer.around(fail)
+    except BaseException:  # noqa: BLE001 - error itself, or the flush round's (failed on every rank)
+        pass
+
+
+def _check_coverage(md: Metadata, storage: dict[Any, tuple[int, str]]) -> None:
+    """Every item DCP's metadata names has exactly one writer in the global plan, and nothing
+    else is written."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    want = set()
+    for fqn, v in md.state_dict_metadata.items():
+        if isinstance(v, BytesStorageMetadata):
+            want.add(MetadataIndex(fqn))
+        else:
+            want.update(MetadataIndex(fqn, c.offsets) for c in v.chunks)
+    have = set(storage)
+    if want != have:
+        lost, extra = sorted(i.fqn for i in want - have), sorted(i.fqn for i in have - want)
+        raise DCPError(f"DCP's metadata and the global plan disagree: {len(lost)} items no rank "
+                       f"writes {lost[:5]}, {len(extra)} writes the metadata lacks {extra[:5]}")
 
 
 # ---- writing ----------------------------------------------------------------------------------------
@@ -386,7 +512,9 @@ def _writable(store: Any) -> None:
 class StorageWriter:
     """DCP's ``StorageWriter`` over a ckptstore store (see the module docstring): each
     ``dcp.save``/``dcp.async_save`` commits one iteration, ``iteration`` here or the
-    ``checkpoint_id`` given to DCP. ``meta``: the iteration's user meta (JSON-like)."""
+    ``checkpoint_id`` given to DCP. ``meta``: the iteration's user meta (JSON-like). Over a
+    :class:`~ckptstore.JobStore` of several ranks, every rank makes its own writer and the save
+    commits through the job store's global commit (module docstring, "Many ranks")."""
 
     def __init__(self, store: Store | JobStore, iteration: int | str | None = None, *,
                  meta: dict | None = None) -> None:
@@ -397,11 +525,24 @@ class StorageWriter:
         self.iteration: int | None = None
         if iteration is not None:
             self.iteration = self._checked(iteration_of(iteration))
-        #: the SaveStats of the last committed save (written and deduplicated bytes)
+        #: the SaveStats of the last committed save (written and deduplicated bytes; of this
+        #: rank's part in a multi-rank save)
         self.last_stats: Any = None
         self.save_id = str(uuid.uuid4())
         self._staged: dict[str, Any] | None = None
         self.rank: int | None = None
+        # a multi-rank save (a job store of several ranks), set up by set_up_storage_writer
+        self._multi = False
+        self._coordinator = False
+        self._plans: list[SavePlan] | None = None
+        #: the coordinator's committed (DCP metadata, storage map, encoded metadata)
+        self._committed: tuple[Metadata, dict[Any, tuple[int, str]], dict[str, Any]] | None = None
+        self._done = False
+        #: why this rank's part of the last multi-rank save failed in write_data (None: it did
+        #: not fail there). When a rank died, DCP's own collectives after write_data fail with
+        #: torch's error (gloo's RuntimeError); this keeps the store's typed one
+        #: (RankFailureError, CommitOutcomeUnknownError, GlobalCommitAbortedError, ...)
+        self.error: BaseException | None = None
 
     def _checked(self, iteration: int) -> int:
         latest = self.store.latest()
@@ -424,39 +565,119 @@ class StorageWriter:
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.rank = kwargs.get("rank")
+        self._staged, self._plans, self._committed, self._done = None, None, None, False
+        self.error = None
+        self._multi = _multi_rank(self.store)
+        if self._multi:
+            self._set_up_multi(bool(is_coordinator), kwargs.get("use_collectives", True))
+            return
         if kwargs.get("use_collectives", True) is False and _world_size() > 1:
             # every rank would run to DCP's closing barrier on its own: refuse on all of them
             raise DCPError("ckptstore.dcp does not support use_collectives=False in a process "
-                           "group of several ranks (ckptstore.dcp saves from one process)")
+                           "group of several ranks")
         if not is_coordinator:
-            raise DCPError(f"rank {self.rank}: ckptstore.dcp saves from one process only (no_dist="
-                           "True, or a process group of one rank); this save runs on several")
+            raise DCPError(f"rank {self.rank}: this save runs on several ranks, and a "
+                           f"{type(self.store).__name__} of one writer takes saves from one "
+                           "process; open a job store on every rank (ckptstore.open(path, 'a', "
+                           "process_group=...)) for a multi-rank save")
         _writable(self.store)
         if self.iteration is None:
             raise DCPError("no iteration to save: pass StorageWriter(store, iteration) or "
                            "checkpoint_id= to dcp.save")
         self._checked(self.iteration)
-        self._staged = None
+
+    def _set_up_multi(self, is_coordinator: bool, use_collectives: Any) -> None:
+        store = self.store
+        assert isinstance(store, JobStore)
+        if use_collectives is False:
+            raise DCPError(f"{store.path}: a multi-rank save commits through a global round every "
+                           "rank runs inside DCP's collectives: use_collectives=False is not "
+                           "supported")
+        _writable(store)
+        if self.rank is not None and self.rank != store.rank:
+            raise DCPError(f"{store.path}: DCP's rank {self.rank} is not the job store's rank "
+                           f"{store.rank}: save over the process group the store was opened with")
+        if store.running_pipeline is not None:
+            raise DCPError(f"{store.path}: the job store's async pipeline runs its commit rounds; "
+                           "ckptstore.dcp commits inside DCP's write_data and cannot share them "
+                           "(use a job store without async saves, or dcp.async_save)")
+        if self.iteration is None:
+            raise DCPError("no iteration to save: pass StorageWriter(store, iteration) or "
+                           "checkpoint_id= to dcp.save")
+        self._checked(self.iteration)
+        self._coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if len(plans) != 1:
-            raise DCPError(f"ckptstore.dcp saves from one process only; this save has "
-                           f"{len(plans)} ranks")
-        return plans
+        """One process: checks that there is one plan. Many ranks (the coordinator): gives each
+        rank's plan the store keys of its items (``storage_data``, JSON-like)."""
+        if not self._multi:
+            if len(plans) != 1:
+                raise DCPError(f"this save has {len(plans)} ranks and {type(self.store).__name__} "
+                               "takes saves from one process; use a job store for multi-rank saves")
+            return plans
+        store = self.store
+        assert isinstance(store, JobStore)
+        if len(plans) != store.world_size:
+            raise DCPError(f"{store.path}: this save runs on {len(plans)} ranks, the job store on "
+                           f"{store.world_size}: save over the process group the store was opened "
+                           "with")
+        out = []
+        for r, plan in enumerate(plans):
+            if not getattr(plan, "usable", True):
+                # DCP's plan cache: that rank reuses its cached final plan, whose storage data was
+                # made here from the same items
+                out.append(plan)
+                continue
+            keys = _assign_keys(plan.items)
+            data = {"format": FORMAT, "rank": r, "coordinator": store.rank,
+                    "keys": [[item.index.fqn, _offset_of(item.index), key]
+                             for item, key in zip(plan.items, keys)]}
+            out.append(dataclasses.replace(plan, storage_data=data))
+        self._plans = out
+        return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Resolve and check every item of the plan; nothing is written until :meth:`finish`."""
+        """One process: resolve and check every item of the plan; nothing is written until
+        :meth:`finish`. Many ranks (collective): resolve this rank's items and save them (the
+        coordinator's with DCP's metadata) as this rank's part of the iteration, committed on
+        every rank or on none when this returns."""
+        if not self._multi:
+            self._staged, results = self._stage(plan, planner, _assign_keys(plan.items))
+            return _resolved(results)
+        store = self.store
+        assert isinstance(store, JobStore) and self.iteration is not None
+        try:
+            staged, results = self._stage(plan, planner, self._keys_of(plan))
+            if self._coordinator:
+                head = self._metadata_head(planner)
+            else:
+                head = {"format": FORMAT, "version": FORMAT_VERSION,
+                        "metadata_rank": plan.storage_data["coordinator"]}
+            state = {"dcp": head, "items": staged}
+        except BaseException as e:
+            self.error = e
+            _vote_failed(store, e)
+            raise
+        try:
+            self.last_stats = store.save(self.iteration, state, meta=self.meta)
+        except BaseException as e:
+            self.error = e
+            raise
+        self._done = True
+        return _resolved(results)
+
+    def _stage(self, plan: SavePlan, planner: SavePlanner, keys: list[str]
+               ) -> tuple[dict[str, Any], list[WriteResult]]:
+        """Every item of the plan, resolved and checked, by store key; and its WriteResult."""
         from torch.distributed.checkpoint.planner import WriteItemType
         from torch.distributed.checkpoint.storage import WriteResult
-        from torch.futures import Future
 
         staged: dict[str, Any] = {}
         results: list[WriteResult] = []
-        for item in plan.items:
-            key = _storage_key(item.index, staged)
+        for item, key in zip(plan.items, keys, strict=True):
             if item.type == WriteItemType.BYTE_IO:
                 value = _object_of(item, planner)
                 size = len(json.dumps(flatten(value, _plain)[0]))
@@ -473,23 +694,74 @@ class StorageWriter:
                 size = value.numel() * value.element_size()
             staged[key] = value
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=key))
-        self._staged = staged
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return staged, results
+
+    def _keys_of(self, plan: SavePlan) -> list[str]:
+        """The store keys the coordinator gave this rank's items (checked against the items)."""
+        rank = self.store.rank if isinstance(self.store, JobStore) else 0
+        data = plan.storage_data
+        rows = data.get("keys") if type(data) is dict and data.get("format") == FORMAT else None
+        if type(rows) is not list or data.get("rank") != rank or \
+                type(data.get("coordinator")) is not int:
+            raise DCPError(f"rank {rank}: the plan DCP passed to write_data carries no "
+                           "store keys for this rank from ckptstore.dcp's prepare_global_plan")
+        if len(rows) != len(plan.items) or any(
+                type(row) is not list or len(row) != 3 or row[0] != item.index.fqn
+                or row[1] != _offset_of(item.index) or type(row[2]) is not str
+                for row, item in zip(rows, plan.items)):
+            raise DCPError(f"rank {rank}: the plan's items are not those the "
+                           "coordinator planned (a planner's finish_plan changed them?)")
+        return [row[2] for row in rows]
+
+    def _metadata_head(self, planner: SavePlanner) -> dict[str, Any]:
+        """The coordinator's ``dcp`` head: DCP's metadata of the whole save, with the storage
+        map naming the rank and key of every item."""
+        from torch.distributed.checkpoint.default_planner import (DefaultSavePlanner,
+                                                                  create_default_global_save_plan)
+        from torch.distributed.checkpoint.metadata import Metadata
+
+        store = self.store
+        assert isinstance(store, JobStore)
+        plans = self._plans
+        if plans is None or not all(getattr(p, "usable", True) for p in plans):
+            # DCP's plan cache sent unusable plans: the default planner holds the full ones
+            plans = getattr(planner, "global_plan", None) \
+                if isinstance(planner, DefaultSavePlanner) else None
+            if type(plans) is not list or len(plans) != store.world_size:
+                raise DCPError("the coordinator has no global plan of every rank (a planner with "
+                               "plan caching that is not a DefaultSavePlanner?)")
+        storage: dict[Any, tuple[int, str]] = {}
+        for r, p in enumerate(plans):
+            for item, key in zip(p.items, _assign_keys(p.items)):
+                storage[item.index] = (r, key)
+        md: Any = None
+        if isinstance(planner, DefaultSavePlanner) and \
+                type(planner).create_global_plan is DefaultSavePlanner.create_global_plan:
+            md = getattr(planner, "metadata", None)   # the Metadata DCP passes to finish()
+        if not isinstance(md, Metadata):
+            _, md = create_default_global_save_plan(list(plans), rewrite_index_hints=False)
+            data = [p.planner_data for p in plans]
+            if data and all(isinstance(d, dict) for d in data):
+                md.planner_data = dict(ChainMap(*data))
+        _check_coverage(md, storage)
+        full = dataclasses.replace(md, storage_data=dict(storage), storage_meta=self.storage_meta(),
+                                   version=_dcp_version(md.version))
+        doc = encode_metadata(full)
+        self._committed = (md, storage, doc)
+        return {"format": FORMAT, "version": FORMAT_VERSION, "metadata": doc}
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Store the metadata and every item as the iteration, and commit it (durable when this
-        returns)."""
+        """One process: store the metadata and every item as the iteration, and commit it
+        (durable when this returns). Many ranks: nothing is left to commit (every rank committed
+        in write_data); the metadata DCP returns gets the storage map."""
+        if self._multi:
+            self._finish_multi(metadata, results)
+            return
         staged, self._staged = self._staged, None
         if staged is None:
             raise DCPError("finish() without write_data(): nothing to commit")
         assert self.iteration is not None
-        try:
-            from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-            metadata.version = CURRENT_DCP_VERSION
-        except ImportError:  # pragma: no cover - older torch
-            pass
+        metadata.version = _dcp_version(metadata.version)
         storage = {}
         for per_rank in results:
             for wr in per_rank:
@@ -503,6 +775,31 @@ class StorageWriter:
                          "metadata": encode_metadata(metadata)},
                  "items": staged}
         self.last_stats = self.store.save(self.iteration, state, meta=self.meta)
+
+    def _finish_multi(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """The iteration is committed on every rank already: only checks, no store write (a
+        failure here is reported by DCP, and the iteration stays whole and visible)."""
+        committed, self._committed = self._committed, None
+        if committed is None or not self._done:
+            raise DCPError("finish() without a committed write_data()")
+        md, storage, doc = committed
+        it = self.iteration
+        if metadata is not md:
+            theirs = encode_metadata(dataclasses.replace(metadata, storage_data={}))
+            if (theirs["state_dict_metadata"], theirs["planner_data"]) != \
+                    (doc["state_dict_metadata"], doc["planner_data"]):
+                raise DCPError(f"iteration {it} is committed on every rank with the metadata "
+                               "ckptstore.dcp computed from the global plan, which differs from "
+                               "the one DCP passed to finish() (a planner whose create_global_plan "
+                               "makes its own); loads use the stored metadata")
+        for r, per_rank in enumerate(results):
+            for wr in per_rank:
+                if storage.get(wr.index) != (r, wr.storage_data):
+                    raise DCPError(f"iteration {it}: rank {r}'s write result for "
+                                   f"{wr.index.fqn!r} is not the item the plan gave it")
+        metadata.version = _dcp_version(metadata.version)
+        metadata.storage_data = dict(storage)
+        metadata.storage_meta = self.storage_meta()
 
     def storage_meta(self) -> StorageMeta | None:
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -541,11 +838,20 @@ def _object_of(item: WriteItem, planner: SavePlanner) -> Any:
 
 # ---- reading ----------------------------------------------------------------------------------------
 
+class _Part:
+    """One rank's state of a DCP iteration (the only one for a single-process save): the store
+    (a rank stream of a job store) that holds it, its manifest and its items by store key."""
+
+    def __init__(self, source: Store, manifest: Any, items: dict[str, Any]) -> None:
+        self.source, self.manifest, self.items = source, manifest, items
+
+
 class StorageReader:
     """DCP's ``StorageReader`` over a ckptstore store (see the module docstring): loads the DCP
     checkpoint of ``iteration``, or of the ``checkpoint_id`` given to DCP, else of the latest
     iteration. Raises NotFoundError / DCPError at once when the iteration is missing or holds no
-    DCP checkpoint."""
+    DCP checkpoint. A multi-rank checkpoint in a job store is read from the rank streams that
+    hold each requested item, at any world size (a reader needs no process group)."""
 
     def __init__(self, store: Store | JobStore, iteration: int | str | None = None) -> None:
         _register()
@@ -556,11 +862,14 @@ class StorageReader:
         self.load_id = str(uuid.uuid4())
         #: bytes of tensor data the last read_data read from the store (whole chunks)
         self.last_read_bytes = 0
-        self._source: Store | None = None
+        #: the ranks whose states the last read_data read from (a multi-rank checkpoint)
+        self.last_read_ranks: set[int] = set()
         self._manifest: Any = None
         self._doc: Any = None
-        self._items: dict[str, Any] = {}
-        self._storage: dict[Any, str] = {}
+        self._head_rank = 0
+        self._world = 1
+        self._parts: dict[int, _Part] = {}
+        self._storage: dict[Any, tuple[int, str]] = {}
         if iteration is not None:
             self._open(iteration_of(iteration))
 
@@ -568,13 +877,9 @@ class StorageReader:
     def checkpoint_id(self) -> str | None:
         return None if self.iteration is None else str(self.iteration)
 
-    def _open(self, iteration: int) -> None:
-        """Read and check the iteration's manifest and DCP metadata (no tensor data)."""
+    def _read_part(self, source: Store, iteration: int) -> tuple[Any, dict[str, Any], Any]:
+        """The ``dcp`` head (decoded), the items by key, and the manifest of one state."""
         store = self.store
-        source = store.stream(iteration) if isinstance(store, JobStore) else store
-        if source.kind(iteration) != "snapshot":
-            raise DCPError(f"{store.path}: iteration {iteration} is a delta record, not a DCP "
-                           "checkpoint")
         manifest = source.manifest(iteration)
         top = dict(top_level_items(manifest.state) or [])
         head, items = top.get("dcp"), top.get("items")
@@ -590,16 +895,62 @@ class StorageReader:
                   f"layout version {doc.get('version')!r} is not {FORMAT_VERSION}")
             entries = top_level_items(items)
             _need(entries is not None, "items is not a dict")
-            md, storage = decode_metadata(doc.get("metadata"))
-            assert entries is not None
-            by_key = {k: v for k, v in entries if type(k) is str}
-            missing = [k for k in storage.values() if k not in by_key]
+        except _Bad as e:
+            raise DCPError(f"{store.path}: iteration {iteration}: the DCP metadata does not "
+                           f"decode: {e}") from None
+        assert entries is not None
+        return doc, {k: v for k, v in entries if type(k) is str}, manifest
+
+    def _open(self, iteration: int) -> None:
+        """Read and check the iteration's DCP metadata (no tensor data): from the state of the
+        rank that holds it (rank 0's state names it in a multi-rank checkpoint)."""
+        store = self.store
+        if isinstance(store, JobStore):
+            world = store.global_commit(iteration).world_size
+            kind = store.kind(iteration)
+        else:
+            world, kind = 1, store.kind(iteration)
+        if kind != "snapshot":
+            raise DCPError(f"{store.path}: iteration {iteration} is a delta record, not a DCP "
+                           "checkpoint")
+        head_rank = 0
+        source = store.stream(iteration, 0) if isinstance(store, JobStore) else store
+        doc, by_key, manifest = self._read_part(source, iteration)
+        where = doc.get("metadata_rank")
+        if "metadata" not in doc and isinstance(store, JobStore) and type(where) is int \
+                and 0 < where < world:
+            head_rank = where
+            source = store.stream(iteration, where)
+            doc, by_key, manifest = self._read_part(source, iteration)
+        try:
+            md, rows = decode_metadata(doc.get("metadata"))
+            storage = {index: (head_rank if r is None else r, key)
+                       for index, (r, key) in rows.items()}
+            bad = sorted({r for r, _ in storage.values() if r >= world})
+            _need(not bad, f"the metadata names ranks {bad}, the iteration has {world}")
+            missing = [k for r, k in storage.values() if r == head_rank and k not in by_key]
             _need(not missing, f"the metadata names items the checkpoint lacks: {missing[:5]}")
         except _Bad as e:
             raise DCPError(f"{store.path}: iteration {iteration}: the DCP metadata does not "
                            f"decode: {e}") from None
-        self.iteration, self._source, self._manifest = iteration, source, manifest
-        self._doc, self._items, self._storage = doc["metadata"], by_key, storage
+        self.iteration, self._manifest, self._doc = iteration, manifest, doc["metadata"]
+        self._head_rank, self._world, self._storage = head_rank, world, storage
+        self._parts = {head_rank: _Part(source, manifest, by_key)}
+
+    def _part(self, rank: int) -> _Part:
+        """The state of ``rank`` (opened on first use: a load reads only the ranks it needs)."""
+        part = self._parts.get(rank)
+        if part is None:
+            store, it = self.store, self.iteration
+            assert isinstance(store, JobStore) and it is not None
+            source = store.stream(it, rank)
+            _, by_key, manifest = self._read_part(source, it)
+            missing = [k for r, k in self._storage.values() if r == rank and k not in by_key]
+            if missing:
+                raise DCPError(f"{store.path}: iteration {it}: rank {rank}'s state lacks items "
+                               f"the DCP metadata names: {missing[:5]}")
+            part = self._parts[rank] = _Part(source, manifest, by_key)
+        return part
 
     def reset(self, checkpoint_id: str | os.PathLike | int | None = None) -> None:
         if checkpoint_id is not None:
@@ -642,23 +993,27 @@ class StorageReader:
         from torch.distributed.checkpoint.planner import LoadItemType
         from torch.futures import Future
 
-        if self._manifest is None or self._source is None:
+        if self._manifest is None:
             raise DCPError("read_data() before read_metadata()")
         self.last_read_bytes = 0
+        self.last_read_ranks = set()
         batch: list[_Box] = []
         scratch = 0
         for req in plan.items:
-            key = self._storage.get(req.storage_index)
-            if key is None:
+            where = self._storage.get(req.storage_index)
+            if where is None:
                 raise DCPError(f"iteration {self.iteration}: the checkpoint holds no item "
                                f"{req.storage_index.fqn!r} at offset {req.storage_index.offset}")
-            node = self._items[key]
+            rank, key = where
+            part = self._part(rank)
+            node = part.items[key]
             if req.type == LoadItemType.BYTE_IO:
                 _deliver_object(planner, req, unflatten(node, _no_leaf))
                 continue
-            box = self._box(req, node, planner)
+            box = self._box(req, node, part, planner)
             if box is None:
                 continue
+            self.last_read_ranks.add(rank)
             batch.append(box)
             scratch += box.scratch_bytes
             if scratch >= SCRATCH_BATCH:
@@ -669,15 +1024,15 @@ class StorageReader:
         fut.set_result(None)
         return fut
 
-    def _box(self, req: ReadItem, node: Any, planner: LoadPlanner) -> _Box | None:
+    def _box(self, req: ReadItem, node: Any, part: _Part, planner: LoadPlanner) -> _Box | None:
         """Plan the read of one tensor request: the byte range of the stored tensor that holds
         the requested box, and where it goes."""
         it = self.iteration
         if not (type(node) is dict and set(node) == {"T"} and type(node["T"]) is int
-                and 0 <= node["T"] < len(self._manifest.tensors)):
+                and 0 <= node["T"] < len(part.manifest.tensors)):
             raise DCPError(f"iteration {it}: item {req.storage_index.fqn!r} is not a tensor")
         index = node["T"]
-        entry = self._manifest.tensors[index]
+        entry = part.manifest.tensors[index]
         dtype = TORCH_DTYPES.get(entry.dtype) if entry.lib == "torch" else None
         if dtype is None:
             raise DCPError(f"iteration {it}: item {req.storage_index.fqn!r} is a {entry.lib} "
@@ -703,31 +1058,37 @@ class StorageReader:
         direct = (end - start == numel * item and dest.device.type == "cpu"
                   and dest.dtype == dtype and dest.is_contiguous()
                   and not dest.is_conj() and not dest.is_neg())
-        return _Box(req, index, start, end, dest, dtype, lengths, strides, direct)
+        return _Box(req, part, index, start, end, dest, dtype, lengths, strides, direct)
 
     def _read(self, batch: list[_Box], planner: LoadPlanner) -> None:
-        if not batch:
-            return
-        source, manifest = self._source, self._manifest
-        assert source is not None
-        ranges = [RangeRead(b.index, b.start, b.end, b.target()) for b in batch]
-        engine = source.engine
-        source.check()
-        self.last_read_bytes += engine.read(
-            lambda: read_ranges(engine.state_reader(), manifest, ranges))
+        by_part: dict[int, list[_Box]] = {}
+        for b in batch:
+            by_part.setdefault(id(b.part), []).append(b)
+        for boxes in by_part.values():
+            part = boxes[0].part
+            source, manifest = part.source, part.manifest
+            ranges = [RangeRead(b.index, b.start, b.end, b.target()) for b in boxes]
+            source.check()
+            self.last_read_bytes += _read_ranges(source, manifest, ranges)
         with torch.no_grad():
             for b in batch:
                 b.place()
                 planner.commit_tensor(b.req, b.dest)
 
 
+def _read_ranges(source: Store, manifest: Any, ranges: list[RangeRead]) -> int:
+    engine = source.engine
+    return engine.read(lambda: read_ranges(engine.state_reader(), manifest, ranges))
+
+
 class _Box:
     """One tensor request: bytes ``start:end`` of stored tensor ``index`` hold the box; read
     straight into ``dest`` (``direct``) or into scratch, then copied."""
 
-    def __init__(self, req: Any, index: int, start: int, end: int, dest: torch.Tensor,
-                 dtype: torch.dtype, lengths: list[int], strides: list[int], direct: bool) -> None:
-        self.req, self.index, self.start, self.end = req, index, start, end
+    def __init__(self, req: Any, part: _Part, index: int, start: int, end: int,
+                 dest: torch.Tensor, dtype: torch.dtype, lengths: list[int], strides: list[int],
+                 direct: bool) -> None:
+        self.req, self.part, self.index, self.start, self.end = req, part, index, start, end
         self.dest, self.dtype, self.lengths, self.strides = dest, dtype, lengths, strides
         self.direct = direct
         self.scratch: torch.Tensor | None = None

@@ -1,7 +1,10 @@
 """ckptstore.dcp: the store as the storage layer of torch.distributed.checkpoint (the real DCP of
 the pinned torch): round trips, dedup across iterations, atomic commit, partial and byte-range
 reads, non-tensor values stored natively (never pickled), typed errors, async_save, fsck/gc,
-one- and two-rank process groups, and ports of DCP's own no-dist CPU tests."""
+ports of DCP's own no-dist CPU tests; and on real gloo groups of 2 and 4 ranks, multi-rank saves
+into a job store (one global commit each) loaded at 1, 2 and 4 ranks with resharding (ports of
+torch's test_dtensor_resharding.py and the ShardedTensor cases of
+test_file_system_checkpoint_cpu.py), torch's test_save_error_handling, and a rank that dies."""
 
 from __future__ import annotations
 
@@ -671,24 +674,34 @@ def one_rank(rank: int, world: int, path: str) -> list:
 
 
 def two_ranks(rank: int, world: int, path: str) -> dict:
-    """Two ranks: a save is refused with DCPError on every rank (nothing committed); every rank
-    loads an iteration saved by one process."""
+    """Two ranks: a save into a one-writer store is refused with DCPError on every rank (nothing
+    committed); so are saves into a two-rank job store that do not run over its ranks (no_dist,
+    use_collectives=False); every rank loads an iteration saved by one process."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import CheckpointException
 
     res: dict = {}
+
+    def failures(e: CheckpointException) -> list:
+        return sorted({type(f[0]).__name__ for f in e.failures.values()})
+
     with ckptstore.open(os.path.join(path, "job2"), mode="a", process_group=dist.group.WORLD) as js:
+        try:  # each rank alone: DCP's rank 0 everywhere, one plan
+            dcp.save({"x": torch.ones(2)}, storage_writer=cdcp.StorageWriter(js, 1), no_dist=True)
+        except CheckpointException as e:
+            res["job_nodist"] = failures(e)
         try:
-            cdcp.StorageWriter(js, 1)
+            dcp.save({"x": torch.ones(2)}, storage_writer=cdcp.StorageWriter(js, 1),
+                     use_collectives=False)
         except DCPError as e:
-            res["job"] = type(e).__name__
+            res["job_nocoll"] = type(e).__name__
         res["job_its"] = js.iterations()
     mine = os.path.join(path, f"own{rank}")
     with ckptstore.open(mine, mode="a") as s:
         try:
             dcp.save({"x": torch.ones(2)}, storage_writer=cdcp.StorageWriter(s, 1))
         except CheckpointException as e:
-            res["save"] = sorted({type(f[0]).__name__ for f in e.failures.values()})
+            res["save"] = failures(e)
         try:  # no collectives: refused on every rank (none waits at DCP's closing barrier)
             dcp.save({"x": torch.ones(2)}, storage_writer=cdcp.StorageWriter(s, 1),
                      use_collectives=False)
@@ -711,5 +724,591 @@ def test_process_groups(tmp_path):
     results = run_ranks(2, MOD, "two_ranks", str(tmp_path), str(tmp_path / "w2"))
     assert all("ok" in r for r in results), results
     for r in results:
-        assert r["ok"] == {"job": "DCPError", "job_its": [], "save": ["DCPError"],
-                           "nocoll": "DCPError", "own_its": [], "load": True}, r
+        assert r["ok"] == {"job_nodist": ["DCPError"], "job_nocoll": "DCPError", "job_its": [],
+                           "save": ["DCPError"], "nocoll": "DCPError", "own_its": [],
+                           "load": True}, r
+
+
+# ---- many ranks: dcp.save over a job store, committed by its global two-phase commit ----------------
+#
+# Every scenario runs on spawned gloo ranks (tests/_ranks.py) with a deadline. The tensors are pure
+# functions of a seed, so any process (any world size) knows what every key must hold, bit for bit.
+
+#: key -> (seed, shape, dtype) of the DTensor scenarios' global tensors
+GLOBALS = {"s0": (1, (6, 8), torch.float32), "s1": (2, (4, 10), torch.float32),
+           "r": (3, (5, 3), torch.float32), "bf": (4, (8, 4), torch.bfloat16),
+           "empty": (5, (1,), torch.float32),     # a 1-element tensor: empty shards on ranks >= 1
+           "uneven": (6, (7, 1), torch.float32),  # shards of 4+3 rows on 2 ranks, 2+2+2+1 on 4
+           "t": (7, (3, 3), torch.float64)}       # a plain tensor, the same on every rank
+#: 2-D keys, saved on 4 ranks over a (2, 2) mesh, one per placement of torch's TWO_D_PLACEMENTS
+TWO_D = {f"p{i}": (10 + i, (4, 6), torch.float32) for i in range(4)}
+VALUES = {"step": 3, "name": "run-1", "betas": (0.9, 0.95)}
+
+
+def glob(key: str) -> torch.Tensor:
+    seed, shape, dtype = {**GLOBALS, **TWO_D}[key]
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def expected_model() -> dict:
+    model, opt = make_model(0)
+    train(model, opt, 2, seed=1)
+    return snapshot(model, opt)
+
+
+def bits(a: torch.Tensor) -> bytes:
+    return a.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _two_d():
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [[Replicate(), Replicate()], [Replicate(), Shard(0)], [Shard(0), Replicate()],
+            [Shard(0), Shard(0)]]
+
+
+def dtensor_state(world: int, mesh1, mesh2) -> dict:
+    """This rank's part of the DTensor state saved at ``world`` ranks."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    place = {"s0": [Shard(0)], "s1": [Shard(1)], "r": [Replicate()], "bf": [Shard(0)],
+             "empty": [Shard(0)]}
+    sd: dict = {k: distribute_tensor(glob(k), mesh1, p) for k, p in place.items()}
+    # torch's test_dtensor_checkpoint_with_uneven_shards: built from local shards
+    g = glob("uneven")
+    local = torch.chunk(g, world)[mesh1.get_local_rank()]
+    sd["uneven"] = DTensor.from_local(local, mesh1, [Shard(0)], run_check=False,
+                                      shape=g.shape, stride=g.stride())
+    sd["t"] = glob("t")
+    if mesh2 is not None:
+        for (k, _), p in zip(TWO_D.items(), _two_d()):
+            sd[k] = distribute_tensor(glob(k), mesh2, p)
+    sd.update(copy.deepcopy(VALUES))
+    return sd
+
+
+def check_dtensor_loads(store, it: int, keys: list, mesh1, mesh2, bad: list, what: str) -> None:
+    """Load ``keys`` of ``it`` into zero DTensors of every 1-D placement (and, with ``mesh2``,
+    every 2-D one); record in ``bad`` any key whose full tensor is not the global bit for bit."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    targets = [("1d", mesh1, p) for p in ([Shard(0)], [Shard(1)], [Replicate()])]
+    if mesh2 is not None:
+        targets += [("2d", mesh2, p) for p in _two_d()]
+    for name, mesh, p in targets:
+        out: dict = {}
+        for k in keys:
+            g = glob(k)
+            pk = [Shard(0) if isinstance(x, Shard) and x.dim >= g.dim() else x for x in p]
+            out[k] = distribute_tensor(torch.zeros(g.shape, dtype=g.dtype), mesh, pk)
+        out.update({k: None for k in VALUES})
+        dcp.load(out, storage_reader=cdcp.StorageReader(store, it))
+        for k in keys:
+            if bits(out[k].full_tensor()) != bits(glob(k)):
+                bad.append(f"{what}: {k} loaded into {name} {p}")
+        if {k: out[k] for k in VALUES} != VALUES:
+            bad.append(f"{what}: values {[out[k] for k in VALUES]} into {name} {p}")
+
+
+def restore_dist(store, iteration) -> dict:
+    """A fresh model + AdamW loaded from ``iteration`` over the default process group."""
+    model, opt = make_model(99)
+    train(model, opt, 1, 99)
+    state = dcp_state(model, opt)
+    dcp.load(state, storage_reader=cdcp.StorageReader(store, iteration))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return snapshot(model, opt)
+
+
+def same_state(a, b) -> bool:
+    from conftest import _same
+
+    try:
+        _same(a, b, "state")
+        return True
+    except AssertionError:
+        return False
+
+
+def mr_save_and_load(rank: int, world: int, path: str, sources: list, save: bool) -> dict:
+    """One job at ``world`` ranks. Loads every source (job stores saved at other world sizes, a
+    single-process store: iteration 10 a model + AdamW, 20 the DTensor keys) with every placement;
+    then, with ``save``, saves its own into the job store at ``path`` (10: the replicated model +
+    AdamW, 20: DTensors, 30: torch's 2-rank ShardedTensor scenarios) and loads them back here."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh1 = init_device_mesh("cpu", (world,))
+    mesh2 = init_device_mesh("cpu", (2, world // 2)) if world == 4 else None
+    bad: list = []
+    out: dict = {"bad": bad}
+    expected = expected_model()
+    for src, keys in sources:
+        with ckptstore.open(src, "r") as reader:
+            if not same_state(expected, restore_dist(reader, 10)):
+                bad.append(f"{src}: model+AdamW")
+            check_dtensor_loads(reader, 20, keys, mesh1, mesh2, bad, src)
+    if not save:
+        return out
+    with ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0) as js:
+        model, opt = make_model(0)
+        train(model, opt, 2, seed=1)
+        t0 = time.perf_counter()
+        dcp.save(dcp_state(model, opt), storage_writer=cdcp.StorageWriter(js, 10))
+        out["model_save_s"] = time.perf_counter() - t0
+        if not same_state(expected, restore_dist(js, 10)):
+            bad.append("own model+AdamW")
+        sd = dtensor_state(world, mesh1, mesh2)
+        dcp.save(sd, storage_writer=cdcp.StorageWriter(js, 20))
+        # the same placements: every local shard back bit for bit
+        back = {k: (v if not hasattr(v, "to_local") else
+                    type(v).from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements,
+                                       run_check=False, shape=v.shape, stride=v.stride()))
+                for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        back["t"] = torch.zeros_like(sd["t"])
+        dcp.load(back, storage_reader=cdcp.StorageReader(js, 20))
+        for k, v in back.items():
+            a, b = (v.to_local(), sd[k].to_local()) if hasattr(v, "to_local") else (v, sd[k])
+            if bits(a) != bits(b):
+                bad.append(f"own {k}: local shard")
+        keys = list(GLOBALS) + (list(TWO_D) if world == 4 else [])
+        check_dtensor_loads(js, 20, keys, mesh1, mesh2, bad, "own")
+        if world == 2:
+            out["sharded"] = sharded_tensor_ports(js, rank, bad)
+        if world == 4:
+            uneven_reshard_ports(js, rank, mesh1, bad)
+        out["iterations"] = js.iterations()
+    return out
+
+
+class ShardOfTensor(torch.Tensor):
+    """A rank's shard of a 1-D sharded tensor that plans its own DCP write/read items (torch's
+    CheckpointableDistTensor in test_dtensor_resharding.py): any offsets and sizes."""
+
+    @staticmethod
+    def __new__(cls, fqn, local, offsets, size):
+        t = torch.Tensor._make_wrapper_subclass(cls, size, dtype=local.dtype, layout=local.layout)
+        t._fqn, t._local = fqn, local
+        t._offsets, t._size = torch.Size(offsets), torch.Size(size)
+        return t
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} on a ShardOfTensor")
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=self._offsets, sizes=self._local.size())]
+
+    def __create_write_items__(self, fqn, obj):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem
+
+        chunk = ChunkStorageMetadata(offsets=self._offsets, sizes=self._local.size())
+        return [WriteItem(index=MetadataIndex(self._fqn, self._offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=chunk, properties=TensorProperties.create_from_tensor(self._local),
+                              size=self._size))]
+
+    def __get_tensor_shard__(self, index):
+        assert index.fqn == self._fqn and index.offset == self._offsets
+        return self._local
+
+
+def uneven_reshard_ports(js, rank: int, mesh1, bad: list) -> None:
+    """torch's TestCheckpointableReshard on 4 ranks: a [16, 1] tensor saved in shards of 4, 3,
+    4, 5 rows, loaded in shards of other uneven sizes: through the write/read-item protocol
+    (iteration 40) and through DTensors of LocalShardsWrapper (iteration 41)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    saving = [(0, 4), (4, 3), (7, 4), (11, 5)]
+
+    def rows(o, n):
+        return torch.arange(o, o + n, dtype=torch.float).view(n, 1)
+
+    o, n = saving[rank]
+    dcp.save({"ct": ShardOfTensor("ct", rows(o, n), [o, 0], [16, 1])},
+             storage_writer=cdcp.StorageWriter(js, 40))
+    o, n = [(0, 2), (2, 4), (6, 6), (12, 4)][rank]
+    local = torch.rand(n, 1)
+    dcp.load({"ct": ShardOfTensor("ct", local, [o, 0], [16, 1])},
+             storage_reader=cdcp.StorageReader(js, 40))
+    if not torch.equal(local, rows(o, n)):
+        bad.append("uneven reshard, checkpointable API")
+
+    def wrapped(local, o):
+        w = LocalShardsWrapper(local_shards=[local], local_offsets=[(o, 0)])
+        return DTensor.from_local(w, mesh1, [Shard(0)], shape=torch.Size([16, 1]),
+                                  stride=torch.Size([1, 1]))
+
+    o, n = saving[rank]
+    dcp.save({"cw": wrapped(rows(o, n), o)}, storage_writer=cdcp.StorageWriter(js, 41))
+    o, n = [(0, 6), (6, 2), (8, 1), (9, 7)][rank]
+    local = torch.rand(n, 1)
+    dcp.load({"cw": wrapped(local, o)}, storage_reader=cdcp.StorageReader(js, 41))
+    if not torch.equal(local, rows(o, n)):
+        bad.append("uneven reshard, LocalShardsWrapper")
+
+
+def sharded_tensor_ports(js, rank: int, bad: list) -> list:
+    """torch's test_file_system_checkpoint_cpu.py on 2 ranks (ShardedTensor): every sharding spec
+    of test_load_with_different_shard_plan saved once (iteration 30) and loaded into every other
+    (rowwise to colwise included), sharded <-> plain tensor (test_switch_between_sharded_tensor_to_
+    tensor), non-tensor values (test_save_load_bytes)."""
+    import warnings
+
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import (ChunkShardingSpec, EnumerableShardingSpec,
+                                                        ShardMetadata)
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # ShardedTensor is deprecated
+    specs = [
+        ChunkShardingSpec(dim=0, placements=["rank:0", "rank:1"]),
+        ChunkShardingSpec(dim=0, placements=["rank:0", "rank:1", "rank:1", "rank:0"]),
+        EnumerableShardingSpec(shards=[ShardMetadata([0, 0], [2, 20], "rank:0"),
+                                       ShardMetadata([2, 0], [1, 20], "rank:1"),
+                                       ShardMetadata([3, 0], [3, 20], "rank:0"),
+                                       ShardMetadata([6, 0], [3, 20], "rank:1"),
+                                       ShardMetadata([9, 0], [1, 20], "rank:0")]),
+        EnumerableShardingSpec(shards=[ShardMetadata([0, 0], [8, 20], "rank:1"),
+                                       ShardMetadata([8, 0], [2, 20], "rank:0")]),
+        ChunkShardingSpec(dim=1, placements=["rank:0", "rank:1"]),  # test_load_rowwise_to_colwise
+    ]
+    g = torch.randn(10, 20, generator=torch.Generator().manual_seed(30))
+
+    def sharded(spec, value):
+        st = sharded_tensor.zeros(spec, 10, 20, init_rrefs=False)
+        for shard in st.local_shards():
+            o, n = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            shard.tensor.copy_(value[o[0]:o[0] + n[0], o[1]:o[1] + n[1]])
+        return st
+
+    def gathered(st):
+        full = torch.zeros(10, 20) if rank == 0 else None
+        st.gather(out=full)
+        return full
+
+    sd = {f"st{i}": sharded(spec, g + i) for i, spec in enumerate(specs)}
+    sd["replicated"] = g * 2
+    sd.update({"bytes0": [1], "bytes1": "string"})
+    dcp.save(sd, storage_writer=cdcp.StorageWriter(js, 30))
+    done = []
+    for shift in range(1, len(specs)):
+        got = {f"st{i}": sharded(specs[(i + shift) % len(specs)], torch.zeros(10, 20))
+               for i in range(len(specs))}
+        # a sharded tensor into a plain one, a plain one into a sharded one
+        got.update({"replicated": sharded(specs[shift], torch.zeros(10, 20)),
+                    "bytes0": [2], "bytes1": "other"})
+        dcp.load(got, storage_reader=cdcp.StorageReader(js, 30))
+        for i in range(len(specs)):
+            full = gathered(got[f"st{i}"])
+            if rank == 0 and bits(full) != bits(g + i):
+                bad.append(f"ShardedTensor spec {i} -> {(i + shift) % len(specs)}")
+        full = gathered(got["replicated"])
+        if rank == 0 and bits(full) != bits(g * 2):
+            bad.append(f"plain tensor -> ShardedTensor spec {shift}")
+        if (got["bytes0"], got["bytes1"]) != ([1], "string"):
+            bad.append("bytes")
+        done.append(shift)
+    plain = {f"st{i}": torch.zeros(10, 20) for i in range(len(specs))}
+    dcp.load(plain, storage_reader=cdcp.StorageReader(js, 30))
+    for i in range(len(specs)):
+        if bits(plain[f"st{i}"]) != bits(g + i):
+            bad.append(f"ShardedTensor spec {i} -> plain tensor")
+    return done
+
+
+def check_single_process_load(path: str, world: int, keys: list, assert_same) -> None:
+    """The plain reader (no process group) loads a job store's iterations whole, reading only the
+    rank streams that hold what it asks for; every DCP item is stored by exactly one rank."""
+    with ckptstore.open(path, "r") as reader:
+        assert isinstance(reader, ckptstore.JobStore) and reader.world_size == world
+        assert reader.iterations()[:2] == [10, 20]
+        assert_same(expected_model(), snapshot(*restore(reader, 10)))
+        out = {k: torch.zeros(glob(k).shape, dtype=glob(k).dtype) for k in keys}
+        out.update({k: None for k in VALUES})
+        load(reader, 20, out)
+        for k in keys:
+            assert bits(out[k]) == bits(glob(k)), k
+        assert {k: out[k] for k in VALUES} == VALUES
+        # only what is asked for: the replicated key lives on one rank, the sharded one on all
+        r = load(reader, 20, {"r": torch.zeros(5, 3)})
+        assert len(r.last_read_ranks) == 1
+        r = load(reader, 20, {"s1": torch.zeros(4, 10)})
+        assert r.last_read_ranks == set(range(world))
+        # the layout: rank 0 holds DCP's metadata; every item is in exactly one rank's state
+        for it in (10, 20):
+            head = reader.load(it, rank=0)["dcp"]
+            rows = head["metadata"]["storage"]
+            assert all(len(row) == 4 for row in rows)
+            held = {(row[3], row[2]) for row in rows}
+            assert len(held) == len(rows)
+            for rank in range(world):
+                state = reader.load(it, rank=rank)
+                assert state["dcp"]["format"] == "ckptstore.dcp"
+                if rank:
+                    assert state["dcp"] == {"format": "ckptstore.dcp", "version": 1,
+                                            "metadata_rank": 0}
+                assert {(rank, k) for k in state["items"]} == {h for h in held if h[0] == rank}
+            if it == 10:  # a replicated state: each parameter once in the whole job store
+                fqns = [row[0] for row in rows]
+                assert len(fqns) == len(set(fqns)) and len({row[3] for row in rows}) == world
+
+
+def test_multi_rank_saves_load_at_every_world_size(tmp_path, assert_same):
+    """dcp.save on 2 and on 4 gloo ranks into a job store, each iteration one global commit:
+    a replicated model + AdamW (loads bit-exact), DTensors (Shard(0), Shard(1), Replicate, bf16,
+    uneven and empty shards; 2-D placements on 4 ranks) loaded at 1, 2 and 4 ranks into every
+    other placement (torch's test_dtensor_resharding.py cases, across world sizes too), and
+    torch's 2-rank ShardedTensor cases. A single-process save loads on 2 and 4 ranks."""
+    single, job2, job4 = str(tmp_path / "single"), str(tmp_path / "job2"), str(tmp_path / "job4")
+    with ckptstore.open(single, "a") as s:
+        model, opt = make_model(0)
+        train(model, opt, 2, seed=1)
+        save(s, 10, dcp_state(model, opt))
+        save(s, 20, {**{k: glob(k) for k in GLOBALS}, **copy.deepcopy(VALUES)})
+    keys2, keys4 = list(GLOBALS), list(GLOBALS) + list(TWO_D)
+    res2 = run_ranks(2, MOD, "mr_save_and_load", job2, str(tmp_path / "w2"), deadline=300,
+                     sources=[(single, keys2)], save=True)
+    assert all("ok" in r for r in res2), res2
+    assert [r["ok"]["bad"] for r in res2] == [[], []], res2
+    assert all(r["ok"]["iterations"] == [10, 20, 30] and r["ok"]["sharded"] == [1, 2, 3, 4]
+               for r in res2)
+    check_single_process_load(job2, 2, keys2, assert_same)
+    res4 = run_ranks(4, MOD, "mr_save_and_load", job4, str(tmp_path / "w4"), deadline=400,
+                     sources=[(single, keys2), (job2, keys2)], save=True)
+    assert all("ok" in r for r in res4), res4
+    assert [r["ok"]["bad"] for r in res4] == [[]] * 4, res4
+    assert all(r["ok"]["iterations"] == [10, 20, 40, 41] for r in res4)
+    check_single_process_load(job4, 4, keys4, assert_same)
+    res = run_ranks(2, MOD, "mr_save_and_load", "", str(tmp_path / "w2b"), deadline=300,
+                    sources=[(job4, keys4)], save=False)
+    assert [r.get("ok", r)["bad"] for r in res] == [[], []], res
+    from ckptstore.cli import main
+    assert main(["fsck", job2]) == 0 and main(["fsck", job4]) == 0
+
+
+class FaultyWriter(cdcp.StorageWriter):
+    """torch's FaultyStorageWriter (test_checkpoint.py) on a real job store: the ranks in
+    ``fail[stage]`` raise ValueError at the start of that stage (``write_data``: before this
+    writer runs at all, so the rank never votes in the commit round)."""
+
+    fail: dict = {}
+
+    def _maybe(self, stage: str) -> None:
+        import torch.distributed as dist
+
+        if dist.get_rank() in self.fail.get(stage, ()):
+            raise ValueError(f"rank {dist.get_rank()} fails in {stage}")
+
+    def set_up_storage_writer(self, *a, **k):
+        self._maybe("set_up_storage_writer")
+        return super().set_up_storage_writer(*a, **k)
+
+    def prepare_local_plan(self, plan):
+        self._maybe("prepare_local_plan")
+        return super().prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans):
+        self._maybe("prepare_global_plan")
+        return super().prepare_global_plan(plans)
+
+    def write_data(self, plan, planner):
+        self._maybe("write_data")
+        return super().write_data(plan, planner)
+
+    def finish(self, metadata, results):
+        self._maybe("finish")
+        return super().finish(metadata, results)
+
+
+class FailingPlanner(DefaultSavePlanner):
+    """Fails inside ckptstore.dcp's write_data (resolving an item) on ``ranks``: ``how`` "raise"
+    raises ValueError, "kill" ends the process (os._exit)."""
+
+    def __init__(self, ranks, how="raise"):
+        super().__init__()
+        self.ranks, self.how = ranks, how
+
+    def lookup_object(self, index):
+        import torch.distributed as dist
+
+        if dist.get_rank() in self.ranks:
+            if self.how == "kill":
+                os._exit(7)
+            raise ValueError(f"rank {dist.get_rank()} fails resolving {index.fqn}")
+        return super().lookup_object(index)
+
+
+def mr_state(world: int, it: int) -> dict:
+    """A state every rank holds alike (DCP spreads its items over the ranks)."""
+    return {**{f"t{r}": torch.full((64,), float(it * 10 + r)) for r in range(world)},
+            "replicated": torch.arange(100.0) + it, "bytes": [1, 2, 3, it]}
+
+
+def mr_failures(rank: int, world: int, path: str, timeout: float) -> dict:
+    """torch's test_save_error_handling on a job store: a failure at any stage of a save on one
+    rank raises CheckpointException on every rank and commits nothing; in write_data every rank
+    reports a typed error; a failure in finish comes after the global commit (the iteration is
+    whole and visible); a rank that fails without voting costs the others the commit timeout."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    def failures(e):
+        return {str(r): type(f[0]).__name__ for r, f in sorted(e.failures.items())}
+
+    js = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=timeout)
+    dcp.save(mr_state(world, 1), storage_writer=cdcp.StorageWriter(js, 1))
+    bad = world - 1
+    out: dict = {}
+    cases = [("set_up_storage_writer", [0], 0), ("prepare_local_plan", [0], 0),
+             ("prepare_global_plan", [0], 0), ("resolve", [bad], 0),
+             ("set_up_storage_writer", [1], 1), ("prepare_global_plan", [1], 1),
+             ("resolve", [0, 1], 1), ("finish", [0], 0), ("finish", [1], 1)]
+    for stage, ranks, coordinator in cases:
+        it = (js.latest() or 0) + 1
+        writer = FaultyWriter(js, it)
+        writer.fail = {} if stage == "resolve" else {stage: ranks}
+        planner = FailingPlanner(ranks if stage == "resolve" else [])
+        t0 = time.perf_counter()
+        try:
+            _save_state_dict(mr_state(world, it), writer, planner=planner,
+                             coordinator_rank=coordinator)
+            got = None
+        except CheckpointException as e:
+            got = failures(e)
+        out[f"{stage}{ranks}@{coordinator}"] = {
+            "failures": got, "iterations": js.iterations(), "s": time.perf_counter() - t0,
+            "error": type(writer.error).__name__ if writer.error is not None else None}
+    loaded = []
+    for it in js.iterations():
+        state = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
+                 for k, v in mr_state(world, it).items()}
+        dcp.load(state, storage_reader=cdcp.StorageReader(js, it))
+        loaded.append(same_state(mr_state(world, it), state))
+    out["loaded"] = loaded
+    # a rank that fails before ckptstore.dcp's write_data runs never votes: the others wait for
+    # its vote until the commit timeout (RankFailureError), then every rank raises
+    it = js.latest() + 1
+    writer = FaultyWriter(js, it)
+    writer.fail = {"write_data": [bad]}
+    t0 = time.perf_counter()
+    try:
+        dcp.save(mr_state(world, it), storage_writer=writer)
+    except CheckpointException as e:
+        out["no-vote"] = {"failures": failures(e), "s": time.perf_counter() - t0,
+                          "iterations": js.iterations()}
+    try:
+        js.close()  # the failed rank's close runs a round the others no longer run: it times out
+        out["close"] = None
+    except ckptstore.CkptStoreError as e:
+        out["close"] = type(e).__name__
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_multi_rank_failures_commit_nothing_or_everything(tmp_path, world):
+    timeout = 4.0
+    res = run_ranks(world, MOD, "mr_failures", str(tmp_path / "job"), str(tmp_path / "w"),
+                    deadline=240, timeout=timeout)
+    assert all("ok" in r for r in res), res
+    bad = world - 1
+    for rank, r in enumerate(res):
+        out = r["ok"]
+        for case, want in [("set_up_storage_writer[0]@0", {"0": "ValueError"}),
+                           ("prepare_local_plan[0]@0", {"0": "ValueError"}),
+                           ("prepare_global_plan[0]@0", {"0": "ValueError"}),
+                           ("set_up_storage_writer[1]@1", {"1": "ValueError"}),
+                           ("prepare_global_plan[1]@1", {"1": "ValueError"})]:
+            assert out[case]["failures"] == want and out[case]["iterations"] == [1], (case, out)
+        # inside write_data: the failing rank votes FAILED, every rank aborts at once
+        for case, failing in [(f"resolve[{bad}]@0", [bad]), ("resolve[0, 1]@1", [0, 1])]:
+            got = out[case]
+            assert got["failures"] == {str(q): "ValueError" if q in failing
+                                       else "GlobalCommitAbortedError" for q in range(world)}, got
+            assert got["iterations"] == [1] and got["s"] < timeout, got
+            assert got["error"] == ("ValueError" if rank in failing
+                                    else "GlobalCommitAbortedError"), got
+        # finish runs after the global commit: DCP reports the failure, the iteration is whole
+        assert out["finish[0]@0"]["failures"] == {"0": "ValueError"}
+        assert out["finish[0]@0"]["iterations"] == [1, 2]
+        assert out["finish[1]@1"]["failures"] == {"1": "ValueError"}
+        assert out["finish[1]@1"]["iterations"] == [1, 2, 3]
+        assert out["loaded"] == [True, True, True]
+        nv = out["no-vote"]
+        assert nv["iterations"] == [1, 2, 3] and nv["s"] < 3 * timeout + 10, nv
+        assert nv["failures"] == {str(q): "ValueError" if q == bad else "RankFailureError"
+                                  for q in range(world)}, nv
+        assert out["close"] == ("RankFailureError" if rank == bad else None)
+    with ckptstore.open(str(tmp_path / "job"), "r") as reader:
+        assert reader.iterations() == [1, 2, 3]
+        for it in reader.iterations():
+            state = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
+                     for k, v in mr_state(world, it).items()}
+            load(reader, it, state)
+            assert same_state(mr_state(world, it), state), it
+
+
+def mr_kill(rank: int, world: int, path: str, victim: int, timeout: float) -> dict:
+    """Iteration 1 commits; during iteration 2's write_data rank ``victim`` dies (os._exit)."""
+    import time
+
+    import torch.distributed as dist
+
+    js = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=timeout)
+    dcp.save(mr_state(world, 1), storage_writer=cdcp.StorageWriter(js, 1))
+    writer = cdcp.StorageWriter(js, 2)
+    t0 = time.perf_counter()
+    try:
+        dcp.save(mr_state(world, 2), storage_writer=writer,
+                 planner=FailingPlanner([victim], how="kill"))
+        err = None
+    except BaseException as e:  # noqa: BLE001 - DCP's collective over the dead rank: gloo's error
+        err = type(e).__name__
+    out = {"error": err, "s": time.perf_counter() - t0, "iterations": js.iterations(),
+           "typed": None if writer.error is None else type(writer.error).__name__,
+           "typed_mro": [] if writer.error is None else [c.__name__ for c in type(writer.error).__mro__]}
+    try:
+        js.close()
+    except ckptstore.CkptStoreError:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("world,victim", [(2, 1), (4, 0)], ids=["2-ranks-kill-rank-1",
+                                                                 "4-ranks-kill-coordinator"])
+def test_multi_rank_save_with_a_dead_rank_commits_nothing(tmp_path, world, victim):
+    """A rank dies in the middle of a multi-rank save (before its vote): nothing becomes
+    visible; every other rank fails within the commit timeout, never hangs: the store's round
+    raises RankFailureError (kept in writer.error), then DCP's own collective over the dead rank
+    raises gloo's error."""
+    timeout = 10.0
+    path = str(tmp_path / "job")
+    res = run_ranks(world, MOD, "mr_kill", path, str(tmp_path / "w"), deadline=120, pg_timeout=30,
+                    victim=victim, timeout=timeout)
+    assert res[victim] == {"died": 7}, res
+    for rank, r in enumerate(res):
+        if rank == victim:
+            continue
+        out = r["ok"]
+        assert out["error"] is not None and out["s"] < timeout + 5, out
+        assert "RankFailureError" in out["typed_mro"] and out["iterations"] == [1], out
+    with ckptstore.open(path, "r") as reader:
+        assert reader.iterations() == [1]
+        with pytest.raises(NotFoundError):
+            cdcp.StorageReader(reader, 2)
+        state = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
+                 for k, v in mr_state(world, 1).items()}
+        load(reader, 1, state)
+        assert same_state(mr_state(world, 1), state)
+    from ckptstore.cli import main
+    assert main(["fsck", path]) == 0
