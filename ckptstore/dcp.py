@@ -472,23 +472,6 @@ def _resolved(value: Any) -> Future[Any]:
     return fut
 
 
-def _vote_failed(store: JobStore, error: BaseException) -> None:
-    """This rank cannot save its part of a multi-rank save (``error``): run the rounds
-    :meth:`JobStore.save` runs on the other ranks (the commit of pending deltas, then the save's
-    own), voting FAILED in the save's, so every rank aborts at once instead of waiting for this
-    rank's vote until the commit timeout. Never raises: the caller raises ``error``."""
-
-    def fail() -> None:
-        raise error
-
-    try:
-        own, committer = store._writer()
-        store._round(own.flush)
-        committer.around(fail)
-    except BaseException:  # noqa: BLE001 - error itself, or the flush round's (failed on every rank)
-        pass
-
-
 def _check_coverage(md: Metadata, storage: dict[Any, tuple[int, str]]) -> None:
     """Every item DCP's metadata names has exactly one writer in the global plan, and nothing
     else is written."""
@@ -659,7 +642,10 @@ class StorageWriter:
             state = {"dcp": head, "items": staged}
         except BaseException as e:
             self.error = e
-            _vote_failed(store, e)
+            try:
+                store.fail_save(e)  # the other ranks abort now instead of at the commit timeout
+            except Exception:  # noqa: BLE001 - a closed store: no round can run; e is the error
+                pass
             raise
         try:
             self.last_stats = store.save(self.iteration, state, meta=self.meta)

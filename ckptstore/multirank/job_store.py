@@ -297,6 +297,27 @@ class JobStore:
         self._round(own.flush)
         return self._round(lambda: own.save(iteration, state, meta))
 
+    def fail_save(self, error: BaseException) -> None:
+        """This rank's part of a collective :meth:`save` failed before ``save`` could be called
+        (making its state: ``error``): run the rounds ``save`` runs on the other ranks (the
+        commit of pending deltas, then the save's own, voting FAILED with ``error``), so they
+        abort at once instead of waiting for this rank's vote until ``commit_timeout``. Raises
+        only what ``save`` raises before any round (a closed or read-only store), or ValueError
+        while the async pipeline runs (its persister runs this rank's rounds); the caller raises
+        ``error``."""
+        own, committer = self._writer()
+        if self._async():
+            raise ValueError("fail_save() while the async pipeline runs this rank's rounds")
+
+        def fail() -> None:
+            raise error
+
+        try:
+            self._round(own.flush)
+            committer.around(fail)
+        except BaseException:  # noqa: BLE001 - error itself, or the flush round's (every rank's)
+            pass
+
     def save_delta(self, iteration: int, record: Any, meta: dict | None = None, *,
                    durable: bool = True) -> SaveStats | None:
         """:meth:`ckptstore.Store.save_delta` on every rank; ``durable`` deltas are committed
