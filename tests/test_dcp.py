@@ -1154,6 +1154,14 @@ class FailingPlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
+class OwnMetadataPlanner(DefaultSavePlanner):
+    def create_global_plan(self, all_plans):
+        import dataclasses
+
+        plans, md = super().create_global_plan(all_plans)
+        return plans, dataclasses.replace(md, planner_data={**md.planner_data, "x": ("x",)})
+
+
 def mr_state(world: int, it: int) -> dict:
     """A state every rank holds alike (DCP spreads its items over the ranks)."""
     return {**{f"t{r}": torch.full((64,), float(it * 10 + r)) for r in range(world)},
@@ -1196,6 +1204,15 @@ def mr_failures(rank: int, world: int, path: str, timeout: float) -> dict:
         out[f"{stage}{ranks}@{coordinator}"] = {
             "failures": got, "iterations": js.iterations(), "s": time.perf_counter() - t0,
             "error": type(writer.error).__name__ if writer.error is not None else None}
+    # a planner whose create_global_plan makes its own metadata: the iteration is committed with
+    # the one computed from the global plan, and finish (which gets the planner's) says so
+    it = js.latest() + 1
+    try:
+        dcp.save(mr_state(world, it), storage_writer=cdcp.StorageWriter(js, it),
+                 planner=OwnMetadataPlanner())
+        out["own-metadata"] = None
+    except CheckpointException as e:
+        out["own-metadata"] = {"failures": failures(e), "iterations": js.iterations()}
     loaded = []
     for it in js.iterations():
         state = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
@@ -1250,14 +1267,16 @@ def test_multi_rank_failures_commit_nothing_or_everything(tmp_path, world):
         assert out["finish[0]@0"]["iterations"] == [1, 2]
         assert out["finish[1]@1"]["failures"] == {"1": "ValueError"}
         assert out["finish[1]@1"]["iterations"] == [1, 2, 3]
-        assert out["loaded"] == [True, True, True]
+        assert out["own-metadata"] == {"failures": {"0": "DCPError"},
+                                       "iterations": [1, 2, 3, 4]}, out["own-metadata"]
+        assert out["loaded"] == [True, True, True, True]
         nv = out["no-vote"]
-        assert nv["iterations"] == [1, 2, 3] and nv["s"] < 3 * timeout + 10, nv
+        assert nv["iterations"] == [1, 2, 3, 4] and nv["s"] < 3 * timeout + 10, nv
         assert nv["failures"] == {str(q): "ValueError" if q == bad else "RankFailureError"
                                   for q in range(world)}, nv
         assert out["close"] == ("RankFailureError" if rank == bad else None)
     with ckptstore.open(str(tmp_path / "job"), "r") as reader:
-        assert reader.iterations() == [1, 2, 3]
+        assert reader.iterations() == [1, 2, 3, 4]
         for it in reader.iterations():
             state = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
                      for k, v in mr_state(world, it).items()}
