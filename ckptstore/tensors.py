@@ -155,6 +155,7 @@ def allocate(entry: TensorEntry) -> tuple[Any, memoryview]:
     value: torch.Tensor | np.ndarray
     try:
         if entry.lib == "torch":
+            assert dtype is not None  # checked above
             value = _empty_torch(entry.shape, dtype, entry.nbytes)
             view = (memoryview(value.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
                     if entry.nbytes else _EMPTY)
