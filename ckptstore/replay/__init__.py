@@ -8,8 +8,8 @@ through the small :class:`~ckptstore.replay.replayer.RecordSource` interface, ne
 internals.
 """
 
-from .replayer import (ApproximateReplayWarning, ReplayReport, fingerprint, fingerprint_digest,
-                       optimizer_class, parameter_norm, replay_range, replay_to)
+from .replayer import (ApproximateReplayWarning, IncrementalReplayer, ReplayReport, fingerprint,
+                       fingerprint_digest, optimizer_class, parameter_norm, replay_range, replay_to)
 
-__all__ = ["ApproximateReplayWarning", "ReplayReport", "fingerprint", "fingerprint_digest",
-           "optimizer_class", "parameter_norm", "replay_range", "replay_to"]
+__all__ = ["ApproximateReplayWarning", "IncrementalReplayer", "ReplayReport", "fingerprint",
+           "fingerprint_digest", "optimizer_class", "parameter_norm", "replay_range", "replay_to"]

@@ -456,6 +456,95 @@ class RecordSource(Protocol):
 ReadRecord = Callable[[int, Any], Any]
 
 
+class IncrementalReplayer:
+    """A replica of the training state kept in memory and advanced one delta at a time, for a
+    process that follows a live store (:mod:`ckptstore.follow`): the base is loaded once, then
+    each :meth:`apply_next` is one recorded optimizer step (format-spec/deltas.md, "Replay"),
+    with the same checks and the same bits as :func:`replay_to`.
+
+    ``IncrementalReplayer(source, base)`` loads base snapshot ``base`` of ``source`` (a
+    :class:`RecordSource`); ``IncrementalReplayer.from_state(state, base)`` starts from a base
+    state already in memory (which it then owns: the steps update its tensors in place). A state
+    that is not a Checkpointer base raises DeltaChainError naming ``base``."""
+
+    def __init__(self, source: RecordSource | None, base: int, *,
+                 state: dict | None = None) -> None:
+        if state is None:
+            if source is None:
+                raise ValueError("IncrementalReplayer needs a source or a base state")
+            if source.kind(base) != "snapshot":
+                raise DeltaChainError(f"iteration {base} is a {source.kind(base)}, not a base snapshot")
+            state = source.load(base)
+        self._source = source
+        self._eng = _StateReplayer(state, base)
+        self._configured = False
+        #: the iteration the replica started from
+        self.base = base
+
+    @classmethod
+    def from_state(cls, state: dict, base: int,
+                   source: RecordSource | None = None) -> "IncrementalReplayer":
+        return cls(source, base, state=state)
+
+    @property
+    def iteration(self) -> int:
+        """The iteration whose state the replica holds."""
+        return self._eng.iteration
+
+    @property
+    def report(self) -> ReplayReport:
+        """How the replica relates to the training state (``exact``, lossy steps, ...)."""
+        return self._eng.report
+
+    @property
+    def exact(self) -> bool:
+        return self._eng.report.exact
+
+    def apply_next(self, iteration: int, record: dict | None = None) -> None:
+        """Replay delta ``iteration`` (must be :attr:`iteration` + 1) onto the replica. ``record``:
+        its delta record, else read from the source (checked to be a delta). Raises
+        DeltaChainError, DamagedCheckpointError (a malformed record), ReplayDivergenceError (a
+        recorded fingerprint differs); after an error the replica is unusable."""
+        if record is None:
+            if self._source is None:
+                raise ValueError("apply_next without a record needs a source")
+            record = _record(self._source, iteration)
+        self._eng.apply(iteration, record)
+
+    def advance(self, last: int, threads: int = 1) -> None:
+        """Replay every delta after :attr:`iteration` up to ``last``, read from the source: the
+        records read ahead in a background thread and steady deltas run as tiled windows (with
+        ``threads`` threads for a window's kernels), as :func:`replay_to` does; the same bits as
+        :meth:`apply_next` on each. The first call fixes ``threads``. Raises as
+        :meth:`apply_next` (DeltaChainError also for a snapshot or a missing iteration in the
+        range); after an error the replica is unusable."""
+        if self._source is None:
+            raise ValueError("advance needs a source")
+        if not self._configured:
+            self._eng.parallel(threads)
+            self._configured = True
+        _replay_deltas(self._source, self._eng, last, threads, None, configure=False)
+
+    def fingerprint(self) -> str:
+        """xxh3-64 of the replica's parameters in optimizer order (what a delta's ``fp`` records)."""
+        return fingerprint_digest(self._eng.params)
+
+    def state(self, clone: bool = True) -> dict:
+        """The replica as a state: a Checkpointer base snapshot (``model``, ``optimizer``,
+        ``scheduler``, ``rng``, ``iteration``, the replay section), plus ``replay_report`` when
+        not exact. ``clone=False`` shares the replica's tensors (the next step changes them)."""
+        return self._eng.current(clone)
+
+    def close(self) -> None:
+        self._eng.close()
+
+    def __enter__(self) -> "IncrementalReplayer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _replayer_at(store: RecordSource, start: int) -> _StateReplayer:
     base = store.base_of(start)
     if store.kind(base) != "snapshot":
@@ -491,12 +580,13 @@ def replay_to(store: RecordSource, iteration: int, *, threads: int | None = None
 
 
 def _replay_deltas(store: RecordSource, eng: _StateReplayer, last: int, threads: int | None,
-                   read_record: ReadRecord | None) -> None:
+                   read_record: ReadRecord | None, configure: bool = True) -> None:
     from .parallel import RecordFeed, default_shards
 
     if eng.iteration >= last:
         return
-    eng.parallel(default_shards() if threads is None else threads)
+    if configure:  # (else the caller set it up once: IncrementalReplayer)
+        eng.parallel(default_shards() if threads is None else threads)
     # replay_to runs inside Store.load (which holds the writer's mutex and retries on failure):
     # the read-ahead thread reads without taking the mutex again. A tiled window holds up to
     # ``eng.window`` records' gradient buffers at once, plus two being read ahead.

@@ -129,7 +129,11 @@ class Checkpointer:
 
     ``base_every``: an int (a base snapshot every that many iterations) or "auto" (chosen from the
     measured base-write and per-delta replay costs so the worst-case recovery time, base load plus
-    replay of every delta since, stays under ``target_recovery_s``).
+    replay of every delta since, stays under ``target_recovery_s``), or None (also spelled
+    "follower"): no periodic bases, only the chain's first one (iteration 0 of an empty store)
+    and the base a chain restart needs (after a failure); a shadow follower (``ckptstore
+    follow``, :mod:`ckptstore.follow`) writes the others into its own store, and restores start
+    from them (format-spec/follower.md).
     ``codec``: "exact" | "bf16" | "fp16" | "topk:F" | "int8" (ckptstore.replay.gradcodecs).
     ``apply_decoded``: with a lossy codec, train on the decoded gradient (it is copied into
     ``p.grad`` before ``optimizer.step()``), so replay is exact again.
@@ -147,7 +151,7 @@ class Checkpointer:
     """
 
     def __init__(self, store, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any = None, *, base_every: int | str = 200, codec: str = "exact",
+                 scheduler: Any = None, *, base_every: int | str | None = 200, codec: str = "exact",
                  apply_decoded: bool = False, group_commit: int = 1, group_seconds: float | None = None,
                  fingerprint_every: int = 10, target_recovery_s: float = 30.0,
                  asynchronous: bool = True, capture: str = "hooks",
@@ -157,8 +161,11 @@ class Checkpointer:
                 type(optimizer) is not getattr(torch.optim, type(optimizer).__name__):
             raise TypeError(f"optimizer {type(optimizer).__qualname__} is not replayable; supported: "
                             f"{', '.join('torch.optim.' + n for n in OPTIMIZER_NAMES)}")
-        if base_every != "auto" and (type(base_every) is not int or base_every < 1):
-            raise ValueError('base_every must be a positive int or "auto"')
+        if base_every == "follower":
+            base_every = None  # the same: the follower writes the periodic bases
+        if base_every is not None and base_every != "auto" and \
+                (type(base_every) is not int or base_every < 1):
+            raise ValueError('base_every must be a positive int, "auto", None or "follower"')
         if type(group_commit) is not int or group_commit < 1:
             raise ValueError("group_commit must be a positive int")
         if group_seconds is not None and (isinstance(group_seconds, bool) or
@@ -439,8 +446,9 @@ class Checkpointer:
         than a delta (the base interval, or a chain that must restart with a base). A step whose
         chain is restarted after a failure first writes a base of ``iteration - 1``; this says
         nothing about that one."""
-        return self._force_base or \
-            iteration - (self._base if self._base is not None else 0) >= self.interval()
+        interval = self.interval()
+        return self._force_base or (interval is not None and
+                                    iteration - (self._base if self._base is not None else 0) >= interval)
 
     def _take_grads(self, own: bool = False) -> tuple[list[Any], Any]:
         """Gradient payloads for the delta record, in slots of a host arena (ownership passes to
@@ -530,8 +538,11 @@ class Checkpointer:
         return target
 
     # ---- training ---------------------------------------------------------------------------
-    def interval(self) -> int:
-        """The current base interval (fixed, or chosen from measured costs for "auto")."""
+    def interval(self) -> int | None:
+        """The current base interval (fixed, or chosen from measured costs for "auto"); None with
+        ``base_every=None`` (no periodic bases: a follower writes them)."""
+        if self.base_every is None:
+            return None
         if self.base_every != "auto":
             assert isinstance(self.base_every, int)  # __init__ admits a positive int or "auto"
             return self.base_every
