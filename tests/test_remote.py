@@ -8,7 +8,10 @@ mid-upload and resumed; the server stopped mid-run and restarted (moto keeps no 
 restart: the uploader reports a typed error, backs off, local saves go on, and it re-uploads
 everything once the server is back); restore into an empty directory from the server alone; an
 object changed behind our back; wrong credentials and a missing bucket; a remote copy older
-(reported) or newer (refused) than the local store; gc under a remote; job stores refused.
+(reported) or newer (refused) than the local store; gc under a remote; job stores refused; lazy
+remote reads (``ckptstore.open("s3://...", "r")``): bytes fetched per load, bit-exact snapshots
+and delta chains, a changed extent named, an absent, missing, damaged, stale or foreign index
+object, objects collected under a reader, the service going away under one.
 
 Needs the ``remote-test`` extra (``pip install -e '.[remote-test]'``: boto3, moto[server]).
 """
@@ -300,7 +303,10 @@ def test_upload_killed_mid_way_resumes(server, url, tmp_path, assert_same, uploa
         with ckptstore.open(src, "a", remote=url, remote_options=opts) as s:
             assert s.remote_flush(60) == 2
             stats = s.remote_status()
-    assert stats.uploaded_bytes <= total - 8 * MiB + 64  # what arrived was not sent again
+    index = newest_head(ObjectStore(url, opts)).index  # the index object goes with the HEAD
+    assert index is not None
+    # what arrived was not sent again
+    assert stats.uploaded_bytes <= total - 8 * MiB + 64 + index.length
     assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")  # the dead one aborted
     assert_same(_all_states(src), _all_states_pulled(url, tmp_path / "pulled", server))
     assert verify_remote(url, opts).clean
@@ -528,6 +534,8 @@ def test_gc_under_a_remote_removes_objects_only_after_a_newer_head(server, url, 
     names = set(ObjectStore(url, opts).list_objects("segments/"))
     assert names == {e.name for e in after.extents()} and not (old_objects & names - {
         e.name for e in after.extents()})
+    assert after.index is not None  # the index objects of dropped HEADs went with them
+    assert set(ObjectStore(url, opts).list_objects("index/")) == {after.index.name}
     store.close()
     dest = tmp_path / "pulled"
     pull(url, dest, opts)
@@ -555,6 +563,267 @@ def test_job_stores_and_misuse_are_refused(server, url, tmp_path):
         push(tmp_path / "s", url, {"bandwith": 5})
     with pytest.raises(StoreNotFoundError):
         ckptstore.open(url, "r", storage_options=server.options())  # nothing pushed yet
+
+
+# ---- lazy remote reads (ckptstore/remote/reader.py) ----------------------------------------------
+def _rewrite_head(server, url, head) -> None:
+    """Overwrite a HEAD object in place with ``head`` (a valid check line): what another writer
+    (an older version, a damaged upload) could have left."""
+    from ckptstore.remote.head import encode_head
+
+    bucket, prefix = url.split("/")[2], url.split("/", 3)[3]
+    server.s3().put_object(Bucket=bucket, Key=f"{prefix}/{head.name}", Body=encode_head(head))
+
+
+def _flip(server, url, name: str, at: int) -> None:
+    bucket, prefix = url.split("/")[2], url.split("/", 3)[3]
+    s3 = server.s3()
+    data = bytearray(s3.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"].read())
+    data[at] ^= 0x01
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=bytes(data))
+
+
+def _many_iterations(path, n: int, each: int) -> dict:
+    """``n`` snapshots, each with ``each`` bytes of its own (random: no dedup, no compression)
+    and a few small tensors; returns what was saved."""
+    saved = {}
+    with ckptstore.open(path, "a") as s:
+        for i in range(n):
+            g = torch.Generator().manual_seed(1000 + i)
+            st = {"w": torch.randn(each // 4, generator=g), "b": torch.arange(5) + i, "step": i}
+            s.save(i, st)
+            saved[i] = st
+    return saved
+
+
+def test_lazy_open_fetches_about_one_iterations_bytes(server, url, tmp_path, assert_same):
+    """open("s3://...", "r") fetches STORE, the HEAD and the index object, then per load about
+    that iteration's own bytes -- not the store."""
+    src = tmp_path / "src"
+    each = 1 * MiB
+    saved = _many_iterations(src, 24, each)
+    head = push(src, url, server.options()).head
+    assert head.index is not None and head.index.length < head.index.raw_length
+    shutil.rmtree(src)  # a fresh machine: the server alone
+    with ckptstore.open(url, "r", storage_options=server.options()) as r:
+        st = r.remote_read_stats()
+        assert (st.mode, st.index, st.generation) == ("ranges", "used", head.generation)
+        opened = st.bytes_read
+        assert opened < 64 << 10, st  # metadata only: HEAD, STORE, index, segment headers
+        assert r.iterations() == list(range(24))
+        per_load = []
+        for it in (3, 17, 23, 0):
+            before = r.remote_bytes_read
+            assert_same(saved[it], r.load(it), f"iteration {it}")
+            per_load.append(r.remote_bytes_read - before)
+        # its own bytes (less what an earlier read left in the block cache), plus at most a
+        # block or two of records around them
+        block = r.remote_read_stats().block_size
+        assert all(each - block <= n <= each + 2 * block for n in per_load), per_load
+        again = r.remote_bytes_read
+        part = r.load(17, keys=["b", "step"])  # no big tensor: cached records
+        assert_same({"b": saved[17]["b"], "step": 17}, part)
+        assert r.remote_bytes_read - again < 256 << 10
+        total = r.remote_read_stats()
+        assert total.bytes_read < head.nbytes / 4 and total.mode == "ranges", (total, head.nbytes)
+        private = r.path  # STORE and the index: removed at close
+        assert sorted(os.listdir(private)) == ["STORE", "index"]
+    assert not os.path.exists(private)
+    print(f"\nlazy remote reads: store {head.nbytes} bytes, open {opened} bytes, per load of "
+          f"{each} bytes: {per_load}, index object {head.index.length} bytes "
+          f"({head.index.raw_length} raw)")
+
+
+def test_lazy_open_of_a_checkpointer_run_bit_exact(server, url, tmp_path, assert_same):
+    """The writer's uploader names its own LMDB index in each HEAD: a lazy reader replays the
+    delta chain from range reads, bit-exact."""
+    path = tmp_path / "ck"
+    store, _ = _checkpointer_run(path, 14, remote=url,
+                                 remote_options=server.options(head_interval=0.2),
+                                 base_every=5, group_commit=2)
+    store.close()
+    expected = _all_states(path)
+    with ckptstore.open(url, "r", storage_options=server.options()) as r:
+        assert r.iterations() == list(expected)
+        assert r.kind(7) == "delta"
+        for it in expected:
+            assert_same(expected[it], r.load(it), f"iteration {it}")
+        st = r.remote_read_stats()
+        assert (st.mode, st.index) == ("ranges", "used"), st
+
+
+@pytest.mark.parametrize("max_object", [64 * MiB, 128 << 10], ids=["one-extent", "small-extents"])
+def test_lazy_read_of_a_changed_extent_names_it(server, url, tmp_path, assert_same, max_object):
+    """An extent changed behind our back: the load that reads it raises RemoteIntegrityError
+    naming the object (small extents are checked whole as they arrive; in a large one the read
+    path's checksum failure makes the reader hash the extents under the failing record); a load
+    that does not touch it is unaffected."""
+    src = tmp_path / "src"
+    saved = _many_iterations(src, 6, 512 << 10)
+    opts = server.options(max_object=max_object)
+    head = push(src, url, opts).head
+    seg = (src / "segments" / f"{head.segments[0].seq:010d}.seg").read_bytes()
+    at = seg.find(saved[2]["w"].numpy().tobytes()[:4096]) + 1000  # inside iteration 2's tensor
+    assert at > 1000
+    victim = next(e for e in head.extents() if e.seq == head.segments[0].seq
+                  and e.offset <= at < e.end)
+    _flip(server, url, victim.name, at - victim.offset)
+    with ckptstore.open(url, "r", storage_options=opts) as r:
+        assert r.remote_read_stats().index == "used"
+        assert_same(saved[4], r.load(4))
+        with pytest.raises(RemoteIntegrityError, match=victim.name) as e:
+            r.load(2)
+        assert "digest mismatch" in str(e.value) and "changed behind our back" in str(e.value)
+        assert r.remote_read_stats().mode == "ranges"  # found without fetching the store whole
+        assert_same(saved[5], r.load(5))
+
+
+def test_lazy_open_without_index_falls_back_to_whole_segments(server, url, tmp_path,
+                                                                 assert_same):
+    """A HEAD that names no index (an older writer) or an index object that fails its digest:
+    the reader fetches the segments whole (verified) and scans them; loads are bit-exact."""
+    from dataclasses import replace
+
+    src = tmp_path / "src"
+    saved = _many_iterations(src, 5, 256 << 10)
+    head = push(src, url, server.options()).head
+    assert head.index is not None
+    _flip(server, url, head.index.name, head.index.length // 2)  # damaged: a cache, not data
+    with ckptstore.open(url, "r", storage_options=server.options()) as r:
+        st = r.remote_read_stats()
+        assert (st.mode, st.index) == ("whole", "damaged")
+        assert st.bytes_read >= head.nbytes
+        for it in saved:
+            assert_same(saved[it], r.load(it))
+    report = verify_remote(url, server.options())
+    assert any(head.index.name in d and "a cache" in d for d in report.damage), report.damage
+
+    _rewrite_head(server, url, replace(head, index=None))  # as an older writer wrote it
+    server.s3().delete_object(Bucket=url.split("/")[2],
+                              Key=f"{url.split('/', 3)[3]}/{head.index.name}")
+    with ckptstore.open(url, "r", storage_options=server.options()) as r:
+        st = r.remote_read_stats()
+        assert (st.mode, st.index) == ("whole", "absent")
+        assert r.iterations() == list(saved)
+        assert_same(saved[3], r.load(3))
+    assert verify_remote(url, server.options()).clean
+    with ckptstore.open(url, "r", storage_options=server.options(), lazy=False) as r:
+        assert r.remote_read_stats().mode == "whole"
+        assert_same(saved[1], r.load(1))
+    # a push of the same state adds an index to that HEAD (a new generation, nothing else sent)
+    again = push(tmp_path / "src", url, server.options())
+    assert again.head.index is not None and again.head.generation == head.generation + 1
+    assert again.stats.uploaded_objects == 1
+
+
+def test_lazy_open_with_a_stale_or_foreign_index(server, url, tmp_path, assert_same):
+    """The index is a cache validated against the log: an older one (of an earlier HEAD) still
+    serves, the log after its position is scanned with range reads; one of another store fails
+    validation and the reader fetches the segments whole. Both load bit-exact."""
+    from dataclasses import replace
+
+    src = tmp_path / "src"
+    saved = _many_iterations(src, 4, 256 << 10)
+    first = push(src, url, server.options()).head
+    with ckptstore.open(src, "a") as s:
+        for i in range(4, 8):
+            g = torch.Generator().manual_seed(1000 + i)
+            saved[i] = {"w": torch.randn(64 << 10, generator=g), "b": torch.arange(5) + i,
+                        "step": i}
+            s.save(i, saved[i])
+    second = push(src, url, server.options()).head
+    assert first.index is not None and second.index != first.index
+    _rewrite_head(server, url, replace(second, index=first.index))  # stale: iterations 0..3
+    with ckptstore.open(url, "r", storage_options=server.options()) as r:
+        st = r.remote_read_stats()
+        assert (st.mode, st.index) == ("ranges", "used"), st
+        assert r.iterations() == list(range(8))
+        before = r.remote_bytes_read
+        assert_same(saved[6], r.load(6))
+        assert r.remote_bytes_read - before < 1 * MiB
+        assert_same(saved[1], r.load(1))
+
+    other = tmp_path / "other"  # an index object of another store, under this HEAD's name
+    _many_iterations(other, 2, 4096)
+    other_url = url.rsplit("/", 1)[0] + "/other"
+    foreign = push(other, other_url, server.options()).head.index
+    assert foreign is not None
+    bucket, prefix = url.split("/")[2], url.split("/", 3)[3]
+    server.s3().copy_object(Bucket=bucket, Key=f"{prefix}/{foreign.name}",
+                            CopySource={"Bucket": bucket,
+                                        "Key": f"{other_url.split('/', 3)[3]}/{foreign.name}"})
+    _rewrite_head(server, url, replace(second, index=foreign))
+    with ckptstore.open(url, "r", storage_options=server.options()) as r:
+        st = r.remote_read_stats()
+        assert (st.mode, st.index) == ("whole", "unusable"), st
+        assert r.iterations() == list(range(8))
+        assert_same(saved[7], r.load(7))
+
+
+def test_lazy_reader_of_a_head_collected_under_it(server, url, tmp_path, assert_same):
+    """A lazy reader reads the HEAD newest at its open; a writer's gc and the remote gc after a
+    newer HEAD delete objects it names: a read of one raises RemoteIntegrityError naming it
+    (never wrong bytes), and a reopen reads the newest HEAD."""
+    src = tmp_path / "src"
+    opts = server.options(keep_heads=1)
+    with ckptstore.open(src, "a", segment_size=1 * MiB) as s:
+        for i in range(4):
+            g = torch.Generator().manual_seed(i)
+            s.save(i, {"w": torch.randn((300 << 10) // 4, generator=g)})
+    push(src, url, opts)
+    r = ckptstore.open(url, "r", storage_options=opts)
+    try:
+        with ckptstore.open(src, "a") as s:
+            s.gc(keep_last=1)
+        push(src, url, opts)  # the old HEAD and the objects only it named are deleted
+        with pytest.raises(RemoteIntegrityError, match="segments/0000000001/.*missing"):
+            r.load(0)
+    finally:
+        r.close()
+    with ckptstore.open(url, "r", storage_options=opts) as r2:
+        assert r2.iterations() == [3]
+
+
+def test_lazy_reader_service_failure_is_a_remote_error(tmp_path):
+    """The server goes away under a lazy reader: a load raises the typed RemoteError of the
+    service (never DamagedCheckpointError: nothing in the store is damaged)."""
+    srv = MotoServer(str(tmp_path))
+    srv.start()
+    try:
+        srv.s3().create_bucket(Bucket="gone")
+        src = tmp_path / "src"
+        saved = _many_iterations(src, 3, 256 << 10)
+        opts = srv.options(connect_timeout=1, read_timeout=2, max_attempts=1)
+        push(src, "s3://gone/run", opts)
+        r = ckptstore.open("s3://gone/run", "r", storage_options=opts)
+        try:
+            assert torch.equal(r.load(2)["w"], saved[2]["w"])
+            srv.stop()
+            with pytest.raises(RemoteError) as e:
+                r.load(0)
+            assert e.value.code == "Unreachable" and not isinstance(e.value,
+                                                                   RemoteIntegrityError)
+        finally:
+            r.close()
+    finally:
+        srv.stop()
+
+
+def test_head_index_entry_codec():
+    from ckptstore.remote.head import Head, IndexRef, decode_head, encode_head
+    from ckptstore.errors import FormatError
+
+    h = Head(generation=3, store_id=b"\x01" * 16, store_digest=b"\x02" * 16, position=None,
+             latest=None, recoverable=None, count=0, watermark=0, segments=(),
+             index=IndexRef(100, 4096, b"\x03" * 16))
+    got = decode_head(encode_head(h), 3)
+    assert got.index == h.index and h.index.name in got.objects()
+    assert decode_head(encode_head(Head(**{**h.__dict__, "index": None})), 3).index is None
+    bad = encode_head(h).split(b"\n")[0].replace(b'"index":[100,4096,', b'"index":[0,4096,')
+    import xxhash
+
+    with pytest.raises(FormatError, match="index length"):
+        decode_head(bad + b"\nxxh3-128 " + xxhash.xxh3_128_hexdigest(bad).encode() + b"\n", 3)
 
 
 def test_cli_push_pull(server, url, tmp_path, monkeypatch, capsys, assert_same):

@@ -9,8 +9,9 @@ compresses), and measures, median of ``--reps`` runs each, every run into a fres
   save, then the upload) -> s;  ``torch.distributed.checkpoint.save`` with
   ``FsspecWriter("s3://...")`` (s3fs) -> s and MB/s;
 * restore from the server alone into an empty directory / fresh tensors:
-  ``ckptstore pull`` + ``store.load`` -> s;  ``dcp.load`` with ``FsspecReader`` into
-  preallocated tensors -> s.
+  ``ckptstore pull`` + ``store.load`` -> s;  ``ckptstore.open("s3://...", "r")`` + ``load``
+  (the lazy remote reader: metadata, then range GETs of what the load reads) -> s and bytes
+  fetched;  ``dcp.load`` with ``FsspecReader`` into preallocated tensors -> s.
 
 moto is a Python server sharing this machine's cores: the numbers measure the clients' overheads
 plus moto's, not a network. Needs the ``remote-test`` extra (boto3, moto[server], s3fs).
@@ -123,7 +124,8 @@ def main() -> None:
         with ckptstore.open(local, "a") as s:
             s.save(1000, state)
         res: dict[str, list[float]] = {k: [] for k in (
-            "push", "save+upload", "pull+load", "dcp save", "dcp load")}
+            "push", "save+upload", "pull+load", "lazy open+load", "dcp save", "dcp load")}
+        fetched: list[int] = []
         for rep in range(args.reps):
             # ckptstore push (the uploader's code path) of the existing local store
             t0 = time.perf_counter()
@@ -150,6 +152,14 @@ def main() -> None:
             assert same(state, got)
             del got
             shutil.rmtree(dest, ignore_errors=True)
+            # restore from the server alone: the lazy remote reader (range GETs)
+            t0 = time.perf_counter()
+            with ckptstore.open(f"s3://bench/push{rep}", "r", storage_options=opts) as s:
+                got = s.load(1000)
+                fetched.append(s.remote_bytes_read)
+            res["lazy open+load"].append(time.perf_counter() - t0)
+            assert same(state, got)
+            del got
             # DCP through fsspec (s3fs) on the same server
             t0 = time.perf_counter()
             dcp.save(state, storage_writer=FsspecWriter(f"s3://bench/dcp{rep}",
@@ -175,10 +185,13 @@ def main() -> None:
             ("upload", f"DCP save, FsspecWriter (s3fs, {args.dcp_threads} thread)",
              med["dcp save"]),
             ("restore", "ckptstore pull + load (empty dir)", med["pull+load"]),
+            ("restore", "ckptstore open(s3://) + load (lazy)", med["lazy open+load"]),
             ("restore", "DCP load, FsspecReader (s3fs)", med["dcp load"]),
         ]
         for kind, name, sec in rows:
             print(f"  {kind:8s} {name:48s} {sec:7.2f} s  {mb / sec:7.1f} MB/s")
+        print(f"  lazy reader fetched {statistics.median(fetched) / 1e6:.1f} MB for the "
+              f"{mb:.0f} MB state")
     finally:
         proc.terminate()
         proc.wait(10)

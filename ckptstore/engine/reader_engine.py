@@ -42,11 +42,16 @@ class ReaderEngine(Engine):
             self.header = read_store_header(self.layout)
             self.chunk_size = self.header.chunk_size
             self.segment_size = self.header.segment_size
-            self.log = Log(self.layout, self.header.store_id)
+            self.log = self._open_log()
             self._catch_up(reset=True)
         except BaseException:
             self._release()
             raise
+
+    def _open_log(self) -> Log:
+        """The log this reader reads (a remote reader's reads its segments from an object
+        store: ckptstore/remote/reader.py)."""
+        return Log(self.layout, self.header.store_id)
 
     # ---- the view --------------------------------------------------------------------------
     def _warm_view(self, live: list[int]) -> tuple[Index, Position | None]:

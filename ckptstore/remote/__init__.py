@@ -5,8 +5,11 @@ outlives the machine (format-spec/remote.md).
 * :class:`Uploader` -- the writer's background uploader (``ckptstore.open(path, "a",
   remote="s3://bucket/run", remote_options={...})``), the same code path after every commit,
   rate-limited to one HEAD per ``head_interval`` seconds and ``bandwidth`` bytes/s;
-* :func:`pull` -- restore the newest remote HEAD into a local directory (what
-  ``ckptstore.open("s3://...", mode="r")`` reads from);
+* :func:`pull` -- restore the newest remote HEAD into a local directory (``ckptstore pull``;
+  ``ckptstore.open("s3://...", mode="r", cache_dir=DIR)``);
+* :func:`~ckptstore.remote.reader.open_remote` -- ``ckptstore.open("s3://...", mode="r")``: a
+  lazy reader that fetches STORE, the HEAD and its index object, then only the byte ranges a
+  load reads (:class:`RemoteReadStats` says how many bytes);
 * :func:`verify_remote` -- fsck of the remote copy.
 
 Layers: above the engine (it reads a live engine's committed state under its lock), beside ops/.
@@ -14,11 +17,13 @@ Multi-rank job stores are not supported (RemoteUnsupportedError).
 """
 
 from .client import ObjectStore, RemoteURL, is_remote_url, parse_url
-from .head import Head
+from .head import Head, IndexRef
 from .replicate import PushResult, RemoteOptions, push, split_options
+from .reader import RemoteReadStats, open_remote
 from .restore import PullResult, RemoteFsckReport, newest_head, pull, pull_for_open, verify_remote
 from .uploader import RemoteStatus, Uploader
 
-__all__ = ["ObjectStore", "RemoteURL", "is_remote_url", "parse_url", "Head", "PushResult",
+__all__ = ["ObjectStore", "RemoteURL", "is_remote_url", "parse_url", "Head", "IndexRef",
+           "RemoteReadStats", "open_remote", "PushResult",
            "RemoteOptions", "push", "split_options", "PullResult", "RemoteFsckReport",
            "newest_head", "pull", "pull_for_open", "verify_remote", "RemoteStatus", "Uploader"]

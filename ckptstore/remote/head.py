@@ -18,6 +18,7 @@ from ..errors import ChecksumMismatch, FormatError, UnsupportedVersionError
 STORE_OBJECT = "STORE"
 HEADS_DIR = "heads/"
 SEGMENTS_DIR = "segments/"
+INDEX_DIR = "index/"
 HEAD_FORMAT = "ckptstore-remote-head"
 HEAD_VERSION = 1
 #: Bytes a HEAD object may have (a reader refuses a larger one before parsing it).
@@ -25,6 +26,7 @@ MAX_HEAD_BYTES = 64 << 20
 _MAX_U63 = (1 << 63) - 1
 _HEAD_RE = re.compile(r"^heads/(\d{20})$")
 _EXTENT_RE = re.compile(r"^segments/(\d{10})/(\d{15})-(\d{15})-([0-9a-f]{32})$")
+_INDEX_RE = re.compile(r"^index/(\d{15})-([0-9a-f]{32})$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -72,6 +74,25 @@ def parse_extent_name(name: str) -> Extent | None:
 
 
 @dataclass(frozen=True)
+class IndexRef:
+    """The index object a HEAD names: an lz4 frame of ``length`` bytes (xxh3-128 ``digest``)
+    holding a compact copy of the writer's LMDB index, ``raw_length`` bytes once decompressed.
+    A cache: a reader validates it against the log like a local index (format-spec/remote.md)."""
+
+    length: int
+    raw_length: int
+    digest: bytes
+
+    @property
+    def name(self) -> str:
+        return f"{INDEX_DIR}{self.length:015d}-{self.digest.hex()}"
+
+
+def is_index_name(name: str) -> bool:
+    return _INDEX_RE.match(name) is not None
+
+
+@dataclass(frozen=True)
 class SegmentEntry:
     """A segment of the remote copy: its first ``length`` bytes, as consecutive extents."""
 
@@ -99,6 +120,8 @@ class Head:
     watermark: int
     segments: tuple[SegmentEntry, ...]
     created_ns: int = 0
+    #: the index object (None: the HEAD names none; an older writer, or no index to copy)
+    index: IndexRef | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -114,7 +137,10 @@ class Head:
 
     def objects(self) -> set[str]:
         """Every object this HEAD names (itself excluded)."""
-        return {STORE_OBJECT} | {e.name for e in self.extents()}
+        out = {STORE_OBJECT} | {e.name for e in self.extents()}
+        if self.index is not None:
+            out.add(self.index.name)
+        return out
 
     def segment(self, seq: int) -> SegmentEntry | None:
         return next((s for s in self.segments if s.seq == seq), None)
@@ -132,6 +158,8 @@ def encode_head(h: Head) -> bytes:
                      for s in h.segments],
         **h.extra,
     }
+    if h.index is not None:
+        body["index"] = [h.index.length, h.index.raw_length, h.index.digest.hex()]
     line = json.dumps(body, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     return line + b"\nxxh3-128 " + digest(line).hex().encode("ascii") + b"\n"
 
@@ -210,8 +238,16 @@ def decode_head(data: bytes, generation: int) -> Head:
         seg = next((s for s in segments if s.seq == position[0]), None)
         if seg is None or position[1] > seg.length:
             raise FormatError(f"HEAD: position {position} lies outside its segments")
+    index: IndexRef | None = None
+    idx_raw = body.get("index")
+    if idx_raw is not None:
+        if not (isinstance(idx_raw, list) and len(idx_raw) == 3):
+            raise FormatError(f"HEAD: malformed index entry {idx_raw!r:.80}")
+        index = IndexRef(_int(idx_raw[0], "index length", 1, 10**15 - 1),
+                         _int(idx_raw[1], "index raw length", 1),
+                         _hex16(idx_raw[2], "index digest"))
     known = {"format", "v", "generation", "store_id", "store", "position", "latest",
-             "recoverable", "iterations", "watermark", "created_ns", "segments"}
+             "recoverable", "iterations", "watermark", "created_ns", "segments", "index"}
     return Head(generation=generation, store_id=_hex16(body.get("store_id"), "store_id"),
                 store_digest=_hex16(body.get("store"), "store digest"), position=position,
                 latest=_opt_int(body.get("latest"), "latest"),
@@ -219,4 +255,4 @@ def decode_head(data: bytes, generation: int) -> Head:
                 count=_int(body.get("iterations", 0), "iterations"),
                 watermark=_int(body.get("watermark", 0), "watermark"),
                 segments=tuple(segments), created_ns=_int(body.get("created_ns", 0), "created_ns"),
-                extra={k: v for k, v in body.items() if k not in known})
+                index=index, extra={k: v for k, v in body.items() if k not in known})

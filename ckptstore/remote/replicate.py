@@ -18,8 +18,12 @@ catch-up beside a live writer) and the writer's background uploader
    closed store re-plans the same names and skips what already arrived. An object listed remotely
    is never uploaded again (same name, same bytes); one larger than ``part_size`` goes as a
    multipart upload, one part in memory at a time, paced to ``bandwidth``.
-3. Then, **last**, one HEAD object naming every extent, written with a conditional create
-   (``If-None-Match: *``) under the next generation: the remote commit point.
+3. Then a copy of the index at the captured position (:func:`index_view`: a read transaction of
+   the writer's LMDB index taken under the lock, copied compacted and lz4-framed afterwards) as
+   one immutable object under ``index/``, and, **last**, one HEAD object naming every extent and
+   the index object, written with a conditional create (``If-None-Match: *``) under the next
+   generation: the remote commit point. The index object is a cache for lazy remote readers
+   (:mod:`ckptstore.remote.reader`), which validate it against the log.
 4. Then remote gc: HEADs older than the newest ``keep_heads`` are deleted, then every object
    that none of the remaining HEADs names (an object is removed only once a newer HEAD no
    longer references it).
@@ -33,10 +37,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import struct
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable
+
+import lmdb
 
 from ..engine.engine import Engine
 from ..engine.reader_engine import ReaderEngine
@@ -44,11 +52,13 @@ from ..engine.writer_engine import WriterEngine
 from ..errors import (FormatError, RemoteConflictError, RemoteError, RemoteIntegrityError,
                       RemoteUnsupportedError)
 from ..storage.fileops import io_errors
+from ..storage.index import unseal
 from ..storage.job_log import is_job_store
 from ..storage.segments import SEGMENT_HEADER_RECORD_SIZE
 from .client import CLIENT_KEYS, MIN_PART_SIZE, ObjectStore, Pacer
-from .head import (HEADS_DIR, MAX_HEAD_BYTES, SEGMENTS_DIR, STORE_OBJECT, Extent, Head,
-                   SegmentEntry, decode_head, digest, encode_head, head_generation, head_name)
+from .head import (HEADS_DIR, INDEX_DIR, MAX_HEAD_BYTES, SEGMENTS_DIR, STORE_OBJECT, Extent,
+                   Head, IndexRef, SegmentEntry, decode_head, digest, encode_head,
+                   head_generation, head_name)
 
 log = logging.getLogger("ckptstore")
 
@@ -137,12 +147,26 @@ class LocalSnapshot:
     count: int
     watermark: int
     segments: list[LocalSegment] = field(default_factory=list)
+    #: (LMDB environment, read transaction) of the index at ``position``, taken under the lock
+    #: (None: no persistent index at exactly that position; the HEAD then names no index)
+    index: tuple[Any, Any] | None = None
 
     def close(self) -> None:
         for s in self.segments:
             if s.fd >= 0:
                 os.close(s.fd)
                 s.fd = -1
+        self.release_index()
+
+    def release_index(self) -> None:
+        """End the index read transaction (it pins the writer's LMDB pages while open)."""
+        if self.index is not None:
+            _, txn = self.index
+            self.index = None
+            try:
+                txn.abort()
+            except lmdb.Error:
+                pass  # the environment was closed meanwhile (an index rebuild): nothing to end
 
 
 def pos_key(position: tuple[int, int] | None) -> tuple[int, int]:
@@ -176,6 +200,7 @@ def capture(engine: Engine) -> LocalSnapshot | None:
                              None if pos is None else (pos.seq, pos.offset), latest,
                              recoverable[-1] if recoverable else None, len(recoverable),
                              max([0] + [h.supersedes for h in headers.values()]))
+        snap.index = index_view(engine, snap.position)
         try:
             for seq in live:
                 if pos is not None and seq <= pos.seq:
@@ -200,6 +225,38 @@ def capture(engine: Engine) -> LocalSnapshot | None:
             raise
 
 
+_POS = struct.Struct("<QQ")
+
+
+def index_view(engine: Engine, position: tuple[int, int] | None) -> tuple[Any, Any] | None:
+    """A read transaction of the engine's LMDB index (the writer's, or the one a reader opened
+    read-only) whose state is exactly ``position``: what the index object of a HEAD at that
+    position copies. Called under the engine's lock; None when there is no such index (a
+    reader that scanned into memory, a position the LMDB state does not hold yet)."""
+    if position is None:
+        return None
+    source = engine.index.lmdb_source()
+    if source is None:
+        return None
+    env, meta = source
+    try:
+        txn = env.begin(buffers=False)
+    except lmdb.Error:
+        return None
+    try:
+        raw = txn.get(b"position", db=meta)
+        pos = unseal(b"meta", b"position", raw) if raw is not None else None
+        if pos is not None and len(pos) == _POS.size and _POS.unpack(pos) == tuple(position):
+            return env, txn
+    except Exception:  # noqa: BLE001 - a damaged or closed index: the HEAD names none
+        pass
+    try:
+        txn.abort()
+    except lmdb.Error:
+        pass
+    return None
+
+
 # ---- the remote's state --------------------------------------------------------------------------
 def read_head(store: ObjectStore, generation: int) -> Head:
     """The HEAD of ``generation``, checked; RemoteIntegrityError naming it when it fails."""
@@ -220,6 +277,14 @@ def read_head(store: ObjectStore, generation: int) -> Head:
 def list_heads(listed: dict[str, int]) -> list[int]:
     """HEAD generations among listed object names, newest first."""
     return sorted((g for n in listed if (g := head_generation(n)) is not None), reverse=True)
+
+
+@dataclass
+class _PackedIndex:
+    """An index object ready to upload: its reference and a temporary file holding it."""
+
+    ref: IndexRef
+    file: Any
 
 
 @dataclass
@@ -273,7 +338,7 @@ class Replicator:
         (and up to ``keep_heads`` valid ones); abort multipart uploads a dead process left."""
         listed = self.store.list_objects()
         self.objects = {n: s for n, s in listed.items()
-                        if n == STORE_OBJECT or n.startswith(SEGMENTS_DIR)}
+                        if n == STORE_OBJECT or n.startswith((SEGMENTS_DIR, INDEX_DIR))}
         gens = list_heads(listed)
         self.heads = dict.fromkeys(gens)
         self.generation = max([self.generation, *gens])
@@ -318,6 +383,18 @@ class Replicator:
         if not self.loaded:
             self.load()
         self.check_compatible(snap)
+        h = self.head
+        packed: _PackedIndex | None = None
+        if not (h is not None and h.index is not None and h.position == snap.position):
+            packed = self._pack_index(snap)  # first: the read transaction ends at once
+        snap.release_index()
+        try:
+            return self._sync(snap, packed)
+        finally:
+            if packed is not None:
+                packed.file.close()
+
+    def _sync(self, snap: LocalSnapshot, packed: "_PackedIndex | None") -> Head:
         self._ensure_store(snap)
         entries = [self._sync_segment(seg) for seg in snap.segments]
         current = {(seg.seq, seg.ident) for seg in snap.segments}
@@ -330,11 +407,20 @@ class Replicator:
                    count=snap.count, watermark=snap.watermark, segments=tuple(entries),
                    created_ns=time.time_ns())
         h = self.head
-        if h is not None and (h.position, h.segments, h.latest, h.recoverable, h.count,
-                              h.store_digest) == (new.position, new.segments, new.latest,
-                                                  new.recoverable, new.count, new.store_digest):
+        same = h is not None and (h.position, h.segments, h.latest, h.recoverable, h.count,
+                                  h.store_digest) == (new.position, new.segments, new.latest,
+                                                      new.recoverable, new.count,
+                                                      new.store_digest)
+        if same and (h is not None and h.index is not None or packed is None):
             self._collect()
+            assert h is not None
             return h
+        index = None if packed is None else self._upload_index(packed)
+        if same and index is None:
+            self._collect()
+            assert h is not None
+            return h
+        new = replace(new, index=index)  # a HEAD the same but for an index gains one
         self._write_head(new, snap)
         self._collect()
         assert self.head is not None
@@ -426,6 +512,72 @@ class Replicator:
                              metadata={"xxh3-128": e.digest.hex()}, sent=sent)
         self.objects[e.name] = e.length
         self.stats.uploaded_objects += 1
+
+    def _pack_index(self, snap: LocalSnapshot) -> "_PackedIndex | None":
+        """Copy the index state ``snap`` holds (compacted) and lz4-frame it, through temporary
+        files. None when there is none, or the copy fails (the writer closed its index
+        meanwhile, a rebuild): the HEAD then names no index, and readers fetch segments whole."""
+        if snap.index is None:
+            return None
+        import lz4.frame
+        import xxhash
+
+        env, txn = snap.index
+        packed = tempfile.TemporaryFile(prefix="ckptstore-index-")
+        try:
+            with tempfile.TemporaryFile(prefix="ckptstore-index-") as raw:
+                try:
+                    env.copyfd(raw.fileno(), compact=True, txn=txn)
+                except lmdb.Error as e:
+                    log.info("ckptstore: no index copy for this HEAD (%s)", e)
+                    packed.close()
+                    return None
+                raw_length = os.fstat(raw.fileno()).st_size
+                h = xxhash.xxh3_128()
+                with io_errors("compress", "a temporary copy of the index"):
+                    raw.seek(0)
+                    comp = lz4.frame.LZ4FrameCompressor(content_checksum=True)
+
+                    def out(piece: bytes) -> None:
+                        h.update(piece)
+                        packed.write(piece)
+
+                    out(comp.begin())
+                    while block := raw.read(HASH_BLOCK):
+                        out(comp.compress(block))
+                    out(comp.flush())
+                    packed.flush()
+            length = os.fstat(packed.fileno()).st_size
+            if raw_length == 0 or length == 0:
+                packed.close()
+                return None
+            return _PackedIndex(IndexRef(length, raw_length, h.digest()), packed)
+        except BaseException:
+            packed.close()
+            raise
+
+    def _upload_index(self, packed: "_PackedIndex") -> IndexRef:
+        """Upload the index object unless it is there (one part in memory at a time)."""
+        ref = packed.ref
+        if self.objects.get(ref.name) == ref.length:
+            self.stats.reused_objects += 1
+            return ref
+        fd = packed.file.fileno()
+
+        def read(off: int, n: int) -> bytes:
+            with io_errors("read", "a temporary copy of the index"):
+                return os.pread(fd, n, off)
+
+        def sent(n: int) -> None:
+            self.stats.uploaded_bytes += n
+            if self.progress is not None:
+                self.progress(n)
+
+        self.store.put_range(ref.name, read, ref.length, self.opts.part_size, self.pacer,
+                             metadata={"xxh3-128": ref.digest.hex()}, sent=sent)
+        self.objects[ref.name] = ref.length
+        self.stats.uploaded_objects += 1
+        return ref
 
     def _write_head(self, new: Head, snap: LocalSnapshot) -> None:
         """The remote commit point: a conditional create of the next generation. Losing the

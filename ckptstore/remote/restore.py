@@ -9,9 +9,10 @@ into a directory that already holds a copy is incremental: extents whose local b
 kept, only the rest is downloaded; a local copy that holds bytes the remote does not (it was
 written to since) is never overwritten (RemoteConflictError).
 
-What is not done: reading one iteration's records straight from the objects with range GETs
-(a direct remote reader). A pull takes the whole HEAD: every live segment, whatever iteration
-is wanted.
+A pull takes the whole HEAD: every live segment, whatever iteration is wanted. Reading one
+iteration's records straight from the objects with range GETs is :mod:`ckptstore.remote.reader`
+(what ``ckptstore.open("s3://...", "r")`` does by default); it falls back to :func:`pull`'s
+whole-segment download where the HEAD names no usable index.
 
 :func:`verify_remote` (``ckptstore fsck s3://...``) checks every HEAD, then every object the
 newest valid HEAD names: present, of the right length, with the right digest; it reports what
@@ -38,7 +39,8 @@ from ..storage.fileops import FileOps, io_errors
 from ..storage.layout import Layout
 from ..storage.lock import no_writer
 from .client import ObjectStore, parse_url
-from .head import SEGMENTS_DIR, STORE_OBJECT, Extent, Head, SegmentEntry, parse_extent_name
+from .head import (INDEX_DIR, SEGMENTS_DIR, STORE_OBJECT, Extent, Head, SegmentEntry,
+                   is_index_name, parse_extent_name)
 from .replicate import list_heads, pos_key, read_head, split_options
 
 log = logging.getLogger("ckptstore")
@@ -90,9 +92,9 @@ def pull(url: str, path: str | os.PathLike, options: dict | None = None, *,
     t0 = time.perf_counter()
     head = newest_head(store)
     for _ in range(5):
-        stats = _Stats()
+        stats = PullStats()
         try:
-            _pull_head(store, head, path, stats, progress)
+            pull_head(store, head, path, stats, progress)
         except RemoteError as e:
             if e.code not in ("NoSuchKey", "404"):
                 raise
@@ -110,14 +112,18 @@ def pull(url: str, path: str | os.PathLike, options: dict | None = None, *,
 
 
 @dataclass
-class _Stats:
+class PullStats:
+    """Bytes and objects a :func:`pull_head` downloaded, bytes it kept."""
+
     downloaded: int = 0
     objects: int = 0
     kept: int = 0
 
 
-def _pull_head(store: ObjectStore, head: Head, path: str, stats: _Stats,
-               progress: Callable[[int], None] | None) -> None:
+def pull_head(store: ObjectStore, head: Head, path: str, stats: PullStats,
+              progress: Callable[[int], None] | None) -> None:
+    """Make the directory ``path`` a verified copy of ``head`` (one attempt of :func:`pull`;
+    also a lazy reader's whole-segment fallback, ckptstore/remote/reader.py)."""
     ops = FileOps()
     layout = Layout(path)
     ops.makedirs(path)
@@ -126,7 +132,7 @@ def _pull_head(store: ObjectStore, head: Head, path: str, stats: _Stats,
             raise StoreLockedError(f"{path} is open for writing by another process; a pull would "
                                    "change it under its writer")
         store_bytes = store.get(STORE_OBJECT, 0, 65)
-        _check_store_object(store, head, store_bytes)
+        check_store_object(store, head, store_bytes)
         if os.path.exists(layout.store_file):
             with io_errors("read", layout.store_file), open(layout.store_file, "rb") as f:
                 if f.read(65) != store_bytes:
@@ -162,7 +168,8 @@ def _pull_head(store: ObjectStore, head: Head, path: str, stats: _Stats,
         ops.fsync_dir(path)
 
 
-def _check_store_object(store: ObjectStore, head: Head, data: bytes) -> None:
+def check_store_object(store: ObjectStore, head: Head, data: bytes) -> None:
+    """RemoteIntegrityError unless ``data`` (the STORE object) is the one ``head`` names."""
     url = store.where.url(STORE_OBJECT)
     got = xxhash.xxh3_128_digest(data)
     if got != head.store_digest:
@@ -179,7 +186,7 @@ def _check_store_object(store: ObjectStore, head: Head, data: bytes) -> None:
 
 
 def _pull_segment(store: ObjectStore, ops: FileOps, layout: Layout, seg: SegmentEntry,
-                  stats: _Stats, progress: Callable[[int], None] | None) -> None:
+                  stats: PullStats, progress: Callable[[int], None] | None) -> None:
     """Make the local segment file hold the remote segment's bytes: keep a verified prefix,
     stream in the rest (checking that bytes already there agree), verify every extent."""
     path = layout.segment_path(seg.seq)
@@ -240,7 +247,7 @@ def _local_digest(fd: int, path: str, e: Extent) -> bytes:
 
 
 def _download_extent(store: ObjectStore, ops: FileOps, wfd: int, rfd: int, path: str,
-                     e: Extent, size: int, stats: _Stats,
+                     e: Extent, size: int, stats: PullStats,
                      progress: Callable[[int], None] | None) -> None:
     url = store.where.url(e.name)
     h = xxhash.xxh3_128()
@@ -369,6 +376,8 @@ def verify_remote(url: str, options: dict | None = None, *, local: str | os.Path
     head = report.head = valid[0]
     wanted: list[tuple[str, int, bytes]] = [(STORE_OBJECT, 64, head.store_digest)]
     wanted += [(e.name, e.length, e.digest) for e in head.extents()]
+    if head.index is not None:
+        wanted.append((head.index.name, head.index.length, head.index.digest))
     for name, length, dig in wanted:
         u = store.where.url(name)
         if name not in listed:
@@ -392,19 +401,22 @@ def verify_remote(url: str, options: dict | None = None, *, local: str | os.Path
         report.objects += 1
         if h.digest() != dig:
             report.damage.append(f"{u}: digest mismatch: the HEAD says {dig.hex()}, the object "
-                                 f"holds {h.hexdigest()} (changed behind our back)")
+                                 f"holds {h.hexdigest()} (changed behind our back)" + (
+                                     "; it is the index, a cache: readers validate it and fetch "
+                                     "the segments instead" if name.startswith(INDEX_DIR) else ""))
         elif name == STORE_OBJECT:
             try:
-                _check_store_object(store, head, store.get(STORE_OBJECT, 0, 65))
+                check_store_object(store, head, store.get(STORE_OBJECT, 0, 65))
             except RemoteIntegrityError as e:
                 report.damage.append(str(e))
     named = set().union(*(h.objects() for h in valid))
-    stray = [n for n in listed if n.startswith(SEGMENTS_DIR) and n not in named]
-    odd = [n for n in stray if parse_extent_name(n) is None]
+    stray = [n for n in listed if n.startswith((SEGMENTS_DIR, INDEX_DIR)) and n not in named]
+    odd = [n for n in stray if parse_extent_name(n) is None and not is_index_name(n)]
     if stray:
-        report.notes.append(f"{len(stray)} objects under {store.where.url(SEGMENTS_DIR)} that no "
-                            "HEAD names (an interrupted upload: the next one reuses or deletes "
-                            "them)" + (f", {len(odd)} not named like extents" if odd else ""))
+        report.notes.append(f"{len(stray)} objects under {store.where.url(SEGMENTS_DIR)} or "
+                            f"{store.where.url(INDEX_DIR)} that no HEAD names (an interrupted "
+                            "upload: the next one reuses or deletes them)" + (
+                                f", {len(odd)} not named like extents" if odd else ""))
     if len(valid) > 1:
         report.notes.append(f"{len(valid) - 1} older HEADs kept (generations "
                             f"{[h.generation for h in valid[1:]]})")

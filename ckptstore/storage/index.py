@@ -13,7 +13,7 @@ import bisect
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import xxhash
 
@@ -296,6 +296,12 @@ class Index(ABC):
 
     def close(self) -> None:
         pass
+
+    def lmdb_source(self) -> tuple[Any, Any] | None:
+        """(LMDB environment, its ``meta`` database) that this index reads, for a consistent
+        copy of its state (the remote tier's index object, format-spec/remote.md §7); None for
+        an index that has no LMDB environment (in memory) or no longer holds one."""
+        return None
 
     def verify_complete(self) -> None:
         """Raise IndexUnusable when entries are missing that the index recorded having (a

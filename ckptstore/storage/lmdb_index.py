@@ -280,6 +280,9 @@ class LmdbIndex(Index):
     def close(self) -> None:
         self.env.close()
 
+    def lmdb_source(self) -> tuple[Any, Any] | None:
+        return (self.env, self._meta) if self.env is not None else None
+
 
 def _file_size(path: str) -> int:
     try:

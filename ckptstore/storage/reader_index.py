@@ -299,6 +299,9 @@ class ReaderIndex(Index):
         """The snapshot was closed under this view (a writer of this process opened the index)."""
         return self._snap.revoked
 
+    def lmdb_source(self) -> tuple[Any, Any] | None:
+        return None if self._snap.revoked else (self._snap.env, self._snap._meta)
+
     # ---- lookups ------------------------------------------------------------------------------
     def get_chunk(self, address: bytes) -> ChunkRef | None:
         ref = self._over.get_chunk(address)

@@ -1,0 +1,750 @@
+"""Reading a remote copy lazily: ``ckptstore.open("s3://bucket/run", "r")`` on a fresh machine
+loads any committed iteration of the newest HEAD, fetching only the byte ranges it needs
+(format-spec/remote.md §7).
+
+At open only metadata is fetched: the newest valid HEAD, the STORE object (checked against the
+HEAD's digest and store_id) and the **index object** the HEAD names (an lz4 frame of a compact
+copy of the writer's LMDB index, checked against its length and digest while it streams in),
+written into a private temporary directory. The engine is a
+:class:`~ckptstore.engine.reader_engine.ReaderEngine` (:class:`RemoteReaderEngine`) whose log
+reads segments through :class:`RemoteSegmentFile`: ``pread`` maps a segment's byte range onto
+the HEAD's extent objects and fetches it with range GETs -- small reads through a bounded LRU
+block cache (``block_size``, ``cache_size``), large ones (a chunk record) exactly. Nothing of a
+segment is trusted more than a local file is: every byte a load returns passed the read path's
+checks (record trailers, the manifest digest, chunk addresses), and a fetch that covers a whole
+extent is checked against the extent's digest.
+
+The index is a cache, used exactly as a local reader uses the writer's index (format-spec
+format.md §16): opened read-only (its pages checked first), validated against the log (the
+segments up to its position are the HEAD's, the COMMIT record at its last commit holds that
+commit and ends at its position), the log after its position scanned (so an older index still
+serves a newer HEAD), every commit entry checked against its COMMIT record on use. An index that
+is absent (a HEAD of an older writer), damaged or fails validation -- or any failure a warm
+index may have caused -- makes the reader **fetch the segments whole** (the verified download
+of :func:`~ckptstore.remote.restore.pull`, into the same private directory) and scan them: slower,
+still correct.
+
+A read that fails its record checks is checked against the objects it read: the extents under
+the failing record are fetched whole and hashed; one whose digest differs from the HEAD's raises
+:class:`~ckptstore.errors.RemoteIntegrityError` naming the object (it was changed behind our
+back). Service failures reach the caller as the RemoteError they are, never as damage.
+
+A reader reads the HEAD that was newest when it opened; reopen to see a newer one. An extent
+that vanishes under it (a writer's remote gc collected the segment after two newer HEADs) raises
+RemoteIntegrityError naming it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import xxhash
+
+from ..engine.reader_engine import ReaderEngine
+from ..errors import (CkptStoreError, CorruptRecordError, FormatError, RemoteError,
+                      RemoteIntegrityError, RemoteUnsupportedError, StoreIOError)
+from ..storage.index import Index, MemoryIndex, Position
+from ..storage.layout import Layout, is_segment_seq
+from ..storage.log import Log
+from ..storage.reader_index import ReaderIndex
+from ..storage.segments import SEGMENT_HEADER_RECORD_SIZE, SegmentFile
+from .client import ObjectStore, parse_url
+from .head import (SEGMENTS_DIR, STORE_OBJECT, Extent, Head, IndexRef, SegmentEntry, digest,
+                   encode_head)
+from .replicate import split_options
+from .restore import PullResult, check_store_object, pull_head, PullStats, newest_head, pull
+
+log = logging.getLogger("ckptstore")
+
+#: Reader options (in ``storage_options``, beside the client's).
+READER_KEYS = frozenset({"block_size", "cache_size"})
+#: Small reads fetch aligned blocks of this many bytes of an extent (and keep them cached).
+DEFAULT_BLOCK = 256 << 10
+#: Bytes of blocks the cache keeps (least recently used go first).
+DEFAULT_CACHE = 32 << 20
+#: Bytes per step while streaming an object (the index, an extent being verified).
+_STREAM = 8 << 20
+#: Service codes that mean an object is not there (or shorter than the range asked).
+_GONE = frozenset({"NoSuchKey", "404", "NotFound"})
+
+
+@dataclass(frozen=True)
+class RemoteReadStats:
+    """What a remote reader fetched since it opened (:meth:`ckptstore.Store.remote_read_stats`)."""
+
+    url: str
+    #: the HEAD this reader reads
+    generation: int
+    #: "ranges": segments are read with range GETs; "whole": they were fetched whole (no usable
+    #: index, ``lazy=False`` or ``cache_dir``)
+    mode: str
+    #: the index object: "used" (validated, serving reads), "absent" (the HEAD names none),
+    #: "missing" (named, not there), "damaged" (its bytes fail their digest or do not decode),
+    #: "unusable" (it failed a check against the log), "skipped" (not fetched:
+    #: ``use_index=False``, ``lazy=False``, ``cache_dir``)
+    index: str
+    #: bytes fetched from the object store: HEAD, STORE, index, ranges, whole objects
+    bytes_read: int
+    #: GET requests made (LISTs not counted)
+    requests: int
+    #: small reads served from the block cache
+    cache_hits: int
+    #: block size and cache capacity in bytes
+    block_size: int
+    cache_size: int
+
+
+class PieceReader:
+    """The extents of one HEAD, read by segment range: range GETs, a bounded LRU block cache, the
+    first bytes (header record) of every segment, byte and request counts. Thread-safe."""
+
+    def __init__(self, store: ObjectStore, head: Head, block_size: int = DEFAULT_BLOCK,
+                 cache_size: int = DEFAULT_CACHE) -> None:
+        if block_size < 4096 or cache_size < 0:
+            raise ValueError(f"block_size must be >= 4096 bytes and cache_size >= 0, not "
+                             f"{block_size}, {cache_size}")
+        self.store = store
+        self.head = head
+        self.block = int(block_size)
+        self.capacity = int(cache_size)
+        self._segs: dict[int, SegmentEntry] = {s.seq: s for s in head.segments}
+        self._starts: dict[int, list[int]] = {s.seq: [e.offset for e in s.extents]
+                                              for s in head.segments}
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._cached = 0
+        self._inflight: dict[tuple[str, int], threading.Event] = {}
+        self._heads: dict[int, bytes] = {}
+        self._verified: set[str] = set()
+        self.bytes_read = 0
+        self.requests = 0
+        self.cache_hits = 0
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+    def count(self, nbytes: int, requests: int = 1) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.requests += requests
+
+    def url(self, name: str) -> str:
+        return self.store.where.url(name)
+
+    def entry(self, seq: int) -> SegmentEntry | None:
+        return self._segs.get(seq)
+
+    def pieces(self, seq: int, start: int, end: int) -> list[Extent]:
+        """The extents of segment ``seq`` overlapping bytes ``[start, end)``."""
+        seg = self._segs.get(seq)
+        if seg is None or end <= start:
+            return []
+        i = max(0, bisect.bisect_right(self._starts[seq], start) - 1)
+        out = []
+        for e in seg.extents[i:]:
+            if e.offset >= end:
+                break
+            if e.end > start:
+                out.append(e)
+        return out
+
+    def _missing(self, name: str) -> RemoteIntegrityError:
+        return RemoteIntegrityError(
+            "get", self.url(name), f"named by HEAD generation {self.head.generation} but missing "
+            "or shorter than it says (a newer HEAD's gc collected it, or it was deleted); reopen "
+            "the store to read the newest HEAD")
+
+    # ---- fetches ---------------------------------------------------------------------------
+    def fetch(self, name: str, start: int, length: int) -> bytes:
+        """Bytes ``[start, start + length)`` of object ``name``, all of them (or
+        RemoteIntegrityError naming it)."""
+        try:
+            data = self.store.get(name, start, length)
+        except RemoteError as err:
+            if err.code in _GONE or err.code == "InvalidRange":
+                raise self._missing(name) from None
+            raise
+        self.count(len(data))
+        if len(data) != length:
+            raise RemoteIntegrityError("get", self.url(name), f"{length} bytes from offset {start} "
+                                       f"asked, {len(data)} returned: shorter than HEAD "
+                                       f"generation {self.head.generation} says")
+        return data
+
+    def _check_whole(self, e: Extent, data: bytes) -> None:
+        """An extent fetched whole is checked against its digest (for free)."""
+        if e.name in self._verified:
+            return
+        got = digest(data)
+        if got != e.digest:
+            raise RemoteIntegrityError(
+                "get", self.url(e.name), f"digest mismatch: HEAD generation {self.head.generation} "
+                f"says {e.digest.hex()}, the object holds {got.hex()} (changed behind our back)")
+        self._verified.add(e.name)
+
+    def verify_piece(self, e: Extent) -> bytes | None:
+        """Hash extent ``e`` whole (streamed); None when it matches its digest, else the digest
+        found."""
+        if e.name in self._verified:
+            return None
+        h = xxhash.xxh3_128()
+        n = 0
+        try:
+            for block in self.store.stream(e.name, _STREAM):
+                h.update(block)
+                n += len(block)
+        except RemoteError as err:
+            if err.code in _GONE:
+                raise self._missing(e.name) from None
+            raise
+        finally:
+            self.count(n)
+        if n != e.length:
+            raise RemoteIntegrityError("get", self.url(e.name), f"holds {n} bytes, HEAD generation "
+                                       f"{self.head.generation} names {e.length}")
+        if h.digest() != e.digest:
+            return h.digest()
+        self._verified.add(e.name)
+        return None
+
+    def forget(self, e: Extent) -> None:
+        """Drop the cached blocks of ``e`` (a read of them failed: a retry fetches again)."""
+        with self._lock:
+            for key in [k for k in self._cache if k[0] == e.name]:
+                self._cached -= len(self._cache.pop(key))
+
+    def _block(self, e: Extent, b: int) -> bytes:
+        """Block ``b`` of extent ``e``, from the cache or one range GET (one fetch per block at
+        a time: a second reader of the same block waits for the first)."""
+        key = (e.name, b)
+        while True:
+            with self._lock:
+                data = self._cache.get(key)
+                if data is not None:
+                    self._cache.move_to_end(key)
+                    self.cache_hits += 1
+                    return data
+                ev = self._inflight.get(key)
+                mine = ev is None
+                if mine:
+                    ev = self._inflight[key] = threading.Event()
+            assert ev is not None
+            if not mine:
+                ev.wait()
+                continue  # cached now, or the fetch failed: then this thread tries
+            try:
+                start = b * self.block
+                data = self.fetch(e.name, start, min(self.block, e.length - start))
+                if start == 0 and len(data) == e.length:
+                    self._check_whole(e, data)
+                with self._lock:
+                    if len(data) <= self.capacity:
+                        self._cache[key] = data
+                        self._cached += len(data)
+                        while self._cached > self.capacity:
+                            _, old = self._cache.popitem(last=False)
+                            self._cached -= len(old)
+                return data
+            finally:
+                with self._lock:
+                    self._inflight.pop(key, None)
+                ev.set()
+
+    def _read_piece(self, e: Extent, lo: int, hi: int) -> bytes:
+        """Bytes ``[lo, hi)`` of extent ``e`` (offsets within the object)."""
+        B = self.block
+        b0, b1 = lo // B, (hi - 1) // B
+        with self._lock:
+            blocks = [self._cache.get((e.name, b)) for b in range(b0, b1 + 1)]
+        if any(x is None for x in blocks):
+            if hi - lo >= B // 2:
+                # a large read (a chunk record): blocks cached at either end are used, the rest
+                # is fetched exactly, uncached
+                i, j = 0, len(blocks)
+                while i < j and blocks[i] is not None:
+                    i += 1
+                while j > i and blocks[j - 1] is not None:
+                    j -= 1
+                mid_lo, mid_hi = max(lo, (b0 + i) * B), min(hi, (b0 + j) * B)
+                data = self.fetch(e.name, mid_lo, mid_hi - mid_lo)
+                if mid_lo == 0 and mid_hi == e.length:
+                    self._check_whole(e, data)
+                if i == 0 and j == len(blocks):
+                    return data
+                with self._lock:
+                    self.cache_hits += 1
+                left = b"".join(x or b"" for x in blocks[:i])[lo - b0 * B:]
+                right = b"".join(x or b"" for x in blocks[j:])[:hi - (b0 + j) * B]
+                return left + data + right
+            blocks = [self._block(e, b) for b in range(b0, b1 + 1)]
+        else:
+            with self._lock:
+                self.cache_hits += 1
+        joined = blocks[0] if len(blocks) == 1 else b"".join(x or b"" for x in blocks)
+        assert joined is not None
+        return joined[lo - b0 * B:hi - b0 * B]
+
+    def read(self, seq: int, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes of segment ``seq`` at ``offset`` (fewer only at its end)."""
+        seg = self._segs[seq]
+        end = min(offset + n, seg.length)
+        if end <= offset:
+            return b""
+        first = self._heads.get(seq)
+        if first is not None and end <= len(first):
+            return first[offset:end]
+        parts = [self._read_piece(e, max(offset, e.offset) - e.offset, min(end, e.end) - e.offset)
+                 for e in self.pieces(seq, offset, end)]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def prefetch_headers(self, threads: int = 8) -> None:
+        """Fetch the header record of every segment (what a reader's open reads of each), in
+        parallel, exactly: one small range GET per segment."""
+        def one(seg: SegmentEntry) -> tuple[int, bytes]:
+            n = min(SEGMENT_HEADER_RECORD_SIZE, seg.length)
+            return seg.seq, b"".join(self.fetch(e.name, 0, min(n, e.end) - e.offset)
+                                     for e in self.pieces(seg.seq, 0, n))
+
+        segs = list(self.head.segments)
+        if len(segs) <= 1:
+            got = [one(s) for s in segs]
+        else:
+            with ThreadPoolExecutor(min(threads, len(segs)),
+                                    thread_name_prefix="ckptstore-remote") as pool:
+                got = list(pool.map(one, segs))
+        self._heads.update(got)
+
+
+class RemoteSegmentFile(SegmentFile):
+    """A segment of a remote copy, read through a :class:`PieceReader` (no descriptor). A seq the
+    HEAD does not hold reads like a missing local file (ENOENT)."""
+
+    def __init__(self, path: str, seq: int, reader: PieceReader) -> None:
+        super().__init__(path, seq)
+        self.reader = reader
+        self.seg = reader.entry(seq)
+        #: recent reads, offset -> end (what :meth:`RemoteLog.audit` checks after a failure)
+        self._spans: OrderedDict[int, int] = OrderedDict()
+
+    def _missing(self) -> StoreIOError:
+        return StoreIOError("read", self.path, FileNotFoundError(
+            errno.ENOENT, f"segment {self.seq} is not in the remote copy (HEAD generation "
+            f"{self.reader.head.generation})"))
+
+    def fileno(self) -> int:
+        raise StoreIOError("read", self.path, OSError(errno.EBADF, "a remote segment has no file "
+                                                                   "descriptor"))
+
+    def same_file(self) -> bool:
+        return True
+
+    def size(self) -> int:
+        if self.seg is None:
+            raise self._missing()
+        return self.seg.length
+
+    def span(self, offset: int) -> int | None:
+        with self._lock:
+            return self._spans.get(offset)
+
+    def pread(self, offset: int, n: int) -> bytes:
+        self._check_span(offset, n)
+        if self.seg is None:
+            raise self._missing()
+        with self._lock:
+            self._spans[offset] = max(self._spans.get(offset, 0), offset + n)
+            self._spans.move_to_end(offset)
+            while len(self._spans) > 4096:
+                self._spans.popitem(last=False)
+        return self.reader.read(self.seq, offset, n)
+
+    def readinto(self, offset: int, buffers: Sequence[memoryview]) -> int:
+        data = self.pread(offset, sum(memoryview(b).nbytes for b in buffers))
+        pos = 0
+        for b in buffers:
+            mv = memoryview(b)
+            if mv.format != "B" or mv.ndim != 1:
+                mv = mv.cast("B")
+            k = min(len(mv), len(data) - pos)
+            mv[:k] = data[pos:pos + k]
+            pos += k
+            if pos >= len(data):
+                break
+        return len(data)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _HeadLayout(Layout):
+    """A store directory whose segments are the HEAD's (named by their remote prefix)."""
+
+    seqs: tuple[int, ...] = ()
+    prefix: str = ""
+
+    def list_segments(self) -> list[int]:
+        return list(self.seqs)
+
+    def segment_path(self, seq: int) -> str:
+        return f"{self.prefix}{seq:010d}"
+
+
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    stack = [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        # the cause first; a context only where it was not suppressed (``raise ... from``)
+        stack += [None if e.__suppress_context__ else e.__context__, e.__cause__]
+
+
+class RemoteLog(Log):
+    """The log of a remote copy: the HEAD's segments, read with range GETs until
+    :meth:`materialize` fetches them whole into the reader's private directory."""
+
+    def __init__(self, local: Layout, store_id: bytes, reader: PieceReader) -> None:
+        head = reader.head
+        super().__init__(_HeadLayout(local.root, tuple(s.seq for s in head.segments),
+                                     reader.url(SEGMENTS_DIR)), store_id)
+        self.local = local
+        self.reader = reader
+        #: the segments are local files now (fetched whole and verified)
+        self.whole = False
+        self._paths: dict[str, int] = {}
+        self._materialize_lock = threading.Lock()
+
+    def file(self, seq: int) -> SegmentFile:
+        f = self._files.get(seq)
+        if f is None:
+            if not is_segment_seq(seq):
+                raise CorruptRecordError(f"a location names segment {seq}, which is out of range "
+                                         f"in {self.layout.segment_path(seq)}")
+            if self.whole:
+                f = SegmentFile(self.local.segment_path(seq), seq)
+            else:
+                f = RemoteSegmentFile(self.layout.segment_path(seq), seq, self.reader)
+                self._paths[f.path] = seq
+            f = self._files.setdefault(seq, f)
+        return f
+
+    def materialize(self) -> None:
+        """Fetch every segment of the HEAD whole into the private directory, each extent checked
+        against its digest as it arrives (RemoteIntegrityError names one that differs); reads
+        use the local files from then on."""
+        with self._materialize_lock:
+            if self.whole:
+                return
+            stats = PullStats()
+            try:
+                pull_head(self.reader.store, self.reader.head, self.local.root, stats, None)
+            except RemoteError as e:
+                if e.code in _GONE and not isinstance(e, RemoteIntegrityError):
+                    raise RemoteIntegrityError(
+                        "get", str(e.filename), f"named by HEAD generation "
+                        f"{self.reader.head.generation} but missing (a newer HEAD's gc collected "
+                        "it, or it was deleted); reopen the store to read the newest HEAD"
+                    ) from None
+                raise
+            finally:
+                self.reader.count(stats.downloaded + 64, stats.objects + 1)
+            self.whole = True
+            self._files = {}  # open remote files stay usable for reads in flight
+
+    def audit(self, err: BaseException) -> None:
+        """After a failed read: check the extents under every record the failure is located at
+        against their digests; RemoteIntegrityError naming the first that differs."""
+        if self.whole:
+            return
+        for fe in _chain(err):
+            if not isinstance(fe, FormatError) or fe.path is None or fe.offset is None:
+                continue
+            seq = self._paths.get(str(fe.path))
+            f = self._files.get(seq) if seq is not None else None
+            if seq is None or not isinstance(f, RemoteSegmentFile):
+                continue
+            end = f.span(fe.offset) or fe.offset + 1
+            for e in self.reader.pieces(seq, fe.offset, end):
+                got = self.reader.verify_piece(e)
+                if got is not None:
+                    raise RemoteIntegrityError(
+                        "read", self.reader.url(e.name), f"digest mismatch: HEAD generation "
+                        f"{self.reader.head.generation} says {e.digest.hex()}, the object holds "
+                        f"{got.hex()} (changed behind our back; the read found: {fe.reason})"
+                    ) from fe
+                self.reader.forget(e)
+
+
+class RemoteReaderEngine(ReaderEngine):
+    """A reader of one remote HEAD (see the module docstring). ``path`` is its private directory
+    (STORE, the index); ``cleanup`` runs once it is closed."""
+
+    def __init__(self, path: str, reader: PieceReader, *, index: str, load_threads: int = 8,
+                 use_index: bool = True, cleanup: Callable[[], None] | None = None) -> None:
+        self.reader = reader
+        self.index_state = index
+        self._cleanup = cleanup
+        self.remote_log: RemoteLog | None = None
+        super().__init__(path, load_threads=load_threads, use_index=use_index)
+
+    def _open_log(self) -> Log:
+        self.remote_log = RemoteLog(self.layout, self.header.store_id, self.reader)
+        return self.remote_log
+
+    def _rlog(self) -> RemoteLog:
+        assert self.remote_log is not None
+        return self.remote_log
+
+    def _warm_view(self, live: list[int]) -> tuple[Index, Position | None]:
+        rlog = self._rlog()
+        if not rlog.whole:
+            index, start = super()._warm_view(live)
+            if isinstance(index, ReaderIndex):
+                self.index_state = "used"
+                return index, start
+            if self.index_state == "fetched":
+                self.index_state = "unusable"
+                log.warning("ckptstore: the index object of %s (HEAD generation %d) does not "
+                            "validate against the log; fetching the segments whole",
+                            self.reader.store.where, self.reader.head.generation)
+            rlog.materialize()
+        return MemoryIndex(), None
+
+    def _go_cold(self) -> None:
+        self._rlog().materialize()
+        if self.index_state == "used":
+            self.index_state = "unusable"
+        super()._go_cold()
+
+    def _audited(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except CkptStoreError as e:
+            for c in _chain(e):
+                if isinstance(c, RemoteError) and c is not e:
+                    raise c  # the service failed, or an object changed: not the store's damage
+            self._rlog().audit(e)
+            raise
+
+    def indexed(self, lookup: Callable[[], Any]) -> Any:
+        return super().indexed(lambda: self._audited(lookup))
+
+    def read(self, fn: Callable[[], Any]) -> Any:
+        return super().read(lambda: self._audited(fn))
+
+    def remote_stats(self) -> RemoteReadStats:
+        r = self.reader
+        with r._lock:
+            return RemoteReadStats(str(r.store.where), r.head.generation,
+                                   "whole" if self._rlog().whole else "ranges", self.index_state,
+                                   r.bytes_read, r.requests, r.cache_hits, r.block, r.capacity)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            cleanup, self._cleanup = self._cleanup, None
+            if cleanup is not None:
+                cleanup()
+
+
+class PulledReaderEngine(ReaderEngine):
+    """A reader of a remote copy pulled whole into a directory (``cache_dir``, ``lazy=False``)."""
+
+    def __init__(self, path: str, pulled: PullResult, *, load_threads: int = 2,
+                 use_index: bool = True, cleanup: Callable[[], None] | None = None) -> None:
+        self.pulled = pulled
+        self._cleanup = cleanup
+        super().__init__(path, load_threads=load_threads, use_index=use_index)
+
+    def remote_stats(self) -> RemoteReadStats:
+        p = self.pulled
+        return RemoteReadStats(p.url, p.head.generation, "whole", "skipped", p.downloaded_bytes,
+                               p.downloaded_objects, 0, 0, 0)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            cleanup, self._cleanup = self._cleanup, None
+            if cleanup is not None:
+                cleanup()
+
+
+# ---- open ------------------------------------------------------------------------------------
+def _fetch_index(reader: PieceReader, ref: IndexRef, index_dir: str) -> str:
+    """Stream the index object into ``index_dir/data.mdb`` (decompressed, bounded by its raw
+    length), checking its length and digest; "fetched", "missing" (not there), or "damaged"
+    (warned, nothing kept)."""
+    import lz4.frame
+
+    url = reader.url(ref.name)
+    os.makedirs(index_dir, exist_ok=True)
+    data = os.path.join(index_dir, "data.mdb")
+    h = xxhash.xxh3_128()
+    n = raw = 0
+    why = ""
+    try:
+        d = lz4.frame.LZ4FrameDecompressor()
+        with open(data, "wb") as f:
+            try:
+                for chunk in reader.store.stream(ref.name, _STREAM):
+                    n += len(chunk)
+                    if n > ref.length:
+                        why = f"longer than the {ref.length} bytes the HEAD names"
+                        break
+                    h.update(chunk)
+                    out = d.decompress(chunk, max_length=ref.raw_length - raw + 1)
+                    while True:
+                        raw += len(out)
+                        if raw > ref.raw_length:
+                            why = f"decompresses to more than {ref.raw_length} bytes"
+                            break
+                        f.write(out)
+                        if d.needs_input or d.eof:
+                            break
+                        out = d.decompress(b"", max_length=ref.raw_length - raw + 1)
+                    if why:
+                        break
+            finally:
+                reader.count(n)
+        if not why:
+            if n != ref.length:
+                why = f"holds {n} bytes, the HEAD names {ref.length}"
+            elif h.digest() != ref.digest:
+                why = (f"digest mismatch: the HEAD says {ref.digest.hex()}, the object holds "
+                       f"{h.hexdigest()} (changed behind our back)")
+            elif not d.eof or raw != ref.raw_length:
+                why = f"an incomplete lz4 frame ({raw} of {ref.raw_length} bytes)"
+    except RemoteError as e:
+        if e.code not in _GONE:
+            raise
+        shutil.rmtree(index_dir, ignore_errors=True)
+        return "missing"
+    except (RuntimeError, ValueError, EOFError) as e:  # lz4's errors for bytes it cannot decode
+        why = f"not an lz4 frame ({e})"
+    if why:
+        log.warning("ckptstore: the index object %s is damaged (%s); it is a cache: reading the "
+                    "segments whole instead", url, why)
+        shutil.rmtree(index_dir, ignore_errors=True)
+        return "damaged"
+    # LMDB's lock file, created empty here (LMDB initialises it): the reader never writes the
+    # data file; this private directory is nobody else's
+    open(os.path.join(index_dir, "lock.mdb"), "wb").close()
+    return "fetched"
+
+
+def open_lazy(url: str, storage: dict[str, Any], *, load_threads: int = 8,
+              use_index: bool = True) -> RemoteReaderEngine:
+    """A :class:`RemoteReaderEngine` of the newest valid HEAD at ``url`` (see the module
+    docstring). ``storage``: the client's options and the reader's (``block_size``,
+    ``cache_size``)."""
+    opts = dict(storage)
+    block = int(opts.pop("block_size", DEFAULT_BLOCK))
+    cache = int(opts.pop("cache_size", DEFAULT_CACHE))
+    client_opts, _ = split_options(opts)
+    store = ObjectStore(url, client_opts)
+    tmp = tempfile.mkdtemp(prefix="ckptstore-remote-")
+    try:
+        head = newest_head(store)
+        for _ in range(5):
+            reader = PieceReader(store, head, block, cache)
+            reader.count(len(encode_head(head)), 2)  # the LIST of heads/ and the HEAD itself
+            try:
+                store_bytes = reader.fetch(STORE_OBJECT, 0, 64)
+                check_store_object(store, head, store_bytes)
+                with open(os.path.join(tmp, "STORE"), "wb") as f:
+                    f.write(store_bytes)
+                index_state = "absent" if head.index is None else "skipped"
+                ref = head.index
+                if ref is not None and use_index:
+                    index_state = _fetch_index(reader, ref, os.path.join(tmp, "index"))
+                    if index_state == "missing":
+                        newer = newest_head(store)
+                        if newer.generation != head.generation:
+                            head = newer  # a newer HEAD's gc collected it: read that HEAD
+                            continue
+                        log.warning("ckptstore: the index object %s named by HEAD generation %d "
+                                    "is missing; it is a cache: reading the segments whole "
+                                    "instead", reader.url(ref.name), head.generation)
+                reader.prefetch_headers()
+            except RemoteIntegrityError as e:
+                # an object vanished: a newer HEAD's gc collected it (a writer is uploading);
+                # start over from the newest HEAD. Under the same HEAD, it is missing.
+                newer = newest_head(store)
+                if newer.generation == head.generation or "missing" not in str(e):
+                    raise
+                head = newer
+                shutil.rmtree(os.path.join(tmp, "index"), ignore_errors=True)
+                continue
+            break
+        else:
+            raise RemoteError("open", url, "the remote copy kept changing under the open",
+                              code="Busy")
+        engine = RemoteReaderEngine(tmp, reader, index=index_state, load_threads=load_threads,
+                                    use_index=use_index,
+                                    cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    weakref.finalize(engine, shutil.rmtree, tmp, ignore_errors=True)
+    return engine
+
+
+def open_remote(url: str, mode: str, options: dict[str, Any]
+                ) -> tuple[ReaderEngine, dict[str, Any]]:
+    """What ``ckptstore.open(url, "r", storage_options=..., cache_dir=..., lazy=...)`` reads:
+    the reader engine of the newest remote HEAD, and the options left for the Store. By default
+    lazy (range GETs, see the module docstring); with ``cache_dir`` the HEAD is pulled into that
+    directory (kept: the next open pulls only what is new), with ``lazy=False`` into a temporary
+    one (removed when the store is closed or dropped)."""
+    if mode != "r":
+        raise RemoteUnsupportedError(f"{url}: a remote store opens read-only (mode=\"r\"); to "
+                                     "write, open a local path with remote=URL")
+    rest = dict(options)
+    storage = dict(rest.pop("storage_options", None) or {})
+    cache = rest.pop("cache_dir", None)
+    lazy = rest.pop("lazy", True)
+    for k in ("remote", "remote_options", "process_group"):
+        if rest.get(k) is not None:
+            raise RemoteUnsupportedError(f"{url}: option {k!r} does not apply to a remote reader")
+        rest.pop(k, None)
+    parse_url(url)
+    use_index = bool(rest.get("use_index", True))
+    engine: ReaderEngine
+    if cache is None and lazy:
+        engine = open_lazy(url, storage, load_threads=int(rest.get("load_threads", 8)),
+                           use_index=use_index)
+    else:
+        for k in READER_KEYS:
+            storage.pop(k, None)
+        threads = int(rest.get("load_threads", 2))
+        if cache is not None:
+            path = os.fspath(cache)
+            engine = PulledReaderEngine(path, pull(url, path, storage), load_threads=threads,
+                                        use_index=use_index)
+        else:
+            tmp = tempfile.mkdtemp(prefix="ckptstore-pull-")
+            try:
+                pulled = pull(url, tmp, storage)
+                engine = PulledReaderEngine(tmp, pulled, load_threads=threads,
+                                            use_index=use_index,
+                                            cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            weakref.finalize(engine, shutil.rmtree, tmp, ignore_errors=True)
+    return engine, rest
