@@ -18,6 +18,7 @@ from .errors import (BisectError, BisectPredicateError, CheckpointAbortedError, 
                      ImportSourceError)
 from .errors import (RemoteConflictError, RemoteError, RemoteIntegrityError,
                      RemoteUnsupportedError)
+from .errors import FollowerError, FollowerMismatchError, FollowerWarning
 import os as _os
 from typing import Any as _Any
 
@@ -62,21 +63,22 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  #
     Remote tier (single-writer stores; format-spec/remote.md): ``remote="s3://bucket/run"`` and
     ``remote_options={...}`` (writers: endpoint and credentials, ``bandwidth``, ``head_interval``,
     ...; see :mod:`ckptstore.remote`) upload every commit in the background; a URL as ``path``
-    with ``mode="r"`` (``storage_options={...}``, optional ``cache_dir``) restores the newest
-    remote HEAD into a local directory and reads it.
+    with ``mode="r"`` (``storage_options={...}``) reads the newest remote HEAD lazily: STORE,
+    the HEAD and its index object at open, then only the byte ranges a load needs (range GETs,
+    a bounded block cache; ``store.remote_read_stats()``); ``cache_dir=DIR`` or ``lazy=False``
+    pull the whole HEAD into a local directory first.
     """
     if isinstance(path, str) and "://" in path:
-        # a remote copy (format-spec/remote.md): pulled into cache_dir (or a temporary
-        # directory removed when the Store is dropped), then read as a local store
-        import weakref as _weakref
+        # a remote copy (format-spec/remote.md): read lazily with range GETs (or pulled into
+        # cache_dir / a temporary directory with lazy=False), see ckptstore/remote/reader.py
+        from .remote.reader import open_remote
 
-        from .remote.restore import pull_for_open
-
-        local, cleanup, rest = pull_for_open(path, mode, options)
-        store = Store(local, "r", **rest)
-        if cleanup is not None:
-            _weakref.finalize(store, cleanup)
-        return store
+        engine, rest = open_remote(path, mode, options)
+        try:
+            return Store(engine.path, "r", _engine=engine, **rest)
+        except BaseException:
+            engine.close()
+            raise
     if options.get("process_group") is not None or (mode == "r" and is_job_store(_os.fspath(path))):
         if options.get("remote") is not None:
             raise RemoteUnsupportedError(f"{_os.fspath(path)}: the remote tier supports "
@@ -101,3 +103,4 @@ __all__ = [
     "Policy", "KeepLast", "KeepEvery", "KeepBest", "KeepNewerThan", "KeepSinceIteration", "AnyOf",
 ]
 __all__ += ["RemoteError", "RemoteIntegrityError", "RemoteConflictError", "RemoteUnsupportedError"]
+__all__ += ["FollowerError", "FollowerMismatchError", "FollowerWarning"]

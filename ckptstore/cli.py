@@ -1,5 +1,5 @@
 """The ``ckptstore`` command line: ls, show, diff, restore, import, fsck, gc, stats, bisect, demo,
-push, pull.
+push, pull, follow.
 
 Exit codes: 0 success (fsck: clean; bisect: found); 1 the store is damaged or an operation failed
 (the message says what and where; bisect: the condition never holds); 2 bad usage.
@@ -480,6 +480,35 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_follow(args: argparse.Namespace) -> int:
+    import signal
+
+    from .follow import Follower
+
+    if not args.poll > 0:
+        print("ckptstore follow: error: --poll must be more than 0", file=sys.stderr)
+        return 2
+    with Follower(args.path, every=args.every, keep=args.keep, poll_s=args.poll,
+                  wait=args.wait, threads=args.threads or 1) as f:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        old = {s: signal.signal(s, lambda *_: f.stop()) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            print(f"following {args.path} into {f.path}: a base every {args.every} iterations",
+                  flush=True)
+            it = f.run(until=args.until_iteration, timeout=args.timeout)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        st = f.stats
+        print(f"followed to iteration {it} (primary at {st.primary_latest}): {st.applied} deltas "
+              f"replayed, {len(st.bases)} bases written"
+              + (f", the newest {st.bases[-1]}" if st.bases else ""), flush=True)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -617,6 +646,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--end", type=int, help="last iteration searched (default: the latest)")
     s.add_argument("--rank", type=int, help="multi-rank stores: this rank's state and meta")
     s.set_defaults(func=cmd_bisect)
+
+    s = sub.add_parser("follow", help="shadow follower: replay every committed delta into a live "
+                       "replica and write a base every K iterations into STORE/follower/",
+                       description="Tail STORE (read-only; a Checkpointer store, e.g. written "
+                       "with base_every=None) and keep a replica of its training state; every K "
+                       "iterations write it as a base into the follower store STORE/follower/, "
+                       "from which loads and restores start (format-spec/follower.md). Stops on "
+                       "SIGINT/SIGTERM, --until-iteration or --timeout; a killed follower resumes.")
+    s.add_argument("path", metavar="STORE")
+    s.add_argument("--every", type=_count, default=100, metavar="K",
+                   help="a follower base at every iteration that is a multiple of K (default 100)")
+    s.add_argument("--keep", type=_count, metavar="N", help="keep only the newest N follower "
+                   "bases (default: all)")
+    s.add_argument("--poll", type=_duration, default=0.1, metavar="DURATION",
+                   help="how often to look for new commits when caught up (default 0.1 s)")
+    s.add_argument("--until-iteration", type=_iteration, metavar="I",
+                   help="stop once the replica reaches iteration I")
+    s.add_argument("--timeout", type=_duration, metavar="DURATION",
+                   help="stop after DURATION (90s, 15m, 2h; a plain number is seconds)")
+    s.add_argument("--wait", action="store_true",
+                   help="wait for an empty STORE's first base instead of failing")
+    s.add_argument("--threads", type=_count, metavar="N", help="torch intra-op threads, and "
+                   "threads of the replay kernels when catching up (default: torch's, and 1)")
+    s.set_defaults(func=cmd_follow)
 
     s = sub.add_parser("demo", help="train a small GPT with a delta checkpoint every iteration, "
                                     "SIGKILL it, resume bit-exactly, restore a past iteration, "

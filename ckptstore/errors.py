@@ -213,7 +213,8 @@ class GlobalCommitAbortedError(CheckpointAbortedError):
 
 class DCPError(CkptStoreError):
     """``ckptstore.dcp`` (the storage layer of ``torch.distributed.checkpoint``) cannot do what
-    DCP asked: a save on more than one rank, a ``checkpoint_id`` that names no iteration, an
+    DCP asked: a multi-rank save without a multi-rank job store (or with ``no_dist``, or a
+    process group that does not match the store's ranks), a ``checkpoint_id`` that names no iteration, an
     iteration that holds no DCP checkpoint or whose DCP metadata does not decode, a plan that
     names what the checkpoint does not hold. Nothing was committed."""
 
@@ -286,3 +287,24 @@ class RemoteUnsupportedError(CkptStoreError, ValueError):
     single-writer stores have a remote tier so far), a URL scheme other than ``s3://``, a
     remote store opened for writing (``mode="a"`` on a URL), or a missing client library
     (``pip install 'ckptstore[remote]'``)."""
+
+
+class FollowerError(CkptStoreError):
+    """A shadow follower (``ckptstore follow``, :mod:`ckptstore.follow`,
+    format-spec/follower.md) cannot follow this primary store: it holds no base snapshot yet, its
+    chain does not start from a Checkpointer base (no replay section), it is a multi-rank job
+    store, or a committed delta cannot be replayed. The message names the store and the
+    iteration; nothing in the primary is ever changed."""
+
+
+class FollowerMismatchError(FollowerError):
+    """The follower store (``<primary>/follower/``) holds bases of another primary store (another
+    store id, or iterations whose recorded manifest digests differ from the primary's commits):
+    ``ckptstore follow`` refuses to write into it; readers ignore it (FollowerWarning)."""
+
+
+class FollowerWarning(UserWarning):
+    """A follower base was not used for a load: it reproduces another primary or another
+    history, it failed to read, or replay from it failed. The load went on from the primary's own
+    base (or an older follower base) and is exact: a follower store is a cache, it may cost time,
+    never a load. Issued once per follower base and reason."""

@@ -47,6 +47,7 @@ from .ops.grouptimer import GroupTimer
 from .ops.pipeline import AsyncStats, Pipeline
 from .ops.retention import Policy
 from .remote.uploader import RemoteStatus, Uploader
+from .replay.follower import FollowerBases
 from .replay.replayer import replay_range, replay_to
 from .storage.fileops import FileOps
 from .storage.index import Index
@@ -69,6 +70,8 @@ class CheckpointInfo:
     written_bytes: int
     snapshot_root: str
     kind: str
+    #: xxh3-128 (hex) of the manifest the commit names (kept by gc; what identifies the commit)
+    manifest_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ class Store:
                  evict_written: bool = True, direct_io: bool | str = "deltas",
                  commit_round: Callable[[Callable[[], Any]], Any] | None = None,
                  retention: Policy | None = None, retention_every: int = 1,
-                 remote: str | None = None, remote_options: dict | None = None) -> None:
+                 remote: str | None = None, remote_options: dict | None = None,
+                 _engine: ReaderEngine | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         _check_every(retention_every)  # (retention itself: below, before anything is opened)
@@ -111,8 +115,12 @@ class Store:
                                         direct_io=direct_io)
             self.engine = self._writer
         else:
-            self.engine = ReaderEngine(self.path, load_threads=load_threads, use_index=use_index)
+            # _engine: a reader ckptstore.open("s3://...", "r") built (ckptstore/remote/reader.py)
+            self.engine = _engine if _engine is not None else \
+                ReaderEngine(self.path, load_threads=load_threads, use_index=use_index)
         self._closed = False
+        #: the follower store's bases, read by load (format-spec/follower.md); opened lazily
+        self._followers: FollowerBases | None = None
         # the asynchronous pipeline (ckptstore/ops/pipeline.py), started by the first async save
         self._pipeline: Pipeline | None = None
         self._async_limits = (host_budget, max_inflight)
@@ -222,6 +230,8 @@ class Store:
             except BaseException as e:  # noqa: BLE001 - re-raised once the files are released
                 err = err or e
             self._remote.close()
+        if self._followers is not None:
+            self._followers.close()
         with self.engine.locked():
             if not self._closed:
                 try:
@@ -472,6 +482,21 @@ class Store:
         head = self._remote_tier().flush(timeout)
         return head.recoverable
 
+    def remote_read_stats(self) -> Any:
+        """What a store opened from an object store (``ckptstore.open("s3://...", "r")``) has
+        fetched since it opened: bytes, requests, cache hits, whether it reads byte ranges or
+        fetched the segments whole, and whether the remote index serves it
+        (:class:`ckptstore.remote.reader.RemoteReadStats`). RemoteUnsupportedError otherwise."""
+        stats = getattr(self.engine, "remote_stats", None)
+        if stats is None:
+            raise RemoteUnsupportedError(f"{self.path} was not opened from an object store")
+        return stats()
+
+    @property
+    def remote_bytes_read(self) -> int:
+        """Bytes fetched from the object store since open (:meth:`remote_read_stats`)."""
+        return int(self.remote_read_stats().bytes_read)
+
     def _entry(self, iteration: Any) -> Any:
         self.check()
         return self.engine.entry(iteration)
@@ -492,7 +517,8 @@ class Store:
         self._await_inflight(iteration)
         c = self._entry(iteration).commit
         return CheckpointInfo(c.iteration, c.created_ns, c.logical_bytes, c.written_bytes,
-                              c.snapshot_root.hex(), KIND_NAMES.get(c.kind, "unknown"))
+                              c.snapshot_root.hex(), KIND_NAMES.get(c.kind, "unknown"),
+                              c.manifest_digest.hex())
 
     def manifest(self, iteration: int) -> Manifest:
         """The decoded, verified manifest of a committed iteration."""
@@ -525,18 +551,44 @@ class Store:
         TargetMismatchError before any target is written (:mod:`ckptstore.inplace`).
 
         A delta iteration is reconstructed: its chain's base snapshot, then every delta after it
-        replayed (:mod:`ckptstore.replay`; DeltaChainError, ReplayDivergenceError).
-        Writers: an iteration still in flight in the async pipeline is waited for."""
+        replayed (:mod:`ckptstore.replay`; DeltaChainError, ReplayDivergenceError); when a
+        follower store (``<path>/follower/``, format-spec/follower.md) holds a newer base of the
+        same history, from that base instead (one that does not match or fails is skipped with a
+        FollowerWarning). Writers: an iteration still in flight in the async pipeline is waited
+        for."""
         self._await_inflight(iteration)
         if self._entry(iteration).commit.kind != KIND_DELTA:
             return self.engine.read(lambda: self.engine.load_entry(iteration, keys, progress,
                                                                    target=into))
         # the whole replay is retried (a writer holds its lock throughout): its read-ahead thread
         # reads records with no lock and no retry of its own, else it would wait on that lock
-        state = self.engine.read(lambda: replay_to(
-            self, iteration, read_record=lambda it, into: self.engine.load_entry(it, into=into)))
+        def replay(source: Any) -> Any:
+            return self.engine.read(lambda: replay_to(
+                source, iteration, read_record=lambda it, into: self.engine.load_entry(it, into=into)))
+
+        state = self._follower_bases().replay(iteration, replay)
+        if state is None:
+            state = replay(self)
         state = select_keys(state, keys, iteration)
         return state if into is None else copy_into(state, into)
+
+    def _follower_bases(self) -> FollowerBases:
+        if self._followers is None:
+            self._followers = FollowerBases(self, lambda path: Store(path, "r"))
+        return self._followers
+
+    def load_base(self, iteration: int) -> tuple[str, int]:
+        """Where :meth:`load` of ``iteration`` starts: ``("follower", b)`` when the follower store
+        holds a base ``b`` of this history with ``base_of(iteration) < b <= iteration`` (the
+        newest; format-spec/follower.md), else ``("primary", base_of(iteration))``. Reads
+        identities only: a follower base that then fails to read is skipped by the load."""
+        self._await_inflight(iteration)
+        self._entry(iteration)
+        if self.kind(iteration) == "delta":
+            found = self._follower_bases().candidates(iteration)
+            if found:
+                return "follower", found[0]
+        return "primary", self.base_of(iteration)
 
     def replay(self, start: int, stop: int, **options: Any):
         """Yield ``(iteration, state)`` for every iteration in ``start..stop`` (inclusive), each
