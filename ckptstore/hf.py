@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from .store import Store
+from .store_ref import StoreRef
 from .torch.checkpointer import Checkpointer, capture_rng, restore_rng
 
 try:
@@ -83,14 +84,8 @@ class StoreCallback(TrainerCallback):
     """
 
     def __init__(self, store: str | os.PathLike | Store, **checkpointer_options: Any) -> None:
-        if isinstance(store, Store):
-            self.store: Store | None = store
-            self._path = store.path
-            self._owns_store = False
-        else:
-            self.store = None
-            self._path = os.fspath(store)
-            self._owns_store = True
+        self._ref = StoreRef(store, "StoreCallback")
+        self._path = self._ref.path
         self.options = checkpointer_options
         #: the Checkpointer of the running ``train()`` call (None outside one)
         self.checkpointer: Checkpointer | None = None
@@ -102,16 +97,13 @@ class StoreCallback(TrainerCallback):
         self._full_log = True  # the next record's meta holds the whole log_history
 
     # ---- the store ----------------------------------------------------------------------------
+    @property
+    def store(self) -> Store | None:
+        """The store while it is open (None before the first use of a path, and after close)."""
+        return self._ref.store
+
     def _store(self) -> Store:
-        if self.store is None:
-            import ckptstore
-            store = ckptstore.open(self._path, mode="a")
-            if not isinstance(store, Store):  # a multi-rank job store
-                store.close()
-                raise ValueError(f"{self._path} is a multi-rank job store; StoreCallback "
-                                 "writes single-writer stores only")
-            self.store = store
-        return self.store
+        return self._ref.writer()
 
     def close(self) -> None:
         """Commit what is pending, drop the Checkpointer and close the store if this callback
@@ -125,9 +117,7 @@ class StoreCallback(TrainerCallback):
                     ckpt.close()
         finally:
             self._drop_resume_dir()
-            if self._owns_store and self.store is not None:
-                store, self.store = self.store, None
-                store.close()
+            self._ref.close()
 
     # ---- resume -------------------------------------------------------------------------------
     def resume_from(self, iteration: int | None = None, directory: str | os.PathLike | None = None

@@ -51,6 +51,7 @@ from .errors import IterationOrderError, NotFoundError, StoreNotFoundError, Unsu
 from .ops.gc import GcReport
 from .ops.retention import Checkpoint, Policy
 from .store import Store
+from .store_ref import StoreRef
 
 try:
     from lightning.fabric.plugins import CheckpointIO
@@ -96,14 +97,8 @@ class StoreCheckpointIO(CheckpointIO):
     store unless they load."""
 
     def __init__(self, store: str | os.PathLike | Store, *, retention_every: int | None = None) -> None:
-        if isinstance(store, Store):
-            self.store: Store | None = store
-            self._path = store.path
-            self._owns_store = False
-        else:
-            self.store = None
-            self._path = os.fspath(store)
-            self._owns_store = True
+        self._ref = StoreRef(store, "StoreCheckpointIO")
+        self._path = self._ref.path
         if retention_every is not None and (type(retention_every) is not int or retention_every < 1):
             raise ValueError(f"retention_every must be an int >= 1 or None, not {retention_every!r}")
         self.retention_every = retention_every
@@ -115,20 +110,19 @@ class StoreCheckpointIO(CheckpointIO):
     # ---- the store and the names --------------------------------------------------------------
     def _writer(self) -> Store:
         """The store, opened for writing if needed, with the names read."""
-        if self.store is None:
-            import ckptstore
-            store = ckptstore.open(self._path, mode="a")
-            if not isinstance(store, Store):
-                store.close()
-                raise ValueError(f"{self._path} is a multi-rank job store; StoreCheckpointIO "
-                                 "writes single-writer stores only")
-            self.store = store
-            self._names = None
+        if self._ref.store is None:
+            self._names = None  # (re)opened: read the names again
+        store = self._ref.writer()
         if self._names is None:
-            self._names, self.seen = _scan_names(self.store, self.names_path)
-        if self.retention_every is not None and self.store.retention is not self._policy:
-            self.store.set_retention(self._policy, every=self.retention_every)
-        return self.store
+            self._names, self.seen = _scan_names(store, self.names_path)
+        if self.retention_every is not None and store.retention is not self._policy:
+            store.set_retention(self._policy, every=self.retention_every)
+        return store
+
+    @property
+    def store(self) -> Store | None:
+        """The store while it is open (None before the first use of a path, and after teardown)."""
+        return self._ref.store
 
     @contextmanager
     def _view(self) -> Iterator[tuple[Any, dict[str, int]]]:
@@ -252,10 +246,9 @@ class StoreCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Close the store if this plugin opened it (it is opened again when needed)."""
-        if self._owns_store and self.store is not None:
-            store, self.store = self.store, None
+        if self._ref.owned and self._ref.store is not None:
             self._names = None
-            store.close()
+        self._ref.close()
 
     # ---- retention ----------------------------------------------------------------------------
     def retention_policy(self) -> Policy:
