@@ -488,7 +488,22 @@ class RemoteLog(Log):
                 self.reader.forget(e)
 
 
-class RemoteReaderEngine(ReaderEngine):
+class _TemporaryCopyEngine(ReaderEngine):
+    """A reader over a private directory (the fetched metadata, or a whole pull): ``_cleanup``
+    removes it once, after the engine is closed."""
+
+    _cleanup: Callable[[], None] | None = None
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            cleanup, self._cleanup = self._cleanup, None
+            if cleanup is not None:
+                cleanup()
+
+
+class RemoteReaderEngine(_TemporaryCopyEngine):
     """A reader of one remote HEAD (see the module docstring). ``path`` is its private directory
     (STORE, the index); ``cleanup`` runs once it is closed."""
 
@@ -552,16 +567,8 @@ class RemoteReaderEngine(ReaderEngine):
                                    "whole" if self._rlog().whole else "ranges", self.index_state,
                                    r.bytes_read, r.requests, r.cache_hits, r.block, r.capacity)
 
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            cleanup, self._cleanup = self._cleanup, None
-            if cleanup is not None:
-                cleanup()
 
-
-class PulledReaderEngine(ReaderEngine):
+class PulledReaderEngine(_TemporaryCopyEngine):
     """A reader of a remote copy pulled whole into a directory (``cache_dir``, ``lazy=False``)."""
 
     def __init__(self, path: str, pulled: PullResult, *, load_threads: int = 2,
@@ -574,14 +581,6 @@ class PulledReaderEngine(ReaderEngine):
         p = self.pulled
         return RemoteReadStats(p.url, p.head.generation, "whole", "skipped", p.downloaded_bytes,
                                p.downloaded_objects, 0, 0, 0)
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            cleanup, self._cleanup = self._cleanup, None
-            if cleanup is not None:
-                cleanup()
 
 
 # ---- open ------------------------------------------------------------------------------------
