@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .errors import CkptStoreError, FormatError, UnsupportedTypeError
+from .format.image import BLOCK, DATA_OFFSET, ChunkImage
 from .format.manifest import TensorEntry
 from .format.state import Path, format_path, path_name
 
@@ -35,6 +36,92 @@ _EMPTY = memoryview(b"")
 # memoryview(<ndarray>) calls below carry `type: ignore[arg-type]`: numpy's stubs declare
 # ndarray.__buffer__ only for Python >= 3.12, so mypy at python_version 3.10 cannot see that arrays
 # support the buffer protocol (they do, on every version).
+
+
+#: a signed integer dtype of each element size: bitwise comparison of any dtype (NaNs included)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class ImageTensor:
+    """A tensor whose bytes lie inside a chunk image (format/image.py) in a host buffer: each
+    chunk of its data sits where its CHUNK record's data will lie in the log, so the write path
+    frames the records around it and writes the image with no copy (the Checkpointer captures
+    gradients this way). It is a save-side leaf only: it is never loaded as such.
+
+    Invariants: ``buffer`` is a 1-D uint8 CPU tensor; the image occupies
+    ``buffer[offset:offset + image.size]`` and its first byte is page-aligned in memory; the
+    element size divides :data:`~ckptstore.format.image.DATA_OFFSET` and the stride (checked by
+    :meth:`fits`), so every chunk's data is a whole number of elements at an aligned address.
+    """
+
+    def __init__(self, buffer: torch.Tensor, offset: int, dtype: torch.dtype,
+                 shape: tuple[int, ...], stride: int) -> None:
+        esz = torch.empty((), dtype=dtype).element_size()
+        numel = math.prod(shape)
+        if not self.fits(dtype, numel * esz, stride):
+            raise ValueError(f"a {dtype} tensor of shape {shape} cannot lie in a chunk image")
+        if (buffer.data_ptr() + offset) % BLOCK:
+            raise ValueError("a chunk image must start page-aligned")
+        self.buffer = buffer
+        self.offset = offset
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self.nbytes = numel * esz
+        self.image = ChunkImage(self.nbytes, stride)
+        typed = buffer.view(dtype)
+        per = self.image.chunk_size // esz
+        self._per = per
+        self._full_rows = numel // per
+        self._tail_len = numel - self._full_rows * per
+        first = (offset + DATA_OFFSET) // esz
+        self._full = typed.as_strided((self._full_rows, per), (stride // esz, 1), first) \
+            if self._full_rows else None
+        t0 = first + self._full_rows * (stride // esz)
+        self._tail = typed[t0:t0 + self._tail_len] if self._tail_len else None
+
+    @staticmethod
+    def fits(dtype: torch.dtype, nbytes: int, stride: int) -> bool:
+        """Whether a tensor of ``dtype`` and ``nbytes`` can lie in a chunk image of ``stride``."""
+        esz = torch.empty((), dtype=dtype).element_size()
+        return nbytes > 0 and esz in _BITS and DATA_OFFSET % esz == 0 and stride % esz == 0 \
+            and not dtype.is_complex
+
+    def _pieces(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(image view, the matching part of ``flat``) for the full rows and the tail."""
+        k = self._full_rows * self._per
+        out = []
+        if self._full is not None:
+            out.append((self._full, flat[:k].view(self._full_rows, self._per)))
+        if self._tail is not None:
+            out.append((self._tail, flat[k:]))
+        return out
+
+    def copy_(self, src: torch.Tensor) -> "ImageTensor":
+        """Copy ``src`` (same dtype and number of elements, any strides) into the image."""
+        flat = src.detach().reshape(-1)
+        with torch.no_grad():
+            for dst, part in self._pieces(flat):
+                dst.copy_(part)
+        return self
+
+    def same_bits(self, src: torch.Tensor) -> bool:
+        """Whether the image holds exactly ``src``'s bits (NaN payloads included)."""
+        bits = _BITS[src.element_size()]
+        flat = src.detach().reshape(-1)
+        return all(torch.equal(dst.view(bits), part.view(bits)) for dst, part in self._pieces(flat))
+
+    def to_tensor(self) -> torch.Tensor:
+        """A contiguous copy of the tensor (for consumers that need one; the write path does not)."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        flat = out.view(-1)
+        with torch.no_grad():
+            for src, part in self._pieces(flat):
+                part.copy_(src)
+        return out
+
+    def memory(self) -> memoryview:
+        """The whole image's bytes (writable: the write path frames records in it)."""
+        return memoryview(self.buffer[self.offset:self.offset + self.image.size].numpy())  # type: ignore[arg-type]
 
 
 @dataclass
@@ -54,12 +141,18 @@ class ArrayLeaf:
     def name(self) -> str:
         return path_name(self.path)
 
+    @property
+    def image(self) -> ImageTensor | None:
+        """The chunk image holding this leaf's bytes, when it lies in one."""
+        return self.value if isinstance(self.value, ImageTensor) else None
+
     def byte_view(self) -> memoryview:
         """The array's bytes, C order, as a flat memoryview (kept alive by the view itself)."""
         if self.nbytes == 0:
             return _EMPTY
         if self.lib == "torch":
-            t = self.value.detach()
+            t: torch.Tensor = self.value.to_tensor() if isinstance(self.value, ImageTensor) \
+                else self.value.detach()
             if t.device.type != "cpu":
                 t = t.to("cpu")
             if t.is_conj():
@@ -67,7 +160,7 @@ class ArrayLeaf:
             if t.is_neg():
                 t = t.resolve_neg()
             t = t.contiguous()
-            return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         a = np.ascontiguousarray(self.value)
         return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
@@ -110,6 +203,8 @@ def leaf_hook(x: Any, path: Path) -> ArrayLeaf | None:
     """State-encoding hook: recognise tensors and arrays; None for anything else."""
     if isinstance(x, torch.Tensor):
         return _torch_leaf(x, path)
+    if isinstance(x, ImageTensor):
+        return ArrayLeaf(path, "torch", _TORCH_DTYPE_NAMES[x.dtype], x.shape, x.nbytes, x)
     if isinstance(x, np.ndarray):
         if type(x) is not np.ndarray:  # a subclass (masked array, matrix, memmap) would lose its type
             raise UnsupportedTypeError(
@@ -125,7 +220,7 @@ def leaf_hook(x: Any, path: Path) -> ArrayLeaf | None:
 
 def no_leaves(x: Any, path: Path) -> None:
     """Hook for structures that must not hold arrays (user meta)."""
-    if isinstance(x, (torch.Tensor, np.ndarray)):
+    if isinstance(x, (torch.Tensor, np.ndarray, ImageTensor)):
         raise UnsupportedTypeError(f"meta holds an array at {format_path(path)}; meta must be JSON-like")
     return None
 
@@ -171,6 +266,12 @@ def allocate(entry: TensorEntry) -> tuple[Any, memoryview]:
         raise FormatError(f"tensor {entry.path}: shape {list(entry.shape)[:8]} cannot be "
                           f"represented by {entry.lib}: {e}") from e
     return value, view
+
+
+def empty_torch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor for a reader to fill (:func:`_empty_torch`: works under
+    ``torch.use_deterministic_algorithms(True)`` for every dtype)."""
+    return _empty_torch(shape, dtype, math.prod(shape) * dtype.itemsize)
 
 
 def _empty_torch(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:

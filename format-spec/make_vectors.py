@@ -683,10 +683,75 @@ def segment_vectors() -> list[dict]:
     ]
 
 
+def chunk_image_vectors() -> list[dict]:
+    """A segment whose checkpoint was written from a chunk image (format.md section 8, "Chunk
+    images" and "Alignment padding"): pad records, block-aligned CHUNK records of a stride."""
+    import numpy as np
+
+    from ckptstore.format.image import BLOCK, ChunkImage, pad_payload, pad_size, seal_chunk, seal_pad
+
+    g = (np.arange(2500, dtype="<f4") * 0.5 - 7).astype("<f4")  # 10000 bytes: two records
+    geo = ChunkImage(g.nbytes, ChunkImage.stride_for(8000))       # stride 8192, chunk_size 8128
+    out = bytearray(rec.encode_record(rec.RecordType.SEGMENT_HEADER,
+                                      encode_segment_header(SegmentHeader(1, 1, STORE_ID, 0))))
+    records = [{"offset": 0, "type": "SEGMENT_HEADER", "length": 48}]
+    written = 0
+    pad = pad_size(len(out))
+    out += rec.encode_record(rec.RecordType.CHUNK, pad_payload(pad))
+    records.append({"offset": 80, "type": "CHUNK", "length": pad - rec.OVERHEAD})
+    written += pad
+    image = bytearray(geo.size)
+    buf = memoryview(image)
+    raw = g.tobytes()
+    addrs = []
+    base = len(out)
+    assert base % BLOCK == 0
+    for j in range(geo.n_chunks):
+        n = geo.data_length(j)
+        start = geo.data_offset(j)
+        buf[start:start + n] = raw[j * geo.chunk_size:j * geo.chunk_size + n]
+        addrs.append(address_of(raw[j * geo.chunk_size:j * geo.chunk_size + n]))
+        seal_chunk(buf, j * geo.stride, addrs[-1], n)
+        records.append({"offset": base + j * geo.stride, "type": "CHUNK", "length": 32 + n})
+    seal_pad(buf, geo.records_end, geo.pad)
+    records.append({"offset": base + geo.records_end, "type": "CHUNK",
+                    "length": geo.pad - rec.OVERHEAD})
+    out += image
+    written += geo.size
+
+    def append(rtype, payload: bytes) -> tuple[int, int]:
+        nonlocal written
+        off = len(out)
+        out.extend(rec.encode_record(rtype, payload))
+        records.append({"offset": off, "type": rec.RecordType(rtype).name, "length": len(payload)})
+        written += rec.OVERHEAD + len(payload)
+        return off, len(payload)
+
+    tree = make_tree(len(raw), geo.chunk_size, addrs)
+    append(rec.RecordType.TREE, encode_tree(tree))
+    entries = (TensorEntry("g", "numpy", "<f4", g.shape, len(raw), tree.root),)
+    skeleton, _ = flatten({"g": _Leaf(), "i": 3}, _leaf_hook)
+    manifest = encode_manifest(Manifest(3, CREATED_NS, geo.chunk_size, skeleton, None, entries))
+    moff, mlen = append(rec.RecordType.MANIFEST, manifest)
+    commit = Commit(3, 1, moff, mlen, xxhash.xxh3_128_digest(manifest),
+                    snapshot_root([("g", tree.root)]), CREATED_NS, len(raw),
+                    written + rec.OVERHEAD + 96, 0)
+    append(rec.RecordType.COMMIT, encode_commit(commit))
+    return [dict(name="segment_chunk_image", kind="segment", hex=bytes(out).hex(), note=(
+        "segment 1 of store_header_v1's store written from a chunk image (stride 8192, manifest "
+        "chunk_size 8128): a pad record moves the log's end from 80 to 4096, the CHUNK records "
+        "of g start at 4096 and 12288 (data at +56), a pad record ends the image at 16384, then "
+        "the TREE, MANIFEST and COMMIT of iteration 3"),
+        expected={"records": records, "iterations": [3], "tail_bytes": 0,
+                  "commit": _commit_fields(commit),
+                  "load": {"g": {"dtype": "<f4", "shape": [2500], "bytes": raw.hex()}, "i": 3}})]
+
+
 def build() -> dict:
     vectors = (store_header_vectors() + record_vectors() + segment_header_vectors()
                + chunk_vectors() + tree_vectors() + snapshot_vectors() + commit_vectors()
-               + manifest_vectors() + state_vectors() + segment_vectors() + job_vectors())
+               + manifest_vectors() + state_vectors() + segment_vectors() + chunk_image_vectors()
+               + job_vectors())
     names = [v["name"] for v in vectors]
     assert len(names) == len(set(names)), "duplicate vector names"
     return {

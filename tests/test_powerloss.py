@@ -170,6 +170,36 @@ def _run_deltas(its: list[int], durable: bool) -> Callable[[Path, RecordingOps],
     return run
 
 
+def _imaged_delta(i: int) -> dict:
+    """:func:`delta`'s record with its gradient in a chunk image (ckptstore/format/image.py):
+    framed in place, written from its own memory (O_DIRECT after a pad record)."""
+    from test_chunk_image import image_state
+
+    d = delta(i)
+    g = torch.from_numpy(np.concatenate([d["g"]] * 4))
+    return {"g": image_state({"g": g})["g"], "i": i}
+
+
+def verify_imaged(r: ckptstore.Store, i: int, assert_same) -> None:
+    if r.kind(i) != "delta":
+        return verify_generated(r, i, assert_same)
+    got = r.load_record(i)
+    assert got["i"] == i and np.array_equal(got["g"].numpy(), np.concatenate([delta(i)["g"]] * 4)), \
+        f"iteration {i}"
+
+
+def _run_imaged_deltas(its: list[int]) -> Callable[[Path, RecordingOps], None]:
+    def run(p: Path, ops: RecordingOps) -> None:
+        with open_writer(p, ops) as s:
+            for i in its:
+                ops.mark("begin", i)
+                s.save_delta(i, _imaged_delta(i), durable=i % 2 == 0)
+                if i % 2 == 0:
+                    ops.mark("ack", i - 1)
+                    ops.mark("ack", i)
+    return run
+
+
 def _run_gc(p: Path, ops: RecordingOps) -> None:
     with open_writer(p, ops) as s:
         its = s.iterations()
@@ -254,6 +284,7 @@ SCENARIOS = [
     Scenario("save-roll", _saves([0, 1]), _run_saves([2, 3, 4])),
     Scenario("delta-durable", _saves([0]), _run_deltas([1, 2], durable=True)),
     Scenario("delta-group", _saves([0]), _run_deltas([1, 2, 3], durable=False)),
+    Scenario("delta-images", _saves([0]), _run_imaged_deltas([1, 2, 3, 4]), verify=verify_imaged),
     Scenario("checkpointer", lambda p: _train(p, None, 2), lambda p, ops: _train(p, ops, TRAIN_LAST),
              verify=verify_trained, resume=_resume_training),
     Scenario("gc", _saves(list(range(6))), _run_gc),

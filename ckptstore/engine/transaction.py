@@ -117,6 +117,11 @@ class Transaction:
         self._check_open()
         return self.log.append(record_type, list(parts), self._host.segment_size)
 
+    def append_image(self, buffers: Sequence[memoryview]) -> tuple[int, int]:
+        """Append whole records laid out in memory (format/image.py); (seq, offset) of the first."""
+        self._check_open()
+        return self.log.append_image(list(buffers), self._host.segment_size)
+
     def savepoint(self) -> Position | None:
         """The log's end now: :meth:`rollback_to` it undoes every later append."""
         w = self.log.writer

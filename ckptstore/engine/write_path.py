@@ -22,9 +22,10 @@ import xxhash
 
 from ..errors import FormatError, IndexUnusable
 from ..format import records as rec
-from ..format.chunk import (CHUNK_HEADER_SIZE, address_of, choose_encoding, decode_chunk_header,
-                           encode_chunk_header)
+from ..format.chunk import (CHUNK_HEADER_SIZE, Codec, address_of, choose_encoding,
+                           decode_chunk_header, encode_chunk_header)
 from ..format.commit import COMMIT_SIZE, KIND_DELTA, KIND_SNAPSHOT, Commit
+from ..format.image import seal_chunk, seal_pad
 from ..format.manifest import INLINE_MAX, Manifest, TensorEntry, encode_manifest
 from ..format.tree import decode_tree, encode_tree, make_tree, snapshot_root, tree_root
 from ..storage.index import ChunkRef, Index
@@ -32,7 +33,7 @@ from ..storage.log import Log
 from ..storage.segments import Loc
 from ..format.state import flatten
 from ..errors import UnsupportedTypeError
-from ..tensors import ArrayLeaf, no_leaves
+from ..tensors import ArrayLeaf, ImageTensor, no_leaves
 from .transaction import StagedCheckpoint
 
 
@@ -87,6 +88,16 @@ class CheckpointTarget(Protocol):
 
     def append(self, record_type: int, parts: Sequence[bytes | memoryview]) -> Loc: ...
 
+    def append_image(self, buffers: Sequence[memoryview]) -> tuple[int, int]: ...
+
+
+def chunk_size_for(leaves: Sequence[ArrayLeaf], default: int) -> int:
+    """The chunk size a checkpoint of ``leaves`` uses: that of the chunk images its leaves lie
+    in (format/image.py; written without a copy only at their own chunk size), else
+    ``default``."""
+    sizes = {leaf.image.image.chunk_size for leaf in leaves if leaf.image is not None}
+    return sizes.pop() if len(sizes) == 1 else default
+
 
 def flatten_meta(meta: Any) -> Any:
     """The skeleton of the user's meta (a dict of JSON-like values, or None)."""
@@ -99,9 +110,11 @@ def append_checkpoint(target: CheckpointTarget, index: Index, iteration: int, sk
                       meta: Any, leaves: list[ArrayLeaf], *, chunk_size: int,
                       progress: Callable[[int], None] | None = None, kind: str = "snapshot",
                       extra: dict | None = None, stats_field: str | None = None,
-                      pending: Sequence[StagedCheckpoint] = ()) -> tuple[StagedCheckpoint, SaveStats]:
+                      pending: Sequence[StagedCheckpoint] = (),
+                      trials: "CompressionTrials | None" = None) -> tuple[StagedCheckpoint, SaveStats]:
     """Append one checkpoint's records to ``target``. Returns what the transaction stages (it
-    writes the COMMIT) and the save's stats.
+    writes the COMMIT) and the save's stats. ``trials``: the writer's memory of which chunks of
+    imaged tensors did not compress (see :class:`CompressionTrials`).
 
     ``kind``/``extra``: manifest kind ("delta" for gradient deltas, format-spec/deltas.md) and its
     extra manifest fields. ``stats_field``: name of a dict in ``extra`` (the async pipeline's
@@ -134,7 +147,25 @@ def append_checkpoint(target: CheckpointTarget, index: Index, iteration: int, sk
         written += loc.end - loc.offset
         return loc
 
+    images = _ImageBatch()  # tensors lying in chunk images: framed now, written after the loop
+
+    def chunk_known(addr: bytes) -> bool:
+        return addr in new_chunks or addr in images.addresses or \
+            any(addr in c for c in in_group_chunks) or stored_chunk(log, index, addr)
+
+    def append_tree(tree: Any) -> None:
+        if tree.root not in new_trees and not any(tree.root in t for t in in_group_trees) and \
+                not stored_tree(log, index, tree.root):
+            new_trees[tree.root] = append(rec.RecordType.TREE, [encode_tree(tree)])
+
     for leaf in leaves:
+        image = leaf.image
+        if image is not None and image.image.chunk_size == chunk_size and leaf.nbytes > INLINE_MAX:
+            tree = images.frame(image, chunk_known, progress, leaf.name, trials)
+            entries.append(TensorEntry(leaf.name, leaf.lib, leaf.dtype, leaf.shape, leaf.nbytes,
+                                       tree.root, None, leaf.param, leaf.requires_grad))
+            roots.append((leaf.name, tree.root))
+            continue
         view = leaf.byte_view()
         nbytes = len(view)
         inline = None
@@ -148,8 +179,7 @@ def append_checkpoint(target: CheckpointTarget, index: Index, iteration: int, sk
                 piece = view[start:start + chunk_size]
                 addr = address_of(piece)
                 addresses.append(addr)
-                if addr in new_chunks or any(addr in c for c in in_group_chunks) or \
-                        stored_chunk(log, index, addr):
+                if chunk_known(addr):
                     dedup += len(piece)
                     n_dedup += 1
                 else:
@@ -161,13 +191,17 @@ def append_checkpoint(target: CheckpointTarget, index: Index, iteration: int, sk
                     progress(len(piece))
             tree = make_tree(nbytes, chunk_size, addresses)
             root = tree.root
-            if root not in new_trees and not any(root in t for t in in_group_trees) and \
-                    not stored_tree(log, index, root):
-                new_trees[root] = append(rec.RecordType.TREE, [encode_tree(tree)])
+            append_tree(tree)
         entries.append(TensorEntry(leaf.name, leaf.lib, leaf.dtype, leaf.shape, nbytes, root, inline,
                                    leaf.param, leaf.requires_grad))
         roots.append((leaf.name, root))
 
+    written += images.write(target, new_chunks)
+    n_written += images.n_new
+    n_dedup += images.n_known
+    dedup += images.known_bytes
+    for tree in images.trees:
+        append_tree(tree)
     extra = dict(extra or {})
     if stats_field is not None:
         extra[stats_field] = dict(extra.get(stats_field) or {}, dedup_bytes=dedup,
@@ -183,3 +217,117 @@ def append_checkpoint(target: CheckpointTarget, index: Index, iteration: int, sk
     stats = SaveStats(iteration, logical, written, dedup, n_written, n_dedup, len(leaves),
                       time.perf_counter() - t0, sroot.hex())
     return StagedCheckpoint(commit, new_chunks, new_trees), stats
+
+
+class CompressionTrials:
+    """Which chunks of a writer's imaged tensors (captured gradients, deltas after deltas) are
+    worth a compression trial. A chunk whose trial found no saving skips its next ``skip``
+    trials (stored raw meanwhile); one that compressed is tried every time. Float gradients do
+    not compress, so this saves most of the trials' cost; a chunk that turns compressible is
+    stored raw at most ``skip`` times before it is found (writer policy: any chunk may be raw)."""
+
+    def __init__(self, skip: int = 3, capacity: int = 1 << 16) -> None:
+        self.skip = skip
+        self.capacity = capacity
+        self._wait: dict[tuple[str, int], int] = {}
+
+    def due(self, name: str, j: int) -> bool:
+        key = (name, j)
+        left = self._wait.get(key, 0)
+        if left > 0:
+            self._wait[key] = left - 1
+            return False
+        return True
+
+    def record(self, name: str, j: int, compressed: bool) -> None:
+        if compressed:
+            self._wait.pop((name, j), None)
+        else:
+            if len(self._wait) >= self.capacity:
+                self._wait.clear()
+            self._wait[(name, j)] = self.skip
+
+
+class _ImageBatch:
+    """The CHUNK records of the tensors of one checkpoint that lie in chunk images
+    (format/image.py): each tensor is framed in place by :meth:`frame`, then :meth:`write` appends
+    them all at once, straight from the images' memory, adjacent images as one write. Chunks
+    already stored are left out (each record owns a block-aligned span, so what remains stays
+    aligned); chunks that compress are appended compressed after the images."""
+
+    def __init__(self) -> None:
+        #: [buffer, start, end): spans of image memory to write, in order, adjacent ones merged
+        self.runs: list[list[Any]] = []
+        #: (address, offset in the written bytes, payload length) of each framed record
+        self.framed: list[tuple[bytes, int, int]] = []
+        self.addresses: set[bytes] = set()  # of the chunks framed or packed so far
+        self.packed: list[tuple[bytes, Any, int]] = []  # (address, lz4 data, raw length)
+        self.trees: list[Any] = []
+        self.n_known = self.known_bytes = self.out = 0
+
+    @property
+    def n_new(self) -> int:
+        return len(self.framed) + len(self.packed)
+
+    def frame(self, tensor: ImageTensor, known: Callable[[bytes], bool],
+              progress: Callable[[int], None] | None, name: str,
+              trials: "CompressionTrials | None") -> Any:
+        """Hash and frame ``tensor``'s chunks; returns its tree (appended by the caller after
+        the images)."""
+        geo = tensor.image
+        buf = tensor.memory()
+        addresses: list[bytes] = []
+        last = geo.n_chunks - 1
+        for j in range(geo.n_chunks):
+            start = geo.data_offset(j)
+            n = geo.data_length(j)
+            piece = buf[start:start + n]
+            addr = address_of(piece)
+            addresses.append(addr)
+            if progress is not None:
+                progress(n)
+            if known(addr):
+                self.n_known += 1
+                self.known_bytes += n
+                continue
+            self.addresses.add(addr)
+            codec: Codec = Codec.RAW
+            data: Any = piece
+            if trials is None or trials.due(name, j):
+                codec, data = choose_encoding(piece)
+                if trials is not None:
+                    trials.record(name, j, codec is not Codec.RAW)
+            if codec is not Codec.RAW:
+                self.packed.append((addr, data, n))
+                continue
+            lo, hi = geo.span(j)
+            seal_chunk(buf, lo, addr, n)
+            if j == last and geo.pad:
+                seal_pad(buf, geo.records_end, geo.pad)
+            self.framed.append((addr, self.out, CHUNK_HEADER_SIZE + n))
+            self.out += hi - lo
+            lo += tensor.offset
+            hi += tensor.offset
+            if self.runs and self.runs[-1][0] is tensor.buffer and self.runs[-1][2] == lo:
+                self.runs[-1][2] = hi
+            else:
+                self.runs.append([tensor.buffer, lo, hi])
+        tree = make_tree(geo.nbytes, geo.chunk_size, addresses)
+        self.trees.append(tree)
+        return tree
+
+    def write(self, target: CheckpointTarget, new_chunks: dict[bytes, ChunkRef]) -> int:
+        """Append everything framed, then the compressed chunks; index them in ``new_chunks``.
+        Returns the bytes appended."""
+        out = 0
+        if self.runs:
+            buffers = [memoryview(b[lo:hi].numpy()) for b, lo, hi in self.runs]
+            seq, base = target.append_image(buffers)
+            for addr, off, length in self.framed:
+                new_chunks[addr] = ChunkRef(Loc(seq, base + off, length), int(Codec.RAW))
+            out += self.out
+        for addr, data, n in self.packed:
+            loc = target.append(rec.RecordType.CHUNK, [encode_chunk_header(addr, Codec.LZ4, n), data])
+            new_chunks[addr] = ChunkRef(loc, int(Codec.LZ4))
+            out += loc.end - loc.offset
+        return out

@@ -37,7 +37,7 @@ from ..storage.store_file import create_store, read_store_header
 from ..tensors import ArrayLeaf
 from .engine import DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE, Engine
 from .transaction import Transaction
-from .write_path import SaveStats, append_checkpoint
+from .write_path import CompressionTrials, SaveStats, append_checkpoint, chunk_size_for
 
 
 class WriterEngine(Engine):
@@ -54,6 +54,8 @@ class WriterEngine(Engine):
         if direct_io not in (True, False, "deltas"):
             raise ValueError(f'direct_io must be True, False or "deltas", not {direct_io!r}')
         self.direct_io = direct_io
+        #: which chunks of imaged delta tensors skip their compression trial (write_path.py)
+        self.delta_trials = CompressionTrials()
         #: advise the kernel to write back and drop the pages of what was written (SegmentWriter)
         self.evict_written = evict_written
         self.lock = WriterLock(self.layout, self.file_ops)
@@ -351,9 +353,10 @@ class WriterEngine(Engine):
                 # precede this one and are cut only together with it: append_checkpoint's
                 # invariant)
                 staged, stats = append_checkpoint(
-                    txn, self.index, iteration, skeleton, meta, leaves, chunk_size=self.chunk_size,
+                    txn, self.index, iteration, skeleton, meta, leaves,
+                    chunk_size=chunk_size_for(leaves, self.chunk_size),
                     kind="delta", extra={"prev": prev, "base": base, **(extra or {})},
-                    stats_field=stats_field, pending=txn.staged)
+                    stats_field=stats_field, pending=txn.staged, trials=self.delta_trials)
             except BaseException:
                 txn.rollback_to(savepoint)
                 raise

@@ -56,7 +56,7 @@ import torch
 from ..errors import (CheckpointAbortedError, DeltaChainError, GlobalCommitAbortedError,
                       IterationOrderError)
 from ..format.state import flatten
-from ..tensors import TORCH_DTYPES, ArrayLeaf, leaf_hook
+from ..tensors import TORCH_DTYPES, ArrayLeaf, ImageTensor, leaf_hook
 from ..engine.write_path import SaveStats, flatten_meta
 
 if TYPE_CHECKING:
@@ -137,6 +137,8 @@ class Arena:
         return self.buf[offset:offset + nbytes]
 
     def holds(self, t: Any) -> bool:
+        if isinstance(t, ImageTensor):
+            t = t.buffer
         return isinstance(t, torch.Tensor) and t.device.type == "cpu" and \
             t.untyped_storage().data_ptr() == self._ptr
 
@@ -279,6 +281,8 @@ def _snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool
         cuda_copies: dict[Any, list] = {}
         for lf, dst in zip(todo, arena.views(layout)):
             src = lf.value
+            if isinstance(src, ImageTensor):  # (an image of an arena not handed over)
+                src = src.to_tensor()
             if lf.lib != "torch":
                 dst.reshape(-1).view(np.uint8)[:] = \
                     np.ascontiguousarray(src).reshape(-1).view(np.uint8)  # a byte copy

@@ -141,6 +141,34 @@ class DirectAppender:
             self._write_blocks()
         self._write_buffered(self.base, self.end)
 
+    def put_aligned(self, buffers: list[memoryview]) -> None:
+        """Append ``buffers`` straight from their own memory, no staging copy: each must start
+        at a page-aligned address and have a length that is a multiple of :data:`ALIGN`, and
+        :attr:`end` must be on a block boundary (the caller appended padding records first).
+        What is staged before them is written first, so appends stay in order."""
+        if self.end % ALIGN:
+            raise ValueError(f"{self.path}: aligned append at unaligned end {self.end}")
+        if not self._loaded:
+            self._load()
+        self._write_blocks()  # the stage holds whole blocks only (end is aligned): now empty
+        assert self.fill == 0
+        for buf in buffers:
+            n = len(buf)
+            if n == 0:
+                continue
+            written = 0
+            if self.active and self.in_file <= self.base:
+                got = self.ops.write_direct(self.direct_fd, self.path, buf, self.base)
+                if got is None:  # refused: this file system does not do O_DIRECT
+                    self.close()
+                else:
+                    written = got
+                    self.direct_bytes += got
+            if written < n:  # the rest (a refused or short direct write) goes buffered
+                self.ops.writev(self.fd, self.path, [buf[written:]], self.base + written)
+            self.base += n
+            self.in_file = max(self.in_file, self.base)
+
     def cut(self, end: int) -> None:
         """The file is being truncated to ``end`` (at or before :attr:`end`): forget staged bytes
         after it (the caller truncates the file)."""

@@ -33,6 +33,7 @@ from ..format import records as rec
 from ..format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header
 from ..format.commit import COMMIT_SIZE, Commit, decode_commit
 from ..format.header import FORMAT_VERSION, SegmentHeader
+from ..format.image import BLOCK, RECORD_OVERHEAD
 from ..format.manifest import decode_committed_manifest, decode_manifest
 from ..format.tree import decode_tree
 from .fileops import FileOps
@@ -509,6 +510,16 @@ class Log:
         if self.writer.offset > _header_len() and self.writer.offset + size > segment_size:
             self.roll(segment_size)  # fsyncs the full segment before leaving it
         return self.writer.append(record_type, parts)
+
+    def append_image(self, buffers: list, segment_size: int) -> tuple[int, int]:
+        """Append whole records laid out in ``buffers`` (format/image.py) without copying them;
+        returns (segment seq, offset of their first byte). They go into one segment: a new one
+        when they would take the current one past ``segment_size``."""
+        assert self.writer is not None
+        size = BLOCK + RECORD_OVERHEAD + sum(len(b) for b in buffers)  # (+ the largest pad)
+        if self.writer.offset > _header_len() and self.writer.offset + size > segment_size:
+            self.roll(segment_size)
+        return self.writer.seq, self.writer.append_image(buffers)
 
     def discard_after(self, position: Position | None, quarantine: bool) -> None:
         """Cut the log back to ``position``: truncate its segment there and empty later segments.

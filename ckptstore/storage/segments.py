@@ -17,6 +17,7 @@ import xxhash
 
 from ..errors import CorruptRecordError, FormatError
 from ..format import records as rec
+from ..format.image import pad_payload, pad_size
 from ..format.header import SEGMENT_HEADER_SIZE, SegmentHeader, decode_segment_header, encode_segment_header
 from .direct import DirectAppender, StagingBuffer
 from .fileops import FileOps, io_errors
@@ -408,6 +409,38 @@ class SegmentWriter:
         self.offset = loc.end
         self.dirty = True
         return loc
+
+    def append_image(self, buffers: Sequence[memoryview]) -> int:
+        """Append ``buffers``, whole records laid out by the caller (format/image.py), from their
+        own memory; returns the file offset of their first byte. With O_DIRECT the log's end is
+        first moved to a block boundary by a pad record and the buffers, page-aligned and whole
+        blocks long, are written without a copy; buffered appends write them where the log
+        ends."""
+        staging = self._staging
+        if staging is not None:
+            pad = pad_size(self.offset)
+            if pad:
+                self._append_direct(staging, rec.RecordType.CHUNK, [pad_payload(pad)])
+        staging = self._staging  # (None when the pad's write found O_DIRECT refused)
+        if staging is not None:
+            start = self.offset
+            try:
+                staging.put_aligned(list(buffers))
+            except BaseException:
+                staging.cut(start)
+                raise
+            finally:
+                if not staging.active:  # the file system refused O_DIRECT: buffered from now on
+                    staging.flush()
+                    self.direct = None
+        else:
+            start = self.offset
+            self.ops.writev(self.fd, self.path, list(buffers), start)
+        self.offset = start + sum(len(b) for b in buffers)
+        self.dirty = True
+        if self.evict and self._staging is None and self.offset - self._advised >= EVICT_EVERY:
+            self._advise()
+        return start
 
     def _advise(self, all_clean: bool = False) -> None:
         """Advise ``[_window page-aligned down, offset)``; ``all_clean`` after an fsync (the whole

@@ -45,7 +45,11 @@ import torch
 
 from ..errors import DeltaChainError, NotFoundError
 from ..multirank.job_store import JobStore
+from ..engine.engine import DEFAULT_CHUNK_SIZE
+from ..format.image import BLOCK as IMAGE_BLOCK, ChunkImage
+from ..format.manifest import INLINE_MAX
 from ..ops.pipeline import ALIGN
+from ..tensors import ImageTensor
 from ..replay.gradcodecs import parse_codec
 from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
 from ..replay.partition import Partition, split_state
@@ -235,13 +239,7 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._arena = None  # host arena of this iteration's gradient slots (pipeline pool)
         self._captured: list[Any] = [None] * len(self._params)
-        self._slots: list[tuple[int, int]] = []
-        off = 0
-        for p, owned in zip(self._params, self._owned):
-            n = p.numel() * p.element_size() if owned else 0  # (others' gradients: never captured)
-            self._slots.append((off, n))
-            off += (n + ALIGN - 1) // ALIGN * ALIGN
-        self._slot_bytes = off
+        self._layout_slots(getattr(store, "chunk_size", None) or DEFAULT_CHUNK_SIZE)
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._ddp = False
         #: gradients captured during backward ("hook"), from DDP buckets ("ddp"), at step ("step")
@@ -327,10 +325,47 @@ class Checkpointer:
                 self.capture_wait_s += waited
             return self._arena
 
-    def _slot(self, i: int, arena) -> torch.Tensor:
-        off, n = self._slots[i]
-        p = self._params[i]
-        return arena.slice(off, n).view(p.dtype).view(p.shape)
+    def _layout_slots(self, chunk_size: int) -> None:
+        """Where each parameter's captured gradient lies in an arena. Large CPU gradients get a
+        chunk image each (ckptstore/format/image.py: the store writes their records straight
+        from the arena, no staging copy), laid end to end from the arena's first page boundary;
+        the rest get plain ALIGN-aligned slots after them. ``_slots[i]``: (offset from that
+        boundary, bytes, whether it is an image)."""
+        self._stride = ChunkImage.stride_for(chunk_size)
+        self._slots: list[tuple[int, int, bool]] = [(0, 0, False)] * len(self._params)
+        off = 0
+        rest = []
+        for i, (p, owned) in enumerate(zip(self._params, self._owned)):
+            n = p.numel() * p.element_size() if owned else 0  # (others' gradients: never captured)
+            if n > INLINE_MAX and p.device.type == "cpu" and ImageTensor.fits(p.dtype, n, self._stride):
+                self._slots[i] = (off, n, True)
+                off += ChunkImage(n, self._stride).size
+            else:
+                rest.append((i, n))
+        for i, n in rest:
+            self._slots[i] = (off, n, False)
+            off += (n + ALIGN - 1) // ALIGN * ALIGN
+        self._slot_bytes = off + IMAGE_BLOCK  # + room to start at a page boundary in any arena
+        self._slot_views: dict[int, tuple[Any, list[Any]]] = {}
+
+    def _slot(self, i: int, arena) -> Any:
+        """Parameter ``i``'s gradient slot in ``arena``: a tensor view, or an ImageTensor."""
+        cached = self._slot_views.get(id(arena))
+        if cached is None or cached[0] is not arena:
+            if len(self._slot_views) >= 8:
+                self._slot_views.clear()
+            shift = -arena.buf.data_ptr() % IMAGE_BLOCK
+            views: list[Any] = []
+            for p, (off, n, image) in zip(self._params, self._slots):
+                if n == 0 and p.numel() > 0:
+                    views.append(None)  # another rank's gradient: never captured here
+                elif image:
+                    views.append(ImageTensor(arena.buf, shift + off, p.dtype, tuple(p.shape),
+                                             self._stride))
+                else:
+                    views.append(arena.slice(shift + off, n).view(p.dtype).view(p.shape))
+            cached = self._slot_views[id(arena)] = (arena, views)
+        return cached[1][i]
 
     def _capturable(self, i: int, g: torch.Tensor | None) -> bool:
         p = self._params[i]
@@ -361,7 +396,7 @@ class Checkpointer:
             n = p.numel()
             i = self._index.get(id(p))
             if i is not None and self._owned[i] and flat.dtype == p.dtype:
-                self._slot(i, arena).view(-1).copy_(flat[off:off + n])
+                self._slot(i, arena).copy_(flat[off:off + n].view(p.shape))
                 self._captured[i] = "ddp"
                 with self._lock:
                     self.capture_counts["ddp"] += 1
@@ -468,8 +503,7 @@ class Checkpointer:
             slot = self._slot(i, arena)
             c = self._captured[i]
             if c == "ddp":
-                ok = torch.equal(slot.reshape(-1).view(torch.uint8),
-                                 g.detach().reshape(-1).view(torch.uint8)) if g.is_contiguous() else False
+                ok = _same_bits(slot, g) if g.is_contiguous() else False
             else:
                 ok = c is not None and c[0]() is g and c[1] == g._version
             if not ok:
@@ -826,6 +860,13 @@ class Checkpointer:
             arena, self._arena = self._arena, None
         if arena is not None:
             pipe.pool.release(arena)
+
+
+def _same_bits(slot: Any, g: torch.Tensor) -> bool:
+    """Whether a gradient slot (tensor or ImageTensor) holds exactly ``g``'s bits."""
+    if isinstance(slot, ImageTensor):
+        return slot.same_bits(g)
+    return torch.equal(slot.reshape(-1).view(torch.uint8), g.detach().reshape(-1).view(torch.uint8))
 
 
 def ddp_comm_hook(checkpointer: Checkpointer | None = None):

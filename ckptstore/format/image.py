@@ -1,0 +1,155 @@
+"""Chunk images: a tensor's CHUNK records laid out in memory exactly as they lie in a segment.
+
+A delta's gradients are captured into host memory during backward and then written to the log.
+Written as ordinary records, every byte is copied once more into an aligned staging buffer (an
+O_DIRECT write needs an aligned address, length and file offset; records have none of these).
+A *chunk image* removes that copy: the capture writes each gradient chunk where its record's
+data will lie, leaving room for the record framing around it, and the persister fills in the
+framing (record header, chunk header, trailer) around the data in place and writes the whole
+image with O_DIRECT straight from the capture memory.
+
+Geometry (``stride`` S, a multiple of :data:`BLOCK`, and a tensor of ``nbytes`` bytes)::
+
+    record j at offset j*S:  record header (24) | chunk header (32) | data | trailer (8)
+    data of every record but the last: S - 64 bytes  (the manifest's ``chunk_size``)
+    after the last record:   one pad record, so the image ends on a BLOCK boundary
+
+so every full record spans exactly ``S`` bytes and starts on a block boundary: any record can be
+left out of the write (a chunk the store already holds, one that compresses) and the rest stays
+aligned. These are ordinary v1 records (format-spec/format.md §5, §8); nothing about the format
+changes. A *pad record* is a raw CHUNK record of zero bytes that no manifest references; it is an
+unreferenced chunk like any other (gc reclaims it), used only to move the log's end to a block
+boundary (format-spec/format.md §8, "Alignment padding").
+
+Everything here is pure: geometry, and functions that write record framing into a caller's
+buffer. Nothing touches a file.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import xxhash
+
+from . import records as rec
+from .chunk import CHUNK_HEADER_SIZE, Codec, address_of, encode_chunk_header
+
+#: Alignment of an image's start, its length, and every full record in it: the page size, a
+#: multiple of every logical block size O_DIRECT asks for.
+BLOCK = 4096
+#: Offset of a record's chunk data from the record's start.
+DATA_OFFSET = rec.HEADER_SIZE + CHUNK_HEADER_SIZE
+#: Bytes a CHUNK record adds around its data; also the smallest pad record.
+RECORD_OVERHEAD = DATA_OFFSET + rec.TRAILER_SIZE
+
+
+def pad_size(end: int) -> int:
+    """Bytes of pad record that bring a log (or an image) ending at ``end`` to a block boundary:
+    0 when it is on one, else at least :data:`RECORD_OVERHEAD` (a pad record cannot be smaller)."""
+    pad = -end % BLOCK
+    return pad + BLOCK if 0 < pad < RECORD_OVERHEAD else pad
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_address(n: int) -> bytes:
+    return address_of(bytes(n))
+
+
+def pad_payload(size: int) -> bytes:
+    """The payload of a pad record of ``size`` bytes (>= :data:`RECORD_OVERHEAD`): the chunk
+    header of ``size - 64`` zero bytes, then those bytes."""
+    if size < RECORD_OVERHEAD:
+        raise ValueError(f"a pad record needs at least {RECORD_OVERHEAD} bytes, not {size}")
+    n = size - RECORD_OVERHEAD
+    return encode_chunk_header(_zeros_address(n), Codec.RAW, n) + bytes(n)
+
+
+def seal_pad(buf: memoryview, offset: int, size: int) -> None:
+    """Write a pad record of ``size`` bytes at ``offset`` of ``buf``."""
+    payload = pad_payload(size)
+    n = size - RECORD_OVERHEAD
+    buf[offset + rec.HEADER_SIZE:offset + rec.HEADER_SIZE + len(payload)] = payload
+    seal_chunk(buf, offset, _zeros_address(n), n)
+
+
+def seal_chunk(buf: memoryview, offset: int, address: bytes, data_len: int) -> None:
+    """Frame the raw chunk whose ``data_len`` bytes lie at ``offset + DATA_OFFSET`` of ``buf``
+    as one CHUNK record starting at ``offset``: record header, chunk header (``address``, raw
+    codec), and the trailer over the payload as it now lies in ``buf``. The data is read, never
+    written; the caller computed ``address`` over it."""
+    payload_len = CHUNK_HEADER_SIZE + data_len
+    buf[offset:offset + rec.HEADER_SIZE] = rec.encode_header(rec.RecordType.CHUNK, payload_len)
+    buf[offset + rec.HEADER_SIZE:offset + DATA_OFFSET] = encode_chunk_header(address, Codec.RAW,
+                                                                              data_len)
+    start = offset + rec.HEADER_SIZE
+    check = xxhash.xxh3_64_intdigest(buf[start:start + payload_len])
+    buf[start + payload_len:start + payload_len + rec.TRAILER_SIZE] = rec.encode_check(check)
+
+
+@dataclass(frozen=True)
+class ChunkImage:
+    """The layout of one tensor's chunk image: ``nbytes`` of data in records ``stride`` apart.
+
+    Invariants: ``stride`` is a multiple of :data:`BLOCK` larger than :data:`RECORD_OVERHEAD`;
+    record ``j`` starts at ``j * stride``; :attr:`size` is a multiple of :data:`BLOCK`; a tensor
+    of 0 bytes has no image (its data is inline in the manifest)."""
+
+    nbytes: int
+    stride: int
+
+    def __post_init__(self) -> None:
+        if self.stride % BLOCK or self.stride <= RECORD_OVERHEAD:
+            raise ValueError(f"image stride {self.stride} is not a multiple of {BLOCK} above "
+                             f"{RECORD_OVERHEAD}")
+        if self.nbytes <= 0:
+            raise ValueError("a chunk image holds at least one byte")
+
+    @staticmethod
+    def chunk_size_of(stride: int) -> int:
+        """The data bytes per full record (the manifest's ``chunk_size``) for ``stride``."""
+        return stride - RECORD_OVERHEAD
+
+    @staticmethod
+    def stride_for(chunk_size: int) -> int:
+        """The stride a store of ``chunk_size`` uses for its images: ``chunk_size`` rounded up to
+        a block, at least two blocks (so most of a record is data)."""
+        return max(2 * BLOCK, -(-chunk_size // BLOCK) * BLOCK)
+
+    @property
+    def chunk_size(self) -> int:
+        return self.stride - RECORD_OVERHEAD
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.nbytes // self.chunk_size)
+
+    def data_length(self, j: int) -> int:
+        """Data bytes of record ``j``."""
+        return min(self.chunk_size, self.nbytes - j * self.chunk_size)
+
+    def record_end(self, j: int) -> int:
+        """Offset just past record ``j``."""
+        return j * self.stride + RECORD_OVERHEAD + self.data_length(j)
+
+    @property
+    def records_end(self) -> int:
+        return self.record_end(self.n_chunks - 1)
+
+    @property
+    def pad(self) -> int:
+        """Bytes of the pad record after the last chunk record (0: none)."""
+        return pad_size(self.records_end)
+
+    @property
+    def size(self) -> int:
+        return self.records_end + self.pad
+
+    def data_offset(self, j: int) -> int:
+        return j * self.stride + DATA_OFFSET
+
+    def span(self, j: int) -> tuple[int, int]:
+        """The block-aligned byte range that record ``j`` owns in the image: its own ``stride``
+        bytes, or for the last record everything to the image's end (its pad record included)."""
+        start = j * self.stride
+        return start, (self.size if j == self.n_chunks - 1 else start + self.stride)
