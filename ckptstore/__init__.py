@@ -19,6 +19,7 @@ from .errors import (BisectError, BisectPredicateError, CheckpointAbortedError, 
 from .errors import (RemoteConflictError, RemoteError, RemoteIntegrityError,
                      RemoteUnsupportedError)
 from .errors import FollowerError, FollowerMismatchError, FollowerWarning
+from .errors import ShardCoverageError, ShardDamagedError, ShardMismatchError
 import os as _os
 from typing import Any as _Any
 
@@ -104,3 +105,4 @@ __all__ = [
 ]
 __all__ += ["RemoteError", "RemoteIntegrityError", "RemoteConflictError", "RemoteUnsupportedError"]
 __all__ += ["FollowerError", "FollowerMismatchError", "FollowerWarning"]
+__all__ += ["ShardCoverageError", "ShardMismatchError", "ShardDamagedError"]

@@ -15,7 +15,7 @@ import sys
 from typing import Any, Sequence
 
 from .console import human_bytes, printable, progress, table
-from .errors import CkptStoreError
+from .errors import CkptStoreError, NotFoundError
 from .multirank.fsck import check_job
 from .multirank.job_store import JobStore
 from .storage.job_log import is_job_store
@@ -64,21 +64,74 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _latest(store: Any, path: str) -> int:
+    latest = store.latest()
+    if latest is None:
+        raise NotFoundError(f"{path} holds no committed checkpoint")
+    return latest
+
+
+def _show_dcp(store: Any, iteration: int, path: str) -> int:
+    """show of a DCP checkpoint: its sharded layout (ckptstore.dcp.layout). Exit 1 when a
+    tensor's shards do not tile it."""
+    from .dcp import layout
+
+    lay = layout(store, iteration)
+    rank = lay.metadata_rank
+    if isinstance(store, JobStore):
+        g = store.global_commit(iteration)
+        who = f"saved by {lay.world_size} ranks in epoch {g.epoch}, metadata in rank {rank}'s state"
+        info, meta = store.info(iteration, rank=rank), store.meta(iteration, rank=rank)
+    else:
+        who = "saved by one process"
+        info, meta = store.info(iteration), store.meta(iteration)
+    print(f"iteration {iteration} ({info.kind}): a DCP checkpoint {who}; created "
+          f"{_when(info.created_ns)}")
+    per_rank: dict[Any, int] = {}
+    rows = []
+    for t in lay.tensors:
+        for sh in t.shards:
+            per_rank[sh.rank] = per_rank.get(sh.rank, 0) + sh.nbytes
+            rows.append([t.fqn, t.dtype, "x".join(map(str, t.shape)) or "scalar",
+                         ",".join(map(str, sh.offsets)) or "-", "x".join(map(str, sh.sizes)) or "-",
+                         "none" if sh.rank is None else sh.rank, human_bytes(sh.nbytes)])
+    total = sum(t.nbytes for t in lay.tensors)
+    print(f"{len(lay.tensors)} tensors ({human_bytes(total)}) in {len(rows)} shards, "
+          f"{len(lay.values)} values; shard bytes per rank: "
+          + ", ".join(f"{r}: {human_bytes(n)}" for r, n in sorted(per_rank.items(),
+                                                                  key=lambda x: (x[0] is None, x[0] or 0))))
+    print(f"meta: {json.dumps(meta, default=repr)}")
+    if rows:
+        print(table(rows, ["tensor", "dtype", "shape", "shard offsets", "shard sizes", "rank",
+                           "bytes"], right=(6,)))
+    if lay.values:
+        print(table([[v.fqn, "none" if v.rank is None else v.rank] for v in lay.values],
+                    ["value", "rank"]))
+    for problem in lay.problems:
+        print(f"ckptstore show: error: {printable(str(problem))}", file=sys.stderr)
+    return 1 if lay.problems else 0
+
+
 def cmd_show(args: argparse.Namespace) -> int:
+    from .dcp import is_dcp
+
     with _open(args.path) as opened:
+        it = args.iteration if args.iteration is not None else _latest(opened, args.path)
+        if not args.raw and args.rank is None and is_dcp(opened, it):
+            return _show_dcp(opened, it, args.path)
         store = opened
         if isinstance(opened, JobStore):
-            g = opened.global_commit(args.iteration)
+            g = opened.global_commit(it)
             rank = args.rank or 0
-            print(f"iteration {args.iteration}: committed by {g.world_size} ranks in epoch "
+            print(f"iteration {it}: committed by {g.world_size} ranks in epoch "
                   f"{g.epoch}; showing rank {rank} (--rank to choose)")
-            store = opened.stream(args.iteration, rank=rank)
-        info = store.info(args.iteration)
-        m = store.manifest(args.iteration)
+            store = opened.stream(it, rank=rank)
+        info = store.info(it)
+        m = store.manifest(it)
         print(f"iteration {info.iteration} ({info.kind}), created {_when(info.created_ns)}")
         print(f"size {human_bytes(info.logical_bytes)} in {len(m.tensors)} tensors, written "
               f"{human_bytes(info.written_bytes)}, chunk size {human_bytes(m.chunk_size)}, root {info.snapshot_root}")
-        print(f"meta: {json.dumps(store.meta(args.iteration), default=repr)}")
+        print(f"meta: {json.dumps(store.meta(it), default=repr)}")
         rows = [[t.path, t.lib, t.dtype, "x".join(map(str, t.shape)) or "scalar", human_bytes(t.nbytes),
                  t.root.hex()[:12]] for t in m.tensors]
         if rows:
@@ -101,9 +154,38 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def _restore_args(args: argparse.Namespace) -> tuple[int, str] | None:
+    """(iteration, out) from ``restore STORE ITER --out OUT``, ``restore STORE ITER OUT`` or
+    ``restore STORE --iteration ITER OUT``; None (a usage message printed) for anything else."""
+    given = list(args.positional)
+    iteration = args.iteration_opt
+    if iteration is None and given:
+        try:
+            iteration = _iteration(given.pop(0))
+        except argparse.ArgumentTypeError as e:
+            print(f"ckptstore restore: ITER {e}", file=sys.stderr)
+            return None
+    outs = given + ([args.out] if args.out is not None else [])
+    if iteration is None or len(outs) != 1:
+        print("ckptstore restore: usage: ckptstore restore STORE ITER --out OUT, or ckptstore "
+              "restore STORE --iteration ITER OUT", file=sys.stderr)
+        return None
+    return iteration, outs[0]
+
+
 def cmd_restore(args: argparse.Namespace) -> int:
+    from .dcp import is_dcp, load_full_state_dict
+
+    parsed = _restore_args(args)
+    if parsed is None:
+        return 2
+    args.iteration, args.out = parsed
     with _open(args.path) as store:
-        if isinstance(store, JobStore):
+        if args.rank is None and is_dcp(store, args.iteration):
+            # a DCP checkpoint (any world size): every tensor assembled whole from its shards,
+            # nested as the state dict given to dcp.save
+            state = load_full_state_dict(store, args.iteration, keys=args.keys or None)
+        elif isinstance(store, JobStore):
             # a job store: the merged state of a data-parallel job, or one rank's (--rank)
             state = store.load(args.iteration, keys=args.keys or None, rank=args.rank)
         else:
@@ -534,10 +616,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.set_defaults(func=cmd_ls)
 
-    s = sub.add_parser("show", help="show one checkpoint's tensors and meta")
+    s = sub.add_parser("show", help="show one checkpoint's tensors and meta (a DCP checkpoint: "
+                       "its sharded layout)")
     s.add_argument("path")
-    s.add_argument("iteration", type=int)
+    s.add_argument("iteration", type=_iteration, nargs="?",
+                   help="the iteration (default: the latest)")
     s.add_argument("--rank", type=int, help="multi-rank stores: whose state (default 0)")
+    s.add_argument("--raw", action="store_true", help="a DCP checkpoint: the stored state as is "
+                   "(its items) instead of its layout")
     s.set_defaults(func=cmd_show)
 
     s = sub.add_parser("diff", help="which tensors changed between two checkpoints (Merkle diff)")
@@ -550,14 +636,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("restore", help="write one checkpoint as a torch or safetensors file or "
                                        "a DCP directory")
     s.add_argument("path")
-    s.add_argument("iteration", type=int)
-    s.add_argument("--out", required=True)
+    s.add_argument("positional", nargs="*", metavar="[ITER] [OUT]",
+                   help="the iteration and the output (or --iteration / --out)")
+    s.add_argument("--iteration", dest="iteration_opt", type=_iteration, metavar="ITER")
+    s.add_argument("--out")
     s.add_argument("--format", choices=("torch", "safetensors", "dcp"), default="torch",
                    help="dcp: a torch.distributed.checkpoint directory (--out must not exist or "
                         "be empty)")
-    s.add_argument("--keys", nargs="*", help="only these top-level keys")
+    s.add_argument("--keys", nargs="*", help="only these top-level keys (a DCP checkpoint: "
+                   "these keys and every key under them, e.g. model)")
     s.add_argument("--rank", type=int, help="multi-rank stores: this rank's state (default: the "
-                   "job's, merged from every rank's part)")
+                   "job's, merged from every rank's part; a DCP checkpoint: every tensor "
+                   "assembled whole from its shards)")
     s.set_defaults(func=cmd_restore)
 
     s = sub.add_parser("import", help="import a torch.save or safetensors file, a DCP directory "
@@ -682,7 +772,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse takes a command's positionals in one run: the OUT of "restore STORE
+        # --iteration N OUT" comes after the options, and is the restore's
+        if args.command == "restore" and not any(e.startswith("-") for e in extra):
+            args.positional += extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except (CkptStoreError, FileNotFoundError, PermissionError, IsADirectoryError) as e:

@@ -134,6 +134,18 @@ that hold it. A one-writer :class:`~ckptstore.Store` (or a job store of one rank
 one process only (``no_dist=True``, or a process group of one rank); more ranks raise
 ``DCPError`` on every rank. The layout: format-spec/dcp.md.
 
+**Whole checkpoints in one process** (no process group, no DCP planner; single-process stores
+and job stores saved at any world size): :func:`layout` says where every tensor's shards are
+stored (box, rank, bytes; ``ckptstore show``), :func:`load_full_state_dict` assembles every
+tensor whole from its shards, each shard read once from the rank that holds it (``ckptstore
+restore``), :func:`check_state_dict` says before ``dcp.load`` whether the checkpoint can serve a
+state dict. The shards of a tensor must tile it; a load of a tensor whose stored shards overlap
+or leave a gap raises :class:`~ckptstore.errors.ShardCoverageError` (naming the tensor and the
+box) before anything is read, a request the metadata cannot serve
+:class:`~ckptstore.errors.ShardMismatchError`, a shard whose bytes fail verification
+:class:`~ckptstore.errors.ShardDamagedError` (naming the rank, its stream and the shard).
+Layout and byte-range rules: format-spec/dcp.md §3-§5.
+
 Errors DCP catches come back wrapped in its ``CheckpointException`` (``failures[rank][0]`` is the
 ckptstore error). The typed errors a caller most often wants are raised before DCP runs: the
 constructors and ``reset(checkpoint_id)`` raise ``NotFoundError`` (no such iteration),
@@ -148,6 +160,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 import math
 import os
@@ -158,12 +171,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from .engine.read_path import RangeRead, read_ranges
-from .errors import (DCPError, FormatError, IterationOrderError, NotFoundError,
-                     ReadOnlyStoreError, UnsupportedTypeError)
+from .errors import (DamagedCheckpointError, DCPError, FormatError, IterationOrderError,
+                     NotFoundError, ReadOnlyStoreError, ShardCoverageError, ShardDamagedError,
+                     ShardMismatchError, StoreIOError, UnsupportedTypeError)
 from .format.state import Path, flatten, format_path, top_level_items, unflatten
 from .multirank.job_store import JobStore
 from .store import Store
-from .tensors import TORCH_DTYPES
+from .tensors import TORCH_DTYPES, empty_torch
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -172,7 +186,9 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
 
-__all__ = ["StorageWriter", "StorageReader", "FORMAT", "FORMAT_VERSION"]
+__all__ = ["StorageWriter", "StorageReader", "FORMAT", "FORMAT_VERSION", "Layout", "TensorLayout",
+           "ShardLayout", "ValueLayout", "is_dcp", "layout", "layout_of", "load_full_state_dict",
+           "check_state_dict"]
 
 #: the marker of a DCP iteration (``state["dcp"]["format"]``) and its layout version
 FORMAT = "ckptstore.dcp"
@@ -825,11 +841,12 @@ def _object_of(item: WriteItem, planner: SavePlanner) -> Any:
 # ---- reading ----------------------------------------------------------------------------------------
 
 class _Part:
-    """One rank's state of a DCP iteration (the only one for a single-process save): the store
-    (a rank stream of a job store) that holds it, its manifest and its items by store key."""
+    """One rank's state of a DCP iteration (the only one for a single-process save): the rank,
+    the store (a rank stream of a job store) that holds it, its manifest and its items by store
+    key."""
 
-    def __init__(self, source: Store, manifest: Any, items: dict[str, Any]) -> None:
-        self.source, self.manifest, self.items = source, manifest, items
+    def __init__(self, rank: int, source: Store, manifest: Any, items: dict[str, Any]) -> None:
+        self.rank, self.source, self.manifest, self.items = rank, source, manifest, items
 
 
 class StorageReader:
@@ -850,7 +867,15 @@ class StorageReader:
         self.last_read_bytes = 0
         #: the ranks whose states the last read_data read from (a multi-rank checkpoint)
         self.last_read_ranks: set[int] = set()
+        #: bytes of tensor data the last read_data read, per rank stream read from
+        self.last_read_bytes_by_rank: dict[int, int] = {}
         self._manifest: Any = None
+        #: the stored chunk of each tensor item: MetadataIndex -> (offsets, sizes)
+        self._chunks: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        #: the kind of each key: "bytes" or "tensor"
+        self._kinds: dict[str, str] = {}
+        #: tensors whose stored shards do not tile them (format-spec/dcp.md §3), by fqn
+        self._coverage: dict[str, ShardCoverageError] = {}
         self._doc: Any = None
         self._head_rank = 0
         self._world = 1
@@ -909,11 +934,7 @@ class StorageReader:
             source = store.stream(iteration, where)
             doc, by_key, manifest = self._read_part(source, iteration)
         try:
-            md, rows = decode_metadata(doc.get("metadata"))
-            storage = {index: (head_rank if r is None else r, key)
-                       for index, (r, key) in rows.items()}
-            bad = sorted({r for r, _ in storage.values() if r >= world})
-            _need(not bad, f"the metadata names ranks {bad}, the iteration has {world}")
+            md, storage = _decode_storage(doc.get("metadata"), world, head_rank)
             missing = [k for r, k in storage.values() if r == head_rank and k not in by_key]
             _need(not missing, f"the metadata names items the checkpoint lacks: {missing[:5]}")
         except _Bad as e:
@@ -921,7 +942,9 @@ class StorageReader:
                            f"decode: {e}") from None
         self.iteration, self._manifest, self._doc = iteration, manifest, doc["metadata"]
         self._head_rank, self._world, self._storage = head_rank, world, storage
-        self._parts = {head_rank: _Part(source, manifest, by_key)}
+        self._chunks, self._kinds = _chunks_of(md)
+        self._coverage = _coverage_problems(md, storage, f"{store.path}: iteration {iteration}")
+        self._parts = {head_rank: _Part(head_rank, source, manifest, by_key)}
 
     def _part(self, rank: int) -> _Part:
         """The state of ``rank`` (opened on first use: a load reads only the ranks it needs)."""
@@ -935,7 +958,7 @@ class StorageReader:
             if missing:
                 raise DCPError(f"{store.path}: iteration {it}: rank {rank}'s state lacks items "
                                f"the DCP metadata names: {missing[:5]}")
-            part = self._parts[rank] = _Part(source, manifest, by_key)
+            part = self._parts[rank] = _Part(rank, source, manifest, by_key)
         return part
 
     def reset(self, checkpoint_id: str | os.PathLike | int | None = None) -> None:
@@ -963,6 +986,13 @@ class StorageReader:
             raise DCPError("set_up_storage_reader() before read_metadata()")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Checks every request of this rank's plan against the stored metadata before anything
+        is read: ShardMismatchError for an item the checkpoint does not hold or a box outside
+        the stored shard, ShardCoverageError for a tensor whose shards do not tile it."""
+        if self._manifest is None:
+            raise DCPError("prepare_local_plan() before read_metadata()")
+        for req in plan.items:
+            self._check_request(req)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -972,6 +1002,47 @@ class StorageReader:
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike | int) -> bool:
         """Whether ``checkpoint_id`` names an iteration (an int >= 0 or a string of digits)."""
         return _valid_id(checkpoint_id)
+
+    def _check_request(self, req: ReadItem) -> tuple[int, str]:
+        """The (rank, store key) holding a read request's item, after checking that the stored
+        metadata can serve the request."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        index = req.storage_index
+        fqn, it = index.fqn, self.iteration
+        where = self._storage.get(index)
+        if where is None:
+            kind = self._kinds.get(fqn)
+            if kind is None:
+                raise ShardMismatchError(f"{self.store.path}: iteration {it}: the checkpoint holds "
+                                         f"no item {fqn!r}: no such key", fqn=fqn)
+            held = sorted(list(o) for i, (o, _) in self._chunks.items() if i.fqn == fqn)
+            raise ShardMismatchError(
+                f"{self.store.path}: iteration {it}: the checkpoint holds no item {fqn!r} at "
+                f"offsets {None if index.offset is None else list(index.offset)}"
+                + (f" (its shards start at {held[:8]})" if held else ""), fqn=fqn)
+        problem = self._coverage.get(fqn)
+        if problem is not None:
+            raise problem
+        kind = self._kinds.get(fqn)
+        if req.type == LoadItemType.BYTE_IO:
+            if kind == "tensor":
+                raise ShardMismatchError(f"{self.store.path}: iteration {it}: {fqn!r} is a stored "
+                                         "tensor, and the load asks for a non-tensor value",
+                                         fqn=fqn)
+            return where
+        chunk = self._chunks.get(index)
+        if chunk is None:
+            raise ShardMismatchError(f"{self.store.path}: iteration {it}: {fqn!r} is a stored "
+                                     "non-tensor value, and the load asks for a tensor", fqn=fqn)
+        offsets, lengths, sizes = list(req.storage_offsets), list(req.lengths), chunk[1]
+        if not (len(offsets) == len(lengths) == len(sizes) and all(
+                0 <= o and 0 <= n and o + n <= d for o, n, d in zip(offsets, lengths, sizes))):
+            raise ShardMismatchError(
+                f"{self.store.path}: iteration {it}: tensor {fqn!r}: the box at {offsets} of sizes "
+                f"{lengths} lies outside the stored tensor (the shard at {list(chunk[0])}, of "
+                f"sizes {list(sizes)}, rank {where[0]})", fqn=fqn)
+        return where
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of the plan into the planner's destinations (tensors: only the chunks
@@ -983,14 +1054,13 @@ class StorageReader:
             raise DCPError("read_data() before read_metadata()")
         self.last_read_bytes = 0
         self.last_read_ranks = set()
+        self.last_read_bytes_by_rank = {}
+        for req in plan.items:  # all of them before reading anything (prepare_local_plan did,
+            self._check_request(req)  # unless the caller skipped it)
         batch: list[_Box] = []
         scratch = 0
         for req in plan.items:
-            where = self._storage.get(req.storage_index)
-            if where is None:
-                raise DCPError(f"iteration {self.iteration}: the checkpoint holds no item "
-                               f"{req.storage_index.fqn!r} at offset {req.storage_index.offset}")
-            rank, key = where
+            rank, key = self._storage[req.storage_index]
             part = self._part(rank)
             node = part.items[key]
             if req.type == LoadItemType.BYTE_IO:
@@ -1024,14 +1094,16 @@ class StorageReader:
             raise DCPError(f"iteration {it}: item {req.storage_index.fqn!r} is a {entry.lib} "
                            f"{entry.dtype} array, not a torch tensor")
         shape, offsets, lengths = list(entry.shape), list(req.storage_offsets), list(req.lengths)
+        fqn = req.storage_index.fqn
         if not (len(offsets) == len(lengths) == len(shape) and
                 all(0 <= o and 0 <= n and o + n <= d for o, n, d in zip(offsets, lengths, shape))):
-            raise DCPError(f"iteration {it}: item {req.storage_index.fqn!r}: the box at "
-                           f"{offsets} of sizes {lengths} lies outside the stored tensor {shape}")
+            raise ShardMismatchError(f"iteration {it}: item {fqn!r}: the box at {offsets} of sizes "
+                                     f"{lengths} lies outside the stored tensor {shape} (rank "
+                                     f"{part.rank})", fqn=fqn)
         dest = planner.resolve_tensor(req).detach()
         if list(dest.shape) != lengths:
-            raise DCPError(f"iteration {it}: item {req.storage_index.fqn!r}: the destination's "
-                           f"shape {list(dest.shape)} is not the box's {lengths}")
+            raise ShardMismatchError(f"iteration {it}: item {fqn!r}: the destination's shape "
+                                     f"{list(dest.shape)} is not the box's {lengths}", fqn=fqn)
         numel = math.prod(lengths)
         if numel == 0:
             planner.commit_tensor(req, dest)
@@ -1055,11 +1127,135 @@ class StorageReader:
             source, manifest = part.source, part.manifest
             ranges = [RangeRead(b.index, b.start, b.end, b.target()) for b in boxes]
             source.check()
-            self.last_read_bytes += _read_ranges(source, manifest, ranges)
+            try:
+                n = _read_ranges(source, manifest, ranges)
+            except (DamagedCheckpointError, FormatError, StoreIOError) as e:
+                raise self._damaged(boxes, e) from e
+            self.last_read_bytes += n
+            self.last_read_bytes_by_rank[part.rank] = \
+                self.last_read_bytes_by_rank.get(part.rank, 0) + n
         with torch.no_grad():
             for b in batch:
                 b.place()
                 planner.commit_tensor(b.req, b.dest)
+
+
+    def _damaged(self, boxes: list[_Box], error: BaseException) -> ShardDamagedError:
+        """The error for a failed read of one rank's shards: the first shard of ``boxes`` whose
+        bytes do not read back on their own is named (each re-read into scratch)."""
+        part = boxes[0].part
+        culprit, cause = boxes[0], error
+        for b in boxes:
+            try:
+                _read_ranges(part.source, part.manifest,
+                             [RangeRead(b.index, b.start, b.end, memoryview(bytearray(b.end - b.start)))])
+            except (DamagedCheckpointError, FormatError, StoreIOError) as e:
+                culprit, cause = b, e
+                break
+        index = culprit.req.storage_index
+        offsets = tuple(int(n) for n in index.offset) if index.offset is not None else ()
+        return ShardDamagedError(
+            f"{self.store.path}: iteration {self.iteration}: the shard of tensor {index.fqn!r} at "
+            f"offsets {list(offsets)} stored by rank {part.rank} (in {part.source.path}) is "
+            f"damaged: {cause}", rank=part.rank, stream=part.source.path, fqn=index.fqn,
+            offsets=offsets)
+
+    # ---- whole-checkpoint views (no process group, no DCP planner) ----------------------------
+    def layout(self) -> Layout:
+        """Where every tensor's shards and every value of the checkpoint are stored (read from
+        the metadata only; nothing else is read)."""
+        if self._manifest is None:
+            self.read_metadata()
+        assert self.iteration is not None
+        return layout_of(self._doc, self._world, metadata_rank=self._head_rank,
+                         path=self.store.path, iteration=self.iteration)
+
+    def read_full(self, keys: Sequence[str] | None = None, *, flat: bool = False) -> dict[str, Any]:
+        """The checkpoint as one process's state dict of full tensors (see
+        :func:`load_full_state_dict`)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+        if self._manifest is None:
+            self.read_metadata()
+        md, _ = decode_metadata(self._doc)
+        chosen = _select(list(md.state_dict_metadata), keys, f"{self.store.path}: iteration "
+                         f"{self.iteration}")
+        values: dict[str, Any] = {}
+        full: dict[str, torch.Tensor] = {}
+        items = []
+        for fqn in chosen:
+            v = md.state_dict_metadata[fqn]
+            if not isinstance(v, TensorStorageMetadata):
+                index = MetadataIndex(fqn)
+                if index not in self._storage:
+                    raise ShardMismatchError(f"{self.store.path}: iteration {self.iteration}: the "
+                                             f"metadata stores value {fqn!r} in no rank", fqn=fqn)
+                rank, key = self._storage[index]
+                values[fqn] = unflatten(self._part(rank).items[key], _no_leaf)
+                continue
+            problem = self._coverage.get(fqn)
+            if problem is not None:
+                raise problem
+            dtype = v.properties.dtype
+            full[fqn] = t = empty_torch(tuple(v.size), dtype)
+            values[fqn] = t
+            for c in v.chunks:
+                if math.prod(c.sizes) == 0:
+                    continue
+                index = MetadataIndex(fqn, c.offsets)
+                items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=index,
+                                      dest_offsets=c.offsets, storage_index=index,
+                                      storage_offsets=torch.Size([0] * len(c.sizes)),
+                                      lengths=c.sizes))
+        self.read_data(LoadPlan(items), _FullPlanner(full))  # type: ignore[arg-type]
+        # in the order of the state dict given to dcp.save (DCP's flattening map's), which the
+        # metadata's order need not be
+        mapping = md.planner_data if isinstance(md.planner_data, dict) else {}
+        order = [f for f in mapping if f in values] + [f for f in values if f not in mapping]
+        values = {f: values[f] for f in order}
+        if flat:
+            return values
+        out: dict[str, Any] = {}
+        for fqn, value in values.items():
+            path = mapping.get(fqn)
+            if type(path) in (list, tuple) and path and all(type(k) in (str, int) for k in path):
+                _set_element(out, list(path), value)
+            else:
+                out[fqn] = value
+        return out
+
+
+class _FullPlanner:
+    """The destinations of a full load: each request's box of a full tensor (a view)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
+        t = self.tensors[req.dest_index.fqn]
+        for d, (o, n) in enumerate(zip(req.dest_offsets, req.lengths)):
+            t = t.narrow(d, int(o), int(n))
+        return t
+
+    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+def _select(fqns: list[str], keys: Sequence[str] | None, where: str) -> list[str]:
+    """The fqns ``keys`` select: a key selects the fqn it equals and every fqn under it (a dotted
+    prefix: ``model`` selects ``model.fc.weight``). NotFoundError for a key that selects none."""
+    if keys is None:
+        return fqns
+    if isinstance(keys, str):
+        keys = [keys]
+    chosen: dict[str, None] = {}
+    for k in keys:
+        hit = [f for f in fqns if f == k or f.startswith(k + ".")]
+        if not hit:
+            raise NotFoundError(f"{where}: the DCP checkpoint holds no key {k!r}")
+        chosen.update(dict.fromkeys(hit))
+    return [f for f in fqns if f in chosen]
 
 
 def _read_ranges(source: Store, manifest: Any, ranges: list[RangeRead]) -> int:
@@ -1116,3 +1312,307 @@ def _deliver_object(planner: LoadPlanner, req: ReadItem, value: Any) -> None:
     torch.save(value, buf)
     buf.seek(0)
     planner.load_bytes(req, buf)
+
+
+# ---- layout: where each shard is stored, and whether the shards tile their tensors -----------------
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """One stored shard (DCP chunk) of a tensor: its box in the global tensor, the rank stream
+    whose state holds it (0 in a single-process store; None: the metadata names no storage for
+    it) and its store key there, and its bytes."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    rank: int | None
+    key: str | None
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+    """A tensor of a DCP checkpoint: global shape, dtype (format.md's name), its shards in
+    offset order, and why they do not tile it (None when they do)."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    shards: tuple[ShardLayout, ...]
+    problem: ShardCoverageError | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueLayout:
+    """A non-tensor value of a DCP checkpoint and the rank whose state holds it."""
+
+    fqn: str
+    rank: int | None
+    key: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The sharded layout of one DCP checkpoint (:func:`layout`)."""
+
+    path: str
+    iteration: int
+    world_size: int
+    metadata_rank: int
+    tensors: tuple[TensorLayout, ...]
+    values: tuple[ValueLayout, ...]
+
+    @property
+    def problems(self) -> list[ShardCoverageError]:
+        return [t.problem for t in self.tensors if t.problem is not None]
+
+
+def _chunks_of(md: Metadata) -> tuple[dict[Any, tuple[tuple[int, ...], tuple[int, ...]]],
+                                      dict[str, str]]:
+    """The stored chunk (offsets, sizes) of every tensor item, and every key's kind."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    chunks: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    kinds: dict[str, str] = {}
+    for fqn, v in md.state_dict_metadata.items():
+        if isinstance(v, TensorStorageMetadata):
+            kinds[fqn] = "tensor"
+            for c in v.chunks:
+                chunks[MetadataIndex(fqn, c.offsets)] = (tuple(int(n) for n in c.offsets),
+                                                         tuple(int(n) for n in c.sizes))
+        else:
+            kinds[fqn] = "bytes"
+    return chunks, kinds
+
+
+_ShardBox = tuple[tuple[int, ...], tuple[int, ...], int]   # offsets, sizes, rank
+
+
+def _intersection(a: _ShardBox, b: _ShardBox) -> tuple[list[int], list[int]] | None:
+    lo = [max(x, y) for x, y in zip(a[0], b[0])]
+    hi = [min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1])]
+    if all(lh < hh for lh, hh in zip(lo, hi)):
+        return lo, [hh - lh for lh, hh in zip(lo, hi)]
+    return None
+
+
+def _gap(size: tuple[int, ...], boxes: list[_ShardBox]) -> tuple[list[int], list[int]]:
+    """A box of the tensor that no shard covers (the caller knows one exists): the first
+    uncovered cell of the grid the shards' edges make, grown along each dimension while the
+    grown box stays uncovered."""
+    nd = len(size)
+    edges = [sorted({0, size[d]} | {b[0][d] for b in boxes} | {b[0][d] + b[1][d] for b in boxes})
+             for d in range(nd)]
+
+    def covered(cell: Sequence[int]) -> bool:      # cell: one grid index per dimension
+        point = [edges[d][cell[d]] for d in range(nd)]
+        return any(all(o <= p < o + n for p, o, n in zip(point, b[0], b[1])) for b in boxes)
+
+    def free(lo: list[int], hi: list[int]) -> bool:  # grid cells lo..hi (exclusive) all uncovered
+        return not any(covered(c) for c in itertools.product(*[range(a, z) for a, z in zip(lo, hi)]))
+
+    first = next(c for c in itertools.product(*[range(len(e) - 1) for e in edges])
+                 if not covered(c))
+    lo, hi = list(first), [c + 1 for c in first]
+    for d in range(nd):
+        while hi[d] < len(edges[d]) - 1 and free(lo[:d] + [hi[d]] + lo[d + 1:],
+                                                  hi[:d] + [hi[d] + 1] + hi[d + 1:]):
+            hi[d] += 1
+    offsets = [edges[d][lo[d]] for d in range(nd)]
+    return offsets, [edges[d][hi[d]] - offsets[d] for d in range(nd)]
+
+
+def _coverage_problems(md: Metadata, storage: dict[Any, tuple[int, str]],
+                       where: str) -> dict[str, ShardCoverageError]:
+    """For each tensor whose stored shards (its chunks that some rank's state holds) do not
+    tile it exactly: the error naming the first overlap (both shards and their ranks) or a
+    box no shard covers. Empty shards are ignored."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    out: dict[str, ShardCoverageError] = {}
+    for fqn, v in md.state_dict_metadata.items():
+        if not isinstance(v, TensorStorageMetadata):
+            continue
+        size = tuple(int(n) for n in v.size)
+        boxes: list[_ShardBox] = []
+        for c in v.chunks:
+            held = storage.get(MetadataIndex(fqn, c.offsets))
+            if held is not None and math.prod(c.sizes) > 0:
+                boxes.append((tuple(int(n) for n in c.offsets), tuple(int(n) for n in c.sizes),
+                              held[0]))
+        total = math.prod(size)
+        nd = len(size)
+        # overlaps: a sweep along the dimension with the most distinct shard offsets
+        d = max(range(nd), key=lambda k: len({b[0][k] for b in boxes})) if nd else None
+        active: list[_ShardBox] = []
+        overlap = None
+        for b in sorted(boxes, key=lambda b: b[0][d] if d is not None else 0):
+            if d is not None:
+                active = [a for a in active if a[0][d] + a[1][d] > b[0][d]]
+            for a in active:
+                box = _intersection(a, b)
+                if box is not None:
+                    overlap = (a, b, box)
+                    break
+            if overlap is not None:
+                break
+            active.append(b)
+        name = f"{where}: tensor {fqn!r} of shape {list(size)}"
+        if overlap is not None:
+            a, b, (o, n) = overlap
+            out[fqn] = ShardCoverageError(
+                f"{name}: its shards at offsets {list(a[0])} (sizes {list(a[1])}, rank {a[2]}) "
+                f"and at offsets {list(b[0])} (sizes {list(b[1])}, rank {b[2]}) overlap in the "
+                f"box at offsets {o} of sizes {n}", fqn=fqn, offsets=tuple(o), sizes=tuple(n),
+                ranks=(a[2], b[2]))
+            continue
+        have = sum(math.prod(b[1]) for b in boxes)
+        if have < total:
+            o, n = _gap(size, boxes)
+            out[fqn] = ShardCoverageError(
+                f"{name}: no shard holds the box at offsets {o} of sizes {n} (its "
+                f"{len(boxes)} stored shards hold {have} of its {total} elements)",
+                fqn=fqn, offsets=tuple(o), sizes=tuple(n))
+    return out
+
+
+def _decode_storage(metadata: Any, world_size: int, metadata_rank: int
+                    ) -> tuple[Metadata, dict[Any, tuple[int, str]]]:
+    """DCP's Metadata and the storage map (MetadataIndex -> (rank, store key)) of encoded
+    metadata held by rank ``metadata_rank`` of an iteration of ``world_size`` ranks. Raises _Bad."""
+    md, rows = decode_metadata(metadata)
+    storage = {index: (metadata_rank if r is None else r, key) for index, (r, key) in rows.items()}
+    bad = sorted({r for r, _ in storage.values() if r >= world_size})
+    _need(not bad, f"the metadata names ranks {bad}, the iteration has {world_size}")
+    return md, storage
+
+
+def layout_of(metadata: Any, world_size: int, *, metadata_rank: int = 0, path: str = "",
+              iteration: int = 0) -> Layout:
+    """The :class:`Layout` of a DCP checkpoint from its encoded metadata (format-spec/dcp.md
+    §1's METADATA, as stored in rank ``metadata_rank``'s state of an iteration of
+    ``world_size`` ranks): a pure function, no I/O. Raises DCPError when the metadata does not
+    decode; shards that do not tile a tensor are reported in the layout (``problems``), not
+    raised."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    where = f"{path}: iteration {iteration}" if path else f"iteration {iteration}"
+    try:
+        md, storage = _decode_storage(metadata, world_size, metadata_rank)
+    except _Bad as e:
+        raise DCPError(f"{where}: the DCP metadata does not decode: {e}") from None
+    coverage = _coverage_problems(md, storage, where)
+    tensors, values = [], []
+    for fqn, v in md.state_dict_metadata.items():
+        if not isinstance(v, TensorStorageMetadata):
+            rank, key = storage.get(MetadataIndex(fqn), (None, None))
+            values.append(ValueLayout(fqn, rank, key))
+            continue
+        itemsize = v.properties.dtype.itemsize
+        shards = []
+        for c in sorted(v.chunks, key=lambda c: tuple(c.offsets)):
+            rank, key = storage.get(MetadataIndex(fqn, c.offsets), (None, None))
+            shards.append(ShardLayout(tuple(int(n) for n in c.offsets),
+                                      tuple(int(n) for n in c.sizes), rank, key,
+                                      math.prod(c.sizes) * itemsize))
+        tensors.append(TensorLayout(fqn, _DTYPE_NAMES[v.properties.dtype],
+                                    tuple(int(n) for n in v.size), tuple(shards),
+                                    coverage.get(fqn)))
+    return Layout(path, iteration, world_size, metadata_rank, tuple(tensors), tuple(values))
+
+
+def _reader(store: Store | JobStore, iteration: int | str | None) -> StorageReader:
+    reader = StorageReader(store, iteration)
+    if iteration is None:
+        reader.read_metadata()  # the latest iteration
+    return reader
+
+
+def is_dcp(store: Store | JobStore, iteration: int) -> bool:
+    """Whether committed ``iteration`` of ``store`` was saved through ckptstore.dcp (its state,
+    rank 0's in a job store, carries the DCP marker). Reads one manifest; never raises for an
+    iteration that is not one (NotFoundError for an iteration that is not committed)."""
+    if store.kind(iteration) != "snapshot":
+        return False
+    source = store.stream(iteration, 0) if isinstance(store, JobStore) else store
+    top = dict(top_level_items(source.manifest(iteration).state) or [])
+    head = top.get("dcp")
+    if head is None or "items" not in top:
+        return False
+    try:
+        doc = unflatten(head, _no_leaf)
+    except (DCPError, FormatError):
+        return False
+    return type(doc) is dict and doc.get("format") == FORMAT
+
+
+def layout(store: Store | JobStore, iteration: int | str | None = None) -> Layout:
+    """The sharded layout of a DCP checkpoint (``iteration``, default the latest): per tensor
+    its global shape, dtype and shards (box, the rank stream holding it, bytes), per value the
+    rank holding it, and any tensor whose shards do not tile it. Reads metadata only."""
+    return _reader(store, iteration).layout()
+
+
+def check_state_dict(store: Store | JobStore, iteration: int | str | None, state_dict: Any, *,
+                     strict: bool = True) -> None:
+    """Check, before ``dcp.load(state_dict, ...)``, that the DCP checkpoint ``iteration`` (default
+    the latest) can serve ``state_dict``: every key is stored (unless ``strict=False``), a
+    tensor (plain, DTensor, ShardedTensor) where a tensor is stored, with its global shape, a
+    non-tensor where a value is stored, and the stored shards tile the tensor. Any placement of
+    the right global shape can be served: the reader reads each rank's boxes from whichever
+    shards hold them. Raises ShardMismatchError (or ShardCoverageError) naming the first key
+    that cannot be served; reads metadata only and needs no process group (DCP's own planner
+    reports these cases later, inside its collectives, as its own ValueError/RuntimeError)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = _reader(store, iteration)
+    md = reader.read_metadata()
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state_dict, md, True)  # flattens as dcp.load does
+    where = f"{reader.store.path}: iteration {reader.iteration}"
+    for fqn, obj in planner.state_dict.items():
+        stored = md.state_dict_metadata.get(fqn)
+        if stored is None:
+            if strict:
+                raise ShardMismatchError(f"{where}: the checkpoint holds no key {fqn!r}", fqn=fqn)
+            continue
+        size = getattr(obj, "size", None)
+        if isinstance(stored, TensorStorageMetadata):
+            if not isinstance(obj, torch.Tensor) or not callable(size):
+                raise ShardMismatchError(f"{where}: {fqn!r} is a stored tensor of shape "
+                                         f"{list(stored.size)}, and the state dict has a "
+                                         f"{type(obj).__qualname__} there", fqn=fqn)
+            if tuple(size()) != tuple(stored.size):
+                raise ShardMismatchError(f"{where}: tensor {fqn!r} is stored with global shape "
+                                         f"{list(stored.size)}, and the state dict asks for "
+                                         f"{list(size())}", fqn=fqn)
+            problem = reader._coverage.get(fqn)
+            if problem is not None:
+                raise problem
+        elif isinstance(obj, torch.Tensor):
+            raise ShardMismatchError(f"{where}: {fqn!r} is a stored non-tensor value, and the "
+                                     "state dict has a tensor there", fqn=fqn)
+
+
+def load_full_state_dict(store: Store | JobStore, iteration: int | str | None = None, *,
+                         keys: Sequence[str] | None = None, flat: bool = False) -> dict[str, Any]:
+    """A DCP checkpoint (``iteration``, default the latest) as one process's state dict of full
+    tensors: every tensor assembled from its shards, each shard's bytes read from the rank stream
+    that holds it (only the chunks that hold it, straight into the full tensor where the shard
+    is contiguous in it). Needs no process group and no DCP planner; works on single-process
+    stores and on job stores saved at any world size. Tensors come back as contiguous CPU
+    tensors of the stored dtype, non-tensor values decoded (never unpickled).
+
+    The result is nested as the state dict given to ``dcp.save`` was (DCP's flattening map:
+    ``{"model": {"fc.weight": ...}, "optim": {...}}``); ``flat=True`` returns ``{fqn: value}``
+    (``"model.fc.weight"``). ``keys``: only these fqns, a key also selecting every fqn under it
+    (``"model"`` selects ``"model.fc.weight"``); NotFoundError for a key that selects nothing.
+
+    Raises ShardCoverageError for a selected tensor whose stored shards overlap or leave a gap,
+    ShardDamagedError (naming the rank, its stream and the shard) when a shard's bytes fail
+    verification, DCPError / NotFoundError as :class:`StorageReader` does."""
+    return _reader(store, iteration).read_full(keys, flat=flat)

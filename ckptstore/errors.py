@@ -219,6 +219,43 @@ class DCPError(CkptStoreError):
     names what the checkpoint does not hold. Nothing was committed."""
 
 
+class ShardCoverageError(DCPError):
+    """The shards a DCP checkpoint's metadata records for a tensor do not tile it exactly: two
+    shards overlap, or part of the tensor is in no shard (a gap). ``fqn`` names the tensor,
+    ``offsets`` and ``sizes`` the box that is covered twice or not at all, ``ranks`` the rank
+    streams of the shards involved. Loads of that tensor raise it before reading anything; the
+    checkpoint's other tensors stay loadable (format-spec/dcp.md §3)."""
+
+    def __init__(self, message: str, *, fqn: str, offsets: tuple[int, ...],
+                 sizes: tuple[int, ...], ranks: tuple[int, ...] = ()) -> None:
+        self.fqn, self.offsets, self.sizes, self.ranks = fqn, offsets, sizes, ranks
+        super().__init__(message)
+
+
+class ShardMismatchError(DCPError, ValueError):
+    """A load asks for what a DCP checkpoint's metadata cannot serve: a key it does not hold, a
+    tensor where it stores a non-tensor value (or the reverse), another global shape, or a box
+    outside the stored shard it names (a plan made against other metadata). ``fqn`` names the
+    tensor or value. Raised before anything is read."""
+
+    def __init__(self, message: str, *, fqn: str) -> None:
+        self.fqn = fqn
+        super().__init__(message)
+
+
+class ShardDamagedError(DamagedCheckpointError):
+    """The bytes of one shard of a DCP checkpoint fail verification (a chunk whose content does
+    not match its address, an unreadable record) in the rank stream that holds it. ``rank`` and
+    ``stream`` name where it is stored (rank 0 and the store itself for a single-process save),
+    ``fqn`` and ``offsets`` the shard; ``__cause__`` is the store's error. The other ranks'
+    shards are unaffected."""
+
+    def __init__(self, message: str, *, rank: int, stream: str, fqn: str,
+                 offsets: tuple[int, ...]) -> None:
+        self.rank, self.stream, self.fqn, self.offsets = rank, stream, fqn, offsets
+        super().__init__(message)
+
+
 class CheckpointPolicyError(CkptStoreError):
     """A Checkpointer running with ``on_failure="retry"`` gave up: too many checkpoints failed in
     a row, or the last durable checkpoint is too old (ckptstore/torch/failure_policy.py).

@@ -29,6 +29,13 @@ state skeleton, serialised as in a manifest); segment -> a whole segment file 00
 store whose STORE file is the vector "store_header_v1". Job stores (§22): job_store_header ->
 decode_store_header accepting version 2 only; epoch -> decode_epoch (the 64-byte payload);
 global_commit -> decode_global_commit; job_record -> decode_record with the global log's types.
+
+``vectors/dcp.json`` (format-spec/dcp.md, DCP checkpoints): kind dcp_head, the ``dcp`` head of
+a coordinator's state as its state skeleton is serialised in a manifest, with ``world_size``
+(the iteration's); decoded with json + unflatten + ``ckptstore.dcp.layout_of``. ``expected``:
+per tensor its dtype, global shape and shards (offsets, sizes, rank, store key), per value its
+rank and key; or ``error`` (DCPError: does not decode; ShardCoverageError: shards that do not
+tile a tensor, ``fqn`` and ``box`` [offsets, sizes] the ones the error names).
 """
 
 from __future__ import annotations
@@ -762,6 +769,90 @@ def build() -> dict:
     }
 
 
+# ---- DCP checkpoints (format-spec/dcp.md): vectors/dcp.json -------------------------------------
+def _dcp_entry(size, chunks, dtype="float32") -> dict:
+    return {"type": "tensor", "dtype": dtype, "size": list(size), "layout": "strided",
+            "requires_grad": False, "pin_memory": False, "memory_format": "contiguous_format",
+            "chunks": [[list(o), list(n)] for o, n in chunks]}
+
+
+def _dcp_head(entries, storage) -> dict:
+    return {"format": "ckptstore.dcp", "version": 1, "metadata": {
+        "version": "1.0.0", "state_dict_metadata": entries, "planner_data": None,
+        "storage_meta": None, "storage": storage}}
+
+
+def dcp_vectors() -> list[dict]:
+    """The ``dcp`` head of a coordinator's state (dcp.md §1-§3), as its state skeleton is
+    serialised in a manifest; ``world_size``: the iteration's. ``expected``: per tensor its
+    dtype, global shape and shards in offset order (offsets, sizes, rank, store key), per value
+    its rank and key; ``error`` and ``box``: the error a reader raises for the tensor ``fqn``
+    and the box it names (offsets, sizes)."""
+    def vec(name, world, head, note, expected=None, error=None, fqn=None, box=None):
+        skeleton, leaves = flatten(head, _leaf_hook)
+        assert not leaves
+        v = dict(name=name, kind="dcp_head", world_size=world, hex=_json(skeleton).hex(), note=note)
+        if error is None:
+            v["expected"] = expected
+        else:
+            v.update(error=error, fqn=fqn, box=box)
+        return v
+
+    # two ranks: w Shard(0), c Shard(1), r replicated (stored once, by rank 1), a value
+    w = [((0, 0), (3, 8)), ((3, 0), (3, 8))]
+    c = [((0, 0), (4, 5)), ((0, 5), (4, 5))]
+    two = [["w", _dcp_entry((6, 8), w)], ["c", _dcp_entry((4, 10), c, "bfloat16")],
+           ["r", _dcp_entry((5, 3), [((0, 0), (5, 3))])], ["step", {"type": "bytes"}]]
+    two_rows = [["w", [0, 0], "w", 0], ["w", [3, 0], "w@3,0", 1], ["c", [0, 0], "c", 0],
+                ["c", [0, 5], "c@0,5", 1], ["r", [0, 0], "r", 1], ["step", None, "step", 0]]
+    # four ranks, a (2, 2) mesh with placements (Shard(0), Shard(1)): one quadrant each
+    quads = [((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 3)), ((2, 3), (2, 3))]
+    four = [["g", _dcp_entry((4, 6), quads)]]
+    four_rows = [["g", list(o), "g" if o == (0, 0) else f"g@{o[0]},{o[1]}", r]
+                 for r, (o, _) in enumerate(quads)]
+    return [
+        vec("dcp_sharded_two_ranks", 2, _dcp_head(two, two_rows),
+            "Shard(0), Shard(1) (bfloat16), a replicated tensor stored once and a value",
+            expected={"tensors": [
+                ["w", "float32", [6, 8], [[[0, 0], [3, 8], 0, "w"], [[3, 0], [3, 8], 1, "w@3,0"]]],
+                ["c", "bfloat16", [4, 10], [[[0, 0], [4, 5], 0, "c"], [[0, 5], [4, 5], 1, "c@0,5"]]],
+                ["r", "float32", [5, 3], [[[0, 0], [5, 3], 1, "r"]]]],
+                "values": [["step", 0, "step"]]}),
+        vec("dcp_sharded_2d_four_ranks", 4, _dcp_head(four, four_rows),
+            "a 2-D placement over a (2, 2) mesh: one quadrant per rank",
+            expected={"tensors": [["g", "float32", [4, 6], [
+                [[0, 0], [2, 3], 0, "g"], [[0, 3], [2, 3], 1, "g@0,3"],
+                [[2, 0], [2, 3], 2, "g@2,0"], [[2, 3], [2, 3], 3, "g@2,3"]]]], "values": []}),
+        vec("dcp_gap_missing_rank_shard", 2, _dcp_head(two, [r for r in two_rows if r[2] != "w@3,0"]),
+            "rank 1's shard of w is in no storage row: the gap is rows 3-5",
+            error="ShardCoverageError", fqn="w", box=[[3, 0], [3, 8]]),
+        vec("dcp_gap_2d_quadrant", 4, _dcp_head([["g", _dcp_entry((4, 6), quads[:3])]],
+                                                four_rows[:3]),
+            "the bottom-right quadrant is missing from the metadata",
+            error="ShardCoverageError", fqn="g", box=[[2, 3], [2, 3]]),
+        vec("dcp_overlap", 2, _dcp_head([["w", _dcp_entry((6, 8), [((0, 0), (4, 8)), ((3, 0), (3, 8))])]],
+                                        two_rows[:2]),
+            "rank 0's shard claims rows 0-3, rank 1's rows 3-5: row 3 twice",
+            error="ShardCoverageError", fqn="w", box=[[3, 0], [1, 8]]),
+        vec("dcp_rank_beyond_world", 2, _dcp_head(two, two_rows[:-1] + [["step", None, "step", 2]]),
+            "a storage row names rank 2 of a 2-rank iteration", error="DCPError"),
+        vec("dcp_chunk_outside_tensor", 2,
+            _dcp_head([["w", _dcp_entry((6, 8), [((0, 0), (3, 8)), ((4, 0), (3, 8))])]], two_rows[:2]),
+            "a shard reaches row 7 of a 6-row tensor", error="DCPError"),
+    ]
+
+
+def build_dcp() -> dict:
+    vectors = dcp_vectors()
+    names = [v["name"] for v in vectors]
+    assert len(names) == len(set(names)), "duplicate vector names"
+    return {"layout_version": 1, "generator": "format-spec/make_vectors.py",
+            "spec": "format-spec/dcp.md", "vectors": vectors}
+
+
+OUT_DCP = os.path.join(os.path.dirname(OUT), "dcp.json")
+
+
 def render(doc: dict) -> str:
     return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"
 
@@ -770,16 +861,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare with the committed file only")
     args = ap.parse_args()
-    text = render(build())
+    outputs = [(OUT, build()), (OUT_DCP, build_dcp())]
     if args.check:
-        with open(OUT, encoding="ascii") as f:
-            same = f.read() == text
-        print("vectors.json is up to date" if same else "vectors.json differs from the generator")
-        return 0 if same else 1
+        rc = 0
+        for out, doc in outputs:
+            name = os.path.basename(out)
+            try:
+                with open(out, encoding="ascii") as f:
+                    same = f.read() == render(doc)
+            except FileNotFoundError:
+                same = False
+            print(f"{name} is up to date" if same else f"{name} differs from the generator")
+            rc |= 0 if same else 1
+        return rc
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w", encoding="ascii") as f:
-        f.write(text)
-    print(f"wrote {len(build()['vectors'])} vectors to {OUT}")
+    for out, doc in outputs:
+        with open(out, "w", encoding="ascii") as f:
+            f.write(render(doc))
+        print(f"wrote {len(doc['vectors'])} vectors to {out}")
     return 0
 
 

@@ -621,3 +621,24 @@ def test_a_stray_epoch_zero_file_is_not_a_global_log(tmp_path):
     open(os.path.join(path, "global", "0000000000.log"), "wb").close()
     with ckptstore.open(path, "r") as reader:
         assert reader.iterations() == [1]
+
+
+def reopen_in_process(rank, world, path, times):
+    """Open, save into and close a job store ``times`` times in the same processes (a fresh
+    store each time, and the first again at the end)."""
+    out = []
+    for i in list(range(times)) + [0]:
+        with ckptstore.open(f"{path}{i}", "a", process_group=_pg(), commit_timeout=20.0) as s:
+            it = (s.latest() or 0) + 1
+            s.save(it, rank_state(it, rank))
+            out.append(s.iterations())
+    return out
+
+
+def test_a_job_store_reopened_in_the_same_processes(tmp_path):
+    """The store's gloo group is kept for the next open over the same ranks: made again after
+    a destroy, torch would give it the destroyed group's name, whose rendezvous keys are still
+    in the default store, and 4 ranks hung at the second open."""
+    res = ok(run_ranks(4, MOD, "reopen_in_process", str(tmp_path / "job"), str(tmp_path / "w"),
+                       deadline=120, times=3))
+    assert res == [[[1], [1], [1], [1, 2]]] * 4, res

@@ -14,12 +14,18 @@ pickled.
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..errors import RankFailureError
+
+#: gloo groups of closed RankGroups, kept for the next RankGroup over the same ranks of the same
+#: default group with the same timeout (see RankGroup.close)
+_IDLE: dict[tuple[Any, tuple[int, ...], float], list[Any]] = {}
+_IDLE_LOCK = threading.Lock()
 
 
 class RankGroup:
@@ -34,8 +40,16 @@ class RankGroup:
             raise ValueError(f"commit_timeout must be positive, not {timeout!r}")
         self.timeout = float(timeout)
         ranks = dist.get_process_group_ranks(process_group)
-        self.group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout),
-                                    backend="gloo", use_local_synchronization=True)
+        self._key = (dist.group.WORLD, tuple(ranks), self.timeout)
+        #: whether a collective of this group failed (the group is not reused)
+        self._failed = False
+        with _IDLE_LOCK:
+            idle = _IDLE.get(self._key)
+            group = idle.pop() if idle else None
+        if group is None:
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout),
+                                   backend="gloo", use_local_synchronization=True)
+        self.group = group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
 
@@ -92,12 +106,28 @@ class RankGroup:
                 at += v.numel()
 
     def failure(self, what: str, cause: BaseException) -> RankFailureError:
+        self._failed = True
         return RankFailureError(
             f"rank {self.rank} of {self.world_size}: {what} failed: another rank died, or did not "
             f"answer within the commit timeout of {self.timeout:g} s ({cause})")
 
     def close(self) -> None:
+        """Give the group back. A sound one is kept for the next RankGroup over the same ranks
+        (every rank opens and closes its stores in the same order, so every rank reuses it):
+        torch names a group made with ``use_local_synchronization`` after its ranks and the
+        number of groups alive, so a group made again after one was destroyed gets the same name,
+        and its rendezvous reads the destroyed group's addresses, still in the default store: the
+        ranks connect to stale endpoints and hang until the timeout (a job store closed and
+        opened again in the same processes). One whose collective failed is destroyed (a job
+        that lost a rank reopens its stores in new processes)."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        if not self._failed:
+            with _IDLE_LOCK:
+                _IDLE.setdefault(self._key, []).append(group)
+            return
         try:
-            dist.destroy_process_group(self.group)
+            dist.destroy_process_group(group)
         except (RuntimeError, ValueError):  # already gone with the default group
             pass
