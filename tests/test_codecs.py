@@ -890,3 +890,43 @@ def test_topk_keeps_nan_entries_like_torch_topk():
     g[12345] = float("nan")
     idx = parse_codec("topk:0.01").encode(g)["i"].to(torch.int64)
     assert 12345 in set(idx.tolist())
+
+
+@pytest.mark.parametrize("case", ["randn", "nan", "inf", "mostly-zero", "huge", "tiny", "strided"])
+def test_topk_native_selection_keeps_what_the_torch_path_keeps(case):
+    """The C kernel (ckptstore/replay/native/topk_select.c) keeps exactly the entries of the
+    torch path for the same sampled threshold, with the same values, and measures the same
+    error (its sums in float64: within 1e-6); where the threshold misses, both fall back."""
+    import torch
+
+    from ckptstore.replay.gradcodecs import parse_codec
+    from ckptstore.replay.native import topk as native_topk
+
+    if not native_topk.available():
+        pytest.skip("no C compiler: the native kernel is not built here")
+    g = torch.randn(3_000_017, generator=torch.Generator().manual_seed(4))
+    if case == "nan":
+        g[[5, 77_777, 2_999_999]] = float("nan")
+    elif case == "inf":
+        g[1000] = float("-inf")
+    elif case == "mostly-zero":
+        g[:2_500_000] = 0
+    elif case == "huge":
+        g *= 1e21
+    elif case == "tiny":
+        g *= 1e-22
+    elif case == "strided":
+        g = g[:3_000_000].reshape(1000, 3000).t()
+    native = parse_codec("topk:0.01")
+    torch_path = parse_codec("topk:0.01")
+    torch_path._selected_natively = lambda flat: None  # type: ignore[method-assign]
+    p1, d1, s1 = native.encode_measured(g)
+    p2, d2, s2 = torch_path.encode_measured(g)
+    assert torch.equal(p1["i"], p2["i"])
+    assert torch.equal(p1["v"].view(torch.int32), p2["v"].view(torch.int32))
+    assert torch.equal(d1.view(torch.int32), d2.view(torch.int32))
+    assert s1.max_abs_error == s2.max_abs_error
+    for a, b in ((s1.l2_error, s2.l2_error), (s1.l2_grad, s2.l2_grad)):
+        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6)
+    if case in ("randn", "huge", "strided"):
+        assert native._selected_natively(g.reshape(-1)) is not None  # the kernel served it

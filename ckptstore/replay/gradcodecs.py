@@ -23,6 +23,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .native import topk as native_topk
+
 INT8_CHUNK = 1024
 
 
@@ -126,6 +128,17 @@ EXACT_TOPK_MAX = 1 << 16
 TOPK_SAMPLE = 1 << 16
 
 
+def _sampled_threshold(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The magnitude above which about ``k`` of the flat ``values`` lie, from a fixed-seed
+    sample (``values`` may be the magnitudes or the signed values: the sample's magnitudes are
+    the same)."""
+    n = values.numel()
+    gen = torch.Generator().manual_seed(n)
+    sample = values[torch.randint(0, n, (TOPK_SAMPLE,), generator=gen)].abs()
+    keep = max(1, round(TOPK_SAMPLE * k / n))
+    return torch.kthvalue(sample, TOPK_SAMPLE - keep + 1).values
+
+
 def _largest(mags: torch.Tensor, k: int) -> torch.Tensor:
     """Strictly increasing flat indices of about ``k`` entries of largest magnitude ``mags``: all
     entries at or above a threshold, so every chosen magnitude is >= every dropped one.
@@ -137,10 +150,7 @@ def _largest(mags: torch.Tensor, k: int) -> torch.Tensor:
     generator, never the global RNG, so training's random stream is untouched."""
     n = mags.numel()
     if n > EXACT_TOPK_MAX and k < n // 2:
-        gen = torch.Generator().manual_seed(n)
-        sample = mags[torch.randint(0, n, (TOPK_SAMPLE,), generator=gen)]
-        keep = max(1, round(TOPK_SAMPLE * k / n))
-        threshold = torch.kthvalue(sample, TOPK_SAMPLE - keep + 1).values
+        threshold = _sampled_threshold(mags, k)
         # "not below" rather than ">=": NaN entries are kept, as torch.topk keeps them
         below = mags < threshold if bool(threshold > 0) else mags <= 0
         chosen = below.logical_not_().nonzero().squeeze(1)
@@ -204,6 +214,10 @@ class TopKCodec(GradCodec):
         n = flat.numel()
         if n == 0 or not flat.is_floating_point():
             return super().encode_measured(g, decoded)
+        fast = self._selected_natively(flat)
+        if fast is not None:
+            dec = self.decode(fast[0], tuple(g.shape), g.dtype) if decoded else None
+            return fast[0], dec, fast[1]
         mags = flat.abs()
         payload = self._payload(flat, mags)
         grad_sq = sum_of_squares(flat)
@@ -211,6 +225,23 @@ class TopKCodec(GradCodec):
         stats = EncodeStats(float(mags.max()), math.sqrt(sum_of_squares(mags)), math.sqrt(grad_sq))
         dec = self.decode(payload, tuple(g.shape), g.dtype) if decoded else None
         return payload, dec, stats
+
+    def _selected_natively(self, flat: torch.Tensor) -> tuple[dict, EncodeStats] | None:
+        """The payload and error of a large float32 gradient from the C kernel
+        (:mod:`ckptstore.replay.native.topk`): the entries :func:`_largest` keeps for the same
+        sampled threshold, in one pass. None where the torch path must run (no kernel, a small
+        tensor, a threshold that misses)."""
+        n = flat.numel()
+        k = max(1, math.ceil(self.fraction * n))
+        if n <= EXACT_TOPK_MAX or k >= n // 2 or flat.dtype != torch.float32 or \
+                not native_topk.available():
+            return None
+        got = native_topk.select(flat.contiguous(), float(_sampled_threshold(flat, k)), 2 * k)
+        if got is None or not k // 2 <= got[0].numel():
+            return None
+        idx, vals, all_sq, dropped_sq, dropped_max = got
+        payload = {"i": idx.to(torch.int32 if n < 2**31 else torch.int64), "v": vals}
+        return payload, EncodeStats(dropped_max, math.sqrt(dropped_sq), math.sqrt(all_sq))
 
     @staticmethod
     def _checked(payload: dict, n: int) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
