@@ -409,7 +409,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         from . import open as open_store
 
         with open_store(args.path, "r", use_index=False) as store:
-            r = store.gc(policy=policy, dry_run=True)
+            r = store.gc(policy=policy, dry_run=True, follower_bases=args.follower_bases)
         print(f"dry run, nothing changed: gc would remove {len(r.removed)} of "
               f"{len(r.kept) + len(r.removed)} checkpoints"
               + (f": {_ranges(r.removed)}" if r.removed else ""))
@@ -417,18 +417,37 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if r.added:
             print(f"  (kept beyond the policy, as the latest iteration or for delta chains: "
                   f"{_ranges(list(r.added))})")
+        _print_rebase(r, args.follower_bases, "would ")
         print(f"would free about {human_bytes(max(0, r.bytes_freed))}: log "
               f"{human_bytes(r.bytes_before)} -> about {human_bytes(r.bytes_after)} (an estimate "
               "from the index: the records gc would copy)")
         return 0
     with _open(args.path, "a") as store:
         with progress("gc", None) as tick:
-            r = store.gc(policy=policy, progress=tick)
+            r = store.gc(policy=policy, progress=tick, follower_bases=args.follower_bases)
     print(f"kept {len(r.kept)} checkpoints, removed {len(r.removed)}"
           + (f" ({', '.join(map(str, r.removed[:20]))}{' ...' if len(r.removed) > 20 else ''})"
              if r.removed else ""))
+    _print_rebase(r, args.follower_bases, "")
     print(f"log {human_bytes(r.bytes_before)} -> {human_bytes(r.bytes_after)} in {r.seconds:.2f} s")
     return 0
+
+
+def _print_rebase(r: Any, asked: bool, would: str) -> None:
+    """gc's lines about follower bases (``--follower-bases``)."""
+    if not asked:
+        return
+    if r.rebased:
+        many = len(r.rebased) > 1
+        print(f"{would}replace delta{'s' if many else ''} {_ranges(list(r.rebased))} by "
+              f"{'snapshots' if many else 'a snapshot'} made from "
+              f"{'verified follower bases' if many else 'a verified follower base'} (the deltas "
+              f"before {'them' if many else 'it'} that the policy does not keep "
+              f"{'would be' if would else 'are'} dropped)")
+    else:
+        print(f"{would}use no follower base")
+    for it, why in r.rebase_skipped:
+        print(printable(f"  follower store: {why}" if it < 0 else f"  follower base {it} not used: {why}"))
 
 
 def _ranges(its: Sequence[int]) -> str:
@@ -717,6 +736,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="iterations >= I")
     s.add_argument("--dry-run", action="store_true", help="show what would be removed and the "
                    "bytes freed (estimated) without changing anything")
+    s.add_argument("--follower-bases", action="store_true",
+                   help="let kept deltas' chains start at verified bases of the shadow follower "
+                   "(PATH/follower/, `ckptstore follow`): each such base is copied in as a "
+                   "snapshot and the deltas before it that no policy keeps are dropped "
+                   "(format-spec/follower.md §6)")
     s.set_defaults(func=cmd_gc)
 
     s = sub.add_parser("stats", help="per-checkpoint async pipeline statistics (stall, snapshot, "

@@ -29,7 +29,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .errors import NotFoundError, ReadOnlyStoreError, RetentionError, StoreClosedError
+from .errors import (CkptStoreError, NotFoundError, ReadOnlyStoreError, RetentionError,
+                     StoreClosedError)
 from .errors import RemoteUnsupportedError
 from .format.commit import KIND_DELTA, KIND_NAMES
 from .format.header import StoreHeader
@@ -47,7 +48,7 @@ from .ops.grouptimer import GroupTimer
 from .ops.pipeline import AsyncStats, Pipeline
 from .ops.retention import Policy
 from .remote.uploader import RemoteStatus, Uploader
-from .replay.follower import FollowerBases
+from .replay.follower import FollowerBases, FollowerRebaser, rebased_of
 from .replay.replayer import replay_range, replay_to
 from .storage.fileops import FileOps
 from .storage.index import Index
@@ -557,7 +558,14 @@ class Store:
         FollowerWarning). Writers: an iteration still in flight in the async pipeline is waited
         for."""
         self._await_inflight(iteration)
-        if self._entry(iteration).commit.kind != KIND_DELTA:
+        try:
+            entry = self._entry(iteration)
+        except NotFoundError as e:
+            dropped = self._dropped_by_rebase(iteration)
+            if dropped is None:
+                raise
+            raise dropped from e
+        if entry.commit.kind != KIND_DELTA:
             return self.engine.read(lambda: self.engine.load_entry(iteration, keys, progress,
                                                                    target=into))
         # the whole replay is retried (a writer holds its lock throughout): its read-ahead thread
@@ -571,6 +579,24 @@ class Store:
             state = replay(self)
         state = select_keys(state, keys, iteration)
         return state if into is None else copy_into(state, into)
+
+    def _dropped_by_rebase(self, iteration: Any) -> NotFoundError | None:
+        """The NotFoundError for ``iteration`` when a gc with ``follower_bases`` dropped it: the
+        first snapshot after it was made from a follower base of a chain that held it
+        (format-spec/follower.md §6); None otherwise."""
+        if type(iteration) is not int:
+            return None
+        try:
+            later = [i for i in self.iterations() if i > iteration and self.kind(i) == "snapshot"]
+            r = rebased_of(self, later[0]) if later else None
+        except CkptStoreError:
+            return None
+        if r is None or not r.base < iteration:
+            return None
+        return NotFoundError(
+            f"iteration {iteration} is not in {self.path}: a gc that rebased on follower bases "
+            f"dropped it (its chain now starts at iteration {later[0]}, a snapshot made from a "
+            f"follower base; iterations from {later[0]} on are restorable)")
 
     def _follower_bases(self) -> FollowerBases:
         if self._followers is None:
@@ -619,7 +645,8 @@ class Store:
     # ---- maintenance ------------------------------------------------------------------------
     def gc(self, keep_last: int | None = None, keep_every: int | None = None,
            progress: Callable[[int], None] | None = None, *, policy: Policy | None = None,
-           dry_run: bool = False, now_ns: int | None = None) -> GcReport:
+           dry_run: bool = False, now_ns: int | None = None,
+           follower_bases: bool = False) -> GcReport:
         """Apply a retention policy, then compact (:mod:`ckptstore.ops.gc`).
 
         The policy is the union of ``KeepLast(keep_last)``, ``KeepEvery(keep_every)`` and
@@ -628,26 +655,48 @@ class Store:
         selects no iteration raises RetentionError and nothing is removed. ``now_ns``: the time
         ``KeepNewerThan`` measures ages from (default: now).
 
+        ``follower_bases`` (opt-in): a kept delta's chain may end at a delta for which the
+        shadow follower's store (``<path>/follower/``) holds a base that passes every check
+        (identity, chunks, the delta's fingerprint, its scheduler/RNG/buffer states, and an exact
+        replay up to the next fingerprinted delta): gc copies that base into this store as a
+        snapshot of that iteration and drops the deltas before it that the policy does not keep.
+        The result needs nothing of the follower store. Iterations dropped so are gone like any
+        gc-removed one (NotFoundError). ``report.rebased`` lists the deltas replaced,
+        ``report.rebase_skipped`` the follower bases refused and why (format-spec/follower.md §6).
+
         ``dry_run``: plan only and return the report gc would give, ``bytes_after`` estimated
-        (``report.estimated``) from the index; nothing is removed or compacted. Works on readers
-        (mode "r": nothing under the directory is written). On a writer it first commits what is
-        pending, as gc does, so it reports what gc would do now."""
+        (``report.estimated``) from the index; nothing is removed or compacted (follower bases
+        are verified as gc would). Works on readers (mode "r": nothing under the directory is
+        written). On a writer it first commits what is pending, as gc does, so it reports what
+        gc would do now."""
         pol = gc_policy(keep_last, keep_every, policy)
-        if dry_run and self._writer is None:
-            with self.engine.locked():
-                self._sync_view()
-                engine = self.engine
-                return engine.read(lambda: gc_dry_run(engine, pol, now_ns))
-        self._drain_async()
-        writer = self._writable()
-        with writer.locked():
-            self.check()
-            writer.commit_group()  # gc rebuilds the log's writer: commit pending deltas, never drop them
-            writer.recover_if_needed()
-            if dry_run:
-                return writer.read(lambda: gc_dry_run(writer, pol, now_ns, self._meta_cache))
-            return writer.read(lambda: collect(writer, policy=pol, progress=progress,
-                                               now_ns=now_ns, meta_cache=self._meta_cache))
+        rebase = self._rebaser() if follower_bases else None
+        try:
+            if dry_run and self._writer is None:
+                with self.engine.locked():
+                    self._sync_view()
+                    engine = self.engine
+                    return engine.read(lambda: gc_dry_run(engine, pol, now_ns, rebase=rebase))
+            self._drain_async()
+            writer = self._writable()
+            with writer.locked():
+                self.check()
+                writer.commit_group()  # gc rebuilds the log's writer: commit pending deltas, never drop them
+                writer.recover_if_needed()
+                if dry_run:
+                    return writer.read(lambda: gc_dry_run(writer, pol, now_ns, self._meta_cache,
+                                                          rebase))
+                return writer.read(lambda: collect(writer, policy=pol, progress=progress,
+                                                   now_ns=now_ns, meta_cache=self._meta_cache,
+                                                   rebase=rebase))
+        finally:
+            if rebase is not None:
+                rebase.close()
+
+    def _rebaser(self) -> FollowerRebaser:
+        if self._commit_round is not None:
+            raise RetentionError(f"{self.path}: gc is not supported on multi-rank job stores")
+        return FollowerRebaser(self, lambda path: Store(path, "r"))
 
     # ---- automatic retention ------------------------------------------------------------------
     def set_retention(self, policy: Policy | None, every: int = 1) -> None:

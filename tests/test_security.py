@@ -65,6 +65,9 @@ ALLOWLIST: dict[tuple[str, str], str] = {
         "calls the package's own kernel and torch's MKL; pointers come from tensors whose sizes and "
         "dtypes are checked against the parameters, sparse positions are range-checked and "
         "increasing (gradcodecs.TopKCodec.slicer), so store data cannot steer a read or write",
+    ("storage/memory.py", "import ctypes"):
+        "calls libc's madvise(MADV_HUGEPAGE) on the memory of tensors this process just allocated "
+        "as read destinations (addresses and lengths from those tensors, never from store data)",
     ("replay/native/topk.py", "import ctypes"):
         "calls the package's own kernel on the training side only (encoding a live gradient, "
         "never data read from a store); output buffers are allocated with the capacity passed",

@@ -12,11 +12,32 @@ A GPT-style model (~25M parameters by default) trained with AdamW on CPU:
 
     python tools/bench_delta.py [--rounds 6 --block 5] [--k 50] [--dir /tmp/bench_delta] [--layers 6 --dim 512]
                                 [--restore-only] [--codecs exact,topk:0.01]
+
+``--restore-vs-recompute`` (issue 17) measures instead what restoring base+k costs against the
+honest alternative, recomputing: torch.load of the full base checkpoint + k real training steps
+of the same model from it. For each k of ``--ks`` (default 10,50,200), page cache warm and cold:
+
+* restore = a fresh read-only open + ``store.load(k)`` (exact codec, base 0 + k deltas, chain
+  from a base whose optimizer state is steady: ``--warmup`` plain steps before base 0), checked
+  bit for bit against the training run's state at k;
+* recompute = torch.load of the base's full checkpoint (median of 3, same cache state) +
+  ``load_state_dict`` + the first k of ``--recompute-steps`` measured training steps (forward,
+  backward, ``optimizer.step()``) from it, on the same batches; for k beyond the measured steps
+  their time is scaled by k / measured (said so in the output);
+
+then, with ``--follower-every K`` (default 50; 0: skip), a shadow follower replays the chain and
+writes its bases, and the restore of the newest iteration (a follower base) and of the one before
+it (K - 1 deltas past the previous base) is compared with torch.load of a full checkpoint. Every
+figure is printed with the machine's load average. The store holds ``max(ks)`` deltas of 104 MiB.
+
+    python tools/bench_delta.py --restore-vs-recompute [--ks 10,50,200] [--recompute-steps 50]
+                                [--warmup 3] [--follower-every 50] [--reps 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import shutil
 import sys
@@ -292,6 +313,217 @@ def setup(args, extra: str = "") -> None:
           f"parameters; AdamW; torch {torch.__version__}, {torch.get_num_threads()} threads{extra}")
 
 
+def _load_avg() -> str:
+    return "load avg " + "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _same_state(live, st) -> bool:
+    """Model and optimizer state of ``st`` equal ``live``'s bit for bit."""
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
+                torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+    return same(live["model"], dict(st["model"])) and \
+        same(live["optimizer"]["state"], st["optimizer"]["state"])
+
+
+def _read_all(path: str) -> None:
+    """Read every file under ``path`` once (into the page cache, as far as it fits)."""
+    buf = bytearray(8 << 20)
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            with open(os.path.join(d, f), "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
+
+
+def _timed_load(path: str, it: int):
+    """A fresh read-only open + store.load(it): (wall s, process CPU s, state, start)."""
+    with ckptstore.open(path, "r") as r, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        start = r.load_base(it)
+        c0, t0 = time.process_time(), time.perf_counter()
+        st = r.load(it)
+        return time.perf_counter() - t0, time.process_time() - c0, st, start
+
+
+def restore_vs_recompute(args) -> None:
+    ks = sorted({int(x) for x in args.ks.split(",")})
+    kmax = ks[-1]
+    model, opt = build(args)
+    for it in range(-args.warmup, 0):  # base 0 mid-training: the optimizer state is steady
+        fwd_bwd(model, args, it)
+        opt.step()
+        opt.zero_grad()
+    base_pt = os.path.join(args.dir, "base.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, base_pt)
+    full_mib = os.path.getsize(base_pt) / 2**20
+    path = os.path.join(args.dir, "restore-vs-recompute")
+    shutil.rmtree(path, ignore_errors=True)
+    store = ckptstore.open(path)
+    ck = Checkpointer(store, model, opt, base_every=None, codec="exact", group_commit=10,
+                      fingerprint_every=10)
+    assert ck.restore() == 0
+    live = {}
+    t0 = time.perf_counter()
+    for it in range(1, kmax + 1):
+        fwd_bwd(model, args, it)
+        ck.step(it)
+        opt.zero_grad()
+        if it in ks:
+            live[it] = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                        "optimizer": copy.deepcopy(opt.state_dict())}
+    ck.close()
+    store.close()
+    print(f"store: base 0 + {kmax} exact deltas, {seg_bytes(path) / 2**30:.1f} GiB, written in "
+          f"{time.perf_counter() - t0:.0f} s of training with the Checkpointer ({_load_avg()}); "
+          f"full checkpoint (torch.save of model + optimizer) {full_mib:.0f} MiB", flush=True)
+
+    # ---- recompute: torch.load of the base + load_state_dict + real training steps from it
+    loads: dict[str, float] = {}
+    for cache in ("warm", "cold"):
+        ts = []
+        for _ in range(3):
+            if cache == "cold":
+                evict(base_pt)
+            else:
+                torch.load(base_pt, weights_only=False)
+            t0 = time.perf_counter()
+            torch.load(base_pt, weights_only=False)
+            ts.append(time.perf_counter() - t0)
+        loads[cache] = median(ts)
+        print(f"recompute: torch.load of the base checkpoint, {cache}: {loads[cache] * 1e3:.0f} ms "
+              f"(median of 3; {_load_avg()})", flush=True)
+    m2, o2 = build(args)
+    sd = torch.load(base_pt, weights_only=False)
+    t0 = time.perf_counter()
+    m2.load_state_dict(sd["model"])
+    o2.load_state_dict(sd["optimizer"])
+    t_sd = time.perf_counter() - t0
+    del sd
+    n = min(kmax, args.recompute_steps)
+    cum = [0.0]
+    for it in range(1, n + 1):
+        t0 = time.perf_counter()
+        fwd_bwd(m2, args, it)
+        o2.step()
+        o2.zero_grad()
+        cum.append(cum[-1] + time.perf_counter() - t0)
+    exact_recompute = n in live and _same_state(live[n], {"model": m2.state_dict(),
+                                                           "optimizer": o2.state_dict()})
+    print(f"recompute: {n} training steps from the base: {cum[n]:.1f} s ({cum[n] / n * 1e3:.0f} ms "
+          f"per step; {_load_avg()}); load_state_dict {t_sd * 1e3:.0f} ms; iteration {n} "
+          f"{'reproduced bit for bit' if exact_recompute else 'not compared'}", flush=True)
+    del m2, o2
+
+    def recompute(k: int, cache: str) -> tuple[float, bool]:
+        scaled = k > n
+        steps = cum[n] * k / n if scaled else cum[k]
+        return loads[cache] + t_sd + steps, scaled
+
+    # ---- restore: fresh reader, store.load(k)
+    mem = _mem_available()
+    rows = []
+    t0 = time.perf_counter()
+    _timed_load(path, ks[0])  # once per process: the native kernel's calibration (untimed)
+    print(f"process warm-up: a first restore of {ks[0]} took {time.perf_counter() - t0:.2f} s "
+          f"(native Adam kernel calibrated against torch once per process; {_load_avg()})",
+          flush=True)
+    for cache in ("warm", "cold"):
+        if cache == "warm":
+            _read_all(path)  # the writer evicted what it wrote
+        for k in ks:
+            reps = 1 if k == kmax and k >= 100 else args.reps
+            ts, cpu, exact = [], [], True
+            for rep in range(reps):
+                if cache == "cold":
+                    evict(path)
+                wall, c, st, _start = _timed_load(path, k)
+                if rep == 0:
+                    exact = _same_state(live[k], st)
+                del st
+                ts.append(wall)
+                cpu.append(c)
+            rc, scaled = recompute(k, cache)
+            t = median(ts)
+            la = _load_avg()
+            rows.append((k, cache, t, median(cpu), rc, scaled, exact, la, reps))
+            print(f"[k={k}, {cache}] restore base+{k}: {t:.2f} s (CPU {median(cpu):.2f} s, "
+                  f"{'median of ' + str(reps) if reps > 1 else 'one run'}; "
+                  f"{'bit-exact' if exact else 'NOT EXACT'}) vs recompute {rc:.1f} s"
+                  f"{' (steps scaled from ' + str(n) + ')' if scaled else ''}: ratio "
+                  f"{t / rc:.3f}x ({la})", flush=True)
+    store_gib = seg_bytes(path) / 2**30
+    print(f"\n(warm: every file read once before; the store is {store_gib:.1f} GiB against "
+          f"{mem / 2**30:.1f} GiB available memory, so a warm restore of k deltas finds the "
+          "newest ones in the page cache only as far as it holds them)")
+    print("\n| k | page cache | restore base+k (store.load) | recompute (torch.load + k steps) | ratio | load avg |")
+    print("|---|---|---|---|---|---|")
+    for k, cache, t, c, rc, scaled, exact, la, reps in rows:
+        print(f"| {k} | {cache} | {t:.2f} s{'' if exact else ' (NOT EXACT)'} | {rc:.1f} s"
+              f"{' (steps scaled)' if scaled else ''} | **{t / rc:.3f}x** | {la.split()[-1]} |")
+
+    if args.follower_every:
+        from ckptstore.follow import Follower
+
+        K = args.follower_every
+        t0 = time.perf_counter()
+        with Follower(path, every=K, threads=max(1, torch.get_num_threads())) as f:
+            f.run(until=kmax)
+            bases = f.stats.bases
+        print(f"\nfollower (every {K}): replayed {kmax} deltas and wrote bases {bases} in "
+              f"{time.perf_counter() - t0:.0f} s ({_load_avg()})", flush=True)
+        frows = []
+        for cache in ("warm", "cold"):
+            if cache == "warm":
+                _read_all(os.path.join(path, "follower"))
+                torch.load(base_pt, weights_only=False)
+            for it in (kmax, kmax - 1):
+                ts, tl = [], []
+                for _ in range(args.reps + 1):
+                    if cache == "cold":
+                        evict(base_pt)
+                    t0 = time.perf_counter()
+                    torch.load(base_pt, weights_only=False)
+                    tl.append(time.perf_counter() - t0)
+                    if cache == "cold":
+                        evict(path)
+                    wall, _c, st, start = _timed_load(path, it)
+                    ts.append(wall)
+                exact = it not in live or _same_state(live[it], st)
+                del st
+                la = _load_avg()
+                frows.append((it, cache, median(ts), median(tl), start, exact, la))
+                print(f"[follower, {cache}] restore {it} from {start[0]} base {start[1]}: "
+                      f"{median(ts):.2f} s vs torch.load of the full checkpoint "
+                      f"{median(tl) * 1e3:.0f} ms (same run): {median(ts) / median(tl):.2f}x "
+                      f"({la})", flush=True)
+        print("\n| restore | page cache | starts from | store.load | torch.load (full checkpoint) | ratio | load avg |")
+        print("|---|---|---|---|---|---|---|")
+        for it, cache, t, tl, start, exact, la in frows:
+            print(f"| {it} | {cache} | {start[0]} base {start[1]} ({it - start[1]} deltas) | "
+                  f"{t:.2f} s{'' if exact else ' (NOT EXACT)'} | {tl * 1e3:.0f} ms | "
+                  f"**{t / tl:.2f}x** | {la.split()[-1]} |")
+    if not args.keep:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--k", type=int, default=50)
@@ -302,9 +534,24 @@ def main():
                          "(step measurement only)")
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds of the step measurement")
     ap.add_argument("--block", type=int, default=5, help="iterations per variant and round")
+    ap.add_argument("--restore-vs-recompute", action="store_true",
+                    help="restore base+k against torch.load + k training steps (module docstring)")
+    ap.add_argument("--ks", default="10,50,200", help="--restore-vs-recompute: the ks")
+    ap.add_argument("--recompute-steps", type=int, default=50,
+                    help="--restore-vs-recompute: training steps measured for the recompute "
+                         "(larger ks scale them)")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="--restore-vs-recompute: plain steps before base 0")
+    ap.add_argument("--follower-every", type=int, default=50,
+                    help="--restore-vs-recompute: follower base interval (0: no follower part)")
+    ap.add_argument("--reps", type=int, default=2, help="--restore-vs-recompute: restores per cell")
+    ap.add_argument("--keep", action="store_true", help="--restore-vs-recompute: keep the store")
     add_model_args(ap)
     args = ap.parse_args()
     setup(args)
+    if args.restore_vs_recompute:
+        restore_vs_recompute(args)
+        return
 
     _, model, opt = run_plain(argparse.Namespace(**{**vars(args), "iters": 2}))
     full = os.path.join(args.dir, "full.pt")

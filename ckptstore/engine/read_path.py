@@ -23,6 +23,7 @@ from ..format.state import leaf_indices, leaf_paths, top_level_items, unflatten
 from ..format.tree import Tree, decode_tree, tree_root
 from ..storage.index import ChunkRef, CommitEntry, Index
 from ..storage.log import Log
+from ..storage.memory import MIN_BYTES as HUGE_MIN_BYTES, advise_huge_buffer
 from ..storage.segments import Loc
 from ..inplace import destinations
 from ..tensors import allocate, finish, into_view
@@ -197,6 +198,9 @@ class StateReader:
                 else:
                     given = None  # read into a fresh CPU tensor, copied into it at the end
                 value, view = allocate(e) if given is None else into_view(e, given)
+                if given is None and len(view) >= HUGE_MIN_BYTES:
+                    # fresh memory, about to be written for the first time by the reads
+                    advise_huge_buffer(view)
                 if target is not None:
                     given_back[i] = target
                     if given is None:

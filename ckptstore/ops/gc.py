@@ -23,6 +23,18 @@ the last N, every K-th, the best N by a meta metric, everything newer than an ag
 iteration, and unions of these), then closed under the delta chain rule. A dry run
 (``dry_run=True``) plans the same and estimates the bytes gc would leave by adding up the records
 it would copy (sizes from the index, trees read), writing nothing.
+
+**Rebasing on follower bases** (opt-in: a :class:`RebaseSource`, ``gc --follower-bases``;
+format-spec/follower.md section 6). The closure may stop at a kept delta *t* for which a shadow
+follower holds a base that passed every check (:meth:`RebaseSource.usable`); in step 1 that
+iteration is then copied as a *snapshot*: the follower base's chunks and trees (verified while
+copied, from the follower store), a new manifest (the follower base's tensors and state, the
+primary delta's meta and ``created_ns``, a ``rebased`` field naming what it replaced) and a
+snapshot COMMIT. The deltas below it that nothing else keeps are dropped like any unkept
+iteration. The copied store needs nothing of the follower store: it is complete on its own. A
+crash between copies and marker (the middle row of the crash table) leaves that iteration
+committed twice, as the old delta and, later in log order, as the snapshot: the snapshot wins,
+and holds the same state.
 """
 
 from __future__ import annotations
@@ -30,15 +42,17 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
+
+import xxhash
 
 from ..errors import DamagedCheckpointError, FormatError
 from ..format import records as rec
 from ..format.chunk import decode_chunk
-from ..format.commit import COMMIT_SIZE, KIND_NAMES, Commit
-from ..format.manifest import decode_committed_manifest
+from ..format.commit import COMMIT_SIZE, KIND_NAMES, KIND_SNAPSHOT, Commit
+from ..format.manifest import Manifest, decode_committed_manifest, encode_manifest
 from ..format.state import unflatten
-from ..format.tree import decode_tree
+from ..format.tree import decode_tree, snapshot_root
 from ..storage.index import Index
 from ..storage.segments import SEGMENT_HEADER_RECORD_SIZE, Loc, SegmentWriter
 from ..engine.engine import Engine
@@ -46,6 +60,39 @@ from ..engine.transaction import append_commit_record
 from ..engine.writer_engine import WriterEngine
 from .retention import (Checkpoint, KeepEvery, KeepLast, Policy, RetentionPlan, chain_closure,
                         plan_retention)
+
+
+class RebaseSource(Protocol):
+    """Snapshots gc may put in place of kept deltas (:class:`ckptstore.replay.follower.
+    FollowerRebaser`: a shadow follower's verified bases). Call order: :meth:`usable` during
+    planning (for the deltas the closure reaches), then, for each delta the plan rebases,
+    :meth:`manifest_extra` and reads of :attr:`engine` while copying."""
+
+    #: bases looked at and refused (iteration, or -1 for the whole source) -> why
+    skipped: dict[int, str]
+
+    @property
+    def engine(self) -> Engine:
+        """The store holding the bases (read only: gc copies their records from it)."""
+        ...
+
+    def usable(self, iteration: int) -> bool:
+        """Whether the base at ``iteration`` holds exactly the state of the primary's delta
+        ``iteration`` (every check passed); may be costly, the answer is cached."""
+        ...
+
+    def manifest_extra(self, iteration: int) -> dict:
+        """The extra manifest fields of the snapshot gc makes of the base at ``iteration``."""
+        ...
+
+
+def rebased_manifest(primary: Manifest, base: Manifest, extra: dict) -> Manifest:
+    """The manifest of the snapshot that replaces the primary's delta manifest ``primary`` with
+    the state of ``base`` (a verified follower base of the same iteration): its tensors, state and
+    chunk size; the delta's iteration, ``created_ns`` and meta (retention and ``store.meta`` see
+    what they saw); ``extra`` (its provenance)."""
+    return Manifest(primary.iteration, primary.created_ns, base.chunk_size, base.state, primary.meta,
+                    base.tensors, "snapshot", dict(extra))
 
 
 @dataclass(frozen=True)
@@ -68,6 +115,10 @@ class GcReport:
     compacted: bool = True
     added: tuple[int, ...] = ()
     policy: str = ""
+    #: kept deltas replaced by snapshots made from follower bases (``follower_bases=True``)
+    rebased: tuple[int, ...] = ()
+    #: follower bases looked at and not used, with why ((-1, why): the follower store itself)
+    rebase_skipped: tuple[tuple[int, str], ...] = ()
 
     @property
     def bytes_freed(self) -> int:
@@ -156,10 +207,17 @@ def checkpoints_of(engine: Engine, with_meta: bool,
 
 
 def plan(engine: Engine, policy: Policy, now_ns: int | None = None,
-         meta_cache: dict[int, Any] | None = None) -> RetentionPlan:
+         meta_cache: dict[int, Any] | None = None,
+         rebase: RebaseSource | None = None) -> RetentionPlan:
     """The retention plan of ``policy`` over the committed iterations of ``engine``
-    (RetentionError when it selects none)."""
-    return plan_retention(checkpoints_of(engine, policy.uses_meta, meta_cache), policy, now_ns)
+    (RetentionError when it selects none); with ``rebase``, kept deltas may become snapshots
+    (:func:`~ckptstore.ops.retention.rebasing_closure`)."""
+    return plan_retention(checkpoints_of(engine, policy.uses_meta, meta_cache), policy, now_ns,
+                          None if rebase is None else rebase.usable)
+
+
+def _skipped(rebase: RebaseSource | None) -> tuple[tuple[int, str], ...]:
+    return () if rebase is None else tuple(sorted(rebase.skipped.items()))
 
 
 def live_bytes(engine: Engine) -> int:
@@ -168,12 +226,15 @@ def live_bytes(engine: Engine) -> int:
     return sum(os.path.getsize(layout.segment_path(s)) for s in engine.log.refresh_segments())
 
 
-def estimate_bytes_after(engine: Engine, keep: Sequence[int]) -> int:
+def estimate_bytes_after(engine: Engine, keep: Sequence[int], rebase: RebaseSource | None = None,
+                         rebased: Sequence[int] = ()) -> int:
     """The live bytes a gc keeping ``keep`` would leave, computed without writing: the records
     :class:`_Compactor` would copy (each chunk and tree once, every manifest and a COMMIT per
     kept iteration; record sizes from the index and the commits, trees read to list their chunks),
-    laid out into segments as it lays them out, plus the final marker segment. Exact unless the
-    store changes in between or the index points a chunk at a copy of another size."""
+    laid out into segments as it lays them out, plus the final marker segment. Iterations in
+    ``rebased`` count the follower base's records (from ``rebase.engine``) and the manifest gc
+    would write. Exact unless the store changes in between or the index points a chunk at a copy
+    of another size."""
     index = engine.index
     seg_size = engine.segment_size
     done: list[int] = []
@@ -195,17 +256,24 @@ def estimate_bytes_after(engine: Engine, keep: Sequence[int]) -> int:
         if entry is None:
             raise DamagedCheckpointError(f"iteration {it} is not committed (the store changed?)")
         c = entry.commit
+        src, manifest_length = engine, c.manifest_length
         try:
-            for t in engine.manifest(it).tensors:
+            manifest = engine.manifest(it)
+            if it in rebased and rebase is not None:
+                src = rebase.engine
+                base = src.read(lambda: src.manifest(it))
+                manifest = rebased_manifest(manifest, base, rebase.manifest_extra(it))
+                manifest_length = len(encode_manifest(manifest))
+            for t in manifest.tensors:
                 if t.inline is not None or t.nbytes == 0 or t.root in trees:
                     continue
-                tloc = index.get_tree(t.root)
+                tloc = src.index.get_tree(t.root)
                 if tloc is None:
                     raise FormatError(f"tree of tensor {t.path} is missing")
-                for addr in engine.tree_of(t).addresses:
+                for addr in src.tree_of(t).addresses:
                     if addr in chunks:
                         continue
-                    ref = index.get_chunk(addr)
+                    ref = src.index.get_chunk(addr)
                     if ref is None:
                         raise FormatError(f"chunk {addr.hex()} of tensor {t.path} is missing")
                     add(ref.loc.length)
@@ -216,21 +284,24 @@ def estimate_bytes_after(engine: Engine, keep: Sequence[int]) -> int:
             raise DamagedCheckpointError(
                 f"iteration {it} cannot be read: {e}; run `ckptstore fsck` to locate the "
                 "damage") from e
-        add(c.manifest_length)
+        add(manifest_length)
         add(COMMIT_SIZE)
     return sum(done) + offset + SEGMENT_HEADER_RECORD_SIZE  # + the record-less marker segment
 
 
 def dry_run(engine: Engine, policy: Policy, now_ns: int | None = None,
-            meta_cache: dict[int, Any] | None = None) -> GcReport:
-    """What :func:`collect` would keep and remove with ``policy``, and the bytes it would leave
-    (an estimate, :func:`estimate_bytes_after`). Writes nothing: works on a reader too."""
+            meta_cache: dict[int, Any] | None = None,
+            rebase: RebaseSource | None = None) -> GcReport:
+    """What :func:`collect` would keep and remove with ``policy`` (and ``rebase``: the follower
+    bases are verified as gc verifies them), and the bytes it would leave (an estimate,
+    :func:`estimate_bytes_after`). Writes nothing: works on a reader too."""
     t0 = time.perf_counter()
-    p = plan(engine, policy, now_ns, meta_cache)
+    p = plan(engine, policy, now_ns, meta_cache, rebase)
     before = live_bytes(engine)
-    after = estimate_bytes_after(engine, p.kept) if p.kept else before
+    after = estimate_bytes_after(engine, p.kept, rebase, p.rebased) if p.kept else before
     return GcReport(list(p.kept), list(p.removed), before, after, time.perf_counter() - t0,
-                    dry_run=True, estimated=True, compacted=False, added=p.added, policy=str(policy))
+                    dry_run=True, estimated=True, compacted=False, added=p.added, policy=str(policy),
+                    rebased=p.rebased, rebase_skipped=_skipped(rebase))
 
 
 class _Compactor:
@@ -266,6 +337,38 @@ class _Compactor:
             w = self.new_segment()
         return w.append(rtype, parts)
 
+    def copy_tensors(self, src: Engine, manifest: Manifest,
+                     progress: Callable[[int], None] | None) -> None:
+        """Copy every chunk and tree of ``manifest``'s tensors not copied yet, read from ``src``
+        (the store gc compacts, or the follower store of a rebased iteration), each chunk checked
+        against its address. FormatError on damage."""
+        for t in manifest.tensors:
+            if t.inline is not None or t.nbytes == 0 or t.root in self.trees:
+                continue
+            tloc = src.index.get_tree(t.root)
+            if tloc is None:
+                raise FormatError(f"tree of tensor {t.path} is missing")
+            tree_payload = src.log.read_payload(tloc)
+            tree = decode_tree(tree_payload)
+            if tree.root != t.root:
+                raise FormatError(f"index points tree {t.root.hex()} at another tree")
+            for addr in tree.addresses:
+                if addr in self.chunks:
+                    continue
+                ref = src.index.get_chunk(addr)
+                if ref is None:
+                    raise FormatError(f"chunk {addr.hex()} of tensor {t.path} is missing")
+                chunk_payload = src.log.read_payload(ref.loc)  # record checks
+                header, _ = decode_chunk(chunk_payload)           # address check
+                if header.address != addr:
+                    raise FormatError(f"index points chunk {addr.hex()} at another chunk")
+                self.append(rec.RecordType.CHUNK, [chunk_payload])
+                self.chunks.add(addr)
+                if progress is not None:
+                    progress(len(chunk_payload))
+            self.append(rec.RecordType.TREE, [tree_payload])
+            self.trees.add(t.root)
+
     def copy_checkpoint(self, iteration: int, progress: Callable[[int], None] | None) -> None:
         engine = self.engine
         entry = engine.index.get_commit(iteration)
@@ -275,30 +378,7 @@ class _Compactor:
         try:
             payload = engine.log.read_payload(mloc)
             manifest = decode_committed_manifest(payload, c.manifest_digest, c.iteration)
-            for t in manifest.tensors:
-                if t.inline is not None or t.nbytes == 0 or t.root in self.trees:
-                    continue
-                tloc = engine.index.get_tree(t.root)
-                if tloc is None:
-                    raise FormatError(f"tree of tensor {t.path} is missing")
-                tree_payload = engine.log.read_payload(tloc)
-                tree = decode_tree(tree_payload)
-                for addr in tree.addresses:
-                    if addr in self.chunks:
-                        continue
-                    ref = engine.index.get_chunk(addr)
-                    if ref is None:
-                        raise FormatError(f"chunk {addr.hex()} of tensor {t.path} is missing")
-                    chunk_payload = engine.log.read_payload(ref.loc)  # record checks
-                    header, _ = decode_chunk(chunk_payload)           # address check
-                    if header.address != addr:
-                        raise FormatError(f"index points chunk {addr.hex()} at another chunk")
-                    self.append(rec.RecordType.CHUNK, [chunk_payload])
-                    self.chunks.add(addr)
-                    if progress is not None:
-                        progress(len(chunk_payload))
-                self.append(rec.RecordType.TREE, [tree_payload])
-                self.trees.add(t.root)
+            self.copy_tensors(engine, manifest, progress)
         except FormatError as e:  # I/O errors propagate as StoreIOError (typed, nothing changed)
             raise DamagedCheckpointError(
                 f"gc aborted, nothing changed: iteration {iteration} cannot be copied: {e}; "
@@ -307,6 +387,40 @@ class _Compactor:
         moved = Commit(c.iteration, new_mloc.seq, new_mloc.offset, new_mloc.length, c.manifest_digest,
                        c.snapshot_root, c.created_ns, c.logical_bytes, c.written_bytes, c.kind)
         append_commit_record(self, moved)
+
+    def copy_rebased(self, iteration: int, rebase: RebaseSource,
+                     progress: Callable[[int], None] | None) -> None:
+        """Copy ``iteration`` as a snapshot made from the base ``rebase`` holds for it: the
+        base's chunks and trees, then a new manifest (:func:`rebased_manifest`) and a snapshot
+        COMMIT (format-spec/follower.md section 6)."""
+        engine, src = self.engine, rebase.engine
+        entry = engine.index.get_commit(iteration)
+        assert entry is not None
+        c = entry.commit
+        try:
+            primary = decode_committed_manifest(
+                engine.log.read_payload(Loc(c.manifest_seq, c.manifest_offset, c.manifest_length)),
+                c.manifest_digest, c.iteration)
+
+            def copy() -> Manifest:
+                base = src.manifest(iteration)
+                self.copy_tensors(src, base, progress)
+                return base
+
+            # a reader's read retries after a gc of the follower store: what was copied stays
+            # copied (the sets), so a retry appends only what is still missing
+            base = src.read(copy)
+        except FormatError as e:
+            raise DamagedCheckpointError(
+                f"gc aborted, nothing changed: follower base {iteration} cannot be copied: {e}; "
+                f"run `ckptstore fsck` on the follower store") from e
+        manifest = rebased_manifest(primary, base, rebase.manifest_extra(iteration))
+        payload = encode_manifest(manifest)
+        mloc = self.append(rec.RecordType.MANIFEST, [payload])
+        root = snapshot_root((t.path, t.root) for t in manifest.tensors)
+        append_commit_record(self, Commit(iteration, mloc.seq, mloc.offset, mloc.length,
+                                          xxhash.xxh3_128_digest(payload), root, c.created_ns,
+                                          manifest.logical_bytes, 0, KIND_SNAPSHOT))
 
     def abort(self) -> None:
         """Best effort: delete the temp files (any left over are deleted by the next gc or the
@@ -324,23 +438,27 @@ class _Compactor:
 def collect(engine: WriterEngine, *, keep_last: int | None = None, keep_every: int | None = None,
             policy: Policy | None = None, progress: Callable[[int], None] | None = None,
             now_ns: int | None = None, only_if_removing: bool = False,
-            meta_cache: dict[int, Any] | None = None) -> GcReport:
+            meta_cache: dict[int, Any] | None = None,
+            rebase: RebaseSource | None = None) -> GcReport:
     """Drop the checkpoints the policy does not keep and compact the log. The policy is the
     union of ``keep_last``, ``keep_every`` and ``policy`` (:func:`gc_policy`); the plan adds the
     latest iteration and the chains of kept deltas, and a policy that selects nothing raises
-    RetentionError before anything is written. ``only_if_removing``: write nothing when the plan
+    RetentionError before anything is written. ``rebase``: kept deltas may be replaced by the
+    verified bases it holds (module docstring). ``only_if_removing``: write nothing when the plan
     removes nothing (automatic retention). The caller holds the engine's lock with no
     transaction open (pending deltas committed first)."""
     t0 = time.perf_counter()
     layout = engine.layout
     pol = gc_policy(keep_last, keep_every, policy)
-    p = plan(engine, pol, now_ns, meta_cache)
+    p = plan(engine, pol, now_ns, meta_cache, rebase)
+    rebased = set(p.rebased)
     keep, removed = list(p.kept), list(p.removed)
     live = engine.log.refresh_segments()
     bytes_before = sum(os.path.getsize(layout.segment_path(s)) for s in live)
     if not live or (only_if_removing and not removed):
         return GcReport(keep, removed, bytes_before, bytes_before, time.perf_counter() - t0,
-                        compacted=False, added=p.added, policy=str(pol))
+                        compacted=False, added=p.added, policy=str(pol),
+                        rebase_skipped=_skipped(rebase))
     watermark = live[-1]
     # Temp files of an earlier gc that failed in this process (its abort could not delete them)
     # would collide with this gc's names; they are never replayed, so delete them first.
@@ -349,7 +467,10 @@ def collect(engine: WriterEngine, *, keep_last: int | None = None, keep_every: i
     compactor = _Compactor(engine, watermark + 1)
     try:
         for it in keep:
-            compactor.copy_checkpoint(it, progress)
+            if it in rebased and rebase is not None:
+                compactor.copy_rebased(it, rebase, progress)
+            else:
+                compactor.copy_checkpoint(it, progress)
         compactor.new_segment(supersedes=watermark)  # the record-less marker segment
         assert compactor.writer is not None
         compactor.writer.sync()
@@ -366,4 +487,5 @@ def collect(engine: WriterEngine, *, keep_last: int | None = None, keep_every: i
         raise
     bytes_after = sum(os.path.getsize(layout.segment_path(s)) for s in engine.log.refresh_segments())
     return GcReport(keep, removed, bytes_before, bytes_after, time.perf_counter() - t0,
-                    added=p.added, policy=str(pol))
+                    added=p.added, policy=str(pol), rebased=p.rebased,
+                    rebase_skipped=_skipped(rebase))

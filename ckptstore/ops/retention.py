@@ -18,7 +18,9 @@ its policies keeps. :func:`plan_retention` turns a selection into a gc plan:
 2. plus the latest committed iteration (always kept);
 3. closed under the delta chain rule by :func:`chain_closure`: a kept delta keeps its base
    snapshot and every delta between (format-spec/deltas.md, "Chain rule" and "Garbage
-   collection"), so every kept iteration stays recoverable after the gc.
+   collection"), so every kept iteration stays recoverable after the gc. Opt-in
+   (``gc --follower-bases``): a walk down a kept delta's chain may stop at a delta gc can replace
+   by a verified follower base (:func:`rebasing_closure`, format-spec/follower.md section 6).
 
 What ``ckptstore gc`` and :meth:`ckptstore.Store.gc` do with the plan (copy the kept
 checkpoints, delete the rest) is :mod:`ckptstore.ops.gc`.
@@ -30,12 +32,12 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from ..errors import RetentionError
 
 __all__ = ["Checkpoint", "Policy", "KeepLast", "KeepEvery", "KeepBest", "KeepNewerThan",
-           "KeepSinceIteration", "AnyOf", "RetentionPlan", "chain_closure", "plan_retention",
+           "KeepSinceIteration", "AnyOf", "RetentionPlan", "chain_closure", "rebasing_closure", "plan_retention",
            "policy_from_options", "parse_duration", "metric_value"]
 
 SNAPSHOT = "snapshot"
@@ -252,9 +254,28 @@ def chain_closure(layout: Iterable[tuple[int, str]], keep: Iterable[int]) -> fro
     keeping R never breaks a chain a kept iteration needs. A delta whose predecessor is not
     committed (a chain already broken) pulls in nothing below the gap.
     """
+    return rebasing_closure(layout, keep, None)[0]
+
+
+def rebasing_closure(layout: Iterable[tuple[int, str]], keep: Iterable[int],
+                     can_rebase: Callable[[int], bool] | None
+                     ) -> tuple[frozenset[int], frozenset[int]]:
+    """:func:`chain_closure` where a delta may become a snapshot: ``can_rebase(t)`` says whether
+    gc can replace delta *t* by a snapshot of the same state (a verified follower base,
+    format-spec/follower.md section 6). Returns (R, rebased).
+
+    Walking down from each kept iteration, newest first, the walk stops at the first delta *t*
+    with ``can_rebase(t)`` instead of going on to the chain's base. ``rebased`` = the deltas
+    where some walk stopped so and whose predecessor is not in R for another reason (a delta
+    whose predecessor is kept anyway stays a delta: rebasing it would add a base and free
+    nothing). Invariant: with every member of ``rebased`` a snapshot, R satisfies the invariant
+    of :func:`chain_closure`, so every kept recoverable iteration stays recoverable; and R is a
+    subset of :func:`chain_closure`'s result. ``can_rebase`` is asked only about deltas a walk
+    reaches (it may be costly), each at most once per walk."""
     kinds = dict(layout)
     out: set[int] = set()
-    for it in keep:
+    stops: set[int] = set()
+    for it in sorted(keep, reverse=True):
         if it not in kinds:
             raise ValueError(f"iteration {it} is not in the layout")
         p = it
@@ -263,8 +284,12 @@ def chain_closure(layout: Iterable[tuple[int, str]], keep: Iterable[int]) -> fro
             out.add(p)
             if kinds[p] != DELTA or p - 1 not in kinds:
                 break
+            if can_rebase is not None and p - 1 not in out and can_rebase(p):
+                stops.add(p)
+                break
             p -= 1
-    return frozenset(out)
+    rebased = frozenset(p for p in stops if p - 1 not in out)
+    return frozenset(out), rebased
 
 
 @dataclass(frozen=True)
@@ -274,20 +299,25 @@ class RetentionPlan:
     Invariants: ``kept`` and ``removed`` are ascending, disjoint and together every committed
     iteration; ``selected`` (the policy's own choice) is a subset of ``kept``; the latest
     committed iteration is in ``kept``; ``kept`` is closed under the chain rule
-    (:func:`chain_closure`); ``added`` = ``kept`` minus ``selected`` (the latest iteration and
+    (:func:`chain_closure`) once every iteration of ``rebased`` (kept deltas gc replaces by a
+    snapshot of the same state, :func:`rebasing_closure`; empty unless the plan was asked to
+    rebase) is a snapshot; ``added`` = ``kept`` minus ``selected`` (the latest iteration and
     what kept deltas need)."""
 
     kept: tuple[int, ...]
     removed: tuple[int, ...]
     selected: tuple[int, ...]
     added: tuple[int, ...]
+    rebased: tuple[int, ...] = ()
 
 
 def plan_retention(checkpoints: Iterable[Checkpoint | tuple[int, str, int, Any]], policy: Policy,
-                   now_ns: int | None = None) -> RetentionPlan:
+                   now_ns: int | None = None,
+                   can_rebase: Callable[[int], bool] | None = None) -> RetentionPlan:
     """Apply ``policy`` to the committed ``checkpoints`` (any order, distinct iterations) and
     return the plan (see :class:`RetentionPlan` for its invariants). ``now_ns`` defaults to the
-    current wall-clock time.
+    current wall-clock time. ``can_rebase``: which deltas gc may turn into snapshots
+    (:func:`rebasing_closure`; None: none, the plain chain closure).
 
     Raises RetentionError, and nothing is to be removed, when the policy selects none of the
     iterations of a non-empty store (it would delete every iteration but the latest: a metric no
@@ -306,9 +336,11 @@ def plan_retention(checkpoints: Iterable[Checkpoint | tuple[int, str, int, Any]]
         raise RetentionError(
             f"retention policy ({policy}) keeps none of the {len(cps)} committed iterations "
             f"({its[0]}..{its[-1]}): it would delete every iteration; nothing was removed")
-    kept = chain_closure(((c.iteration, c.kind) for c in cps), selected | {its[-1]})
+    kept, rebased = rebasing_closure(((c.iteration, c.kind) for c in cps), selected | {its[-1]},
+                                     can_rebase)
     return RetentionPlan(tuple(sorted(kept)), tuple(i for i in its if i not in kept),
-                         tuple(sorted(selected)), tuple(sorted(kept - selected)))
+                         tuple(sorted(selected)), tuple(sorted(kept - selected)),
+                         tuple(sorted(rebased)))
 
 
 def policy_from_options(*, keep_last: int | None = None, keep_every: int | None = None,

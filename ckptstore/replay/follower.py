@@ -12,6 +12,13 @@ deltas ``b+1..t``" to the replay engine as one :class:`~ckptstore.replay.replaye
 A follower store is a cache: a base that does not match, fails to read or fails to replay is
 skipped with a :class:`ckptstore.errors.FollowerWarning` and the load goes on from an older
 follower base or the primary's own base. Nothing here writes.
+
+gc of the primary may *rebase* on a follower base (``ckptstore gc --follower-bases``,
+format-spec/follower.md section 6): :class:`FollowerRebaser` checks a follower base completely
+(:meth:`FollowerRebaser.verify`) and gc copies it into the primary as a snapshot of its own whose
+manifest records where it came from (:data:`REBASED_KEY`), so the deltas before it can go. Chain
+identities look through such a snapshot to the chain it was cut from (:func:`chain_origin`), so
+follower bases written before the gc keep matching.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ FOLLOWER_DIR = "follower"
 #: the meta key of a follower base (its identity)
 FOLLOWER_KEY = "ckptstore.follower"
 FOLLOWER_VERSION = 1
+#: the manifest field of a primary snapshot that gc made from a follower base (format-spec/follower.md §6)
+REBASED_KEY = "rebased"
+REBASED_VERSION = 1
 
 
 def follower_path(primary_path: str | os.PathLike) -> str:
@@ -91,7 +101,11 @@ class Primary(Protocol):
 
     def info(self, iteration: int) -> Any: ...
 
-    def load(self, iteration: int) -> Any: ...
+    def manifest(self, iteration: int) -> Any: ...
+
+    def latest(self) -> int | None: ...
+
+    def load(self, iteration: int, keys: Sequence[Any] | None = None) -> Any: ...
 
     def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
                     into: Callable[[Any], Any] | None = None) -> Any: ...
@@ -99,27 +113,94 @@ class Primary(Protocol):
     def consistent_reads(self) -> AbstractContextManager[Any]: ...
 
 
+@dataclass(frozen=True)
+class Rebased:
+    """Where a primary snapshot that gc made from a follower base comes from (the manifest field
+    :data:`REBASED_KEY`, format-spec/follower.md section 6): it stands for the primary's delta
+    whose manifest digest was ``digest``, in the chain whose origin is base ``base`` (manifest
+    digest ``base_digest``), and was copied from follower store ``follower`` (store id, hex)."""
+
+    digest: str
+    base: int
+    base_digest: str
+    follower: str
+
+    def to_json(self) -> dict:
+        return {"v": REBASED_VERSION, "digest": self.digest, "base": self.base,
+                "base_digest": self.base_digest, "follower": self.follower}
+
+    @classmethod
+    def from_extra(cls, extra: Any, iteration: int) -> "Rebased | None":
+        """The provenance in a snapshot manifest's extra fields; None when it has none or a
+        malformed one (the snapshot is then an ordinary base: its own chain's origin)."""
+        sec = extra.get(REBASED_KEY) if isinstance(extra, dict) else None
+        if not isinstance(sec, dict) or sec.get("v") != REBASED_VERSION:
+            return None
+        digest: Any = sec.get("digest")
+        base: Any = sec.get("base")
+        base_digest: Any = sec.get("base_digest")
+        follower: Any = sec.get("follower")
+        if not (_hex(digest, 32) and _hex(base_digest, 32) and _hex(follower, 32)
+                and type(base) is int and 0 <= base < iteration):
+            return None
+        return cls(digest, base, base_digest, follower)
+
+
+def rebased_of(primary: Primary, iteration: int) -> Rebased | None:
+    """The provenance of the primary's snapshot ``iteration`` when gc made it from a follower
+    base, else None."""
+    return Rebased.from_extra(primary.manifest(iteration).extra, iteration)
+
+
+#: (store id, snapshot, its manifest digest) -> its chain origin; committed manifests never change
+_ORIGINS: dict[tuple[bytes, int, str], tuple[int, str]] = {}
+
+
+def chain_origin(primary: Primary, base: int) -> tuple[int, str]:
+    """(iteration, manifest digest hex) of the base snapshot the chain of the primary's snapshot
+    ``base`` started from: ``base`` itself, or for a snapshot gc made from a follower base
+    (:func:`rebased_of`) the origin it records. Follower identities name origins, so a follower
+    base matches before and after a gc that rebased its chain."""
+    digest = primary.info(base).manifest_digest
+    key = (primary.header.store_id, base, digest)
+    hit = _ORIGINS.get(key)
+    if hit is None:
+        r = rebased_of(primary, base)
+        hit = (base, digest) if r is None else (r.base, r.base_digest)
+        if len(_ORIGINS) > 4096:
+            _ORIGINS.clear()
+        _ORIGINS[key] = hit
+    return hit
+
+
 def identity_of(primary: Primary, iteration: int) -> Identity:
-    """The identity of the primary's commit of ``iteration`` (a delta) and of its chain's base."""
-    base = primary.base_of(iteration)
+    """The identity of the primary's commit of ``iteration`` (a delta) and of its chain's origin
+    (:func:`chain_origin`)."""
+    base, base_digest = chain_origin(primary, primary.base_of(iteration))
     return Identity(primary.header.store_id.hex(), iteration, primary.info(iteration).manifest_digest,
-                    base, primary.info(base).manifest_digest)
+                    base, base_digest)
 
 
 def mismatch(primary: Primary, ident: Identity, iteration: int) -> str | None:
     """Why a follower base of ``iteration`` with identity ``ident`` does not reproduce the
-    primary's commit of ``iteration``; None when it does (format-spec/follower.md, "Reader")."""
+    primary's commit of ``iteration``; None when it does (format-spec/follower.md, "Reader").
+    A primary snapshot that gc made from this very follower base (it records the same delta
+    digest and chain origin) matches too: the same history, held by the primary itself."""
     if ident.primary != primary.header.store_id.hex():
         return f"it reproduces another primary store (store id {ident.primary})"
     if ident.iteration != iteration:
         return f"its identity names iteration {ident.iteration}"
     try:
-        if primary.kind(iteration) != "delta":
-            return f"iteration {iteration} of the primary is not a delta"
-        if primary.info(iteration).manifest_digest != ident.digest:
-            return f"the primary's commit of iteration {iteration} has another manifest digest"
-        base = primary.base_of(iteration)
-        if base != ident.base or primary.info(base).manifest_digest != ident.base_digest:
+        if primary.kind(iteration) == "delta":
+            if primary.info(iteration).manifest_digest != ident.digest:
+                return f"the primary's commit of iteration {iteration} has another manifest digest"
+            base = primary.base_of(iteration)
+        else:
+            r = rebased_of(primary, iteration)
+            if r is None or r.digest != ident.digest:
+                return f"iteration {iteration} of the primary is not a delta"
+            base = iteration
+        if chain_origin(primary, base) != (ident.base, ident.base_digest):
             return f"iteration {iteration} of the primary is in another chain (base {base})"
     except NotFoundError:
         return f"iteration {iteration} is not a recoverable iteration of the primary"
@@ -298,3 +379,176 @@ class FollowerBases:
             self.last_base = b
             return out
         return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bit-for-bit equality of two decoded state values (tensors, arrays, containers, scalars;
+    floats by their bits, so NaN equals NaN)."""
+    import struct
+
+    import numpy as np
+
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if hasattr(a, "untyped_storage"):  # a torch tensor
+
+        def raw(t: Any) -> Any:
+            return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+        import torch
+
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(raw(a), raw(b)))
+    return bool(a == b)
+
+
+class FollowerRebaser:
+    """The follower bases gc of the primary may rebase on (``Store.gc(follower_bases=True)``,
+    ``ckptstore gc --follower-bases``; format-spec/follower.md section 6): a
+    :class:`ckptstore.ops.gc.RebaseSource`.
+
+    :meth:`usable` says whether follower base ``b`` passed every check of :meth:`verify` (cached:
+    each base is read and replayed at most once); gc then copies its records from
+    :attr:`engine` (the follower store's, read-only) into the primary as a snapshot whose
+    manifest carries :meth:`manifest_extra`. Nothing here writes."""
+
+    def __init__(self, primary: Primary, open_reader: Callable[[str], Any]) -> None:
+        self.primary = primary
+        self.path = follower_path(primary.path)
+        self._reader: Any = None
+        self._verdicts: dict[int, str | None] = {}
+        self._idents: dict[int, Identity] = {}
+        #: follower bases looked at and not usable: iteration -> why
+        self.skipped: dict[int, str] = {}
+        if os.path.isfile(os.path.join(self.path, "STORE")):
+            try:
+                self._reader = open_reader(self.path)
+                self._scan()
+            except (CkptStoreError, OSError) as e:
+                self.close()
+                self.skipped[-1] = f"follower store {self.path} cannot be read ({e})"
+
+    def _scan(self) -> None:
+        """Checks (a)-(e) of every follower base (identities only)."""
+        reader = self._reader
+        for b in reader.iterations():
+            try:
+                self.primary.info(b)
+            except NotFoundError:
+                continue  # an iteration the primary's gc removed: harmless (§3.2), not listed
+            ident = Identity.from_meta(reader.meta(b)) if reader.kind(b) == "snapshot" else None
+            why = "it carries no follower identity" if ident is None else mismatch(self.primary, ident, b)
+            if why is None and self.primary.kind(b) != "delta":
+                continue  # the primary holds it as a snapshot already (an earlier rebase)
+            if why is not None or ident is None:
+                self.skipped[b] = why or "it carries no follower identity"
+                continue
+            self._idents[b] = ident
+
+    @property
+    def engine(self) -> Any:
+        """The follower store's engine (what gc copies a base's records from)."""
+        return self._reader.engine
+
+    def candidates(self) -> list[int]:
+        """Follower bases whose identity matches a delta of the primary, ascending."""
+        return sorted(self._idents)
+
+    def usable(self, iteration: int) -> bool:
+        """Whether gc may replace the primary's delta ``iteration`` by follower base
+        ``iteration`` (:meth:`verify`, cached)."""
+        if iteration not in self._idents:
+            return False
+        if iteration not in self._verdicts:
+            why = self.verify(iteration)
+            self._verdicts[iteration] = why
+            if why is not None:
+                self.skipped[iteration] = why
+        return self._verdicts[iteration] is None
+
+    def manifest_extra(self, iteration: int) -> dict:
+        """The extra manifest field (:data:`REBASED_KEY`) of the snapshot gc makes of base
+        ``iteration``."""
+        ident = self._idents[iteration]
+        return {REBASED_KEY: Rebased(ident.digest, ident.base, ident.base_digest,
+                                     self._reader.header.store_id.hex()).to_json()}
+
+    def _fingerprint(self, iteration: int) -> dict | None:
+        """The ``fp`` of the primary's delta ``iteration`` (None: it records none)."""
+        try:
+            fp = self.primary.load_record(iteration, ["fp"])["fp"]
+        except NotFoundError:
+            return None
+        return fp if isinstance(fp, dict) and isinstance(fp.get("xxh3"), str) else None
+
+    def verify(self, b: int) -> str | None:
+        """Why follower base ``b`` must not replace the primary's delta ``b``; None when it may.
+        Besides the reader's checks (a)-(g) of format-spec/follower.md §4, with (g) required, the
+        base's scheduler, RNG, buffers and param-group settings must equal what the primary's
+        delta ``b`` records, and replaying the primary's deltas after ``b`` onto it up to the next
+        one that records a fingerprint must be exact and match that fingerprint."""
+        from .replayer import IncrementalReplayer
+
+        primary, reader = self.primary, self._reader
+        try:
+            fp = self._fingerprint(b)
+            if fp is None:
+                return f"the primary's delta {b} records no fingerprint to check it against"
+            chain = primary.base_of(b)
+            nxt, it = None, b + 1
+            latest = primary.latest()
+            while latest is not None and it <= latest and primary.kind(it) == "delta" and primary.base_of(it) == chain:
+                if self._fingerprint(it) is not None:
+                    nxt = it
+                    break
+                it += 1
+            if nxt is None:
+                return (f"no delta after {b} records a fingerprint yet (the replay check needs "
+                        "one)")
+            state = reader.load(b)
+            if not isinstance(state, dict) or "replay_report" in state or state.get("iteration") != b:
+                return "it is not an exact Checkpointer base of this iteration"
+            section = primary.load(chain, [REPLAY_KEY])[REPLAY_KEY]
+            if not _same(state.get(REPLAY_KEY), section):
+                return f"its {REPLAY_KEY!r} section differs from its chain's base {chain}"
+            if fingerprint_digest(parameters_of(state)) != fp["xxh3"]:
+                return f"its parameters differ from the fingerprint the primary's delta {b} records"
+            rec = {}
+            for key in ("scheduler", "rng", "buffers", "groups"):
+                try:
+                    rec.update(primary.load_record(b, [key]))
+                except NotFoundError:
+                    pass  # (no scheduler)
+            for key in ("scheduler", "rng"):
+                if key in rec and not _same(state.get(key), rec[key]):
+                    return f"its {key} state differs from the primary's delta {b}"
+            for name, t in (rec.get("buffers") or {}).items():
+                if not _same(state["model"].get(name), t):
+                    return f"its buffer {name!r} differs from the primary's delta {b}"
+            groups = state["optimizer"]["param_groups"]
+            if len(groups) != len(rec["groups"]) or any(
+                    not _same(g.get(k), v) for g, after in zip(groups, rec["groups"])
+                    for k, v in after.items()):
+                return f"its param-group settings differ from the primary's delta {b}"
+            del rec
+            with IncrementalReplayer.from_state(state, b, primary) as rep:
+                for u in range(b + 1, nxt + 1):
+                    rep.apply_next(u)  # the fingerprint of ``nxt`` is checked here
+                if not rep.exact:
+                    return "replay from it is not exact"
+        except (CkptStoreError, OSError, KeyError, TypeError, IndexError, AttributeError,
+                ValueError) as e:  # (a malformed state: the follower store is not trusted more)
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def close(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()

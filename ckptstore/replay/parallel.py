@@ -84,8 +84,13 @@ class RecordFeed:
         except queue.Empty:
             pass
         if self._n_sets < self._max_sets:
+            from ..storage.memory import advise_huge_tensor
+
             self._n_sets += 1
-            return [torch.empty(shape, dtype=dtype) for shape, dtype in self._shapes]
+            out = [torch.empty(shape, dtype=dtype) for shape, dtype in self._shapes]
+            for t in out:  # fresh memory the first read fills: huge pages, fewer faults
+                advise_huge_tensor(t)
+            return out
         return self._free.get()  # None when closing
 
     def _run(self) -> None:
