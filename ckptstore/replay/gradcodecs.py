@@ -16,6 +16,7 @@ together with the error measured at encode time.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -128,15 +129,25 @@ EXACT_TOPK_MAX = 1 << 16
 TOPK_SAMPLE = 1 << 16
 
 
+@functools.lru_cache(maxsize=32)
+def _sample_positions(n: int) -> torch.Tensor:
+    """The fixed-seed sample positions for a tensor of ``n`` entries, in increasing order (the
+    same on every call: cached, since a model's few distinct tensor sizes repeat every
+    iteration)."""
+    gen = torch.Generator().manual_seed(n)
+    # sorted: the same sample, gathered front to back (prefetched, not a cache miss per entry)
+    return torch.randint(0, n, (TOPK_SAMPLE,), generator=gen).sort().values
+
+
 def _sampled_threshold(values: torch.Tensor, k: int) -> torch.Tensor:
     """The magnitude above which about ``k`` of the flat ``values`` lie, from a fixed-seed
     sample (``values`` may be the magnitudes or the signed values: the sample's magnitudes are
-    the same)."""
+    the same): the sample's ``keep``-th largest magnitude, NaN counted as the largest (what
+    ``torch.kthvalue`` gives, found by a partial top-``keep`` instead of a selection)."""
     n = values.numel()
-    gen = torch.Generator().manual_seed(n)
-    sample = values[torch.randint(0, n, (TOPK_SAMPLE,), generator=gen)].abs()
+    sample = values[_sample_positions(n)].abs()
     keep = max(1, round(TOPK_SAMPLE * k / n))
-    return torch.kthvalue(sample, TOPK_SAMPLE - keep + 1).values
+    return torch.topk(sample, keep, sorted=True).values[-1]
 
 
 def _largest(mags: torch.Tensor, k: int) -> torch.Tensor:
