@@ -587,6 +587,26 @@ class _Shown:
         return f"<leaf {self.i}>"
 
 
+class _Segment:
+    """Segment 1 of store_header_v1's store, built record by record as the writer lays it out:
+    ``out`` the bytes, ``records`` each record's offset/type/length, ``written`` the bytes
+    appended after the segment header (a COMMIT's written_bytes counts them)."""
+
+    def __init__(self) -> None:
+        self.out = bytearray(rec.encode_record(rec.RecordType.SEGMENT_HEADER,
+                                               encode_segment_header(SegmentHeader(1, 1, STORE_ID, 0))))
+        self.records = [{"offset": 0, "type": "SEGMENT_HEADER", "length": 48}]
+        self.written = 0
+
+    def append(self, rtype, payload: bytes) -> tuple[int, int]:
+        off = len(self.out)
+        self.out.extend(rec.encode_record(rtype, payload))
+        self.records.append({"offset": off, "type": rec.RecordType(rtype).name,
+                             "length": len(payload)})
+        self.written += rec.OVERHEAD + len(payload)
+        return off, len(payload)
+
+
 def segment_vectors() -> list[dict]:
     """A whole segment file holding one checkpoint, as ckptstore's writer lays it out, plus the
     same file with an uncommitted tail and with a damaged second commit."""
@@ -596,18 +616,8 @@ def segment_vectors() -> list[dict]:
     w = np.arange(256, dtype="<f4")                 # 1024 bytes: two raw chunks
     z = np.zeros(300, dtype="<f4")                  # 1200 bytes: chunks of zeros, deduplicated
     small = np.array([1, 2, 3], dtype="<i8")        # 24 bytes: inline
-    out = bytearray(rec.encode_record(rec.RecordType.SEGMENT_HEADER,
-                                      encode_segment_header(SegmentHeader(1, 1, STORE_ID, 0))))
-    records = [{"offset": 0, "type": "SEGMENT_HEADER", "length": 48}]
-    written = 0
-
-    def append(rtype, payload: bytes) -> tuple[int, int]:
-        nonlocal written
-        off = len(out)
-        out.extend(rec.encode_record(rtype, payload))
-        records.append({"offset": off, "type": rec.RecordType(rtype).name, "length": len(payload)})
-        written += rec.OVERHEAD + len(payload)
-        return off, len(payload)
+    seg = _Segment()
+    out, records, append = seg.out, seg.records, seg.append
 
     seen: set[bytes] = set()
     codecs: list[str] = []
@@ -639,7 +649,7 @@ def segment_vectors() -> list[dict]:
     moff, mlen = append(rec.RecordType.MANIFEST, manifest)
     logical = sum(e.nbytes for e in entries)
     commit = Commit(7, 1, moff, mlen, xxhash.xxh3_128_digest(manifest), snapshot_root(roots),
-                    CREATED_NS, logical, written + rec.OVERHEAD + 96, 0)
+                    CREATED_NS, logical, seg.written + rec.OVERHEAD + 96, 0)
     append(rec.RecordType.COMMIT, encode_commit(commit))
     committed = bytes(out)
     records_committed = list(records)
@@ -699,14 +709,9 @@ def chunk_image_vectors() -> list[dict]:
 
     g = (np.arange(2500, dtype="<f4") * 0.5 - 7).astype("<f4")  # 10000 bytes: two records
     geo = ChunkImage(g.nbytes, ChunkImage.stride_for(8000))       # stride 8192, chunk_size 8128
-    out = bytearray(rec.encode_record(rec.RecordType.SEGMENT_HEADER,
-                                      encode_segment_header(SegmentHeader(1, 1, STORE_ID, 0))))
-    records = [{"offset": 0, "type": "SEGMENT_HEADER", "length": 48}]
-    written = 0
-    pad = pad_size(len(out))
-    out += rec.encode_record(rec.RecordType.CHUNK, pad_payload(pad))
-    records.append({"offset": 80, "type": "CHUNK", "length": pad - rec.OVERHEAD})
-    written += pad
+    seg = _Segment()
+    out, records, append = seg.out, seg.records, seg.append
+    append(rec.RecordType.CHUNK, pad_payload(pad_size(len(out))))
     image = bytearray(geo.size)
     buf = memoryview(image)
     raw = g.tobytes()
@@ -724,15 +729,7 @@ def chunk_image_vectors() -> list[dict]:
     records.append({"offset": base + geo.records_end, "type": "CHUNK",
                     "length": geo.pad - rec.OVERHEAD})
     out += image
-    written += geo.size
-
-    def append(rtype, payload: bytes) -> tuple[int, int]:
-        nonlocal written
-        off = len(out)
-        out.extend(rec.encode_record(rtype, payload))
-        records.append({"offset": off, "type": rec.RecordType(rtype).name, "length": len(payload)})
-        written += rec.OVERHEAD + len(payload)
-        return off, len(payload)
+    seg.written += geo.size
 
     tree = make_tree(len(raw), geo.chunk_size, addrs)
     append(rec.RecordType.TREE, encode_tree(tree))
@@ -742,7 +739,7 @@ def chunk_image_vectors() -> list[dict]:
     moff, mlen = append(rec.RecordType.MANIFEST, manifest)
     commit = Commit(3, 1, moff, mlen, xxhash.xxh3_128_digest(manifest),
                     snapshot_root([("g", tree.root)]), CREATED_NS, len(raw),
-                    written + rec.OVERHEAD + 96, 0)
+                    seg.written + rec.OVERHEAD + 96, 0)
     append(rec.RecordType.COMMIT, encode_commit(commit))
     return [dict(name="segment_chunk_image", kind="segment", hex=bytes(out).hex(), note=(
         "segment 1 of store_header_v1's store written from a chunk image (stride 8192, manifest "

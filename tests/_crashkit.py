@@ -317,3 +317,32 @@ def serve() -> None:
 
 if __name__ == "__main__":
     serve()
+
+
+def kill_sweep(template, work_dir, run):
+    """SIGKILL ``run(path, ops, journal)`` (a writer that journals "durable N" after each save)
+    at each of its writes (torn at 60%: an O_DIRECT write breaks on a block boundary) and each
+    fsync (before and after the call), each time on a fresh copy of the store at ``template``.
+    Yields ``(path, where, durable)`` per kill: the store the killed writer left (fsck already
+    found it clean), a label, and the newest iteration it had reported durable. The caller checks
+    what survived and deletes ``path``."""
+    import shutil
+
+    from ckptstore.ops.fsck import check
+    from test_crash import _dies_by_sigkill
+
+    counter = CountOps()
+    shutil.copytree(template, work_dir / "count")
+    run(work_dir / "count", counter, None)
+    kills = [("write", n, 0.6, False) for n in range(1, counter.counts["write"] + 1)] + \
+            [("fsync", n, 0.0, after) for n in range(1, counter.counts["fsync"] + 1)
+             for after in (False, True)]
+    for target, nth, tear, after in kills:
+        path = work_dir / f"{target}-{nth}-{int(after)}"
+        shutil.copytree(template, path)
+        jpath = str(path) + ".journal"
+        _dies_by_sigkill(lambda: run(path, KillOps(target, nth, tear, after), _Journal(jpath)))
+        where = f"kill at {target} #{nth}{' (after)' if after else ''}"
+        assert check(str(path)).clean, where
+        yield path, where, max([int(a) for _, e, a in read_journal(jpath) if e == "durable"],
+                               default=0)

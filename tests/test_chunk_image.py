@@ -218,8 +218,7 @@ def test_sigkill_at_every_write_and_fsync_of_imaged_deltas(dio_dir: Path, assert
     """Kill the writer at each of its writes (an O_DIRECT write torn on a block boundary) and
     fsyncs while it appends imaged deltas: a prefix of whole iterations survives, every durable
     one among them, fsck is clean and the next writer finishes the run."""
-    from _crashkit import CountOps, KillOps, _Journal, read_journal
-    from test_crash import _dies_by_sigkill
+    from _crashkit import kill_sweep
 
     template = dio_dir / "template"
     with ckptstore.open(template, chunk_size=CHUNK) as s:
@@ -233,20 +232,7 @@ def test_sigkill_at_every_write_and_fsync_of_imaged_deltas(dio_dir: Path, assert
                 journal(f"durable {s.durable_iteration()}")
         s.close()
 
-    counter = CountOps()
-    shutil.copytree(template, dio_dir / "count")
-    run(dio_dir / "count", counter)
-    kills = [("write", n, 0.6, False) for n in range(1, counter.counts["write"] + 1)] + \
-            [("fsync", n, 0.0, after) for n in range(1, counter.counts["fsync"] + 1)
-             for after in (False, True)]
-    for target, nth, tear, after in kills:
-        path = dio_dir / f"{target}-{nth}-{int(after)}"
-        shutil.copytree(template, path)
-        jpath = str(path) + ".journal"
-        _dies_by_sigkill(lambda: run(path, KillOps(target, nth, tear, after), _Journal(jpath)))
-        where = f"kill at {target} #{nth}{' (after)' if after else ''}"
-        assert check(str(path)).clean, where
-        durable = max([int(a) for _, e, a in read_journal(jpath) if e == "durable"], default=0)
+    for path, where, durable in kill_sweep(template, dio_dir, run):
         with ckptstore.open(path, chunk_size=CHUNK) as w:
             its = w.iterations()
             assert its == list(range(len(its))) and its[-1] >= durable, f"{where}: {its}"

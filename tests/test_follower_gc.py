@@ -22,20 +22,12 @@ from ckptstore.ops.fsck import check
 from ckptstore.ops.retention import chain_closure, rebasing_closure
 from ckptstore.replay.follower import REBASED_KEY
 from ckptstore.torch import Checkpointer
-from test_follower import (K, _flip_chunk_byte, batch, build, check_state, follower_bases,
-                           live_state, train_steps)
+from test_follower import (K, _flip_chunk_byte, _one_thread, batch, build, check_state,  # noqa: F401
+                           follower_bases, live_state, train_steps)  # (_one_thread: autouse)
 from test_retention import layouts, recoverable
 
 N = 45  # primary iterations; fingerprints every 5, follower bases every K = 10
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _primary(path, n=N, seed=2):
