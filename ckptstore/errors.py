@@ -256,6 +256,18 @@ class ShardDamagedError(DamagedCheckpointError):
         super().__init__(message)
 
 
+class ShardLayoutError(CkptStoreError, ValueError):
+    """A sharded (FSDP2 / DTensor) Checkpointer state cannot be restored into the live model as
+    asked: it was written at another world size, or a tensor's global shape, placements or mesh
+    differ from the live parameter's (format-spec/deltas.md, "Sharded states").
+    ``saved_world`` and ``world`` name the two world sizes; ``name`` the tensor, when one differs."""
+
+    def __init__(self, message: str, *, saved_world: int, world: int,
+                 name: str | None = None) -> None:
+        self.saved_world, self.world, self.name = saved_world, world, name
+        super().__init__(message)
+
+
 class CheckpointPolicyError(CkptStoreError):
     """A Checkpointer running with ``on_failure="retry"`` gave up: too many checkpoints failed in
     a row, or the last durable checkpoint is too old (ckptstore/torch/failure_policy.py).

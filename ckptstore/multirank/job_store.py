@@ -36,6 +36,7 @@ from ..engine.writer_engine import WriterEngine
 from ..format.job import Epoch, GlobalCommit
 from ..inplace import copy_into
 from ..replay.partition import merge_parts, partition_of
+from ..replay.shards import assemble_parts, shards_of
 from ..storage.fileops import FileOps
 from ..storage.job_log import (EpochLog, JobLayout, JobView, create_job_store, quarantine_tail,
                                read_job_header, read_job_view, tail_is_suspicious)
@@ -502,7 +503,9 @@ class JobStore:
 
         With ``rank``: what that rank saved (its part, for a partitioned Checkpointer state).
         Without: the job's state. When the ranks' states are parts of one data-parallel state
-        (:mod:`ckptstore.replay.partition`), every part is loaded and they are merged, with this
+        (:mod:`ckptstore.replay.partition`) or sharded parts (FSDP2: every tensor assembled
+        whole from its shards, :mod:`ckptstore.replay.shards`), every part is loaded and they
+        are merged, with this
         rank's own RNG and scheduler states (rank 0's for a reader without a group); otherwise
         this process's rank's state."""
         state = self._load(iteration, keys, rank)
@@ -515,6 +518,11 @@ class JobStore:
         mine = self.rank if self.rank is not None and self.rank < g.world_size else None
         first = self.stream(iteration, mine if mine is not None else 0).load(iteration)
         section = partition_of(first)
+        if section is None and shards_of(first) is not None:
+            # sharded (FSDP2) parts: every tensor assembled from every rank's shards
+            parts = [first if r == (mine or 0) else self.stream(iteration, r).load(iteration)
+                     for r in range(g.world_size)]
+            return select_keys(assemble_parts(parts, mine or 0), keys, iteration)
         if section is None:
             if mine is None and g.world_size > 1:
                 self._rank(None, g)  # raises: which rank's state?

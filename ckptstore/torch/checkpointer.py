@@ -53,8 +53,10 @@ from ..tensors import ImageTensor
 from ..replay.gradcodecs import parse_codec
 from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
 from ..replay.partition import Partition, split_state
+from ..replay.shards import is_dtensor, local, localize
 from .dp_restore import can_load_in_parallel, load_in_parallel
 from .failure_policy import FailurePolicy
+from .sharded import copy_into_live, load_sharded
 from ..replay.replayer import fingerprint, fingerprint_digest
 
 
@@ -206,10 +208,25 @@ class Checkpointer:
         #: data parallelism on a multi-rank store: the parameters this rank writes (replay/partition.py)
         self._partition: Partition | None = None
         self._rank = 0
+        self._world = store.world_size if job and store.world_size else 1
         #: the next step writes a base (a job store's new epoch starts its own chain)
         self._force_base = False
         ordered = [n for gn in self._groups for n in gn]
-        if job and store.world_size > 1 and partition is not False:
+        #: FSDP2 / DTensor parameters: every rank writes its local shards (replay/shards.py)
+        self._sharded = any(is_dtensor(p) for p in self._params)
+        if self._sharded:
+            if partition:
+                raise ValueError("partition=True: sharded (DTensor) parameters are written as "
+                                 "each rank's local shards, not partitioned")
+            dts: list[Any] = [p for p in self._params if is_dtensor(p)]
+            meshes = [p.device_mesh for p in dts]
+            if not job and any(m.size() > 1 for m in meshes):
+                raise ValueError("sharded (DTensor) parameters over several ranks need a multi-rank "
+                                 "job store (ckptstore.open(path, process_group=...)) on every rank")
+            if job:
+                assert store.rank is not None
+                self._rank = store.rank
+        elif job and store.world_size > 1 and partition is not False:
             assert store.rank is not None and store.world_size is not None
             self._rank = store.rank
             self._partition = Partition.balanced(
@@ -217,8 +234,9 @@ class Checkpointer:
                 store.world_size)
         self._owned = [self._partition is None or self._partition.owner[n] == self._rank
                        for n in ordered]
-        sd = model.state_dict(keep_vars=True)
-        by_ptr = {(p.data_ptr(), tuple(p.shape), p.dtype): n for n, p in model.named_parameters()}
+        sd = model.state_dict(keep_vars=True) if not self._sharded else {}  # (no tied DTensors)
+        by_ptr = {(p.data_ptr(), tuple(p.shape), p.dtype): n for n, p in model.named_parameters()
+                  if not self._sharded}
         self._aliases = {k: by_ptr[(v.data_ptr(), tuple(v.shape), v.dtype)] for k, v in sd.items()
                          if k not in self._param_names and isinstance(v, torch.Tensor)
                          and (v.data_ptr(), tuple(v.shape), v.dtype) in by_ptr
@@ -274,6 +292,8 @@ class Checkpointer:
         st[REPLAY_KEY] = self._replay_info()
         if self._partition is not None:
             return split_state(st, self._partition, self._rank)
+        if self._sharded:
+            return localize(st, self._rank, self._world)
         return st
 
     def save_base(self, iteration: int, meta: dict | None = None):
@@ -288,6 +308,7 @@ class Checkpointer:
             fut.add_done_callback(self._durable_callback)
             self._last = self._base = iteration
             self._group_n = 0  # the base commits every pending delta
+            self._force_base = False
             return fut
         stats = self.store.save(iteration, state, meta=meta)
         self._ema("_base_cost", time.perf_counter() - t0)
@@ -336,6 +357,7 @@ class Checkpointer:
         off = 0
         rest = []
         for i, (p, owned) in enumerate(zip(self._params, self._owned)):
+            p = local(p)  # a DTensor's gradient is captured as its local shard
             n = p.numel() * p.element_size() if owned else 0  # (others' gradients: never captured)
             if n > INLINE_MAX and p.device.type == "cpu" and ImageTensor.fits(p.dtype, n, self._stride):
                 self._slots[i] = (off, n, True)
@@ -357,6 +379,7 @@ class Checkpointer:
             shift = -arena.buf.data_ptr() % IMAGE_BLOCK
             views: list[Any] = []
             for p, (off, n, image) in zip(self._params, self._slots):
+                p = local(p)
                 if n == 0 and p.numel() > 0:
                     views.append(None)  # another rank's gradient: never captured here
                 elif image:
@@ -368,13 +391,13 @@ class Checkpointer:
         return cached[1][i]
 
     def _capturable(self, i: int, g: torch.Tensor | None) -> bool:
-        p = self._params[i]
+        p = local(self._params[i])
         return g is not None and g.layout == torch.strided and g.device.type == "cpu" and \
             g.dtype == p.dtype and g.shape == p.shape
 
     def _hook(self, i: int):
         def on_grad(p: torch.Tensor) -> None:
-            g = p.grad
+            g = local(p.grad)
             if self._ddp or g is None or not self._owned[i] or not self._capturable(i, g):
                 return
             self._slot(i, self._ensure_arena()).copy_(g)
@@ -422,11 +445,12 @@ class Checkpointer:
         max_err: list[float] = []
         err_l2 = g_l2 = 0.0
         for p, owned in zip(self._params, self._owned):
-            if p.grad is None or not (owned or self.apply_decoded and self.codec.lossy):
+            grad = local(p.grad)
+            if grad is None or not (owned or self.apply_decoded and self.codec.lossy):
                 grads.append(None)  # (not owned: dropped from the record below)
                 max_err.append(0.0)
                 continue
-            payload, dec, st = self.codec.encode_measured(p.grad, self.apply_decoded)
+            payload, dec, st = self.codec.encode_measured(grad, self.apply_decoded)
             grads.append(payload)
             if st is not None:
                 max_err.append(st.max_abs_error)
@@ -434,7 +458,7 @@ class Checkpointer:
                 g_l2 += st.l2_grad ** 2
                 if self.apply_decoded:
                     assert dec is not None  # a lossy codec asked for its decode returns it
-                    p.grad.copy_(dec)
+                    grad.copy_(dec)
             else:
                 max_err.append(0.0)
         return grads, {"max_abs": max_err, "l2": err_l2 ** 0.5, "grad_l2": g_l2 ** 0.5}
@@ -453,7 +477,7 @@ class Checkpointer:
             "groups": [{k: v for k, v in g.items() if k != "params"}
                        for g in self.optimizer.param_groups],
             "rng": rng,
-            "buffers": {k: v for k, v in self.model.state_dict().items()
+            "buffers": {k: local(v) for k, v in self.model.state_dict().items()
                         if k not in self._param_names and k not in self._aliases},
         }
         if self.scheduler is not None:
@@ -462,7 +486,7 @@ class Checkpointer:
             record["err"] = err
         if self.fingerprint_every and iteration % self.fingerprint_every == 0:
             # the norm serves only replays that cannot compare bits (deltas.md, "fp")
-            params = [p for p, owned in zip(self._params, self._owned) if owned]
+            params = [local(p) for p, owned in zip(self._params, self._owned) if owned]
             if self.codec.lossy or self._device != "cpu":
                 digest, norm = fingerprint(params)
                 record["fp"] = {"xxh3": digest, "norm": norm}
@@ -492,7 +516,7 @@ class Checkpointer:
         grads: list[Any] = []
         arena = None
         for i, p in enumerate(self._params):
-            g = p.grad
+            g = local(p.grad)
             if g is None or not self._owned[i]:  # (not owned: dropped from the record)
                 grads.append(None)
                 continue
@@ -550,9 +574,16 @@ class Checkpointer:
                 fut.result()  # the chain's first base is durable when restore returns
             return 0
         target = its[-1] if iteration is None else iteration
-        if state is not None:
-            if target not in its:
-                raise NotFoundError(f"iteration {target} is not in {self.store.path}")
+        if (state is not None or self._sharded) and target not in its:
+            raise NotFoundError(f"iteration {target} is not in {self.store.path}")
+        if self._sharded:
+            # each rank its own part (replayed) at the saved world size, else the whole state
+            if state is None:
+                state = load_sharded(self.store, target, self._rank, self._world)
+            copy_into_live(state, self.model, self.optimizer, self._params,
+                           [n for gn in self._groups for n in gn], self._world)
+        elif state is not None:
+            pass
         elif can_load_in_parallel(self.store, target):
             state = load_in_parallel(self.store, target)  # each rank replays its own part
         elif self._partition is None:
@@ -562,8 +593,9 @@ class Checkpointer:
             state = self.store.load(target, into=live)
         else:
             state = self.store.load(target)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if not self._sharded:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(counters_like(state["scheduler"],
                                                          self.scheduler.state_dict()))
@@ -693,7 +725,7 @@ class Checkpointer:
         with its parameter's live gradient copied (the exact codec's payload is the gradient)."""
         out: list[Any] = []
         for p, payload in zip(self._params, grads):
-            g = p.grad
+            g = local(p.grad)
             if payload is not None and g is not None:
                 ptr = g.untyped_storage().data_ptr()
                 payload = {k: v.clone() if isinstance(v, torch.Tensor) and
