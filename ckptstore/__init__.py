@@ -19,7 +19,7 @@ from .errors import (BisectError, BisectPredicateError, CheckpointAbortedError, 
 from .errors import (RemoteConflictError, RemoteError, RemoteIntegrityError,
                      RemoteUnsupportedError)
 from .errors import FollowerError, FollowerMismatchError, FollowerWarning
-from .errors import ShardCoverageError, ShardDamagedError, ShardMismatchError
+from .errors import ShardCoverageError, ShardDamagedError, ShardLayoutError, ShardMismatchError
 import os as _os
 from typing import Any as _Any
 
@@ -105,4 +105,4 @@ __all__ = [
 ]
 __all__ += ["RemoteError", "RemoteIntegrityError", "RemoteConflictError", "RemoteUnsupportedError"]
 __all__ += ["FollowerError", "FollowerMismatchError", "FollowerWarning"]
-__all__ += ["ShardCoverageError", "ShardMismatchError", "ShardDamagedError"]
+__all__ += ["ShardCoverageError", "ShardMismatchError", "ShardDamagedError", "ShardLayoutError"]
