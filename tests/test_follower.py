@@ -264,12 +264,8 @@ def test_damaged_primary_delta_is_still_an_error(run, assert_same, tmp_path):
         check_state(assert_same, run["live"][N], r.load(N), "load from the base past the damage")
 
 
-def test_tampered_follower_base_fails_the_fingerprint_check(run, assert_same, tmp_path):
-    """A follower base whose bytes are intact but whose state is not the primary's (a buggy or
-    hostile follower: here a base rewritten with another model) is refused by the fingerprint of
-    the primary's delta at that iteration."""
-    path = tmp_path / "s"
-    shutil.copytree(run["path"], path)
+def _rewrite_follower(path, change):
+    """Rewrite the follower store with ``change(b, state)`` applied to each base (same identity)."""
     fp = follower_path(path)
     with ckptstore.open(fp, "r") as f:
         metas = {b: f.meta(b) for b in f.iterations()}
@@ -277,9 +273,22 @@ def test_tampered_follower_base_fails_the_fingerprint_check(run, assert_same, tm
     shutil.rmtree(fp)
     with ckptstore.open(fp) as f:
         for b, st in states.items():
-            if b == N - K:  # same identity, other parameters
-                st["model"]["0.weight"] = st["model"]["0.weight"] + 1.0
+            change(b, st)
             f.save(b, st, meta=metas[b])
+
+
+def test_tampered_follower_base_fails_the_fingerprint_check(run, assert_same, tmp_path):
+    """A follower base whose bytes are intact but whose state is not the primary's (a buggy or
+    hostile follower: here a base rewritten with another model) is refused by the fingerprint of
+    the primary's delta at that iteration."""
+    path = tmp_path / "s"
+    shutil.copytree(run["path"], path)
+
+    def other_parameters(b, st):
+        if b == N - K:  # same identity, other parameters
+            st["model"]["0.weight"] = st["model"]["0.weight"] + 1.0
+
+    _rewrite_follower(path, other_parameters)
     live = run["live"]
     with ckptstore.open(path, "r") as r:
         with pytest.warns(FollowerWarning, match="fingerprint"):

@@ -22,8 +22,9 @@ from ckptstore.ops.fsck import check
 from ckptstore.ops.retention import chain_closure, rebasing_closure
 from ckptstore.replay.follower import REBASED_KEY
 from ckptstore.torch import Checkpointer
-from test_follower import (K, _flip_chunk_byte, _one_thread, batch, build, check_state,  # noqa: F401
-                           follower_bases, live_state, train_steps)  # (_one_thread: autouse)
+from test_follower import (K, _flip_chunk_byte, _one_thread, _rewrite_follower,  # noqa: F401
+                           batch, build, check_state, follower_bases, live_state,
+                           train_steps)  # (_one_thread: autouse)
 from test_retention import layouts, recoverable
 
 N = 45  # primary iterations; fingerprints every 5, follower bases every K = 10
@@ -192,19 +193,6 @@ def test_retention_decides_what_stays(primary, tmp_path, assert_same):
         r = s.gc(policy=ckptstore.KeepSinceIteration(30) | ckptstore.KeepEvery(100), follower_bases=True)
         assert r.rebased == () and r.removed == [], r  # 30 is a snapshot already: nothing to do
     _check_all(assert_same, path, live, "keep_since")
-
-
-def _rewrite_follower(path, change):
-    """Rewrite the follower store with ``change(b, state)`` applied to each base (same identity)."""
-    fp = follower_path(path)
-    with ckptstore.open(fp, "r") as f:
-        metas = {b: f.meta(b) for b in f.iterations()}
-        states = {b: f.load(b) for b in f.iterations()}
-    shutil.rmtree(fp)
-    with ckptstore.open(fp) as f:
-        for b, st_ in states.items():
-            change(b, st_)
-            f.save(b, st_, meta=metas[b])
 
 
 def _tamper_params(b, state):
