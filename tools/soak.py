@@ -10,12 +10,15 @@ base save or gc), then checks the store:
 
 * fsck finds no damaged or lost iteration (an uncommitted tail or an interrupted gc are notes);
 * the newest iteration the trainer was told is durable is present (gc never drops the newest);
-* every iteration in the store loads bit-exact against an uninterrupted reference run, which also
-  checks exact resumption: the state at iteration i is the same however many times the run was
-  killed before it.
+* every iteration in the store is bit-exact against an uninterrupted reference run (read through
+  ``Store.replay``, the newest acknowledged one through ``Store.load`` too), which also checks
+  exact resumption: the state at iteration i is the same however many times the run was killed
+  before it.
 
-Usage: ``python tools/soak.py --kills 10000 --dir /tmp/soak`` (about 0.5 s per kill on 2 cores).
-Prints a summary line every 100 kills and exits non-zero at the first failure, keeping the store.
+``--kills`` counts SIGKILLs: a trainer that reached its target before its kill moment is not one.
+Usage: ``python tools/soak.py --kills 10000 --dir /tmp/soak`` (about 0.5 s per kill on 2 cores
+with ``--max-delay 0.8``). Prints a summary line every 100 kills and exits non-zero at the first
+failure, keeping the store.
 """
 
 from __future__ import annotations
@@ -108,8 +111,14 @@ def _zygote(conn_r: int, conn_w: int) -> None:
     import torch
 
     import ckptstore  # noqa: F401 - imported once here, inherited by every trainer
+    import ckptstore.torch  # noqa: F401
 
     torch.set_num_threads(1)
+    # one warm-up step imports what the optimizer imports lazily (torch._dynamo, ~1.5 s): every
+    # forked trainer inherits it instead of paying it before its first step
+    model, opt = _trainer()
+    _backward(model, 1)
+    opt.step()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # trainers are reaped automatically
     with os.fdopen(conn_r, "r") as requests, os.fdopen(conn_w, "w", buffering=1) as replies:
         for line in requests:
@@ -126,6 +135,42 @@ def _zygote(conn_r: int, conn_w: int) -> None:
                 os._exit(code)
             replies.write(f"{pid}\n")
     os._exit(0)
+
+
+def verify(store_path: str, present: list[int], acked: int, ref: Reference,
+           stats: Counter) -> str | None:
+    """Every iteration in the store against the uninterrupted run: each run of consecutive
+    iterations through ``Store.replay`` (one chain walk, bases restarting it), and the newest
+    acknowledged one, the one a restore starts from, through ``Store.load`` as well. Returns what
+    differs, or None."""
+    import torch
+
+    import ckptstore
+
+    def differs(it: int, got: dict) -> str | None:
+        want = ref[it]
+        bad = [k for k in want if not torch.equal(got[k], want[k])]
+        return f"iteration {it} differs from the uninterrupted run in {bad}" if bad else None
+
+    runs: list[list[int]] = []
+    for it in present:
+        if runs and runs[-1][1] == it - 1:
+            runs[-1][1] = it
+        else:
+            runs.append([it, it])
+    with ckptstore.open(store_path, "r") as r:
+        for first, last in runs:
+            for it, state in r.replay(first, last):
+                bad = differs(it, state["model"])
+                if bad:
+                    return bad + " (replay)"
+                stats["verified replays"] += 1
+        if acked in present:
+            bad = differs(acked, r.load(acked)["model"])
+            if bad:
+                return bad + " (load)"
+            stats["verified loads"] += 1
+    return None
 
 
 def _alive(pid: int) -> bool:
@@ -168,16 +213,19 @@ def main() -> int:
     stats: Counter = Counter()
     acked = -1
     t0 = time.monotonic()
-    for kill in range(1, args.kills + 1):
+    verify_s = 0.0
+    kill = 0
+    while kill < args.kills:
         journal = os.path.join(args.dir, "journal")
         if os.path.exists(journal):
             os.unlink(journal)
-        requests.write(f"{store_path}\t{journal}\t{acked + 200}\n")
+        requests.write(f"{store_path}\t{journal}\t{acked + 1000}\n")
         pid = int(replies.readline())
         time.sleep(rng.uniform(0, args.max_delay))
         finished = not _alive(pid)
         if not finished:
             os.kill(pid, signal.SIGKILL)
+            kill += 1
         while _alive(pid):
             time.sleep(0.001)
         lines = []
@@ -189,6 +237,8 @@ def main() -> int:
             print(f"kill {kill}: the trainer failed: {errors[0]}", file=sys.stderr)
             return 1
         stats["finished before the kill" if finished else "killed"] += 1
+        if not finished and not any(ln.startswith("resumed") for ln in lines):
+            stats["killed before resuming"] += 1
         durable = [int(ln.split()[1]) for ln in lines if ln.startswith("durable")]
         acked = max([acked] + durable)
         where = f"kill {kill} (seed {args.seed}, store {store_path})"
@@ -198,6 +248,7 @@ def main() -> int:
                       file=sys.stderr)
                 return 1
             continue
+        t_check = time.monotonic()
         report = check(store_path)
         if report.damage or report.damaged_iterations or report.lost_iterations:
             print(f"{where}: fsck:\n" + "\n".join(report.lines()), file=sys.stderr)
@@ -207,21 +258,17 @@ def main() -> int:
             print(f"{where}: iteration {acked} was reported durable but is not in the store "
                   f"({present[-5:]})", file=sys.stderr)
             return 1
-        with ckptstore.open(store_path, "r") as r:
-            for it in present:
-                got = r.load(it)["model"]
-                want = ref[it]
-                bad = [k for k in want if not torch.equal(got[k], want[k])]
-                if bad:
-                    print(f"{where}: iteration {it} differs from the uninterrupted run in {bad}",
-                          file=sys.stderr)
-                    return 1
-                stats["verified loads"] += 1
+        failure = verify(store_path, present, acked, ref, stats)
+        if failure:
+            print(f"{where}: {failure}", file=sys.stderr)
+            return 1
         stats["acknowledged"] = acked
-        if kill % 100 == 0 or kill == args.kills:
+        verify_s += time.monotonic() - t_check
+        if not finished and (kill % 100 == 0 or kill == args.kills):
             rate = kill / (time.monotonic() - t0)
-            print(f"{kill} kills ({rate:.1f}/s): newest durable iteration {acked}, "
-                  f"{len(present)} in the store, {dict(stats)}", flush=True)
+            print(f"{kill} kills ({rate:.1f}/s, {verify_s / kill * 1000:.0f} ms/kill verifying): "
+                  f"newest durable iteration {acked}, {len(present)} in the store, "
+                  f"{dict(stats)}", flush=True)
     requests.close()
     print(f"soak: {args.kills} SIGKILLs, zero failures; {dict(stats)}")
     return 0
