@@ -38,14 +38,34 @@ CPUs (each rank gets max(1, cores // N) torch threads): the figures compare the 
 at the same contention, not how a cluster scales. Work files go under ``--dir`` (a temporary
 directory, removed at the end).
 
+``--deltas``: per-iteration sharded training through the Checkpointer instead (issue 14). For
+each world size N in ``--ranks`` a gloo job of N ranks trains a small FSDP2 MLP language model
+(``--vocab`` 4096, ``--dim`` 256, ``--layers`` 2, an untied head: 3.2M parameters; AdamW; each
+rank its own ``--batch`` x ``--ctx`` tokens) twice, in alternating blocks of ``--block`` timed
+steps for ``--rounds`` rounds, the side going first alternating: plain, and through a
+Checkpointer on a job store (exact codec, asynchronous, group_commit=1: a delta of the rank's
+local gradient shards every step on base 0; each checkpointed block ends with an untimed flush
+whose duration is reported). Reported: the median step time (rank 0) of each and their ratio,
+the bytes written per iteration per rank (``AsyncStats.written_bytes``) against the rank's local
+gradient bytes, the persister's CPU per iteration. Then one more step T + 1 (a base by the
+schedule) and a DCP checkpoint of the same state. For each pair N->M in ``--delta-pairs`` a job
+of M ranks restores into fresh FSDP2 objects, cold, ``--repeat`` times each, interleaved: the
+newest iteration (a base: each rank its own part at M == N, else assembled from every part and
+resharded), iteration T (base 0 + T replayed deltas), and DCP's get_state_dict + ``dcp.load`` +
+set_state_dict; each restored state is gathered and checked bit for bit outside the clock. The
+machine's limits (CPUs, MemAvailable, the work directory's O_DIRECT write bandwidth, load
+averages) head the report.
+
     python tools/bench_sharded.py                            # 1, 2, 4 ranks, 144 MiB, 3 repeats
     python tools/bench_sharded.py --vocab 2048 --layers 1 --repeat 1   # a smoke run
+    python tools/bench_sharded.py --deltas                   # per-iteration deltas, ~2-3 min
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -63,6 +83,8 @@ sys.path.insert(0, HERE)
 MiB = 1 << 20
 SIDES = ("ckptstore", "dcp")
 DEFAULT_PAIRS = "1:1,2:2,4:4,1:4,4:1,2:4,4:2"
+DEFAULT_DELTA_PAIRS = "1:1,2:2,4:4,1:2,2:4,4:1"
+RESTORES = ("base", "deltas", "dcp")  # --deltas: the restores compared (restore_job)
 
 
 # ---- the state ---------------------------------------------------------------------------------
@@ -293,6 +315,233 @@ def load_job(rank: int, world: int, args: argparse.Namespace, work: str) -> dict
     return out
 
 
+# ---- per-iteration sharded deltas through the Checkpointer (--deltas) -------------------------
+
+def build_lm(world: int, args: argparse.Namespace) -> tuple[Any, Any]:
+    """The --deltas model: a small MLP language model (token embedding, ``--layers`` blocks
+    ``dim -> 4 dim -> dim``, an untied output head), every module sharded by FSDP2 over a CPU
+    mesh of ``world`` ranks, and AdamW. The same initial values at every world size."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(args.dim, 4 * args.dim), nn.GELU(),
+                            nn.Linear(4 * args.dim, args.dim)) for _ in range(args.layers)]
+    model = nn.Sequential(nn.Embedding(args.vocab, args.dim), *blocks,
+                          nn.Linear(args.dim, args.vocab, bias=False))
+    for m in model:
+        if any(True for _ in m.parameters()):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def lm_step(model: Any, opt: Any, ck: Any, it: int, rank: int, args: argparse.Namespace) -> Any:
+    """One training step of rank ``rank`` on its own batch (``--batch`` sequences of ``--ctx``
+    tokens): forward, backward, then ``ck.step`` (its future) or the plain optimizer step."""
+    import torch
+
+    g = torch.Generator().manual_seed(100_000 * rank + it)
+    x = torch.randint(0, args.vocab, (args.batch, args.ctx + 1), generator=g)
+    logits = model(x[:, :-1])
+    torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), x[:, 1:].reshape(-1)).backward()
+    fut = ck.step(it) if ck is not None else opt.step()
+    opt.zero_grad()
+    return fut
+
+
+def full_state(model: Any, opt: Any) -> dict:
+    """Every DTensor of the model and optimizer state gathered whole (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    def full(v: Any) -> Any:
+        return v.full_tensor() if isinstance(v, DTensor) else v.clone()
+    return {"model": {k: full(v) for k, v in model.state_dict().items()},
+            "optimizer": {i: {k: full(v) for k, v in s.items()}
+                          for i, s in opt.state_dict()["state"].items()}}
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Tensors nested in dicts equal bit for bit (dtype, shape, bytes)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
+            torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                        b.contiguous().reshape(-1).view(torch.uint8))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(same_state(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+class _Run:
+    """One of the two interleaved trainings of --deltas: plain, or through a Checkpointer on a
+    job store (exact codec, asynchronous, a base at iteration 0 and every ``base_every``, a delta
+    at every other step)."""
+
+    def __init__(self, world: int, args: argparse.Namespace, store_path: str | None,
+                 base_every: int = 100_000) -> None:
+        import torch.distributed as dist
+
+        import ckptstore
+        from ckptstore.torch import Checkpointer
+
+        self.model, self.opt = build_lm(world, args)
+        self.store = self.ck = None
+        if store_path is not None:
+            self.store = ckptstore.open(store_path, "a", process_group=dist.group.WORLD,
+                                        commit_timeout=600.0)
+            self.ck = Checkpointer(self.store, self.model, self.opt, base_every=base_every,
+                                   codec="exact", asynchronous=True)
+            self.ck.restore()  # base snapshot 0
+        self.it = 0
+        self.times: list[float] = []
+        self.flushes: list[float] = []
+        self.futures: list = []
+
+    def block(self, n: int, rank: int, args: argparse.Namespace, timed: bool) -> None:
+        """``n`` steps (each timed on its own), then an untimed flush (a checkpointed block's
+        backlog stays out of the next block; its duration is kept)."""
+        import torch.distributed as dist
+
+        dist.barrier()
+        for _ in range(n):
+            self.it += 1
+            t0 = time.perf_counter()
+            fut = lm_step(self.model, self.opt, self.ck, self.it, rank, args)
+            if timed:
+                self.times.append(time.perf_counter() - t0)
+                if self.ck is not None:
+                    self.futures.append(fut)
+        if self.ck is not None:
+            t0 = time.perf_counter()
+            self.ck.flush()
+            if timed:
+                self.flushes.append(time.perf_counter() - t0)
+
+
+def train_job(rank: int, world: int, args: argparse.Namespace, work: str) -> dict:
+    """Plain training and training through the Checkpointer, in alternating blocks: iterations
+    1..T (2 warm-up steps, then the timed ones) are deltas on base 0. Then one more step, T + 1,
+    a base by the schedule; a DCP checkpoint of the state of T + 1; rank 0 keeps the gathered
+    full states of T and T + 1 (the restores' expected values)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from bench_core import fsync_path
+
+    base = os.path.join(work, f"deltas{world}")
+    last = 2 + args.rounds * args.block  # T
+    runs = [_Run(world, args, None),
+            _Run(world, args, os.path.join(base, "store"), base_every=last + 1)]
+    for r in runs:  # warm-up, untimed
+        r.block(2, rank, args, timed=False)
+    for rnd in range(args.rounds):
+        for r in (runs if rnd % 2 == 0 else runs[::-1]):
+            r.block(args.block, rank, args, timed=True)
+    plain, ckr = runs
+    assert ckr.ck is not None and ckr.store is not None
+    stats = [f.result() for f in ckr.futures]
+    assert ckr.it == last
+    full = full_state(ckr.model, ckr.opt)
+    if rank == 0:
+        torch.save(full, os.path.join(base, f"full-{last}.pt"))
+    ckr.block(1, rank, args, timed=False)  # T + 1: a base
+    ckr.ck.close()
+    ckr.store.close()
+    msd, osd = get_state_dict(ckr.model, ckr.opt)
+    dcp.save({"model": msd, "optim": osd},
+             storage_writer=FileSystemWriter(os.path.join(base, "dcp"), sync_files=True))
+    dist.barrier()
+    if rank == 0:
+        fsync_path(os.path.join(base, "dcp"))
+    full = full_state(ckr.model, ckr.opt)
+    if rank == 0:
+        torch.save(full, os.path.join(base, f"full-{last + 1}.pt"))
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in ckr.model.parameters()]
+    return {"plain": plain.times, "ckpt": ckr.times, "flush": ckr.flushes,
+            "kinds": sorted({s.kind for s in stats}),
+            "written": [s.written_bytes for s in stats], "cpu": [s.cpu_s for s in stats],
+            "grad_bytes": sum(t.numel() * t.element_size() for t in local),
+            "params": sum(p.numel() for p in ckr.model.parameters()), "iteration": last,
+            "store_bytes": _dir_bytes(os.path.join(base, "store")) if rank == 0 else 0,
+            "dcp_bytes": _dir_bytes(os.path.join(base, "dcp")) if rank == 0 else 0}
+
+
+def _restore_ckptstore(path: str, model: Any, opt: Any, iteration: int | None = None) -> int:
+    """A restart's restore: open the job store, a Checkpointer, ``restore(iteration)`` (default
+    the newest; each rank loads, replaying, its own part at the saved world size, else the
+    state assembled from every part)."""
+    import torch.distributed as dist
+
+    import ckptstore
+    from ckptstore.torch import Checkpointer
+
+    store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=600.0)
+    ck = Checkpointer(store, model, opt, base_every=100_000, codec="exact", asynchronous=True)
+    it = ck.restore(iteration)
+    ck.close()
+    store.close()
+    return it
+
+
+def _restore_dcp(path: str, model: Any, opt: Any) -> None:
+    """DCP's restore of the same state: get_state_dict, dcp.load, set_state_dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, storage_reader=FileSystemReader(path))
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+
+def restore_job(rank: int, world: int, args: argparse.Namespace, work: str) -> dict:
+    """Cold restores at ``world`` ranks of what was trained at each source world size N, into
+    fresh FSDP2 objects, the three kinds interleaved (RESTORES): ckptstore's newest iteration
+    T + 1 (a base), ckptstore's iteration T (base 0 + T deltas) and DCP's checkpoint of T + 1.
+    Each restored state is gathered and checked bit for bit (outside the clock)."""
+    import torch
+    import torch.distributed as dist
+
+    from bench_core import evict_files
+
+    last = 2 + args.rounds * args.block
+    first = os.path.join(work, f"deltas{args.delta_sources[world][0]}")
+    model, opt = build_lm(world, args)  # warm-up, untimed: imports, first-call costs of each side
+    _restore_ckptstore(os.path.join(first, "store"), model, opt, last)
+    _restore_dcp(os.path.join(first, "dcp"), *build_lm(world, args))
+    out: dict = {}
+    for n in args.delta_sources[world]:
+        base = os.path.join(work, f"deltas{n}")
+        store, ckpt = os.path.join(base, "store"), os.path.join(base, "dcp")
+        want = {it: torch.load(os.path.join(base, f"full-{it}.pt")) if rank == 0 else None
+                for it in (last, last + 1)}
+        runs: dict[str, tuple[Any, int]] = {  # kind: (restore(model, opt), its iteration)
+            "base": (functools.partial(_restore_ckptstore, store), last + 1),
+            "deltas": (functools.partial(_restore_ckptstore, store, iteration=last), last),
+            "dcp": (functools.partial(_restore_dcp, ckpt), last + 1)}
+        res: dict = {kind: {"s": [], "bad": 0} for kind in RESTORES}
+        for rep in range(args.repeat):
+            for kind in RESTORES[rep % 3:] + RESTORES[:rep % 3]:
+                fn, it = runs[kind]
+                model, opt = build_lm(world, args)
+                if rank == 0:
+                    evict_files(store, ckpt)
+                res[kind]["s"].append(_timed(functools.partial(fn, model, opt), dist.barrier))
+                got = full_state(model, opt)
+                res[kind]["bad"] += int(rank == 0 and not same_state(want[it], got))
+        out[str(n)] = res
+    return out
+
+
 def _rank_main(rank: int, world: int, init: str, job: str, args: argparse.Namespace,
                work: str, out_dir: str) -> None:
     import torch
@@ -302,7 +551,7 @@ def _rank_main(rank: int, world: int, init: str, job: str, args: argparse.Namesp
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=900))
-    fn = save_job if job == "save" else load_job
+    fn = {"save": save_job, "load": load_job, "train": train_job, "restore": restore_job}[job]
     result = fn(rank, world, args, work)
     with open(os.path.join(out_dir, f"{job}{world}-rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -335,6 +584,96 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def mem_available() -> int:
+    """MemAvailable of /proc/meminfo, bytes (0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def main_deltas(args: argparse.Namespace) -> int:
+    """--deltas: per-iteration training cost, bytes per iteration and restores (see the module
+    docstring); prints the machine's limits and two tables."""
+    import torch
+
+    from bench_core import table
+    from bench_delta import direct_write_bandwidth
+
+    ranks = [int(x) for x in args.ranks.split(",")]
+    pairs = [tuple(int(v) for v in x.split(":")) for x in args.delta_pairs.split(",")]
+    pairs = [(n, m) for n, m in pairs if n in ranks and m in ranks]
+    args.delta_sources = {m: [n for n, mm in pairs if mm == m] for m in ranks}
+    work = tempfile.mkdtemp(prefix="bench_sharded-deltas-", dir=args.dir)
+    loads = [loadavg()]
+    try:
+        bandwidth = direct_write_bandwidth(work)
+        trained = {}
+        for n in ranks:
+            trained[n] = run_job("train", n, args, work)
+            loads.append(loadavg())
+        restored = {}
+        for m in ranks:
+            if args.delta_sources[m]:
+                restored[m] = run_job("restore", m, args, work)
+                loads.append(loadavg())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    loads.append(loadavg())
+    t0 = trained[ranks[0]][0]
+    bw = f"{bandwidth / 1e9:.2f} GB/s" if bandwidth else "unknown (O_DIRECT refused)"
+    print(f"bench_sharded --deltas: {os.cpu_count()} CPUs, MemAvailable "
+          f"{mem_available() / 2**30:.1f} GiB, disk O_DIRECT write+fsync {bw}; load average "
+          f"(1 min) before {loads[0]:.2f}, during max {max(loads[1:-1] or loads):.2f}, after "
+          f"{loads[-1]:.2f}; torch {torch.__version__}")
+    print(f"model: FSDP2 MLP LM vocab={args.vocab} dim={args.dim} layers={args.layers} "
+          f"(untied head), {t0['params'] / 1e6:.2f}M parameters, AdamW; per rank "
+          f"{args.batch}x{args.ctx} tokens per step; {args.rounds} rounds x {args.block} steps per "
+          f"side, interleaved, medians of rank 0; Checkpointer: exact codec, async, group_commit=1, "
+          f"a delta every step on base 0; each rank gets max(1, CPUs // ranks) torch threads")
+    rows = []
+    for n in ranks:
+        res = trained[n]
+        plain, ck = med(res[0]["plain"]), med(res[0]["ckpt"])
+        written = [med(r["written"]) for r in res]
+        rows.append([f"{n}", f"{plain * 1e3:.1f}", f"{ck * 1e3:.1f}", f"{ck / plain:.2f}",
+                     f"{med(res[0]['flush']) * 1e3:.1f}",
+                     " ".join(f"{w / 1024:.0f}" for w in written),
+                     " ".join(f"{r['grad_bytes'] / 1024:.0f}" for r in res),
+                     f"{med(res[0]['cpu']) * 1e3:.1f}",
+                     f"{res[0]['store_bytes'] / MiB:.1f} / {res[0]['dcp_bytes'] / MiB:.1f}"])
+    print(table(["ranks", "plain step ms", "+Checkpointer ms", "ratio", "block-end flush ms",
+                 "written KiB/iter per rank", "local grad KiB per rank", "persister CPU ms/iter",
+                 "store / DCP MiB"], rows))
+    print()
+    rows, bad = [], []
+    for n, m in pairs:
+        res = restored[m][0][str(n)]  # rank 0's clock
+        base, deltas, dcp_s = (med(res[k]["s"]) for k in RESTORES)
+        rows.append([f"{n} -> {m}", "own part" if n == m else "assembled, resharded",
+                     f"{base:.3f}", f"{deltas:.3f}", f"{dcp_s:.3f}", f"{base / dcp_s:.2f}",
+                     f"{deltas / dcp_s:.2f}"])
+        bad += [f"{n}->{m} {k}" for k in RESTORES if res[k]["bad"]]
+    k = trained[ranks[0]][0]["iteration"]
+    print(table(["restore (trained at N -> M ranks)", "ckptstore reads", "base s",
+                 f"base 0 + {k} deltas s", "DCP s", "base / DCP", "deltas / DCP"], rows))
+    print("ckptstore: open + Checkpointer + restore(it) + close, of the newest iteration (a base) "
+          f"and of iteration {k} (base 0 + {k} replayed deltas); DCP: get_state_dict + dcp.load + "
+          f"set_state_dict of the newest state; cold page cache, {args.repeat} repeats interleaved, "
+          "medians of rank 0")
+    print("correctness: every restored state (gathered) bit-exact with the trained one"
+          if not bad else "MISMATCHES: " + "; ".join(bad))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"trained": trained, "restored": restored, "loadavg": loads,
+                       "args": {k: v for k, v in vars(args).items() if k != "delta_sources"}}, f)
+    return 1 if bad else 0
+
+
 def main() -> int:
     import torch
 
@@ -344,12 +683,26 @@ def main() -> int:
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--pairs", default=DEFAULT_PAIRS, help="N:M pairs: saved at N, loaded at M")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=None, help="default 16384 (4096 with --deltas)")
+    p.add_argument("--dim", type=int, default=None, help="default 512 (256 with --deltas)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     p.add_argument("--json", default=None, help="write every sample to this file")
+    p.add_argument("--deltas", action="store_true",
+                   help="per-iteration sharded training through the Checkpointer instead")
+    p.add_argument("--delta-pairs", default=DEFAULT_DELTA_PAIRS,
+                   help="--deltas: N:M pairs: trained at N, restored at M")
+    p.add_argument("--rounds", type=int, default=6, help="--deltas: interleaved rounds")
+    p.add_argument("--block", type=int, default=5, help="--deltas: timed steps per side per round")
+    p.add_argument("--batch", type=int, default=4, help="--deltas: sequences per rank per step")
+    p.add_argument("--ctx", type=int, default=64, help="--deltas: tokens per sequence")
     args = p.parse_args()
+    if args.vocab is None:
+        args.vocab = 4096 if args.deltas else 16384
+    if args.dim is None:
+        args.dim = 256 if args.deltas else 512
+    if args.deltas:
+        return main_deltas(args)
     ranks = [int(x) for x in args.ranks.split(",")]
     pairs = [tuple(int(v) for v in x.split(":")) for x in args.pairs.split(",")]
     pairs = [(n, m) for n, m in pairs if n in ranks and m in ranks]
