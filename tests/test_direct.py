@@ -217,8 +217,11 @@ def test_store_saves_through_o_direct_and_loads_exactly(dio_dir: Path) -> None:
 
 def test_staging_buffer_is_page_aligned_and_touched() -> None:
     b = StagingBuffer(3 * ALIGN)
-    assert b.array.ctypes.data % ALIGN == 0 and len(b.view) == 3 * ALIGN
-    assert not np.any(b.array)
+    assert b.overlap and len(b.arrays) == 2
+    for array, view in zip(b.arrays, b.views):
+        assert array.ctypes.data % ALIGN == 0 and len(view) == 3 * ALIGN
+        assert not np.any(array)
+    assert not StagingBuffer(ALIGN, overlap=False).overlap
     with pytest.raises(ValueError):
         StagingBuffer(ALIGN + 1)
 
@@ -339,3 +342,117 @@ def test_sigkill_at_every_write_and_fsync_of_mixed_direct_and_buffered_appends(d
         with ckptstore.open(path, mode="r") as r:
             assert r.iterations() == list(range(8)), where
         shutil.rmtree(path)
+
+
+# ---- two-stage overlap: a background write that fails --------------------------------------------
+class _FailNthDirect(_DirectFds):
+    """The ``fail_at``-th O_DIRECT write from now fails with ENOSPC (counted from 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_at = 0
+        self.direct_writes = 0
+
+    def _pwritev(self, fd, buffers, offset):
+        if fd in self.direct_fds:
+            self.direct_writes += 1
+            if self.fail_at and self.direct_writes == self.fail_at:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return super()._pwritev(fd, buffers, offset)
+
+
+def test_a_failed_background_write_is_a_hole_no_append_or_cut_may_pass(dio_dir: Path) -> None:
+    """Writer level, a 64 KiB two-region stage: a background write that fails leaves its bytes
+    out of the file. The error comes back at the next append; every append and any cut past
+    the hole's start raise it again, a cut back before it works, and the writer then writes
+    exactly the bytes a buffered writer writes for the surviving records."""
+    ops = _FailNthDirect()
+    stage = StagingBuffer(64 << 10)
+    path, ref_path = dio_dir / "d.seg", dio_dir / "b.seg"
+    w = SegmentWriter.create(str(path), 1, b"s" * 16, ops, stage=stage)
+    ref = SegmentWriter.create(str(ref_path), 1, b"s" * 16, FileOps())
+    rng = random.Random(7)
+    for _ in range(3):
+        part = rng.randbytes(50_000)
+        w.append(rec.RecordType.CHUNK, [part])
+        ref.append(rec.RecordType.CHUNK, [part])
+    w.sync()
+    ref.sync()
+    good = w.offset
+    ops.fail_at = ops.direct_writes + 2  # the second region handed off from here
+    with pytest.raises(OSError) as first:
+        for _ in range(20):
+            w.append(rec.RecordType.CHUNK, [rng.randbytes(50_000)])
+    assert first.value.errno == errno.ENOSPC
+    lost = w.direct._lost[0]
+    assert good < lost < w.offset
+    with pytest.raises(OSError) as again:  # appending after the hole
+        w.append(rec.RecordType.CHUNK, [b"x" * 10])
+    assert again.value is first.value
+    with pytest.raises(OSError):  # a cut that would keep the hole
+        w.truncate(lost + 1)
+    with pytest.raises(OSError):
+        w.flush()
+    w.truncate(good)  # the rollback
+    assert os.path.getsize(path) == good and w.offset == good
+    for _ in range(4):
+        part = rng.randbytes(70_000)
+        w.append(rec.RecordType.CHUNK, [part])
+        ref.append(rec.RecordType.CHUNK, [part])
+    w.close()
+    ref.close()
+    assert path.read_bytes() == ref_path.read_bytes()
+
+
+def _big(i: int, n: int = 6_000_000) -> dict:  # 24 MB: three regions of the 8 MiB stage
+    g = torch.Generator().manual_seed(i)
+    return {"w": torch.randn(n, generator=g), "i": i}
+
+
+def test_a_background_write_failing_mid_save_loses_only_that_save(dio_dir: Path) -> None:
+    """Store level (O_DIRECT snapshots, the default 8 MiB regions): ENOSPC on a background
+    write in the middle of a 24 MB save raises DiskFullError from the save, the next save
+    works, and nothing of the failed one is in the store."""
+    ops = _FailNthDirect()
+    path = dio_dir / "s"
+    s = ckptstore.open(path, file_ops=ops, chunk_size=1 << 20, direct_io=True)
+    s.save(1, _big(1))
+    ops.fail_at = ops.direct_writes + 2
+    with pytest.raises(ckptstore.DiskFullError):
+        s.save(2, _big(2))
+    assert s.iterations() == [1]
+    s.save(3, _big(3))
+    s.close()
+    report = check(str(path))
+    assert report.clean and not report.notes, report.lines()
+    with ckptstore.open(path, mode="r") as r:
+        assert r.iterations() == [1, 3]
+        for i in (1, 3):
+            assert torch.equal(r.load(i)["w"], _big(i)["w"])
+
+
+def test_a_background_write_failing_under_a_pending_group_aborts_the_group(dio_dir: Path) -> None:
+    """A pending delta's bytes in a background write that fails while the next delta is staged:
+    the hole lies before the failed delta's start, so its cut fails and the group cannot commit
+    (format-spec/deltas.md: a cut that fails twice aborts the pending deltas, named once by
+    CheckpointAbortedError). The durable iteration is unchanged and the writer goes on."""
+    ops = _FailNthDirect()
+    path = dio_dir / "s"
+    s = ckptstore.open(path, file_ops=ops, chunk_size=1 << 20, direct_io=True)
+    s.save(0, _big(0, 1000))
+    s.save_delta(1, _big(11, 3_000_000), durable=False)  # 12 MB: a region handed off, one filling
+    ops.fail_at = ops.direct_writes + 1  # the write in flight now (delta 1's bytes) or the next
+    with pytest.raises((ckptstore.DiskFullError, ckptstore.CheckpointAbortedError)):
+        s.save_delta(2, _big(12, 3_000_000), durable=False)
+        s.flush()
+    with pytest.raises(ckptstore.CheckpointAbortedError, match=r"deltas \[1"):
+        s.flush()
+        s.save_delta(3, _big(13, 1000))
+    assert s.durable_iteration() == 0
+    s.save_delta(1, _big(21, 3_000_000))
+    assert s.iterations() == [0, 1]
+    s.close()
+    report = check(str(path))
+    assert report.clean, report.lines()
+    with ckptstore.open(path, mode="r") as r:
+        assert torch.equal(r.load_record(1)["w"], _big(21, 3_000_000)["w"])

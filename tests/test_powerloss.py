@@ -170,6 +170,18 @@ def _run_deltas(its: list[int], durable: bool) -> Callable[[Path, RecordingOps],
     return run
 
 
+def _small_stage_writer(p: Path, ops: FileOps | None = None) -> ckptstore.Store:
+    """Every record through O_DIRECT, staged in two 16 KiB regions: each save hands several
+    full regions to the background writer while the next fills (storage/direct.py)."""
+    from ckptstore.storage import direct
+
+    saved, direct.STAGE_CAPACITY = direct.STAGE_CAPACITY, 16 << 10
+    try:
+        return open_writer(p, ops, direct_io=True)
+    finally:
+        direct.STAGE_CAPACITY = saved
+
+
 def _imaged_delta(i: int) -> dict:
     """:func:`delta`'s record with its gradient in a chunk image (ckptstore/format/image.py):
     framed in place, written from its own memory (O_DIRECT after a pad record)."""
@@ -285,6 +297,8 @@ SCENARIOS = [
     Scenario("delta-durable", _saves([0]), _run_deltas([1, 2], durable=True)),
     Scenario("delta-group", _saves([0]), _run_deltas([1, 2, 3], durable=False)),
     Scenario("delta-images", _saves([0]), _run_imaged_deltas([1, 2, 3, 4]), verify=verify_imaged),
+    Scenario("save-direct-overlap", _saves([0, 1], _small_stage_writer),
+             _run_saves([2, 3], _small_stage_writer)),
     Scenario("checkpointer", lambda p: _train(p, None, 2), lambda p, ops: _train(p, ops, TRAIN_LAST),
              verify=verify_trained, resume=_resume_training),
     Scenario("gc", _saves(list(range(6))), _run_gc),

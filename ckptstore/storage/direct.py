@@ -10,6 +10,13 @@ tensors; they are copied (GIL released) into one reused, page-aligned :class:`St
 that mirrors the file's bytes from the last block boundary, and the full blocks go out with
 O_DIRECT.
 
+**Two-stage overlap.** The buffer has two regions. When the region being filled is full, a
+background thread writes it with O_DIRECT while the appender fills the other one (the copy and
+the hash run while the device writes), so a long append runs at the device's speed rather than
+copy time plus write time. At most one write is in flight, and every other file operation of the
+appender (a partial-block write, a flush, a cut, a close) first waits for it (:meth:`settle`), so
+the file sees the same writes, in the same order, as with one region.
+
 Invariants of :class:`DirectAppender` (``base`` is always a multiple of :data:`ALIGN`):
 
 * the stage holds exactly the file's intended bytes ``[base, end)``: everything appended and
@@ -25,6 +32,12 @@ Invariants of :class:`DirectAppender` (``base`` is always a multiple of :data:`A
   even with identical bytes, would put the committed records at its head at risk: a power loss
   during a write may leave garbage over the written range (format-spec A2/A3), while bytes no
   write touches stay put (A5). Found by the power-loss simulation (tests/test_powerloss.py);
+* a background write that fails loses the bytes from its start (``lost``): its error is raised by
+  the appender's next operation, and until a cut goes back to that start (a rollback of the
+  transaction that staged them) every append, and any cut to a later offset, raises it again, so
+  no record after a hole can ever be committed. (A synchronous write that fails keeps its bytes
+  staged instead; the one case that differs is a pending delta group, format-spec/deltas.md,
+  whose later delta's failure then aborts the group, as a failed cut does.)
 * nothing about the format or the commit protocol changes: the bytes, their order and the
   points where they are made durable (the writer's fsync calls) are those of buffered appends.
   Bytes appended and not yet flushed live only in memory, which is what an unsynced buffered
@@ -40,6 +53,8 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import queue
+import threading
 from typing import Callable
 
 import numpy as np
@@ -63,16 +78,73 @@ def supported() -> bool:
 
 
 class StagingBuffer:
-    """Page-aligned anonymous memory, allocated once and reused by every writer of a log."""
+    """Page-aligned anonymous memory, allocated once and reused by every writer of a log: one
+    region of ``capacity`` bytes, or two (``overlap``: one is written while the other fills)."""
 
-    def __init__(self, capacity: int = STAGE_CAPACITY) -> None:
+    def __init__(self, capacity: int | None = None, overlap: bool = True) -> None:
+        capacity = STAGE_CAPACITY if capacity is None else capacity  # (read now: tests shrink it)
         if capacity <= 0 or capacity % ALIGN:
             raise ValueError(f"staging capacity must be a positive multiple of {ALIGN}")
         self.capacity = capacity
-        self._map = mmap.mmap(-1, capacity)  # page-aligned by construction
-        self.view = memoryview(self._map)
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
-        self.array[:] = 0  # touch every page now, not during the first save
+        self._maps = [mmap.mmap(-1, capacity) for _ in range(2 if overlap else 1)]  # page-aligned
+        self.views = [memoryview(m) for m in self._maps]
+        self.arrays = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
+        for a in self.arrays:
+            a[:] = 0  # touch every page now, not during the first save
+        self._jobs: queue.SimpleQueue[_BackgroundWrite] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._worker_pid = 0
+
+    @property
+    def overlap(self) -> bool:
+        return len(self.views) == 2
+
+    def submit(self, job: "_BackgroundWrite") -> None:
+        """Run ``job`` on this buffer's writer thread (started on first use, and again in a
+        forked child, which inherits no threads)."""
+        if self._worker is None or self._worker_pid != os.getpid():
+            self._jobs = queue.SimpleQueue()
+            self._worker = threading.Thread(target=_serve, args=(self._jobs,), daemon=True,
+                                            name="ckptstore-direct-write")
+            self._worker_pid = os.getpid()
+            self._worker.start()
+        self._jobs.put(job)
+
+
+def _serve(jobs: "queue.SimpleQueue[_BackgroundWrite]") -> None:
+    while True:
+        jobs.get().run()
+
+
+class _BackgroundWrite:
+    """One O_DIRECT write of ``view`` at ``lo`` (its end ``hi``), the part O_DIRECT did not
+    write going through the buffered descriptor, run by the buffer's writer thread. Its outcome
+    is read by :meth:`DirectAppender.settle` after ``done``; it touches no appender state."""
+
+    def __init__(self, appender: "DirectAppender", view: memoryview, lo: int) -> None:
+        self.done = threading.Event()
+        self.appender = appender
+        self.view = view
+        self.lo = lo
+        self.hi = lo + len(view)
+        self.direct_bytes = 0
+        self.refused = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        a = self.appender
+        try:
+            got = a.ops.write_direct(a.direct_fd, a.path, self.view, self.lo)
+            if got is None:  # refused: this file system does not do O_DIRECT
+                self.refused = True
+                got = 0
+            self.direct_bytes = got
+            if got < len(self.view):
+                a.ops.writev(a.fd, a.path, [self.view[got:]], self.lo + got)
+        except BaseException as e:  # noqa: BLE001 - raised on the appender's thread by settle()
+            self.error = e
+        finally:
+            self.done.set()
 
 
 class DirectAppender:
@@ -98,6 +170,16 @@ class DirectAppender:
         self.in_file = end
         #: bytes written with O_DIRECT (the rest went through the buffered descriptor)
         self.direct_bytes = 0
+        #: the region of ``stage`` being filled (the other may be in flight)
+        self._region = 0
+        self._inflight: _BackgroundWrite | None = None
+        #: (offset, error) of a background write that failed: bytes from offset never reached
+        #: the file, though the writer counts them appended (module docstring)
+        self._lost: tuple[int, BaseException] | None = None
+
+    @property
+    def _view(self) -> memoryview:
+        return self.stage.views[self._region]
 
     @property
     def end(self) -> int:
@@ -115,26 +197,29 @@ class DirectAppender:
         src = memoryview(data).cast("B")
         n = len(src)
         pos = 0
+        self._refuse_after_loss()
         if not self._loaded:
             self._load()
         stage = self.stage
         while pos < n:
             if self.fill == stage.capacity:
-                self._write_blocks()
+                self._hand_off()
             k = min(stage.capacity - self.fill, n - pos)
             dst = slice(self.fill, self.fill + k)
             if k >= _SMALL_COPY:
-                np.copyto(stage.array[dst], np.frombuffer(src[pos:pos + k], dtype=np.uint8))
+                np.copyto(stage.arrays[self._region][dst],
+                          np.frombuffer(src[pos:pos + k], dtype=np.uint8))
             else:
-                stage.view[dst] = src[pos:pos + k]
+                self._view[dst] = src[pos:pos + k]
             if update is not None:
-                update(stage.view[dst])
+                update(self._view[dst])
             self.fill += k
             pos += k
 
     def flush(self) -> None:
         """Write every staged byte: full blocks with O_DIRECT, the partial last block buffered
         (kept staged: the next write sends its new bytes only). No fsync."""
+        self._refuse_after_loss()
         if not self._loaded:
             return  # nothing was put since the take-over: the stage's head is the file's, unread
         if self.fill >= ALIGN:
@@ -148,6 +233,8 @@ class DirectAppender:
         What is staged before them is written first, so appends stay in order."""
         if self.end % ALIGN:
             raise ValueError(f"{self.path}: aligned append at unaligned end {self.end}")
+        self.settle()
+        self._refuse_after_loss()
         if not self._loaded:
             self._load()
         self._write_blocks()  # the stage holds whole blocks only (end is aligned): now empty
@@ -171,7 +258,10 @@ class DirectAppender:
 
     def cut(self, end: int) -> None:
         """The file is being truncated to ``end`` (at or before :attr:`end`): forget staged bytes
-        after it (the caller truncates the file)."""
+        after it (the caller truncates the file). Raises the failure of a background write whose
+        bytes, before ``end``, were lost (:meth:`check_cut`), changing nothing."""
+        self.check_cut(end)
+        self._lost = None
         if end >= self.base and self._loaded:
             self.fill = end - self.base
         else:
@@ -183,22 +273,84 @@ class DirectAppender:
     def resume(self, end: int) -> None:
         """Take over again at ``end`` after the file was appended to by other means (buffered
         appends): the partial block there is read back at the next :meth:`put`."""
+        self.settle()
         self.base = end - end % ALIGN
         self.fill = end - self.base
         self._loaded = self.fill == 0
         self.in_file = end
 
     def close(self) -> None:
+        """Close the O_DIRECT descriptor, after the write in flight (if any) ended; writes
+        nothing staged (:meth:`flush` does)."""
+        self.quiesce()
         if self.direct_fd >= 0:
             os.close(self.direct_fd)
             self.direct_fd = -1
 
+    def settle(self) -> None:
+        """Wait for the background write in flight, if any; raise its failure (remembered as
+        ``lost``: the bytes from its start are not in the file)."""
+        w, self._inflight = self._inflight, None
+        if w is None:
+            return
+        w.done.wait()
+        self.direct_bytes += w.direct_bytes
+        if w.refused and self.direct_fd >= 0:
+            os.close(self.direct_fd)  # buffered from now on; ``in_file`` holds: the rest went so
+            self.direct_fd = -1
+        if w.error is not None:
+            self._lost = (w.lo, w.error)
+            raise w.error
+        self.in_file = max(self.in_file, w.hi)
+
+    def quiesce(self) -> None:
+        """:meth:`settle` for rollback and close paths: waits, and leaves a failure to be raised
+        by what depends on the lost bytes (:meth:`check_cut`, the next append)."""
+        try:
+            self.settle()
+        except BaseException:  # noqa: BLE001 - remembered in ``_lost``
+            pass
+
+    def check_cut(self, end: int) -> None:
+        """Raise the error of a failed background write when a cut to ``end`` would keep bytes it
+        lost (its start is before ``end``): such a cut would leave a hole the writer believes
+        written. Waits for the write in flight first."""
+        self.quiesce()
+        if self._lost is not None and end > self._lost[0]:
+            raise self._lost[1]
+
     # ---- internals ---------------------------------------------------------------------------
+    def _refuse_after_loss(self) -> None:
+        """Appending after bytes a background write lost is refused until a cut goes back."""
+        self.settle()
+        if self._lost is not None:
+            raise self._lost[1]
+
+    def _hand_off(self) -> None:
+        """The region being filled is full (``fill == capacity``, whole blocks): have a
+        background thread write it while the other region fills, after the write before it
+        ended (one write in flight). Without a second region, or O_DIRECT, it is written now."""
+        self.settle()
+        if not self.stage.overlap or not self.active:
+            self._write_blocks()
+            return
+        whole = self.fill
+        stop = self.base + whole
+        direct_from = self.base if self.in_file == self.base else self.base + ALIGN
+        self._write_buffered(self.base, direct_from)  # a partial head block already in the file
+        if direct_from < stop:
+            w = _BackgroundWrite(self, self._view[direct_from - self.base:whole], direct_from)
+            self.stage.submit(w)
+            self._inflight = w
+        self._region ^= 1
+        self.base = stop
+        self.fill = 0
+
     def _load(self) -> None:
         """Read the head of the partial block at ``base`` back from the file."""
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            got = os.preadv(fd, [self.stage.view[:self.fill]], self.base)
+            got = os.preadv(fd, [self._view[:self.fill]], self.base)
         finally:
             os.close(fd)
         if got != self.fill:
@@ -219,7 +371,7 @@ class DirectAppender:
         self._write_buffered(self.base, direct_from)
         if direct_from < stop and self.active:
             written = self.ops.write_direct(self.direct_fd, self.path,
-                                            self.stage.view[direct_from - self.base:whole],
+                                            self._view[direct_from - self.base:whole],
                                             direct_from)
             if written is None:  # refused: this file system does not do O_DIRECT
                 self.close()
@@ -229,7 +381,7 @@ class DirectAppender:
         self._write_buffered(self.base, stop)  # what O_DIRECT did not write
         rest = self.fill - whole
         if rest:
-            self.stage.view[:rest] = self.stage.view[whole:self.fill]
+            self._view[:rest] = self._view[whole:self.fill]
         self.base = stop
         self.fill = rest
 
@@ -239,6 +391,5 @@ class DirectAppender:
         buffered writes."""
         lo = max(lo, self.in_file)
         if hi > lo:
-            self.ops.writev(self.fd, self.path, [self.stage.view[lo - self.base:hi - self.base]],
-                            lo)
+            self.ops.writev(self.fd, self.path, [self._view[lo - self.base:hi - self.base]], lo)
             self.in_file = hi

@@ -532,6 +532,8 @@ class Log:
         may hold a damaged commit is kept for inspection instead of destroyed.
         """
         assert self.ops is not None
+        if self.writer is not None:
+            self.writer.quiesce()  # the files are read and cut below: no write may be in flight
         live = self.refresh_segments()
         cut_seq = position.seq if position is not None else 0
         cut_off = position.offset if position is not None else 0
@@ -563,6 +565,8 @@ class Log:
         assert self.ops is not None
         path = self.layout.segment_path(seq)
         live_writer = self.writer if self.writer is not None and self.writer.seq == seq else None
+        if live_writer is not None:
+            live_writer.quiesce()  # a background write in flight would change the size below
         if os.path.getsize(path) > offset:
             w = live_writer or SegmentWriter.reopen(path, seq, offset, self.ops)
             w.truncate(offset)

@@ -473,11 +473,19 @@ class SegmentWriter:
         (ckptstore/storage/direct.py). No staged write here: a rollback after a failed write
         must not retry it."""
         staging = self._staging
+        if staging is not None:
+            staging.check_cut(offset)  # (waits for a write in flight: ``in_file`` is final)
         length = offset if staging is None else min(offset, staging.in_file)
         self.ops.truncate(self.fd, self.path, length)
         self.ops.fsync(self.fd, self.path)
         self.rewind(offset)
         self.dirty = length < offset  # staged bytes before the cut still to be written
+
+    def quiesce(self) -> None:
+        """Wait for a background O_DIRECT write in flight (storage/direct.py), if any, so the
+        file's size is final; a failure stays for the next append or cut to raise."""
+        if self.direct is not None:
+            self.direct.quiesce()
 
     def rewind(self, offset: int) -> None:
         """Forget what was appended after ``offset`` when none of it reached the file (the file
