@@ -25,7 +25,9 @@ decode_record (a whole record: header, payload, trailer); segment_header -> deco
 (the 48-byte payload); chunk -> decode_chunk (a CHUNK payload); tree -> decode_tree (a TREE
 payload); snapshot_root -> snapshot_root(input) (hex is the 16-byte root); commit -> decode_commit
 (the 96-byte payload); manifest -> decode_manifest (the JSON payload); state -> json + unflatten (a
-state skeleton, serialised as in a manifest); segment -> a whole segment file 0000000001.seg of the
+state skeleton, serialised as in a manifest; ``sharded_part_base``: a sharded Checkpointer part,
+deltas.md "Sharded states", whose ``expected`` also gives its ``shards`` section, what it omits and
+``whole``, the skeleton it was cut from); segment -> a whole segment file 0000000001.seg of the
 store whose STORE file is the vector "store_header_v1". Job stores (§22): job_store_header ->
 decode_store_header accepting version 2 only; epoch -> decode_epoch (the 64-byte payload);
 global_commit -> decode_global_commit; job_record -> decode_record with the global log's types.
@@ -559,6 +561,65 @@ def state_vectors() -> list[dict]:
     ]
 
 
+def _sharded_whole() -> dict:
+    """A Checkpointer state (deltas.md, "Sharded states") of 2 ranks' job, before the part is cut:
+    ``embed.weight`` Shard(0) (rows 0-1 of 4 on rank 0), ``norm.weight`` Replicate (owned by
+    rank 1), ``head.weight`` tied to ``embed.weight``; AdamW state for both parameters."""
+    model = OrderedDict([("embed.weight", _Leaf()), ("norm.weight", _Leaf()),
+                         ("head.weight", _Leaf())])
+    model._metadata = OrderedDict([("", {"version": 1})])
+    adam = {0: {"step": _Leaf(), "exp_avg": _Leaf(), "exp_avg_sq": _Leaf()},
+            1: {"step": _Leaf(), "exp_avg": _Leaf(), "exp_avg_sq": _Leaf()}}
+    return {"model": model,
+            "optimizer": {"state": adam, "param_groups": [{"lr": 0.01, "weight_decay": 0.01,
+                                                           "params": [0, 1]}]},
+            "iteration": 4,
+            "ckptstore.replay": {"v": 1, "optimizer": "AdamW", "defaults": {"lr": 0.01},
+                                 "groups": [["embed.weight", "norm.weight"]],
+                                 "aliases": {"head.weight": "embed.weight"}, "codec": "exact",
+                                 "device": "cpu", "torch": "2.13.0", "scheduler": False}}
+
+
+def _sharded_part(whole: dict) -> dict:
+    """Rank 0's part of :func:`_sharded_whole` as the spec cuts it (norm.weight left to rank 1)."""
+    box = {"shape": [4, 2], "offsets": [0, 0], "local": [2, 2], "placements": ["S0"], "mesh": [2]}
+    rep = {"shape": [3], "offsets": [0], "local": [3], "placements": ["R"], "mesh": [2]}
+    info = whole["ckptstore.replay"]
+    model = OrderedDict((k, v) for k, v in whole["model"].items() if k != "norm.weight")
+    model._metadata = whole["model"]._metadata
+    return {"model": model,
+            "optimizer": {"state": {0: whole["optimizer"]["state"][0]},
+                          "param_groups": [{"lr": 0.01, "weight_decay": 0.01, "params": [0]}]},
+            "iteration": 4,
+            "ckptstore.replay": dict(info, groups=[["embed.weight"]], aliases=dict(info["aliases"]),
+                                     shards={
+                "v": 1, "rank": 0, "world": 2,
+                "tensors": {"embed.weight": box, "norm.weight": rep, "head.weight": box},
+                "replicas": {"norm.weight": 1}, "groups": info["groups"],
+                "keys": list(whole["model"]), "aliases": dict(info["aliases"]),
+                "state_order": [0, 1], "param_names": [None]})}
+
+
+def sharded_part_vectors() -> list[dict]:
+    """A sharded part (deltas.md, "Sharded states") as its state skeleton is serialised in a
+    manifest; ``expected.whole`` the skeleton of the state it was cut from (hex)."""
+    whole = _sharded_whole()
+    part = _sharded_part(whole)
+    skeleton, leaves = flatten(part, _leaf_hook)
+    whole_skeleton, _ = flatten(whole, _leaf_hook)
+    return [dict(name="sharded_part_base", kind="state", hex=_json(skeleton).hex(), note=(
+        "rank 0's part of 2: embed.weight Shard(0) (written), norm.weight Replicate owned by "
+        "rank 1 (cut: model, optimizer state renumbered, groups), head.weight tied to "
+        "embed.weight (written next to it)"),
+        expected={"repr": _state_repr(part, leaves),
+                  "metadata": {"model": repr(part["model"]._metadata)}, "leaves": len(leaves),
+                  "shards": part["ckptstore.replay"]["shards"],
+                  "replay_groups": [["embed.weight"]],
+                  "replay_aliases": {"head.weight": "embed.weight"},
+                  "omitted": {"norm.weight": 1}, "donors": [1],
+                  "whole": _json(whole_skeleton).hex()})]
+
+
 def _state_repr(value, leaves) -> str:
     """repr of the decoded state with each leaf shown as <leaf i> (how the test decodes it)."""
     index = {id(x): i for i, x in enumerate(leaves)}
@@ -755,7 +816,7 @@ def build() -> dict:
     vectors = (store_header_vectors() + record_vectors() + segment_header_vectors()
                + chunk_vectors() + tree_vectors() + snapshot_vectors() + commit_vectors()
                + manifest_vectors() + state_vectors() + segment_vectors() + chunk_image_vectors()
-               + job_vectors())
+               + job_vectors() + sharded_part_vectors())
     names = [v["name"] for v in vectors]
     assert len(names) == len(set(names)), "duplicate vector names"
     return {

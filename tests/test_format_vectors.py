@@ -313,6 +313,33 @@ def test_state_vector(v):
     assert _json(skeleton) == buf
 
 
+def test_sharded_part_vector():
+    """A sharded part (format-spec/deltas.md, "Sharded states"): its ``shards`` section, the
+    replay groups and aliases cut to what it writes, what a reader completes from which ranks;
+    and the writer's own cut (``localize``) of the whole state gives exactly these bytes."""
+    pytest.importorskip("torch")
+    from ckptstore.replay.shards import donors_needed, localize, omitted, shards_of
+
+    v = BY_NAME["sharded_part_base"]
+    e = v["expected"]
+    part = _decode_state(_bytes(v))
+    assert shards_of(part) == e["shards"]
+    info = part["ckptstore.replay"]
+    assert info["groups"] == e["replay_groups"] and info["aliases"] == e["replay_aliases"]
+    assert omitted(part) == {k: int(o) for k, o in e["omitted"].items()}
+    assert donors_needed(part) == e["donors"]
+    assert list(part["model"]) == [k for k in e["shards"]["keys"] if k not in e["omitted"]]
+    assert [len(g["params"]) for g in part["optimizer"]["param_groups"]] == \
+        [len([n for n in g if n not in e["omitted"]]) for g in e["shards"]["groups"]]
+    whole = _decode_state(bytes.fromhex(e["whole"]))
+    sec = e["shards"]
+    cut = localize(whole, sec["rank"], sec["world"],
+                   {k: o for k, o in sec["replicas"].items() if k not in sec["aliases"]})
+    cut["ckptstore.replay"]["shards"]["tensors"] = sec["tensors"]  # (boxes: from DTensors)
+    skeleton, _ = flatten(cut, lambda x, path: x if isinstance(x, _Leaf) else None)
+    assert _json(skeleton) == _bytes(v)
+
+
 def _walk(buf: bytes) -> tuple[list[dict], int]:
     """Records whose header is valid and whose extent fits, in order; and where that stops."""
     out, pos = [], 0

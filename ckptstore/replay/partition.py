@@ -74,7 +74,7 @@ def split_state(state: dict, part: Partition, rank: int) -> dict:
             new_index[i] = len(new_index)
     out["optimizer"] = {
         "state": {new_index[i]: s for i, s in sd["state"].items() if i in new_index},
-        "param_groups": [_cut_group(g, new_index) for g in sd["param_groups"]],
+        "param_groups": [cut_group(g, new_index) for g in sd["param_groups"]],
     }
     out[REPLAY_KEY] = dict(info, groups=[[n for n in g if n in owned] for g in groups],
                            aliases={a: c for a, c in (info.get("aliases") or {}).items()
@@ -89,7 +89,9 @@ def split_state(state: dict, part: Partition, rank: int) -> dict:
     return out
 
 
-def _cut_group(group: dict, new_index: dict[int, int]) -> dict:
+def cut_group(group: dict, new_index: dict[int, int]) -> dict:
+    """A param group of a part: its ``params`` (and ``param_names``) cut to the indices in
+    ``new_index`` (old index -> the part's index), renumbered."""
     out = dict(group, params=[new_index[i] for i in group["params"] if i in new_index])
     if "param_names" in group:  # optimizers built from named parameters (torch >= 2.6): the
         # names the optimizer was given, parallel to "params" (not necessarily the model's)

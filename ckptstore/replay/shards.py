@@ -7,30 +7,47 @@ whose parameters are those local shards, so the replay engine replays it unchang
 supported optimizer is elementwise within a parameter: a step on a shard gives the bits of the
 same entries of the whole step). The replay section of a part gains ``shards``::
 
-    {"v": 1, "rank": r, "world": N, "tensors": {model entry: BOX, ...}}  # its DTensor entries
+    {"v": 1, "rank": r, "world": N, "tensors": {model entry: BOX, ...},  # its DTensor entries
+     "replicas": {entry: owner rank, ...},       # entries whose box other ranks hold too
+     "groups": [[every param name], ...], "keys": [every model entry], "aliases": {tie: param},
+     "state_order": [optimizer state indices], "param_names": [per group: names or None]}
     BOX = {"shape": [global], "offsets": [where the local shard starts], "local": [its shape],
            "placements": ["S0" | "S1" | ... | "R", per mesh dimension], "mesh": [mesh shape]}
 
-:func:`localize` makes a part from a live state, :func:`shards_of` reads the section back and
+A box held by several ranks (a ``Replicate()`` mesh dimension: HSDP, replicated tensor-parallel
+parameters) is written by one of them, its *owner* (:func:`assign_owners`: balanced by bytes, a
+pure function every rank computes alike); the others omit the parameter (its optimizer state, its
+gradient, its tied entries) and their part is cut as a data-parallel partition's is
+(ckptstore/replay/partition.py): the replay ``groups`` and ``aliases`` name the written
+parameters, the optimizer state is renumbered in their order, ``grads`` lists theirs. The whole
+model's names (``groups``, ``keys``, ``aliases``, ``state_order``, ``param_names``) stay in the
+section. Parts written before ``replicas`` existed omit nothing and lack those fields.
+
+:func:`localize` makes a part from a live state, :func:`shards_of` reads the section back,
+:func:`complete_part` puts back what a part omitted from its owners' parts and
 :func:`assemble_parts` puts every rank's part of one iteration together into one state of full
 tensors (any reader, any world size). An optimizer-state tensor of a sharded parameter
 is sharded with the parameter's BOX when it has the parameter's local shape (moments, momentum
 buffers: every supported optimizer's per-entry state); any other entry (``step``) is the same on
 every rank. This holds for the replayed states too, whose optimizer state the base may not have
-held yet (a base written before the first step). Pure functions of their arguments: no I/O, no collectives.
+held yet (a base written before the first step). Pure functions of their arguments: no I/O, no
+collectives.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import DamagedCheckpointError, UnsupportedTypeError
 from ..format.delta import REPLAY_KEY
+from .partition import cut_group
 
 SHARDS_KEY = "shards"
 SHARDS_VERSION = 1
@@ -87,10 +104,95 @@ def box_of(t: Any) -> dict:
             "mesh": [int(s) for s in t.device_mesh.shape]}
 
 
-def localize(state: dict, rank: int, world: int) -> dict:
+@dataclass(frozen=True)
+class Holding:
+    """One distinct box of one parameter: where it lies, its bytes, and the ranks (of the job
+    store) that hold it, bit-identical (more than one: a replicated box)."""
+
+    name: str
+    offsets: tuple[int, ...]
+    local: tuple[int, ...]
+    nbytes: int
+    ranks: tuple[int, ...]
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        return (self.name, self.offsets, self.local)
+
+
+def assign_owners(holdings: Sequence[Holding], world: int
+                  ) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], int]:
+    """The writer of every replicated box (``Holding.key`` -> rank). Every rank first carries the
+    bytes of the boxes it alone holds; then the replicated boxes, largest first (ties: name,
+    offsets, shape), each go to the holder carrying the fewest bytes so far (ties: lowest rank).
+    A pure function of its arguments (not of their order): every rank computes the same owners."""
+    load = [0] * world
+    for h in holdings:
+        if len(h.ranks) == 1:
+            load[h.ranks[0]] += h.nbytes
+    owner: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
+    for h in sorted((h for h in holdings if len(h.ranks) > 1),
+                    key=lambda h: (-h.nbytes, h.name, h.offsets, h.local)):
+        r = min(h.ranks, key=lambda i: (load[i], i))
+        owner[h.key] = r
+        load[r] += h.nbytes
+    return owner
+
+
+def replica_owners(holdings: Sequence[Holding], world: int, rank: int) -> dict[str, int]:
+    """``{parameter: owner}`` for every parameter whose box ``rank`` holds with other ranks: the
+    ``replicas`` section of ``rank``'s part (without the tied entries, which follow their
+    parameter)."""
+    owners = assign_owners(holdings, world)
+    return {h.name: owners[h.key] for h in holdings if len(h.ranks) > 1 and rank in h.ranks}
+
+
+def holdings_of(name: str, t: Any, store_rank: dict[int, int]) -> list[Holding] | None:
+    """Every distinct box of the DTensor ``t`` over its mesh and the job-store ranks holding it
+    (``store_rank``: global rank -> rank in the job store), from its global shape, mesh and
+    placements alone (the same on every rank). None when no box can have several holders (no
+    ``Replicate()`` over a mesh dimension of more than one rank), or when a rank of the mesh does
+    not write the job store (the entry is then written by every rank that holds it), or when
+    this torch lacks the helper that places a box at a mesh coordinate (alike on every rank)."""
+    try:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    except ImportError:  # (torch's own helper, private: the one its public wrapper calls)
+        return None
+
+    mesh_shape = [int(n) for n in t.device_mesh.shape]
+    codes = [placement_code(p) for p in t.placements]  # Shard / Replicate only
+    if not any(c == "R" and n > 1 for c, n in zip(codes, mesh_shape)):
+        return None
+    grid = [int(g) for g in t.device_mesh.mesh.reshape(-1).tolist()]  # row-major coordinates
+    boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    by_shard: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for g, coord in zip(grid, itertools.product(*(range(n) for n in mesh_shape))):
+        if g not in store_rank:
+            return None
+        where = tuple(0 if c == "R" else x for c, x in zip(codes, coord))  # what the box depends on
+        key = by_shard.get(where)
+        if key is None:
+            shape, offsets = _compute_local_shape_and_global_offset(
+                list(t.shape), mesh_shape, list(where), t.placements)
+            key = by_shard[where] = (tuple(int(o) for o in offsets), tuple(int(n) for n in shape))
+        boxes.setdefault(key, []).append(store_rank[g])
+    size = t.element_size()
+    return [Holding(name, o, n, math.prod(n) * size, tuple(sorted(set(rs))))
+            for (o, n), rs in sorted(boxes.items())]
+
+
+def localize(state: dict, rank: int, world: int, replicas: Mapping[str, int] | None = None) -> dict:
     """A Checkpointer state (``{"model", "optimizer", REPLAY_KEY, ...}``) with every DTensor of
     the model and of the optimizer state replaced by its local shard, and the ``shards`` section
-    saying where each shard lies."""
+    saying where each shard lies. ``replicas``: ``{entry: owner}`` for the parameters (and their
+    tied entries) whose box other ranks hold too; those another rank owns are cut from the part
+    (model, optimizer state, replay groups and aliases), their BOX kept in ``tensors``."""
+    info = state[REPLAY_KEY]
+    aliases = dict(info.get("aliases") or {})
+    replicas = {k: int(o) for k, o in (replicas or {}).items()}
+    for a, c in aliases.items():  # a tied entry follows its parameter
+        if c in replicas:
+            replicas[a] = replicas[c]
     tensors: dict[str, dict] = {}
     model = type(state["model"])()
     for k, v in state["model"].items():
@@ -98,27 +200,53 @@ def localize(state: dict, rank: int, world: int) -> dict:
             tensors[k] = box_of(v)
             v = local(v)
         model[k] = v
-    if hasattr(state["model"], "_metadata"):
-        model._metadata = state["model"]._metadata
-    names = [n for g in state[REPLAY_KEY]["groups"] for n in g]
-    opt_state: dict[int, Any] = {}
-    for i, entry in state["optimizer"]["state"].items():
-        out = {}
-        for k, v in entry.items():
-            if is_dtensor(v):
-                own = tensors.get(names[i]) if 0 <= i < len(names) else None
-                if own is None or not same_box(box_of(v), own):
-                    raise UnsupportedTypeError(f"optimizer state {k!r} of {names[i]!r} is not "
-                                               "sharded as its parameter")
-                v = local(v)
-            out[k] = v
-        opt_state[i] = out
+    names = [n for g in info["groups"] for n in g]
+    opt_state = {i: _local_state_entry(entry, names, i, tensors)
+                 for i, entry in state["optimizer"]["state"].items()}
+    kept = [n for n in names if replicas.get(n, rank) == rank]
+    new_index: dict[int, int] = {}  # the whole optimizer's index -> the part's
+    for i, n in enumerate(names):
+        if replicas.get(n, rank) == rank:
+            new_index[i] = len(new_index)
+    sd = state["optimizer"]
     st = dict(state)
-    st["model"] = model
-    st["optimizer"] = dict(state["optimizer"], state=opt_state)
-    st[REPLAY_KEY] = dict(state[REPLAY_KEY], **{SHARDS_KEY: {
-        "v": SHARDS_VERSION, "rank": rank, "world": world, "tensors": tensors}})
+    st["model"] = _cut_model(model, state["model"], {k for k, o in replicas.items() if o != rank})
+    st["optimizer"] = dict(sd, state={new_index[i]: e for i, e in opt_state.items() if i in new_index},
+                           param_groups=[cut_group(g, new_index) for g in sd["param_groups"]])
+    st[REPLAY_KEY] = dict(info, groups=[[n for n in g if n in kept] for g in info["groups"]],
+                          aliases={a: c for a, c in aliases.items()
+                                   if replicas.get(a, rank) == rank and replicas.get(c, rank) == rank},
+                          **{SHARDS_KEY: {
+                              "v": SHARDS_VERSION, "rank": rank, "world": world, "tensors": tensors,
+                              "replicas": replicas, "groups": info["groups"],
+                              "keys": list(state["model"].keys()), "aliases": aliases,
+                              "state_order": list(sd["state"].keys()),
+                              "param_names": [g.get("param_names") for g in sd["param_groups"]]}})
     return st
+
+
+def _local_state_entry(entry: dict, names: Sequence[str], i: int, tensors: dict[str, dict]) -> dict:
+    """An optimizer-state entry (of parameter ``i``) with its DTensors replaced by their local
+    shards; each must be sharded as its parameter."""
+    name = names[i] if 0 <= i < len(names) else f"parameter {i}"
+    out = {}
+    for k, v in entry.items():
+        if is_dtensor(v):
+            own = tensors.get(name)
+            if own is None or not same_box(box_of(v), own):
+                raise UnsupportedTypeError(f"optimizer state {k!r} of {name!r} is not sharded as "
+                                           "its parameter")
+            v = local(v)
+        out[k] = v
+    return out
+
+
+def _cut_model(model: Any, like: Any, drop: set[str]) -> Any:
+    """``model`` without the entries in ``drop``, with ``like``'s ``_metadata``."""
+    out = type(model)((k, v) for k, v in model.items() if k not in drop)
+    if hasattr(like, "_metadata"):
+        out._metadata = like._metadata
+    return out
 
 
 def shards_of(state: Any) -> dict | None:
@@ -176,20 +304,137 @@ def _assemble(what: str, pieces: list[tuple[Any, dict, int]]) -> torch.Tensor:
     return full
 
 
+def omitted(part: dict) -> dict[str, int]:
+    """``{entry: owner}`` for every entry a sharded part omitted (a replica another rank owns)."""
+    sec = shards_of(part) or {}
+    rank = sec.get("rank")
+    reps = sec.get("replicas")
+    return {k: o for k, o in reps.items() if o != rank} if isinstance(reps, dict) else {}
+
+
+def donors_needed(part: dict) -> list[int]:
+    """The ranks whose parts (of the same iteration) :func:`complete_part` needs for ``part``."""
+    return sorted(set(omitted(part).values()))
+
+
+def complete_part(part: dict, donors: Mapping[int, dict]) -> dict:
+    """A sharded part with every entry it omitted put back from its owner's part
+    (``donors[owner]``, of the same iteration): the part as if its rank had written every shard
+    it holds (model entries in the whole model's order, the whole optimizer's indices, groups and
+    aliases, ``replicas`` empty). A part that omitted nothing is returned as it is. Raises
+    DamagedCheckpointError, naming the entry, the box, the owner and the iteration, when the
+    owner's part does not hold that box."""
+    missing = omitted(part)
+    if not missing:
+        return part
+    sec = shards_of(part)
+    assert sec is not None  # (omitted() found replicas)
+    it, rank = part.get("iteration"), sec["rank"]
+    whole = _whole_names(sec, f"iteration {it}: rank {rank}'s part")
+    groups, keys, aliases = whole
+    names = [n for g in groups for n in g]
+    model = type(part["model"])()
+    for k in keys:
+        if k in part["model"] and k not in missing:
+            model[k] = part["model"][k]
+        elif k in missing:
+            model[k] = _donated(k, sec, missing[k], donors, it)
+        else:
+            raise DamagedCheckpointError(f"iteration {it}: rank {rank}'s part holds no model "
+                                         f"entry {k!r}")
+    if hasattr(part["model"], "_metadata"):
+        model._metadata = part["model"]._metadata
+    found: dict[int, Any] = {}
+    own_state = _state_by_name(part)
+    for i, n in enumerate(names):
+        if n in missing:
+            donor_state = _state_by_name(donors[missing[n]])  # (present: _donated checked it)
+            entry = donor_state.get(n)
+        else:
+            entry = own_state.get(n)
+        if entry is not None:
+            found[i] = entry
+    order = [i for i in (sec.get("state_order") or []) if i in found]
+    state = {i: found[i] for i in order + sorted(set(found) - set(order))}
+    index = {n: i for i, n in enumerate(names)}
+    given = sec.get("param_names") or [None] * len(groups)
+    param_groups = []
+    for g, gnames, pnames in zip(part["optimizer"]["param_groups"], groups, given):
+        full = dict(g, params=[index[n] for n in gnames])
+        if pnames is not None:
+            full["param_names"] = list(pnames)
+        param_groups.append(full)
+    out = dict(part)
+    out["model"] = model
+    out["optimizer"] = dict(part["optimizer"], state=state, param_groups=param_groups)
+    out[REPLAY_KEY] = dict(part[REPLAY_KEY], groups=groups, aliases=aliases,
+                           **{SHARDS_KEY: dict(sec, replicas={})})
+    return out
+
+
+def _whole_names(sec: dict, what: str) -> tuple[list[list[str]], list[str], dict[str, str]]:
+    """The whole model's param groups, entries and aliases a cut part records."""
+    groups, keys, aliases = sec.get("groups"), sec.get("keys"), sec.get("aliases")
+    if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups) or \
+            not isinstance(keys, list) or not isinstance(aliases, dict):
+        raise DamagedCheckpointError(f"{what} omits replicated entries but does not record the "
+                                     "whole model's names (shards.groups, keys, aliases)")
+    return groups, keys, aliases
+
+
+def _state_by_name(part: dict) -> dict[str, Any]:
+    """A part's optimizer-state entries by parameter name (its replay ``groups`` order)."""
+    names = [n for g in part[REPLAY_KEY]["groups"] for n in g]
+    state = part["optimizer"]["state"]
+    return {n: state[i] for i, n in enumerate(names) if i in state}
+
+
+def _box_text(box: Any) -> str:
+    if not isinstance(box, dict):
+        return "(no box)"
+    return f"offsets {list(box.get('offsets') or [])} shape {list(box.get('local') or [])}"
+
+
+def _donated(k: str, sec: dict, owner: int, donors: Mapping[int, dict], it: Any) -> Any:
+    """Model entry ``k`` of a part (its BOX in ``sec``) from its owner's part."""
+    box = sec["tensors"].get(k)
+    donor = donors.get(owner)
+    dsec = shards_of(donor) if donor is not None else None
+    where = (f"iteration {it}: no part holds the box {_box_text(box)} of {k!r} (rank "
+             f"{sec['rank']} left it to rank {owner}")
+    if donor is None or dsec is None or dsec.get("rank") != owner or \
+            dsec.get("world") != sec["world"]:
+        raise DamagedCheckpointError(f"{where}, whose part is not at hand)")
+    v = donor["model"].get(k)
+    dbox = (dsec.get("tensors") or {}).get(k)
+    if not isinstance(v, torch.Tensor) or not isinstance(dbox, dict) or box is None or \
+            not same_box(dbox, box) or (dsec.get("replicas") or {}).get(k, owner) != owner:
+        raise DamagedCheckpointError(f"{where}, whose part does not hold it)")
+    if any(k in g for g in sec["groups"]) and not any(k in g for g in donor[REPLAY_KEY]["groups"]):
+        raise DamagedCheckpointError(f"{where}, whose part does not replay it)")
+    return v
+
+
 def assemble_parts(parts: Sequence[dict], local_rank: int = 0) -> dict:
     """The whole state of one iteration from every rank's sharded part (rank order): each
-    sharded tensor assembled from its shards (a contiguous CPU tensor of the global shape),
-    every other entry, the RNG and scheduler states from part ``local_rank``. The result has no
-    ``shards`` section: it is a Checkpointer state of the unsharded model."""
+    sharded tensor assembled from its shards (a contiguous CPU tensor of the global shape; a box
+    several ranks hold from its owner's part, once), every other entry, the RNG and scheduler
+    states from part ``local_rank``. The result has no ``shards`` section: it is a Checkpointer
+    state of the unsharded model. Raises DamagedCheckpointError when the parts do not form one
+    state, or a box no part holds (naming the tensor and the box)."""
     sections = [shards_of(p) for p in parts]
     if any(s is None for s in sections):
         raise DamagedCheckpointError("not every rank's state is a sharded part")
-    secs: list[dict] = [s for s in sections if s is not None]
-    world = secs[0]["world"]
-    if len(parts) != world or [s["rank"] for s in secs] != list(range(world)) or \
-            any(s["world"] != world or set(s["tensors"]) != set(secs[0]["tensors"]) for s in secs):
+    secs0: list[dict] = [s for s in sections if s is not None]
+    world = secs0[0]["world"]
+    if len(parts) != world or [s["rank"] for s in secs0] != list(range(world)) or \
+            any(s["world"] != world or set(s["tensors"]) != set(secs0[0]["tensors"])
+                for s in secs0):
         raise DamagedCheckpointError(f"the {len(parts)} sharded parts do not form one state of "
                                      f"{world} ranks")
+    donors = dict(enumerate(parts))
+    parts = [complete_part(p, donors) for p in parts]
+    secs: list[dict] = [s for s in (shards_of(p) for p in parts) if s is not None]
     base = parts[local_rank]
     model = type(base["model"])()
     for k, v in base["model"].items():

@@ -56,7 +56,7 @@ from ..replay.partition import Partition, split_state
 from ..replay.shards import is_dtensor, local, localize
 from .dp_restore import can_load_in_parallel, load_in_parallel
 from .failure_policy import FailurePolicy
-from .sharded import copy_into_live, load_sharded
+from .sharded import copy_into_live, load_sharded, replicas_of
 from ..replay.replayer import fingerprint, fingerprint_digest
 
 
@@ -130,6 +130,38 @@ def _json_defaults(defaults: dict) -> dict:
             if v is None or type(v) in (bool, int, float, str, tuple)}
 
 
+def _storage_key(v: torch.Tensor) -> tuple | None:
+    """What two tied entries share: the (local, for a DTensor) storage address, shape and dtype.
+    None for an empty DTensor shard (its address says nothing: ties are then found by identity)."""
+    t = local(v)
+    if is_dtensor(v) and t.numel() == 0:
+        return None
+    return (t.data_ptr(), tuple(t.shape), t.dtype, is_dtensor(v))
+
+
+def _tied_entries(model: torch.nn.Module, param_names: set[str]) -> dict[str, str]:
+    """``{state_dict key: parameter name}`` for every model entry that is not one of the
+    optimizer's parameters but is one of them under another name (a tied weight: the same object,
+    or the same storage, shape and dtype; for a DTensor, of its local shard). The same on every
+    rank: ties are structural."""
+    by_id: dict[int, str] = {}
+    by_key: dict[tuple, str] = {}
+    for n, p in model.named_parameters():  # (a tied parameter once, under its first name)
+        by_id[id(p)] = n
+        key = _storage_key(p)
+        if key is not None:
+            by_key[key] = n
+    out: dict[str, str] = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if k in param_names or not isinstance(v, torch.Tensor):
+            continue
+        key = _storage_key(v)
+        tie = by_id.get(id(v)) or (by_key.get(key) if key is not None else None)
+        if tie is not None and tie in param_names:
+            out[k] = tie
+    return out
+
+
 class Checkpointer:
     """Per-iteration checkpoints of ``model`` + ``optimizer`` (+ ``scheduler``) in ``store``.
 
@@ -151,6 +183,11 @@ class Checkpointer:
     with a base snapshot of the live state when deltas were lost. The synchronous path does the
     same after a failed write or commit (see :meth:`step`).
     ``capture``: "hooks" (default: copy gradients during backward, exact codec only) or "step".
+    ``partition``: on a multi-rank job store, each rank writes only its share (default): whole
+    parameters for data parallelism (format-spec/deltas.md, "Partitioned states"); for DTensor
+    parameters its local shards, each box several ranks hold written by one of them ("Sharded
+    states"). False: every rank writes everything it holds. True: partition (refused for
+    DTensor parameters, which are always written as local shards).
     ``on_failure``: "raise" (default) or "retry": keep training through storage failures, logged
     and counted, until ``max_failures`` in a row or no durable checkpoint for ``max_lag_s``
     seconds (:mod:`ckptstore.torch.failure_policy`; :meth:`health` says how it is going).
@@ -232,15 +269,14 @@ class Checkpointer:
             self._partition = Partition.balanced(
                 [(n, p.numel() * p.element_size()) for n, p in zip(ordered, self._params)],
                 store.world_size)
-        self._owned = [self._partition is None or self._partition.owner[n] == self._rank
-                       for n in ordered]
-        sd = model.state_dict(keep_vars=True) if not self._sharded else {}  # (no tied DTensors)
-        by_ptr = {(p.data_ptr(), tuple(p.shape), p.dtype): n for n, p in model.named_parameters()
-                  if not self._sharded}
-        self._aliases = {k: by_ptr[(v.data_ptr(), tuple(v.shape), v.dtype)] for k, v in sd.items()
-                         if k not in self._param_names and isinstance(v, torch.Tensor)
-                         and (v.data_ptr(), tuple(v.shape), v.dtype) in by_ptr
-                         and by_ptr[(v.data_ptr(), tuple(v.shape), v.dtype)] in self._param_names}
+        #: tied entries: {state_dict key: the parameter it is} (plain tensors and DTensors)
+        self._aliases = _tied_entries(model, self._param_names)
+        #: sharded parameters whose box other ranks hold too: {name: the rank that writes it}
+        self._replicas: dict[str, int] = {}
+        if self._sharded and job and self._world > 1 and partition is not False:
+            self._replicas = replicas_of(store, ordered, self._params, self._rank, self._world)
+        self._owned = [(self._partition is None or self._partition.owner[n] == self._rank)
+                       and self._replicas.get(n, self._rank) == self._rank for n in ordered]
         dev = {p.device.type for p in self._params}
         self._device = dev.pop() if len(dev) == 1 else "mixed"
         self._last: int | None = None
@@ -293,7 +329,7 @@ class Checkpointer:
         if self._partition is not None:
             return split_state(st, self._partition, self._rank)
         if self._sharded:
-            return localize(st, self._rank, self._world)
+            return localize(st, self._rank, self._world, self._replicas)
         return st
 
     def save_base(self, iteration: int, meta: dict | None = None):
@@ -467,7 +503,7 @@ class Checkpointer:
                       err: dict[str, Any]) -> dict[str, Any]:
         """The delta record of ``iteration`` (format-spec/deltas.md), built after
         ``optimizer.step()`` and ``scheduler.step()``: ``hyper`` and ``rng`` were taken before."""
-        if self._partition is not None:
+        if not all(self._owned):  # a partition, or replicated shards other ranks write
             grads = [g for g, owned in zip(grads, self._owned) if owned]
             if self.codec.lossy:
                 err = dict(err, max_abs=[e for e, owned in zip(err["max_abs"], self._owned) if owned])

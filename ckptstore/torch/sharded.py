@@ -3,10 +3,14 @@
 Call sequence (every rank, collective only through the store): ``state =
 load_sharded(store, iteration, rank, world)``, then ``copy_into_live(state, model, optimizer,
 params)``. At the world size that wrote ``iteration``, a rank reads (and replays) only its own
-part: its local shards, copied into the local shards of the live parameters and optimizer state
-after checking that every box (global shape, offsets, placements, mesh) is the live one. At
-another world size the job's state is assembled whole from every rank's part
-(:func:`ckptstore.replay.shards.assemble_parts`) and each rank copies its own box out of it.
+part, and the parts of the ranks that wrote the replicated boxes it left to them (a
+``Replicate()`` mesh dimension: each box is written once, by its owner), completed into all of
+its local shards (:func:`ckptstore.replay.shards.complete_part`), copied into the local shards
+of the live parameters and optimizer state after checking that every box (global shape,
+offsets, placements, mesh) is the live one. At another world size the job's state is assembled
+whole from every rank's part (:func:`ckptstore.replay.shards.assemble_parts`) and each rank
+copies its own box out of it. Which ranks own which replicated boxes (:func:`replicas_of`) is
+computed alike on every rank, with no collective.
 """
 
 from __future__ import annotations
@@ -16,25 +20,63 @@ from typing import Any
 
 import torch
 
-from ..errors import ShardLayoutError
+from ..errors import ShardLayoutError, UnsupportedTypeError
 from ..multirank.job_store import JobStore
 from ..replay.shards import (
+    Holding,
     box_of,
+    complete_part,
+    donors_needed,
+    holdings_of,
     is_dtensor,
     local,
+    omitted,
     region,
+    replica_owners,
     same_box,
     shards_of,
     state_box,
 )
 
 
+def replicas_of(store: JobStore, names: Sequence[str], params: Sequence[Any], rank: int,
+                world: int) -> dict[str, int]:
+    """``{parameter name: owner}`` for every DTensor parameter (``names``, ``params``: the
+    optimizer's, in its order) whose box this ``rank`` holds together with other ranks of the
+    job store (a ``Replicate()`` mesh dimension), the owner being the rank that writes it
+    (:func:`ckptstore.replay.shards.assign_owners`). Computed from every parameter's global shape,
+    mesh and placements, so every rank finds the same owners (no collective)."""
+    import torch.distributed as dist
+
+    group = store.group
+    if group is None:
+        return {}
+    store_rank = {int(g): r for r, g in enumerate(dist.get_process_group_ranks(group.group))}
+    holdings: list[Holding] = []
+    for n, p in zip(names, params):
+        found = holdings_of(n, p, store_rank) if is_dtensor(p) else None
+        if found is None:
+            continue
+        mine = box_of(p)
+        if not any(h.offsets == tuple(mine["offsets"]) and h.local == tuple(mine["local"])
+                   and rank in h.ranks for h in found):
+            raise UnsupportedTypeError(f"the shard of {n!r} on rank {rank} ({mine}) is not where "
+                                       "its placements put it")
+        holdings += found
+    return replica_owners(holdings, world, rank)
+
+
 def load_sharded(store: Any, iteration: int, rank: int, world: int) -> dict:
     """The state of ``iteration`` for ``rank`` of ``world``: its own part (replayed) when the
-    iteration was written by ``world`` ranks, else the whole state assembled from every part."""
+    iteration was written by ``world`` ranks, completed with the replicated entries it left to
+    their owners from the owners' parts (only those parts are read), else the whole state
+    assembled from every part. DamagedCheckpointError (naming the tensor) when an owner's part
+    does not hold what this part left to it."""
     if isinstance(store, JobStore):
         if store.global_commit(iteration).world_size == world:
-            return store.load(iteration, rank=rank)
+            own = store.load(iteration, rank=rank)
+            return complete_part(own, {o: store.load(iteration, rank=o)
+                                       for o in donors_needed(own)})
         return store.load(iteration)  # every part, assembled (JobStore.load)
     return store.load(iteration)
 
@@ -51,6 +93,12 @@ def copy_into_live(state: dict, model: torch.nn.Module, optimizer: torch.optim.O
         raise ShardLayoutError(f"the sharded state was written by {saved_world} ranks; it cannot "
                                f"be restored as the part of one of {world}",
                                saved_world=saved_world, world=world)
+    gone = omitted(state)
+    if sec is not None and gone:
+        k, owner = next(iter(gone.items()))
+        raise ShardLayoutError(f"the part of rank {sec['rank']} left {k!r} to rank {owner} (a "
+                               "replica): complete it first (load_sharded)",
+                               saved_world=saved_world, world=world, name=k)
     live = model.state_dict()
     plan: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live local destination, source)
     for k, dst in live.items():
