@@ -468,3 +468,31 @@ def test_parts_without_replicas_still_assemble():
     whole = assemble_parts([p0, p1])
     assert whole["model"]["w"][:, 0].tolist() == [0, 0, 1, 1]
     assert whole["model"]["r"].tolist() == [0, 1, 2]
+
+
+def mesh_mismatch(rank, world, path):
+    """4 ranks, an FSDP2 mesh over all of them, but one job store per pair of ranks (a store
+    per replica group): the Checkpointer refuses before anything is written."""
+    import torch.distributed as dist
+
+    from ckptstore.errors import RankMismatchError
+    from ckptstore.torch import Checkpointer
+
+    model, opt, sched = _model("mlp", [world])
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    store = ckptstore.open(os.path.join(path, f"pair{rank // 2}"), "a",
+                           process_group=pairs[rank // 2], commit_timeout=60.0)
+    try:
+        Checkpointer(store, model, opt, sched)
+        return None
+    except RankMismatchError as e:
+        return str(e)
+    finally:
+        store.close()
+
+
+def test_a_mesh_that_is_not_the_job_stores_group_is_refused(tmp_path):
+    res = ok(run_ranks(4, MOD, "mesh_mismatch", str(tmp_path), str(tmp_path / "w"), deadline=150))
+    for r, msg in enumerate(res):
+        assert msg is not None and "global ranks [0, 1, 2, 3]" in msg, (r, msg)
+        assert f"holds ranks {[0, 1] if r < 2 else [2, 3]}" in msg and "'0.weight'" in msg, msg

@@ -56,7 +56,7 @@ from ..replay.partition import Partition, split_state
 from ..replay.shards import is_dtensor, local, localize
 from .dp_restore import can_load_in_parallel, load_in_parallel
 from .failure_policy import FailurePolicy
-from .sharded import copy_into_live, load_sharded, replicas_of
+from .sharded import check_meshes, copy_into_live, load_sharded, replicas_of
 from ..replay.replayer import fingerprint, fingerprint_digest
 
 
@@ -263,6 +263,8 @@ class Checkpointer:
             if job:
                 assert store.rank is not None
                 self._rank = store.rank
+                check_meshes(store, [n for n, p in zip(ordered, self._params) if is_dtensor(p)],
+                             dts)
         elif job and store.world_size > 1 and partition is not False:
             assert store.rank is not None and store.world_size is not None
             self._rank = store.rank

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ShardLayoutError, UnsupportedTypeError
+from ..errors import RankMismatchError, ShardLayoutError, UnsupportedTypeError
 from ..multirank.job_store import JobStore
 from ..replay.shards import (
     Holding,
@@ -37,6 +37,28 @@ from ..replay.shards import (
     shards_of,
     state_box,
 )
+
+
+def check_meshes(store: JobStore, names: Sequence[str], params: Sequence[Any]) -> None:
+    """Refuse DTensor parameters whose device mesh does not span exactly the ranks of the job
+    store's process group (RankMismatchError naming the parameter and both rank sets): a part
+    per store rank can only assemble whole tensors when the store's ranks are the mesh's (a
+    store per replica group under a mesh over every rank would hold half of each tensor)."""
+    import torch.distributed as dist
+
+    group = store.group
+    if group is None:
+        return
+    store_ranks = sorted(int(g) for g in dist.get_process_group_ranks(group.group))
+    for n, p in zip(names, params):
+        if not is_dtensor(p):
+            continue
+        mesh_ranks = sorted(int(g) for g in p.device_mesh.mesh.reshape(-1).tolist())
+        if mesh_ranks != store_ranks:
+            raise RankMismatchError(f"{store.path}: parameter {n!r} is sharded over the device "
+                                    f"mesh of global ranks {mesh_ranks}, but the job store's "
+                                    f"process group holds ranks {store_ranks}: open the store "
+                                    "with the process group the mesh spans")
 
 
 def replicas_of(store: JobStore, names: Sequence[str], params: Sequence[Any], rank: int,
