@@ -496,3 +496,30 @@ def test_a_mesh_that_is_not_the_job_stores_group_is_refused(tmp_path):
     for r, msg in enumerate(res):
         assert msg is not None and "global ranks [0, 1, 2, 3]" in msg, (r, msg)
         assert f"holds ranks {[0, 1] if r < 2 else [2, 3]}" in msg and "'0.weight'" in msg, msg
+
+
+def test_box_at_places_shards_as_dtensor_does():
+    """The pure placement (replay/shards.py box_at) against torch's own, at every coordinate of
+    1-D to 3-D meshes, Shard on any dimension (twice on one, nested), Replicate, uneven and empty
+    shards."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from ckptstore.replay.shards import box_at
+
+    cases = 0
+    for shape in [(7,), (8, 3), (5, 9), (1, 4), (0, 6), (13, 2, 3)]:
+        for mesh_shape in [(2,), (4,), (3,), (2, 2), (2, 3), (4, 2), (2, 2, 2)]:
+            choices = [Replicate()] + [Shard(d) for d in range(len(shape))]
+            for placements in itertools.product(choices, repeat=len(mesh_shape)):
+                codes = ["R" if isinstance(p, Replicate) else f"S{p.dim}" for p in placements]
+                for coord in itertools.product(*(range(n) for n in mesh_shape)):
+                    local, offsets = _compute_local_shape_and_global_offset(
+                        list(shape), list(mesh_shape), list(coord), list(placements))
+                    want = (tuple(int(o) for o in offsets), tuple(int(n) for n in local))
+                    assert box_at(shape, mesh_shape, coord, codes) == want, \
+                        (shape, mesh_shape, codes, coord)
+                    cases += 1
+    assert cases > 2500

@@ -147,18 +147,36 @@ def replica_owners(holdings: Sequence[Holding], world: int, rank: int) -> dict[s
     return {h.name: owners[h.key] for h in holdings if len(h.ranks) > 1 and rank in h.ranks}
 
 
+def box_at(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+           codes: Sequence[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, local shape) of the shard at mesh coordinate ``coord`` of a tensor of global
+    ``shape`` placed by ``codes`` (``"Sd"`` / ``"R"`` per mesh dimension), as DTensor places it:
+    mesh dimensions left to right, each ``Shard(d)`` splitting the current extent of dimension
+    ``d`` into mesh-size chunks the way ``torch.chunk`` does (``ceil(extent / k)`` entries each,
+    the last ones shorter or empty), offsets adding up; an empty shard's offset is the global
+    extent. Pure; :func:`box_of` is torch's own answer for the local rank, and the Checkpointer
+    checks that the two agree there."""
+    sizes = [int(n) for n in shape]
+    offsets = [0] * len(sizes)
+    for code, k, c in zip(codes, mesh_shape, coord):
+        if code == "R":
+            continue
+        d = int(code[1:])
+        cur = sizes[d]
+        chunk = -(-cur // k)
+        start = min(cur, chunk * c)
+        size = max(0, min(cur, chunk * c + chunk) - chunk * c)
+        sizes[d] = size
+        offsets[d] = offsets[d] + start if size else int(shape[d])
+    return tuple(offsets), tuple(sizes)
+
+
 def holdings_of(name: str, t: Any, store_rank: dict[int, int]) -> list[Holding] | None:
     """Every distinct box of the DTensor ``t`` over its mesh and the job-store ranks holding it
     (``store_rank``: global rank -> rank in the job store), from its global shape, mesh and
     placements alone (the same on every rank). None when no box can have several holders (no
     ``Replicate()`` over a mesh dimension of more than one rank), or when a rank of the mesh does
-    not write the job store (the entry is then written by every rank that holds it), or when
-    this torch lacks the helper that places a box at a mesh coordinate (alike on every rank)."""
-    try:
-        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-    except ImportError:  # (torch's own helper, private: the one its public wrapper calls)
-        return None
-
+    not write the job store (the entry is then written by every rank that holds it)."""
     mesh_shape = [int(n) for n in t.device_mesh.shape]
     codes = [placement_code(p) for p in t.placements]  # Shard / Replicate only
     if not any(c == "R" and n > 1 for c, n in zip(codes, mesh_shape)):
@@ -172,9 +190,7 @@ def holdings_of(name: str, t: Any, store_rank: dict[int, int]) -> list[Holding] 
         where = tuple(0 if c == "R" else x for c, x in zip(codes, coord))  # what the box depends on
         key = by_shard.get(where)
         if key is None:
-            shape, offsets = _compute_local_shape_and_global_offset(
-                list(t.shape), mesh_shape, list(where), t.placements)
-            key = by_shard[where] = (tuple(int(o) for o in offsets), tuple(int(n) for n in shape))
+            key = by_shard[where] = box_at(list(t.shape), mesh_shape, where, codes)
         boxes.setdefault(key, []).append(store_rank[g])
     size = t.element_size()
     return [Holding(name, o, n, math.prod(n) * size, tuple(sorted(set(rs))))
