@@ -92,6 +92,15 @@ def _full_state(model, opt) -> dict:
                           for i, s in opt.state_dict()["state"].items()}}
 
 
+def record(model, opt, live_dir: str, tag: str, name: str, rank: int) -> None:
+    """Save this rank's live local shards as ``{tag}-{name}-rank{rank}.pt`` and, from rank 0,
+    the gathered full state as ``{tag}-{name}-full.pt`` (collective: every rank calls it)."""
+    torch.save(_local_state(model, opt), os.path.join(live_dir, f"{tag}-{name}-rank{rank}.pt"))
+    full = _full_state(model, opt)
+    if rank == 0:
+        torch.save(full, os.path.join(live_dir, f"{tag}-{name}-full.pt"))
+
+
 def fsdp_train(rank, world, path, iterations, live_dir, tag, base_every=4, group_commit=2,
                check_wrong_world=False, asynchronous=True):
     """Restore (or start) on the job store, train ``iterations`` steps, save the live local
@@ -117,20 +126,14 @@ def fsdp_train(rank, world, path, iterations, live_dir, tag, base_every=4, group
             out["wrong_world"] = [type(e).__name__, e.saved_world, e.world, str(e)]
     start = ck.restore()
     out["start"] = start
-    torch.save(_local_state(model, opt), os.path.join(live_dir, f"{tag}-restored-rank{rank}.pt"))
-    full = _full_state(model, opt)
-    if rank == 0:
-        torch.save(full, os.path.join(live_dir, f"{tag}-restored-full.pt"))
+    record(model, opt, live_dir, tag, "restored", rank)
     for it in range(start + 1, start + iterations + 1):
         g = torch.Generator().manual_seed(1000 * rank + it)
         x, y = torch.randn(6, 12, generator=g), torch.randn(6, 7, generator=g)
         torch.nn.functional.mse_loss(model(x), y).backward()
         ck.step(it, meta={"rank": rank})
         opt.zero_grad()
-        torch.save(_local_state(model, opt), os.path.join(live_dir, f"{tag}-{it}-rank{rank}.pt"))
-        full = _full_state(model, opt)
-        if rank == 0:
-            torch.save(full, os.path.join(live_dir, f"{tag}-{it}-full.pt"))
+        record(model, opt, live_dir, tag, str(it), rank)
     store.flush()
     store.close()
     ck.close()

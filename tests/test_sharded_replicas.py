@@ -27,7 +27,7 @@ import os
 import pytest
 import torch
 from _ranks import run_ranks
-from test_sharded_checkpointer import _full_state, _local_state, assert_bits, bits, ok
+from test_sharded_checkpointer import assert_bits, bits, ok, record
 
 import ckptstore
 from ckptstore.errors import DamagedCheckpointError
@@ -142,20 +142,13 @@ def train(rank, world, path, iterations, live_dir, tag, kind="mlp", mesh_shape=(
         out["tied"] = model.head.weight is model.embed.weight and \
             local(model.head.weight).data_ptr() == local(model.embed.weight).data_ptr()
     for name in ("restored", str(start)):
-        torch.save(_local_state(model, opt), os.path.join(live_dir, f"{tag}-{name}-rank{rank}.pt"))
-    full = _full_state(model, opt)
-    if rank == 0:
-        for name in ("restored", str(start)):
-            torch.save(full, os.path.join(live_dir, f"{tag}-{name}-full.pt"))
+        record(model, opt, live_dir, tag, name, rank)
     for it in range(start + 1, start + iterations + 1):
         x, y = _batch(kind, rank, it)
         _loss(kind, model(x), y).backward()
         ck.step(it, meta={"rank": rank})
         opt.zero_grad()
-        torch.save(_local_state(model, opt), os.path.join(live_dir, f"{tag}-{it}-rank{rank}.pt"))
-        full = _full_state(model, opt)
-        if rank == 0:
-            torch.save(full, os.path.join(live_dir, f"{tag}-{it}-full.pt"))
+        record(model, opt, live_dir, tag, str(it), rank)
     store.flush()
     store.close()
     ck.close()

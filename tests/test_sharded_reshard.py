@@ -28,6 +28,7 @@ import shutil
 import pytest
 import torch
 from _ranks import run_ranks
+from test_sharded_checkpointer import _fsdp as fsdp_mlp, bits, ok
 
 import ckptstore
 
@@ -43,16 +44,6 @@ pytestmark = [
                        reason="torch.distributed with gloo is not available"),
     pytest.mark.timeout(300),
 ]
-
-
-def ok(results: list[dict]) -> list:
-    assert all("ok" in r for r in results), [
-        (r.get("error"), r.get("message"), r.get("trace", "")[-2000:], r.get("died")) for r in results]
-    return [r["ok"] for r in results]
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def diff(a, b, what: str) -> list[str]:
@@ -72,22 +63,12 @@ def diff(a, b, what: str) -> list[str]:
 
 # ---- scenario (every rank) ----------------------------------------------------------------------
 def _fsdp(world: int):
-    """The FSDP2 MLP (7 output rows: uneven Shard(0) at 2 and 4 ranks), AdamW, StepLR; then a
-    rank-specific torch RNG, so a restored RNG says whose part it came from."""
+    """The FSDP2 MLP of tests/test_sharded_checkpointer.py (7 output rows: uneven Shard(0) at 2
+    and 4 ranks), AdamW, StepLR; then a rank-specific torch RNG, so a restored RNG says whose part
+    it came from."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24),
-                                torch.nn.Tanh(), torch.nn.Linear(24, 7))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    model, opt, sched = fsdp_mlp(world)
     torch.manual_seed(100 + dist.get_rank())
     return model, opt, sched
 

@@ -124,6 +124,27 @@ def partition_of(state: Any) -> dict | None:
     return info.get(PARTITION_KEY) if isinstance(info, dict) else None
 
 
+def whole_optimizer(found: dict[int, Any], state_order: Sequence[int] | None,
+                    groups: Sequence[Sequence[str]], templates: Sequence[dict],
+                    param_names: Sequence[Any] | None) -> dict:
+    """The whole model's optimizer state_dict from the per-parameter states ``found`` (keyed by
+    index in the whole optimizer order, the names of ``groups`` flattened): states in the
+    trainer's ``state_order`` (those it does not list after, ascending), one param group per
+    ``templates`` entry (a part's group: hyperparameters) listing its parameters' whole-model
+    indices, with the trainer's ``param_names`` where it gave them. Shared by partition merges
+    and the completion of sharded parts (replay/shards.py)."""
+    order = [i for i in (state_order or []) if i in found]
+    state = {i: found[i] for i in order + sorted(set(found) - set(order))}
+    index = {n: i for i, n in enumerate(n for g in groups for n in g)}
+    param_groups = []
+    for g, gnames, pnames in zip(templates, groups, param_names or [None] * len(groups)):
+        whole = dict(g, params=[index[n] for n in gnames])
+        if pnames is not None:
+            whole["param_names"] = list(pnames)
+        param_groups.append(whole)
+    return {"state": state, "param_groups": param_groups}
+
+
 def merge_parts(parts: Sequence[dict], local: int = 0) -> dict:
     """The whole Checkpointer state from every rank's part of one iteration (rank order).
     Buffers, RNG states, the scheduler and the rest come from part ``local`` (a rank restores its
@@ -160,19 +181,10 @@ def merge_parts(parts: Sequence[dict], local: int = 0) -> dict:
         s = parts[owner[n]]["optimizer"]["state"].get(index_in_part[owner[n]][n])
         if s is not None:
             found[i] = s
-    order = [i for i in first.get("state_order", sorted(found)) if i in found]
-    state = {i: found[i] for i in order + sorted(set(found) - set(order))}  # the trainer's order
-    index = {n: i for i, n in enumerate(names)}
-    param_groups = []
-    given_names = first.get("param_names") or [None] * len(groups)
-    for g, gnames, pnames in zip(base["optimizer"]["param_groups"], groups, given_names):
-        merged = dict(g, params=[index[n] for n in gnames])
-        if pnames is not None:
-            merged["param_names"] = list(pnames)
-        param_groups.append(merged)
     out = dict(base)
     out["model"] = model
-    out["optimizer"] = {"state": state, "param_groups": param_groups}
+    out["optimizer"] = whole_optimizer(found, first.get("state_order"), groups,
+                                       base["optimizer"]["param_groups"], first.get("param_names"))
     info = {k: v for k, v in base[REPLAY_KEY].items() if k != PARTITION_KEY}
     out[REPLAY_KEY] = dict(info, groups=groups, aliases=aliases)
     return out

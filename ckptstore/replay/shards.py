@@ -47,7 +47,7 @@ import torch
 
 from ..errors import DamagedCheckpointError, UnsupportedTypeError
 from ..format.delta import REPLAY_KEY
-from .partition import cut_group
+from .partition import cut_group, whole_optimizer
 
 SHARDS_KEY = "shards"
 SHARDS_VERSION = 1
@@ -370,19 +370,11 @@ def complete_part(part: dict, donors: Mapping[int, dict]) -> dict:
             entry = own_state.get(n)
         if entry is not None:
             found[i] = entry
-    order = [i for i in (sec.get("state_order") or []) if i in found]
-    state = {i: found[i] for i in order + sorted(set(found) - set(order))}
-    index = {n: i for i, n in enumerate(names)}
-    given = sec.get("param_names") or [None] * len(groups)
-    param_groups = []
-    for g, gnames, pnames in zip(part["optimizer"]["param_groups"], groups, given):
-        full = dict(g, params=[index[n] for n in gnames])
-        if pnames is not None:
-            full["param_names"] = list(pnames)
-        param_groups.append(full)
     out = dict(part)
     out["model"] = model
-    out["optimizer"] = dict(part["optimizer"], state=state, param_groups=param_groups)
+    out["optimizer"] = dict(part["optimizer"], **whole_optimizer(
+        found, sec.get("state_order"), groups, part["optimizer"]["param_groups"],
+        sec.get("param_names")))
     out[REPLAY_KEY] = dict(part[REPLAY_KEY], groups=groups, aliases=aliases,
                            **{SHARDS_KEY: dict(sec, replicas={})})
     return out
