@@ -56,7 +56,7 @@ class ImageTensor:
 
     def __init__(self, buffer: torch.Tensor, offset: int, dtype: torch.dtype,
                  shape: tuple[int, ...], stride: int) -> None:
-        esz = torch.empty((), dtype=dtype).element_size()
+        esz = dtype.itemsize
         numel = math.prod(shape)
         if not self.fits(dtype, numel * esz, stride):
             raise ValueError(f"a {dtype} tensor of shape {shape} cannot lie in a chunk image")
@@ -82,7 +82,7 @@ class ImageTensor:
     @staticmethod
     def fits(dtype: torch.dtype, nbytes: int, stride: int) -> bool:
         """Whether a tensor of ``dtype`` and ``nbytes`` can lie in a chunk image of ``stride``."""
-        esz = torch.empty((), dtype=dtype).element_size()
+        esz = dtype.itemsize
         return nbytes > 0 and esz in _BITS and DATA_OFFSET % esz == 0 and stride % esz == 0 \
             and not dtype.is_complex
 

@@ -87,7 +87,7 @@ def test_geometry_refuses_what_it_cannot_lay_out() -> None:
     with pytest.raises(ValueError):
         ChunkImage(0, STRIDE)
     assert ChunkImage.stride_for(4 << 20) == 4 << 20 and ChunkImage.stride_for(100) == 2 * BLOCK
-    assert ChunkImage.chunk_size_of(4 << 20) == (4 << 20) - 64 == DATA_OFFSET + (4 << 20) - 120
+    assert ChunkImage(1, 4 << 20).chunk_size == (4 << 20) - 64 == DATA_OFFSET + (4 << 20) - 120
 
 
 # ---- ImageTensor ---------------------------------------------------------------------------------

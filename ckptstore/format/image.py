@@ -106,11 +106,6 @@ class ChunkImage:
             raise ValueError("a chunk image holds at least one byte")
 
     @staticmethod
-    def chunk_size_of(stride: int) -> int:
-        """The data bytes per full record (the manifest's ``chunk_size``) for ``stride``."""
-        return stride - RECORD_OVERHEAD
-
-    @staticmethod
     def stride_for(chunk_size: int) -> int:
         """The stride a store of ``chunk_size`` uses for its images: ``chunk_size`` rounded up to
         a block, at least two blocks (so most of a record is data)."""
@@ -118,6 +113,7 @@ class ChunkImage:
 
     @property
     def chunk_size(self) -> int:
+        """The data bytes per full record (the manifest's ``chunk_size``)."""
         return self.stride - RECORD_OVERHEAD
 
     @property
