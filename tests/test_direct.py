@@ -456,3 +456,35 @@ def test_a_background_write_failing_under_a_pending_group_aborts_the_group(dio_d
     assert report.clean, report.lines()
     with ckptstore.open(path, mode="r") as r:
         assert torch.equal(r.load_record(1)["w"], _big(21, 3_000_000)["w"])
+
+
+def test_the_writer_thread_exits_when_idle_and_comes_back(dio_dir: Path, monkeypatch) -> None:
+    """A staging buffer no longer written leaves no thread behind (stores opened and dropped by
+    the thousand would otherwise keep one each); the next hand-off starts one again."""
+    import threading
+    import time
+
+    monkeypatch.setattr(direct, "_WRITER_IDLE_S", 0.1)
+
+    def writers() -> int:
+        return sum(t.name == "ckptstore-direct-write" for t in threading.enumerate())
+
+    before = writers()
+    path, ref_path = dio_dir / "d.seg", dio_dir / "b.seg"
+    w = SegmentWriter.create(str(path), 1, b"s" * 16, FileOps(), stage=StagingBuffer(64 << 10))
+    ref = SegmentWriter.create(str(ref_path), 1, b"s" * 16, FileOps())
+    rng = random.Random(3)
+    for burst in range(2):
+        for _ in range(12):
+            part = rng.randbytes(40_000)
+            w.append(rec.RecordType.CHUNK, [part])
+            ref.append(rec.RecordType.CHUNK, [part])
+        assert writers() == before + 1
+        w.sync()
+        deadline = time.monotonic() + 5
+        while writers() > before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert writers() == before, f"burst {burst}: the idle writer thread did not exit"
+    w.close()
+    ref.close()
+    assert path.read_bytes() == ref_path.read_bytes()

@@ -53,8 +53,8 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import queue
 import threading
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -67,6 +67,8 @@ ALIGN = 4096
 #: Bytes staged before a write: large enough that one write per 8 MiB costs little in system calls,
 #: small enough to stay a fixed, reused allocation per writer.
 STAGE_CAPACITY = 8 << 20
+#: A staging buffer's writer thread exits after this many seconds without a write to do.
+_WRITER_IDLE_S = 5.0
 #: Below this, a copy holds the GIL (a memoryview assignment); above it numpy releases it.
 _SMALL_COPY = 16 << 10
 
@@ -91,29 +93,41 @@ class StagingBuffer:
         self.arrays = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
         for a in self.arrays:
             a[:] = 0  # touch every page now, not during the first save
-        self._jobs: queue.SimpleQueue[_BackgroundWrite] = queue.SimpleQueue()
+        self._worker_pid = -1  # (the writer thread's state is made by submit, per process)
+        self._jobs: deque[_BackgroundWrite] = deque()
+        self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
-        self._worker_pid = 0
 
     @property
     def overlap(self) -> bool:
         return len(self.views) == 2
 
     def submit(self, job: "_BackgroundWrite") -> None:
-        """Run ``job`` on this buffer's writer thread (started on first use, and again in a
-        forked child, which inherits no threads)."""
-        if self._worker is None or self._worker_pid != os.getpid():
-            self._jobs = queue.SimpleQueue()
-            self._worker = threading.Thread(target=_serve, args=(self._jobs,), daemon=True,
-                                            name="ckptstore-direct-write")
+        """Run ``job`` on this buffer's writer thread. The thread is started on demand and exits
+        after :data:`_WRITER_IDLE_S` without work (a buffer no longer used leaves no thread
+        behind); a forked child, which inherits no threads, starts afresh."""
+        if self._worker_pid != os.getpid():
+            self._jobs, self._cv, self._worker = deque(), threading.Condition(), None
             self._worker_pid = os.getpid()
-            self._worker.start()
-        self._jobs.put(job)
+        with self._cv:
+            self._jobs.append(job)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, daemon=True,
+                                                name="ckptstore-direct-write")
+                self._worker.start()
+            else:
+                self._cv.notify()
 
-
-def _serve(jobs: "queue.SimpleQueue[_BackgroundWrite]") -> None:
-    while True:
-        jobs.get().run()
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                if not self._jobs:
+                    self._cv.wait(_WRITER_IDLE_S)
+                    if not self._jobs:  # idle: exit (submit starts another, under the same lock)
+                        self._worker = None
+                        return
+                job = self._jobs.popleft()
+            job.run()
 
 
 class _BackgroundWrite:
