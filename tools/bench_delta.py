@@ -317,7 +317,8 @@ def _load_avg() -> str:
     return "load avg " + "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def _mem_available() -> int:
+def mem_available() -> int:
+    """MemAvailable of /proc/meminfo, bytes (0 where unknown)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -438,7 +439,7 @@ def restore_vs_recompute(args) -> None:
         return loads[cache] + t_sd + steps, scaled
 
     # ---- restore: fresh reader, store.load(k)
-    mem = _mem_available()
+    mem = mem_available()
     rows = []
     t0 = time.perf_counter()
     _timed_load(path, ks[0])  # once per process: the native kernel's calibration (untimed)

@@ -585,15 +585,10 @@ def med(xs: list[float]) -> float:
 
 
 def mem_available() -> int:
-    """MemAvailable of /proc/meminfo, bytes (0 where unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    """MemAvailable of /proc/meminfo, bytes (0 where unknown): bench_delta's."""
+    from bench_delta import mem_available as of_bench_delta  # (tools/ is this script's path)
+
+    return of_bench_delta()
 
 
 def main_deltas(args: argparse.Namespace) -> int:
