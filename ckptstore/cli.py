@@ -15,7 +15,7 @@ import sys
 from typing import Any, Sequence
 
 from .console import human_bytes, printable, progress, table
-from .errors import CkptStoreError, NotFoundError
+from .errors import CkptStoreError, DamagedCheckpointError, NotFoundError
 from .multirank.fsck import check_job
 from .multirank.job_store import JobStore
 from .storage.job_log import is_job_store
@@ -112,6 +112,74 @@ def _show_dcp(store: Any, iteration: int, path: str) -> int:
     return 1 if lay.problems else 0
 
 
+def _shard_sections(store: JobStore, iteration: int) -> list[dict] | None:
+    """Every rank's ``shards`` section (rank order) when ``iteration`` of the job store holds
+    sharded (FSDP2 / DTensor) Checkpointer parts, else None. A delta records no section: its
+    base's (in the same rank stream, so the same layout) is read. Reads manifests only."""
+    from .format.delta import REPLAY_KEY
+    from .replay.shards import shards_of
+
+    sections = []
+    for r in range(store.global_commit(iteration).world_size):
+        base = store.base_of(iteration, rank=r)
+        try:
+            section = shards_of(store.load_record(base, keys=[REPLAY_KEY], rank=r))
+        except NotFoundError:  # a state without a replay section: not a Checkpointer's
+            section = None
+        if section is None:
+            if r == 0:
+                return None
+            raise DamagedCheckpointError(f"{store.path}: iteration {iteration}: rank 0 saved a "
+                                         f"sharded part, rank {r} (base {base}) did not")
+        sections.append(section)
+    return sections
+
+
+def _show_sharded(store: JobStore, iteration: int, sections: list[dict]) -> int:
+    """show of sharded Checkpointer parts: every DTensor entry's box on every rank (global shape,
+    offsets, local shape, placements, mesh) and the rank whose part stores its bytes (another
+    one for a replica it owns). Exit 1 when a tensor's boxes do not tile it."""
+    from .replay.shards import layout_problems
+
+    g = store.global_commit(iteration)
+    info, base = store.info(iteration, rank=0), store.base_of(iteration, rank=0)
+    print(f"iteration {iteration} ({info.kind}): sharded Checkpointer parts (FSDP2 / DTensor) "
+          f"of {g.world_size} ranks in epoch {g.epoch}; created {_when(info.created_ns)}"
+          + ("" if base == iteration else f"; boxes as recorded by its base {base}"))
+
+    def dims(v: Any, sep: str) -> str:
+        return sep.join(map(str, v)) if isinstance(v, list) else str(v)
+
+    def table_of(sec: dict, key: str) -> dict:
+        t = sec.get(key)
+        return t if isinstance(t, dict) else {}
+
+    names: dict[str, None] = {}
+    for sec in sections:
+        names.update(dict.fromkeys(table_of(sec, "tensors")))
+    rows = []
+    for name in names:
+        for r, sec in enumerate(sections):
+            box = table_of(sec, "tensors").get(name)
+            if not isinstance(box, dict):
+                rows.append([name, "-", "-", "-", "-", "-", r, "(no box)"])
+                continue
+            owner = table_of(sec, "replicas").get(name, r)
+            rows.append([name, dims(box.get("shape"), "x") or "scalar",
+                         dims(box.get("offsets"), ",") or "-", dims(box.get("local"), "x") or "-",
+                         dims(box.get("placements"), ","), dims(box.get("mesh"), "x"), r, owner])
+    print(f"{len(names)} sharded tensors in {len(rows)} boxes (stored by: the rank whose part "
+          "holds the bytes; --rank N: rank N's part as stored)")
+    print(f"meta: {json.dumps(store.meta(iteration, rank=0), default=repr)}")
+    if rows:
+        print(table(rows, ["tensor", "global shape", "offsets", "local", "placements", "mesh",
+                           "rank", "stored by"], right=(6, 7)))
+    problems = layout_problems(sections, f"iteration {iteration}: ")
+    for problem in problems:
+        print(f"ckptstore show: error: {printable(str(problem))}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from .dcp import is_dcp
 
@@ -119,6 +187,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         it = args.iteration if args.iteration is not None else _latest(opened, args.path)
         if not args.raw and args.rank is None and is_dcp(opened, it):
             return _show_dcp(opened, it, args.path)
+        if not args.raw and args.rank is None and isinstance(opened, JobStore):
+            sections = _shard_sections(opened, it)
+            if sections is not None:
+                return _show_sharded(opened, it, sections)
         store = opened
         if isinstance(opened, JobStore):
             g = opened.global_commit(it)
@@ -641,8 +713,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("iteration", type=_iteration, nargs="?",
                    help="the iteration (default: the latest)")
     s.add_argument("--rank", type=int, help="multi-rank stores: whose state (default 0)")
-    s.add_argument("--raw", action="store_true", help="a DCP checkpoint: the stored state as is "
-                   "(its items) instead of its layout")
+    s.add_argument("--raw", action="store_true", help="a DCP checkpoint or sharded (FSDP2 / "
+                   "DTensor) Checkpointer parts: the stored state as is (rank 0's, or --rank's) "
+                   "instead of the sharded layout")
     s.set_defaults(func=cmd_show)
 
     s = sub.add_parser("diff", help="which tensors changed between two checkpoints (Merkle diff)")

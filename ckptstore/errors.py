@@ -219,12 +219,16 @@ class DCPError(CkptStoreError):
     names what the checkpoint does not hold. Nothing was committed."""
 
 
-class ShardCoverageError(DCPError):
-    """The shards a DCP checkpoint's metadata records for a tensor do not tile it exactly: two
-    shards overlap, or part of the tensor is in no shard (a gap). ``fqn`` names the tensor,
-    ``offsets`` and ``sizes`` the box that is covered twice or not at all, ``ranks`` the rank
-    streams of the shards involved. Loads of that tensor raise it before reading anything; the
-    checkpoint's other tensors stay loadable (format-spec/dcp.md §3)."""
+class ShardCoverageError(DCPError, DamagedCheckpointError):
+    """The shards a checkpoint records for a tensor do not tile it exactly: two shards overlap,
+    or part of the tensor is in no shard (a gap). ``fqn`` names the tensor, ``offsets`` and
+    ``sizes`` the box that is covered twice or not at all, ``ranks`` the rank streams of the
+    shards involved. For a DCP checkpoint (its metadata's shards), loads of that tensor raise
+    it before reading anything; the checkpoint's other tensors stay loadable
+    (format-spec/dcp.md §3). For sharded Checkpointer parts (the BOXes of their ``shards``
+    sections, format-spec/deltas.md "Sharded states"), assembling the iteration's whole state
+    raises it before any tensor is assembled; each rank's own part stays loadable. Also a
+    DamagedCheckpointError: such a committed checkpoint cannot be read back whole."""
 
     def __init__(self, message: str, *, fqn: str, offsets: tuple[int, ...],
                  sizes: tuple[int, ...], ranks: tuple[int, ...] = ()) -> None:

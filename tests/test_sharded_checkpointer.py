@@ -231,8 +231,10 @@ def test_sharded_parts_replay_bit_exactly(tmp_path, world, asynchronous):
 
 
 def test_assembly_refuses_parts_that_do_not_tile():
-    """Pure: an assembly of sharded parts whose boxes leave a gap, or a part missing."""
-    from ckptstore.errors import DamagedCheckpointError
+    """Pure: an assembly of sharded parts whose boxes overlap, leave a gap, or both (a typed
+    ShardCoverageError naming the tensor, the box and the ranks, before anything is assembled),
+    a box outside the tensor, or a part missing."""
+    from ckptstore.errors import DamagedCheckpointError, ShardCoverageError
     from ckptstore.replay.shards import assemble_parts
 
     def part(rank, world, offsets, rows):
@@ -250,7 +252,100 @@ def test_assembly_refuses_parts_that_do_not_tile():
     assert whole["optimizer"]["state"][0]["exp_avg"][:, 0].tolist() == [0.5, 0.5, 1.5, 1.5]
     assert whole["optimizer"]["state"][0]["step"].item() == 1.0
     assert "shards" not in whole["ckptstore.replay"]
-    with pytest.raises(DamagedCheckpointError, match="cover 6 of its 8"):  # row 2: no shard
-        assemble_parts([part(0, 2, 0, 2), part(1, 2, 3, 1)])
+    # a gap (row 2: no shard), an overlap (row 1 twice, nothing missing: 3 ranks) and both at
+    # once (rows 0-1 and 1-2: row 1 twice, row 3 in no shard; the overlap is named)
+    cases = [([part(0, 2, 0, 2), part(1, 2, 3, 1)], "no shard holds the box at offsets "
+              r"\[2, 0\] of sizes \[1, 2\]", ((2, 0), (1, 2), (0, 1))),
+             ([part(0, 3, 0, 2), part(1, 3, 1, 2), part(2, 3, 3, 1)], "overlap in the box at "
+              r"offsets \[1, 0\] of sizes \[1, 2\]", ((1, 0), (1, 2), (0, 1))),
+             ([part(0, 2, 0, 2), part(1, 2, 1, 2)], r"its shards at offsets \[0, 0\] \(sizes "
+              r"\[2, 2\], rank 0\) and at offsets \[1, 0\] \(sizes \[2, 2\], rank 1\) overlap",
+              ((1, 0), (1, 2), (0, 1)))]
+    for parts, what, (offsets, sizes, ranks) in cases:
+        for p in parts:
+            p["iteration"] = 5
+        with pytest.raises(ShardCoverageError,
+                           match=r"^iteration 5: tensor 'w' of shape \[4, 2\]: .*" + what) as ei:
+            assemble_parts(parts)
+        e = ei.value
+        assert (e.fqn, e.offsets, e.sizes, e.ranks) == ("w", offsets, sizes, ranks), str(e)
+        assert isinstance(e, DamagedCheckpointError)  # a committed checkpoint that does not read
+    # a replica (an equal box held by two ranks) is one box: no overlap
+    whole = assemble_parts([part(0, 3, 0, 2), part(1, 3, 2, 2), part(2, 3, 2, 2)])
+    assert whole["model"]["w"][:, 0].tolist() == [0, 0, 1, 1]
+    with pytest.raises(DamagedCheckpointError, match="rank 1's box of tensor 'w' .* does not fit"):
+        assemble_parts([part(0, 2, 0, 2), part(1, 2, 3, 2)])  # rows 3-4 of 4
     with pytest.raises(DamagedCheckpointError, match="do not form one state"):
         assemble_parts([part(0, 2, 0, 2)])
+
+
+def test_cli_shows_the_boxes_and_restores_full_tensors(tmp_path, capsys, monkeypatch):
+    """``ckptstore show`` of a sharded Checkpointer job store prints every DTensor entry's box on
+    every rank (a delta: its base's boxes) and exits 1 naming the tensor when the recorded boxes
+    do not tile it; ``ckptstore restore --format safetensors`` writes one file of the full
+    (gathered) tensors."""
+    from safetensors.torch import load_file
+
+    from ckptstore.cli import main as cli
+    from ckptstore.multirank.job_store import JobStore
+
+    world, path, live = 2, str(tmp_path / "job"), str(tmp_path / "live")
+    os.makedirs(live)
+    ok(run_ranks(world, MOD, "fsdp_train", path, str(tmp_path / "w1"), deadline=150,
+                 iterations=2, live_dir=live, tag="a"))
+    with ckptstore.open(path, "r") as reader:
+        assert [reader.kind(i) for i in range(3)] == ["snapshot", "delta", "delta"]
+        stored = [reader.load_record(0, keys=["ckptstore.replay"], rank=r)["ckptstore.replay"]
+                  ["shards"]["tensors"] for r in range(world)]
+    # (a) show: one row per tensor and rank (tensor, global shape, offsets, local, placements,
+    # mesh, rank, stored by)
+    assert cli(["show", path, "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"iteration 2 (delta): sharded Checkpointer parts (FSDP2 / DTensor) of "
+                          f"{world} ranks"), out
+    assert "boxes as recorded by its base 0" in out.splitlines()[0]
+    rows: dict = {}
+    for line in out.splitlines():
+        cells = line.split()
+        if cells and cells[0] in stored[0]:
+            rows.setdefault(cells[0], []).append(cells[1:])
+    assert sorted(rows) == sorted(stored[0]) == ["0.bias", "0.weight", "2.bias", "2.weight",
+                                                  "4.bias", "4.weight"]
+    for name, got in rows.items():
+        assert got == [["x".join(map(str, b["shape"])), ",".join(map(str, b["offsets"])),
+                        "x".join(map(str, b["local"])), "S0", "2", str(r), str(r)]
+                       for r, b in enumerate(box[name] for box in stored)], name
+    # 7 output rows over 2 ranks (uneven): rows 0-3 on rank 0, 4-6 on rank 1
+    assert rows["4.weight"] == [["7x24", "0,0", "4x24", "S0", "2", "0", "0"],
+                                ["7x24", "4,0", "3x24", "S0", "2", "1", "1"]]
+    assert cli(["show", path, "2", "--rank", "1"]) == 0  # rank 1's part as stored
+    assert "showing rank 1" in capsys.readouterr().out
+    # (b) restore: one safetensors file of the full tensors, equal to the gathered ones
+    target = str(tmp_path / "full.safetensors")
+    assert cli(["restore", path, "2", "--format", "safetensors", target]) == 0
+    assert f"restored iteration 2 to {target}" in capsys.readouterr().out
+    got = load_file(target)
+    want = torch.load(os.path.join(live, "a-2-full.pt"))
+    for name, t in want["model"].items():
+        assert_bits(t, got[f"model/{name}"], f"model {name}")
+    for i, entry in want["optimizer"].items():
+        for k, t in entry.items():
+            assert_bits(t, got[f"optimizer/state/{i}/{k}"], f"optimizer state {i} {k}")
+    assert tuple(got["model/4.weight"].shape) == (7, 24)
+    # recorded boxes that overlap (rank 1's rows 3-5 of 4.weight) and leave a gap (row 6)
+    real = JobStore.load_record
+
+    def shifted(self, iteration, keys=None, *, rank=None):
+        rec = real(self, iteration, keys, rank=rank)
+        if rank == 1:
+            rec["ckptstore.replay"]["shards"]["tensors"]["4.weight"]["offsets"] = [3, 0]
+        return rec
+    monkeypatch.setattr(JobStore, "load_record", shifted)
+    assert cli(["show", path, "2"]) == 1
+    captured = capsys.readouterr()
+    assert ["4.weight", "7x24", "3,0", "3x24", "S0", "2", "1", "1"] in \
+        [line.split() for line in captured.out.splitlines()]  # the layout is still printed
+    assert "ckptstore show: error: iteration 2: tensor '4.weight' of shape [7, 24]: its shards " \
+           "at offsets [0, 0] (sizes [4, 24], rank 0) and at offsets [3, 0] (sizes [3, 24], " \
+           "rank 1) overlap in the box at offsets [3, 0] of sizes [1, 24]" in captured.err, \
+        captured.err

@@ -26,16 +26,18 @@ section. Parts written before ``replicas`` existed omit nothing and lack those f
 :func:`localize` makes a part from a live state, :func:`shards_of` reads the section back,
 :func:`complete_part` puts back what a part omitted from its owners' parts and
 :func:`assemble_parts` puts every rank's part of one iteration together into one state of full
-tensors (any reader, any world size). An optimizer-state tensor of a sharded parameter
-is sharded with the parameter's BOX when it has the parameter's local shape (moments, momentum
-buffers: every supported optimizer's per-entry state); any other entry (``step``) is the same on
-every rank. This holds for the replayed states too, whose optimizer state the base may not have
-held yet (a base written before the first step). Pure functions of their arguments: no I/O, no
-collectives.
+tensors (any reader, any world size), once :func:`layout_problems` found that the boxes of every
+tensor tile it exactly (no overlap, no gap: :func:`tiling_error`). An optimizer-state tensor of a
+sharded parameter is sharded with the parameter's BOX when it has the parameter's local shape
+(moments, momentum buffers: every supported optimizer's per-entry state); any other entry
+(``step``) is the same on every rank. This holds for the replayed states too, whose optimizer
+state the base may not have held yet (a base written before the first step). Pure functions of
+their arguments: no I/O, no collectives.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import sys
@@ -45,7 +47,8 @@ from typing import Any
 
 import torch
 
-from ..errors import DamagedCheckpointError, UnsupportedTypeError
+from ..errors import (CkptStoreError, DamagedCheckpointError, ShardCoverageError,
+                      UnsupportedTypeError)
 from ..format.delta import REPLAY_KEY
 from .partition import cut_group, whole_optimizer
 
@@ -295,12 +298,13 @@ def region(full: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> 
 
 
 def _assemble(what: str, pieces: list[tuple[Any, dict, int]]) -> torch.Tensor:
-    """One full tensor from (local shard, BOX, rank) of every rank; replicas (equal boxes) once."""
+    """One full tensor from (local shard, BOX, rank) of every rank; replicas (equal boxes) once.
+    The boxes tile the global shape (:func:`layout_problems`, checked by :func:`assemble_parts`
+    before anything is assembled), so every entry of the result is written exactly once."""
     t0, b0, _ = pieces[0]
     shape = [int(s) for s in b0["shape"]]
     full = torch.empty(shape, dtype=t0.dtype)
     seen: set[tuple] = set()
-    covered = 0
     for t, b, r in pieces:
         if not isinstance(t, torch.Tensor) or [int(s) for s in b["shape"]] != shape or \
                 t.dtype != t0.dtype or list(t.shape) != [int(s) for s in b["local"]] or \
@@ -312,12 +316,170 @@ def _assemble(what: str, pieces: list[tuple[Any, dict, int]]) -> torch.Tensor:
         if key in seen:
             continue
         seen.add(key)
-        covered += math.prod(int(n) for n in b["local"])
         region(full, b["offsets"], b["local"]).copy_(t)
-    if covered != math.prod(shape):
-        raise DamagedCheckpointError(f"the shards of {what} cover {covered} of its "
-                                     f"{math.prod(shape)} entries")
     return full
+
+
+_Box = tuple[tuple[int, ...], tuple[int, ...]]   # offsets, sizes
+
+
+def _ints(v: Any) -> tuple[int, ...] | None:
+    if not isinstance(v, (list, tuple)) or not all(type(x) is int for x in v):
+        return None
+    return tuple(v)
+
+
+def _fitting_box(box: Any) -> tuple[tuple[int, ...], _Box] | None:
+    """(global shape, (offsets, sizes)) of a BOX that lies inside its global shape; None for a
+    box that does not (another number of dimensions, a negative offset, past the end)."""
+    if not isinstance(box, dict):
+        return None
+    shape, offsets = _ints(box.get("shape")), _ints(box.get("offsets"))
+    sizes = _ints(box.get("local"))
+    if shape is None or offsets is None or sizes is None or \
+            not len(shape) == len(offsets) == len(sizes) or \
+            any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape)):
+        return None
+    return shape, (offsets, sizes)
+
+
+def _meet(a: _Box, b: _Box) -> _Box | None:
+    """The box two boxes share, or None."""
+    lo = [max(x, y) for x, y in zip(a[0], b[0])]
+    hi = [min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1])]
+    if all(lh < hh for lh, hh in zip(lo, hi)):
+        return tuple(lo), tuple(hh - lh for lh, hh in zip(lo, hi))
+    return None
+
+
+def _cells(mask: torch.Tensor, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
+    """The view of ``mask`` over the grid cells ``lo`` .. ``hi`` (exclusive), per dimension."""
+    return region(mask, lo, [h - lo_ for lo_, h in zip(lo, hi)])
+
+
+#: The most grid cells :func:`tiling_error` checks (a boolean each): far more than any real
+#: layout makes (a 1024 x 1024 mesh sharding two dimensions makes 2**20), bounded against
+#: hostile boxes
+MAX_GRID_CELLS = 1 << 24
+
+
+def tiling_error(fqn: str, shape: Sequence[int], boxes: Sequence[tuple[_Box, int]],
+                 where: str = "") -> CkptStoreError | None:
+    """Why the boxes ``((offsets, sizes), rank)`` of tensor ``fqn`` do not tile its global
+    ``shape`` exactly (ShardCoverageError), or None when they do. Precondition: every box lies
+    inside ``shape`` (:func:`_fitting_box`). Equal boxes are one box held by several ranks (a
+    replica); empty boxes cover nothing. The first overlap found (the two boxes, their ranks and
+    the box they share) is reported before a gap (the first uncovered box, grown along each
+    dimension).
+
+    Box arithmetic on the grid the boxes' edges cut the tensor into (a boolean per grid cell, at
+    most ``(2 * boxes + 1) ** ndim`` of them, never one per entry), so it costs nothing next to
+    the tensor's bytes. Boxes that cut it into more than :data:`MAX_GRID_CELLS` cells are not
+    checked: DamagedCheckpointError."""
+    size = tuple(int(n) for n in shape)
+    held: dict[_Box, list[int]] = {}
+    for b, r in boxes:
+        if math.prod(b[1]) > 0:
+            held.setdefault((tuple(b[0]), tuple(b[1])), []).append(int(r))
+    distinct = list(held)
+    edges = [sorted({0, size[d]} | {o[d] for o, _ in distinct} | {o[d] + n[d] for o, n in distinct})
+             for d in range(len(size))]
+    name = f"{where}tensor {fqn!r} of shape {list(size)}"
+    if math.prod(len(e) - 1 for e in edges) > MAX_GRID_CELLS:
+        return DamagedCheckpointError(f"{name}: its {len(distinct)} distinct shards cut it into "
+                                      f"more than {MAX_GRID_CELLS} boxes; not a layout to check")
+    mask = torch.zeros([len(e) - 1 for e in edges], dtype=torch.bool)
+
+    def grid(b: _Box) -> tuple[list[int], list[int]]:
+        return ([bisect.bisect_left(e, o) for e, o in zip(edges, b[0])],
+                [bisect.bisect_left(e, o + n) for e, o, n in zip(edges, b[0], b[1])])
+
+    def holders(b: _Box) -> str:
+        rs = sorted(set(held[b]))
+        return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}"
+
+    for i, b in enumerate(distinct):
+        view = _cells(mask, *grid(b))
+        if bool(view.any()):
+            # a grid cell is inside or outside each box whole: an earlier box shares it with b
+            a = next(a for a in distinct[:i] if _meet(a, b) is not None)
+            common = _meet(a, b)
+            assert common is not None
+            return ShardCoverageError(
+                f"{name}: its shards at offsets {list(a[0])} (sizes {list(a[1])}, {holders(a)}) "
+                f"and at offsets {list(b[0])} (sizes {list(b[1])}, {holders(b)}) overlap in the "
+                f"box at offsets {list(common[0])} of sizes {list(common[1])}", fqn=fqn,
+                offsets=common[0], sizes=common[1], ranks=tuple(sorted(set(held[a] + held[b]))))
+        view.fill_(True)
+    free = (~mask).reshape(-1).nonzero()
+    if free.numel() == 0:
+        return None
+    flat = int(free[0, 0])
+    lo: list[int] = []
+    for n in reversed(mask.shape):  # the first uncovered cell's index per dimension
+        flat, c = divmod(flat, n)
+        lo.insert(0, c)
+    hi = [c + 1 for c in lo]
+    for d in range(len(size)):  # grown while the grown box stays uncovered
+        while hi[d] < mask.shape[d]:
+            slab = _cells(mask, lo[:d] + [hi[d]] + lo[d + 1:], hi[:d] + [hi[d] + 1] + hi[d + 1:])
+            if bool(slab.any()):
+                break
+            hi[d] += 1
+    offsets = tuple(edges[d][lo[d]] for d in range(len(size)))
+    sizes = tuple(edges[d][hi[d]] - offsets[d] for d in range(len(size)))
+    ranks = tuple(sorted({r for rs in held.values() for r in rs}))
+    have = sum(math.prod(b[1]) for b in distinct)
+    return ShardCoverageError(
+        f"{name}: no shard holds the box at offsets {list(offsets)} of sizes {list(sizes)} (the "
+        f"{len(distinct)} distinct shards of ranks {list(ranks)} hold {have} of its "
+        f"{math.prod(size)} entries)", fqn=fqn, offsets=offsets, sizes=sizes, ranks=ranks)
+
+
+def _misfit(rank: int, fqn: str, box: Any, shape: tuple[int, ...] | None) -> str:
+    """Why ``rank``'s ``box`` of ``fqn`` does not fit (``shape``: what earlier ranks record)."""
+    if box is None:
+        return f"rank {rank} records no box of tensor {fqn!r}"
+    if not isinstance(box, dict):
+        return f"rank {rank} records a malformed box of tensor {fqn!r}"
+    others = f" (other ranks record {list(shape)})" if shape is not None else ""
+    return (f"rank {rank}'s box of tensor {fqn!r} ({_box_text(box)}) does not fit its global "
+            f"shape {box.get('shape')}{others}")
+
+
+def layout_problems(sections: Sequence[dict], where: str = "") -> list[CkptStoreError]:
+    """Why the boxes that the ``shards`` sections of one iteration's parts (one per rank, rank
+    order) record do not form one sharded state, per DTensor entry (in the order the sections
+    name them): a rank that records no box of it, or one that does not fit the global shape the
+    other ranks record (DamagedCheckpointError); boxes that overlap or leave a gap
+    (ShardCoverageError, :func:`tiling_error`). Empty when every entry's boxes tile it. Reads
+    the boxes only (no tensor), so a layout is checked before any shard is read or assembled.
+    ``where`` prefixes every message (e.g. ``"iteration 7: "``)."""
+    problems: list[CkptStoreError] = []
+    tables = [t if isinstance(t := sec.get("tensors"), dict) else {} for sec in sections]
+    names: dict[str, None] = {}
+    for t in tables:
+        names.update(dict.fromkeys(t))
+    for fqn in names:
+        shape: tuple[int, ...] | None = None
+        boxes: list[tuple[_Box, int]] = []
+        bad = None
+        for r, t in enumerate(tables):
+            box = t.get(fqn)
+            fit = _fitting_box(box)
+            if fit is None or (shape is not None and fit[0] != shape):
+                bad = where + _misfit(r, fqn, box, shape)
+                break
+            shape = fit[0]
+            boxes.append((fit[1], r))
+        if bad is not None:
+            problems.append(DamagedCheckpointError(bad))
+            continue
+        assert shape is not None  # (every section was read: fqn is in one of them)
+        err = tiling_error(fqn, shape, boxes, where)
+        if err is not None:
+            problems.append(err)
+    return problems
 
 
 def omitted(part: dict) -> dict[str, int]:
@@ -428,8 +590,11 @@ def assemble_parts(parts: Sequence[dict], local_rank: int = 0) -> dict:
     sharded tensor assembled from its shards (a contiguous CPU tensor of the global shape; a box
     several ranks hold from its owner's part, once), every other entry, the RNG and scheduler
     states from part ``local_rank``. The result has no ``shards`` section: it is a Checkpointer
-    state of the unsharded model. Raises DamagedCheckpointError when the parts do not form one
-    state, or a box no part holds (naming the tensor and the box)."""
+    state of the unsharded model. Before any shard is assembled, raises ShardCoverageError when
+    the boxes of a tensor do not tile its global shape (an overlap or a gap, naming the tensor,
+    the box and the ranks: :func:`layout_problems`); DamagedCheckpointError when the parts do
+    not form one state, a box does not fit the tensor, or no part holds a box (naming the tensor
+    and the box)."""
     sections = [shards_of(p) for p in parts]
     if any(s is None for s in sections):
         raise DamagedCheckpointError("not every rank's state is a sharded part")
@@ -440,6 +605,10 @@ def assemble_parts(parts: Sequence[dict], local_rank: int = 0) -> dict:
                 for s in secs0):
         raise DamagedCheckpointError(f"the {len(parts)} sharded parts do not form one state of "
                                      f"{world} ranks")
+    it = parts[0].get("iteration")
+    problems = layout_problems(secs0, f"iteration {it}: " if it is not None else "")
+    if problems:
+        raise problems[0]
     donors = dict(enumerate(parts))
     parts = [complete_part(p, donors) for p in parts]
     secs: list[dict] = [s for s in (shards_of(p) for p in parts) if s is not None]
