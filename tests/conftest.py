@@ -1,10 +1,12 @@
-"""Shared fixtures for the ckptstore tests: deep structural equality and a save/load round trip."""
+"""Shared fixtures for the ckptstore tests: deep structural equality, a save/load round trip, and
+tables that test modules print in the run's terminal summary (:func:`add_terminal_table`)."""
 
 from __future__ import annotations
 
 import errno
 import struct
 from collections import OrderedDict
+from typing import Any, Sequence
 
 import numpy as np
 import pytest
@@ -101,3 +103,26 @@ class FullDisk(FileOps):
         if self.full:
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         return super()._pwritev(fd, buffers, offset)
+
+
+# ---- tables in the terminal summary ---------------------------------------------------------------
+
+#: {title: (header, rows)}: what test modules handed to :func:`add_terminal_table` in this run
+_TABLES: dict[str, tuple[list[str], list[list[str]]]] = {}
+
+
+def add_terminal_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Print a table (first column left-aligned, the others right-aligned) in this run's terminal
+    summary, where ``pytest -q`` shows it (what a test prints is captured unless ``-s``). Only
+    tests that ran add one; a second table with the same title replaces the first."""
+    _TABLES[title] = (list(header), [[str(c) for c in r] for r in rows])
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for title, (header, rows) in _TABLES.items():
+        cells = [header, *rows]
+        widths = [max(len(r[k]) for r in cells) for k in range(len(header))]
+        terminalreporter.write_sep("-", title)
+        for r in cells:
+            terminalreporter.write_line("  ".join(
+                c.ljust(w) if k == 0 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths))))

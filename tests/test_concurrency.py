@@ -3,17 +3,25 @@
 * A second writer, in another process, is refused with StoreLockedError while the first holds the
   store, and gets it as soon as the first closes or is SIGKILLed.
 * Reader processes run while a writer process saves snapshots and logs group-committed deltas
-  (and, in the last test, runs gc): every iteration a reader lists loads, and its content equals the
-  deterministic generator's (snapshots and delta records alike); with no gc the listing is always a
-  gap-free prefix that never shrinks.
+  (and, in the last tests, runs gc): every iteration a reader lists loads, and its content equals
+  the deterministic generator's (snapshots and delta records alike); with no gc the listing is
+  always a gap-free prefix that never shrinks.
+* Eight readers beside a training writer (the Checkpointer: base snapshots, replayable
+  group-committed deltas, gc): each reader loads iterations (a delta one is replayed from its base)
+  and replays ranges (``Store.replay``), every state bit-exact against the training run the test
+  computed beforehand (:class:`TrainingRun`).
 
-Processes are forked from the test process (ckptstore and numpy are already imported, so a child
-costs a fork rather than a 3 s interpreter start). The states hold numpy arrays only: a forked
-child never runs a torch kernel.
+Processes are forked from the test process (ckptstore, numpy and torch are already imported, so a
+child costs a fork rather than a 3 s interpreter start). The states of the first tests hold numpy
+arrays only: their children never run a torch kernel. The training test's children do (the
+optimizer steps of training and replay), with one intra-op thread each
+(``torch.set_num_threads(1)``, as every forked torch child in these tests), so none depends on a
+thread pool of the parent's.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -25,9 +33,11 @@ from typing import Callable
 
 import numpy as np
 import pytest
+import torch
 
 import ckptstore
 from ckptstore.ops.fsck import check
+from ckptstore.torch import Checkpointer
 
 CHUNK = 16 << 10
 
@@ -61,6 +71,63 @@ def verify(r: ckptstore.Store, i: int, plan: bool = True) -> None:
             assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes(), f"iteration {i}: {k}"
         else:
             assert got[k] == v, f"iteration {i}: {k}"
+
+
+class TrainingRun:
+    """The generator of the training test: a small model and AdamW, stepped with gradients drawn
+    from a seeded generator per iteration. ``states[i]``: the model and optimizer state after
+    iteration ``i``, computed here (in the test process, before forking) one step at a time, as the
+    writer trains and as replay must reproduce them bit for bit. The writer stops at ``last``."""
+
+    def __init__(self, last: int, assert_same: Callable[..., None]) -> None:
+        self.last = last
+        self.same = assert_same
+        model, opt = self.model()
+        self.states = {0: self._state(model, opt)}
+        for i in range(1, last + 1):
+            self.set_grads(model, i)
+            opt.step()
+            self.states[i] = self._state(model, opt)
+
+    @staticmethod
+    def model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 8)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    @staticmethod
+    def set_grads(model: torch.nn.Module, i: int) -> None:
+        r = np.random.default_rng(20_000 + i)
+        for p in model.parameters():
+            p.grad = torch.from_numpy(r.standard_normal(p.numel()).astype(np.float32)).view(p.shape)
+
+    @staticmethod
+    def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+        return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+
+    def check(self, i: int, got: dict) -> None:
+        """``got``: the state loaded or replayed for iteration ``i``."""
+        assert got["iteration"] == i, f"iteration {i}: the state says {got['iteration']}"
+        self.same(self.states[i]["model"], got["model"], f"iteration {i}: model")
+        self.same(self.states[i]["optimizer"], got["optimizer"], f"iteration {i}: optimizer")
+
+    def verify(self, r: ckptstore.Store, i: int) -> None:
+        """Load iteration ``i`` (a delta: replayed from its chain's base) and check it; its kind
+        must be the writer's plan (a base every 4th iteration)."""
+        kind = r.kind(i)
+        assert kind == ("snapshot" if is_snapshot(i) else "delta"), f"iteration {i} is a {kind}"
+        self.check(i, r.load(i))
+
+    def verify_replay(self, r: ckptstore.Store, start: int, stop: int) -> int:
+        """``r.replay(start, stop)``: every iteration of the range, in order, each checked.
+        Returns how many it yielded."""
+        n = 0
+        for i, state in r.replay(start, stop):
+            assert i == start + n, f"replay({start}, {stop}) yielded {i} after {start + n - 1}"
+            self.check(i, state)
+            n += 1
+        assert n == stop - start + 1, f"replay({start}, {stop}) yielded {n} iterations"
+        return n
 
 
 # ---- a tiny process harness ---------------------------------------------------------------------------
@@ -198,12 +265,48 @@ def writer_loop(path: Path, stop: Path, seconds: float, gc_every: int | None) ->
     return run
 
 
-def reader_loop(path: Path, stop: Path, seed: int, gc: bool) -> Callable[[], dict]:
-    """Alternate a fresh reader and a long-lived one that refreshes; verify the latest iteration
-    and a random listed one each round. Reports counts; any failure fails the test."""
+def trainer_loop(path: Path, stop: Path, seconds: float, gc_every: int | None,
+                 training: TrainingRun) -> Callable[[], dict]:
+    """The Checkpointer trains :class:`TrainingRun`'s model: a base every 4th iteration, exact
+    deltas between them, group-committed by 2 through the async pipeline, and a gc every
+    ``gc_every`` iterations. Runs ``seconds`` (or up to ``training.last``) and reports what it
+    committed."""
     def run() -> dict:
+        torch.set_num_threads(1)
+        n_gc = 0
+        with ckptstore.open(path, "a", chunk_size=CHUNK, segment_size=256 << 10) as s:
+            model, opt = TrainingRun.model()
+            ck = Checkpointer(s, model, opt, base_every=4, group_commit=2, fingerprint_every=2)
+            it = ck.restore() + 1
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and it <= training.last:
+                TrainingRun.set_grads(model, it)
+                ck.step(it)
+                if gc_every and it % gc_every == 0:
+                    s.gc(keep_last=5)
+                    n_gc += 1
+                it += 1
+            ck.flush()
+            ck.close()
+            last = s.latest()
+        stop.touch()
+        return {"last": last, "gcs": n_gc}
+    return run
+
+
+def reader_loop(path: Path, stop: Path, seed: int, gc: bool,
+                training: TrainingRun | None = None) -> Callable[[], dict]:
+    """Alternate a fresh reader and a long-lived one that refreshes; verify the latest iteration
+    and a random listed one each round (with ``training``: as :meth:`TrainingRun.verify`, and
+    replay a range of up to 5 iterations, :meth:`TrainingRun.verify_replay`, from the oldest
+    listed iteration or a random one). Reports counts; any failure fails the test."""
+    def run() -> dict:
+        if training is not None:
+            torch.set_num_threads(1)
+        check_one = verify if training is None else training.verify
         rng = random.Random(seed)
-        stats = {"rounds": 0, "loads": 0, "removed by gc": 0, "max latest": -1}
+        stats = {"rounds": 0, "loads": 0, "replays": 0, "replayed": 0, "removed by gc": 0,
+                 "max latest": -1}
         long_lived = ckptstore.open(path, "r")
         last_latest = -1
         try:
@@ -220,13 +323,27 @@ def reader_loop(path: Path, stop: Path, seed: int, gc: bool) -> Callable[[], dic
                             last_latest = its[-1]
                     for i in {its[-1], rng.choice(its)}:
                         try:
-                            verify(r, i)
+                            check_one(r, i)
                             stats["loads"] += 1
                         except ckptstore.NotFoundError:
                             if not gc:
                                 raise
                             r.refresh()
                             assert i not in r.iterations(), f"iteration {i} listed but not found"
+                            stats["removed by gc"] += 1
+                    if training is not None:
+                        # half the time from the oldest listed: what the next gc removes
+                        start = its[0] if rng.random() < 0.5 else rng.choice(its)
+                        try:
+                            stop_at = min(start + 4, its[-1])
+                            stats["replayed"] += training.verify_replay(r, start, stop_at)
+                            stats["replays"] += 1
+                        except ckptstore.NotFoundError:
+                            if not gc:
+                                raise
+                            r.refresh()
+                            assert start not in r.iterations(), \
+                                f"replay from {start} found nothing, yet it is listed"
                             stats["removed by gc"] += 1
                     stats["max latest"] = max(stats["max latest"], its[-1])
                 finally:
@@ -239,16 +356,22 @@ def reader_loop(path: Path, stop: Path, seed: int, gc: bool) -> Callable[[], dic
     return run
 
 
-def _run_side_by_side(tmp_path: Path, seconds: float, gc_every: int | None, readers: int = 2):
+def _run_side_by_side(tmp_path: Path, seconds: float, gc_every: int | None, readers: int = 2,
+                      training: TrainingRun | None = None):
     path = tmp_path / "s"
     with ckptstore.open(path, "a", chunk_size=CHUNK) as s:
-        s.save(0, snap(0))
+        if training is None:
+            s.save(0, snap(0))
+        else:
+            Checkpointer(s, *TrainingRun.model(), asynchronous=False).restore()  # base 0
     stop = tmp_path / "stop"
     gc = gc_every is not None
-    kids = [(fork(writer_loop(path, stop, seconds, gc_every), tmp_path / "w.json"), tmp_path / "w.json")]
+    writer = writer_loop(path, stop, seconds, gc_every) if training is None else \
+        trainer_loop(path, stop, seconds, gc_every, training)
+    kids = [(fork(writer, tmp_path / "w.json"), tmp_path / "w.json")]
     for j in range(readers):
         out = tmp_path / f"r{j}.json"
-        kids.append((fork(reader_loop(path, stop, j, gc), out), out))
+        kids.append((fork(reader_loop(path, stop, j, gc, training), out), out))
     results = [join(pid, out) for pid, out in kids]
     w, rs = results[0], results[1:]
     # after the writer: every retained iteration is intact, and the store is clean
@@ -256,7 +379,9 @@ def _run_side_by_side(tmp_path: Path, seconds: float, gc_every: int | None, read
         its = r.iterations()
         assert its[-1] == w["last"]
         for i in its:
-            verify(r, i)
+            (verify if training is None else training.verify)(r, i)
+        if training is not None:
+            training.verify_replay(r, its[0], its[-1])
     assert check(path).clean
     return w, rs
 
@@ -279,13 +404,17 @@ def test_readers_during_gc(tmp_path):
 
 
 @pytest.mark.slow
-def test_eight_readers_during_saves_deltas_and_gc(tmp_path):
-    """The load of issue 15: eight reader processes (fresh and long-lived, each verifying every
-    iteration it loads) beside a writer that saves, group-commits deltas and runs gc. No reader
-    sees wrong data or an error other than an iteration gc removed after its listing.
-    tools/bench_readers.py measures the rates."""
-    w, rs = _run_side_by_side(tmp_path, float(os.environ.get("CKPTSTORE_READERS_SECONDS", "4")),
-                              gc_every=6, readers=8)
+def test_eight_readers_during_saves_deltas_and_gc(tmp_path, assert_same):
+    """The load of issue 15: eight reader processes (fresh and long-lived) beside a writer that
+    trains with the Checkpointer: it saves bases, group-commits replayable deltas and runs gc.
+    Every reader loads iterations (a delta one replayed from its base) and replays ranges, each
+    state checked bit for bit against the training run. No reader sees wrong data or an error
+    other than an iteration gc removed after its listing. tools/bench_readers.py measures the
+    rates."""
+    seconds = float(os.environ.get("CKPTSTORE_READERS_SECONDS", "4"))
+    training = TrainingRun(int(100 * seconds), assert_same)  # (the writer's pace here: ~30/s)
+    w, rs = _run_side_by_side(tmp_path, seconds, gc_every=6, readers=8, training=training)
     print(w, rs)
     assert w["gcs"] >= 1, f"no gc ran: {w}"
-    assert all(r["rounds"] >= 1 and r["loads"] >= 1 for r in rs), rs
+    assert all(r["rounds"] >= 1 and r["loads"] >= 1 and r["replays"] >= 1 for r in rs), rs
+    assert sum(r["replayed"] for r in rs) >= 8 * 2, rs

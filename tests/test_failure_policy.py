@@ -64,6 +64,17 @@ def test_retry_keeps_training_through_a_full_disk_and_loses_nothing_committed(
     ck.flush()
     h = ck.health()
     assert h.failures_total >= 2 and h.failures_in_a_row == 0, h
+    # stats(): the same counters beside what the store says (one call, no second copy of them)
+    st = ck.stats()
+    assert (st.health.failures_total, st.health.failures_in_a_row, st.health.last_error) == \
+        (h.failures_total, 0, h.last_error) and "No space left" in st.health.last_error
+    assert st.health.seconds_since_durable < 60 and st.durable_iteration == 12
+    if asynchronous:  # the store's per-checkpoint statistics: durable checkpoints only, in order
+        its_stats = [c.iteration for c in st.checkpoints]
+        assert its_stats == sorted(its_stats) and its_stats[-1] == 12
+        assert set(its_stats) <= set(store.iterations()) and st.checkpoints == store.stats()
+    else:
+        assert st.checkpoints == []
     assert any("failed" in r.getMessage() and "training continues" in r.getMessage()
                for r in caplog.records)
     its = store.iterations()
@@ -85,6 +96,10 @@ def test_retry_gives_up_after_max_failures_in_a_row(tmp_path, asynchronous):
     with pytest.raises(ckptstore.CheckpointPolicyError, match="2 times in a row") as info:
         _train(ck, model, opt, range(1, 10), {}, disk, full=set(range(3, 10)))
     assert isinstance(info.value.__cause__, (ckptstore.StoreIOError, ckptstore.CheckpointAbortedError))
+    st = ck.stats()  # what a monitor polling stats() saw when the job stopped
+    assert st.health.failures_in_a_row == 2 and st.health.failures_total == 2, st
+    assert st.health.last_error.startswith(type(info.value.__cause__).__name__)
+    assert st.durable_iteration is not None and st.durable_iteration < 3
     store.close()
 
 
@@ -102,6 +117,8 @@ def test_the_default_policy_raises_at_the_failing_step(tmp_path):
     with pytest.raises(ckptstore.DiskFullError):
         _train(ck, model, opt, [1], {}, disk, full={1})
     assert ck.health().policy == "raise"
+    st = ck.stats()  # "raise" counts nothing: the failure was raised to the caller
+    assert (st.health.policy, st.health.failures_total, st.durable_iteration) == ("raise", 0, 0)
     store.close()
 
 

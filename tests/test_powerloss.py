@@ -15,8 +15,10 @@ the image is written to a fresh directory and checked:
 
 ``CKPTSTORE_POWERLOSS_STATES`` bounds the images checked per scenario (default 0: every distinct
 image the enumeration yields, ~1,000 over the scenarios in under a minute; N > 0: at most N,
-spread evenly over the crash points). The counts are printed at the end of the module
-(and written to $CKPTSTORE_POWERLOSS_REPORT as JSON when set).
+spread evenly over the crash points). Every image of a scenario is checked even after one fails
+(the first failure is raised at the end). The counts per scenario (crash points, images, what
+fsck found, failures) are printed as one table in the run's terminal summary (tests/conftest.py,
+shown by a plain ``pytest -q``) and written to $CKPTSTORE_POWERLOSS_REPORT as JSON when set.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ckptstore.storage.fileops import FileOps
 from ckptstore.storage.layout import Layout
 
 from _powerloss import CrashState, RecordingOps, explore
+from conftest import add_terminal_table
 
 BUDGET = int(os.environ.get("CKPTSTORE_POWERLOSS_STATES", "0")) or None
 SEED = int(os.environ.get("CKPTSTORE_SEED", "1337"))
@@ -307,8 +310,12 @@ SCENARIOS = [
              job=True),
 ]
 
-#: per scenario: crash points, images checked, and what fsck found in them
+#: per scenario: crash points, images checked, what fsck found in them, and failed images
 TOTALS: dict[str, Counter] = {}
+#: the summary table's columns: (heading, TOTALS key)
+COLUMNS = [("crash points", "points"), ("images", "images"), ("clean", "clean"),
+           ("tail note", "tail note"), ("repaired", "repaired"), ("no store", "no store"),
+           ("index lost", "index lost"), ("failures", "failures")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -316,14 +323,12 @@ def _report():
     yield
     if not TOTALS:
         return
-    lines = [f"power-loss simulation (budget {BUDGET or 'all'} images per scenario):"]
-    for name, c in TOTALS.items():
-        lines.append(f"  {name}: {c['images']} crash images at {c['points']} crash points; "
-                     f"{c['clean']} clean, {c['tail note']} with a note (an uncommitted tail, a stale "
-                     f"index), "
-                     f"{c['repaired']} repaired (suspicious tail), {c['no store']} before the "
-                     f"store existed, {c['index lost']} without an index")
-    print("\n" + "\n".join(lines))
+    rows = [[name, *(c[key] for _, key in COLUMNS)] for name, c in TOTALS.items()]
+    total = sum(TOTALS.values(), Counter())
+    rows.append(["total", *(total[key] for _, key in COLUMNS)])
+    add_terminal_table(f"power-loss simulation: crash images per operation (budget "
+                       f"{BUDGET or 'all'} per scenario)", ["scenario", *(h for h, _ in COLUMNS)],
+                       rows)
     if os.environ.get("CKPTSTORE_POWERLOSS_REPORT"):
         with open(os.environ["CKPTSTORE_POWERLOSS_REPORT"], "w") as f:
             json.dump({k: dict(v) for k, v in TOTALS.items()}, f, indent=1)
@@ -444,14 +449,22 @@ def test_power_loss(sc: Scenario, tmp_path, assert_same):
         before = set()
     ops = RecordingOps(str(root))
     sc.run(root, ops)
-    stats: Counter = Counter()
+    stats: Counter = Counter({"failures": 0})
     points: set[int] = set()
-    for k, state in enumerate(explore(ops, SEED, BUDGET)):
+    first: Exception | None = None
+    for state in explore(ops, SEED, BUDGET):
         points.add(state.point)
-        _check_image(sc, state, root, tmp_path / "crash", before, assert_same, stats)
         stats["images"] += 1
+        try:
+            _check_image(sc, state, root, tmp_path / "crash", before, assert_same, stats)
+        except Exception as e:  # noqa: BLE001 - counted; the first is raised once all are checked
+            stats["failures"] += 1
+            first = first or e
     stats["points"] = len(points)
     TOTALS[sc.name] = stats
+    if first is not None:
+        raise AssertionError(f"{sc.name}: {stats['failures']} of {stats['images']} crash images "
+                             f"failed; the first: {first}") from first
     assert stats["images"] >= min(BUDGET or 10, 10), f"only {stats['images']} images explored"
     shutil.rmtree(tmp_path / "crash", ignore_errors=True)
 

@@ -1,13 +1,19 @@
-"""Benchmark: many reader processes beside one writer (saves, group-committed deltas, gc).
+"""Benchmark: many reader processes, loading and replaying, beside one training writer.
 
-The writer runs ``--seconds`` alone, then again with ``--readers`` reader processes that loop:
-open (a fresh reader every other round, else a long-lived one that refreshes), list, load the
-latest and a random listed iteration, verify it bit for bit against the generator, close. Printed:
-the writer's iterations per second alone and with readers (its slowdown), and the readers' verified
-loads per second (all together, MB/s of state read), with the machine's core count and load
-average. Nothing is asserted: tests/test_concurrency.py checks correctness under the same load.
+The writer trains a model with the Checkpointer (a base snapshot every 4th iteration, exact
+gradient deltas between them group-committed by 2 through the async pipeline, gc every
+``--gc-every`` iterations) for ``--seconds`` alone, then again with ``--readers`` reader processes
+that loop: open (a fresh reader every other round, else a long-lived one), list, load the latest
+and a random listed iteration (a delta iteration is replayed from its base), then replay a range
+of up to 5 iterations (``Store.replay``) from a random listed one; every state is checked bit for
+bit (an xxh3 digest of model and optimizer state) against the run computed beforehand in this
+process. Printed: the writer's iterations per second alone and with readers (its slowdown), the
+readers' verified loads per second (MB/s of state read) and replays per second (ranges, and the
+states they yielded), with the machine's core count and load average. Nothing is asserted:
+tests/test_concurrency.py checks correctness under the same load.
 
-    python tools/bench_readers.py [--readers 8] [--seconds 10] [--gc-every 6] [--dir /tmp/bench_readers]
+    python tools/bench_readers.py [--readers 8] [--seconds 10] [--gc-every 6] [--width 256]
+                                  [--dir /tmp/bench_readers]
 """
 
 from __future__ import annotations
@@ -19,49 +25,106 @@ import random
 import shutil
 import sys
 import time
+from typing import Any
 
 import numpy as np
+import torch
+import xxhash
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import ckptstore  # noqa: E402
+from ckptstore.torch import Checkpointer  # noqa: E402
 
 CHUNK = 64 << 10
+#: the writer's iterations at most (both runs together): the reference is computed up to here
+MAX_PER_SECOND = 150
 
 
-def snap(i: int) -> dict:
-    r = np.random.default_rng(i)
-    return {"w": r.standard_normal(256_000).astype(np.float32), "const": np.arange(64_000),
-            "i": i}
+def model(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = torch.nn.Linear(width, width)
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
 
 
-def delta(i: int) -> dict:
-    return {"g": np.random.default_rng(10_000 + i).standard_normal(64_000).astype(np.float32),
-            "i": i}
+def set_grads(m: torch.nn.Module, i: int) -> None:
+    r = np.random.default_rng(20_000 + i)
+    for p in m.parameters():
+        p.grad = torch.from_numpy(r.standard_normal(p.numel()).astype(np.float32)).view(p.shape)
 
 
-def writer(path: str, seconds: float, gc_every: int, out) -> None:
+def digest(x: Any, h: Any = None) -> str:
+    """xxh3 of a state's structure and bits (tensors by their bytes, the rest by repr)."""
+    top = h is None
+    h = h or xxhash.xxh3_64()
+    if isinstance(x, torch.Tensor):
+        h.update(str((x.dtype, tuple(x.shape))).encode())
+        h.update(x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            h.update(repr(k).encode())
+            digest(v, h)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            digest(v, h)
+    else:
+        h.update(repr(x).encode())
+    return h.hexdigest() if top else ""
+
+
+def nbytes(x: Any) -> int:
+    """Bytes of the tensors in a (nested) state."""
+    if isinstance(x, torch.Tensor):
+        return x.nbytes
+    if isinstance(x, dict):
+        return sum(nbytes(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(nbytes(v) for v in x)
+    return 0
+
+
+def reference(width: int, last: int) -> list[str]:
+    """The digest of ``{"model", "optimizer"}`` after every iteration 0..last."""
+    m, opt = model(width)
+    out = [digest({"model": m.state_dict(), "optimizer": opt.state_dict()})]
+    for i in range(1, last + 1):
+        set_grads(m, i)
+        opt.step()
+        out.append(digest({"model": m.state_dict(), "optimizer": opt.state_dict()}))
+    return out
+
+
+def writer(path: str, seconds: float, gc_every: int, width: int, last: int, out) -> None:
+    torch.set_num_threads(1)
     its = gcs = 0
     with ckptstore.open(path, "a", chunk_size=CHUNK) as s:
-        it = (s.latest() or 0) + 1
+        m, opt = model(width)
+        ck = Checkpointer(s, m, opt, base_every=4, group_commit=2)
+        it = ck.restore() + 1
         t0 = time.monotonic()
-        while time.monotonic() - t0 < seconds:
-            if it % 4 == 0:
-                s.save(it, snap(it))
-            else:
-                s.save_delta(it, delta(it), durable=it % 2 == 0)
+        while time.monotonic() - t0 < seconds and it <= last:
+            set_grads(m, it)
+            ck.step(it)
             if gc_every and it % gc_every == 0:
                 s.gc(keep_last=8)
                 gcs += 1
             it += 1
             its += 1
-        s.flush()
+        ck.flush()
+        ck.close()
         out.put({"its": its, "seconds": time.monotonic() - t0, "gcs": gcs})
 
 
-def reader(path: str, stop, seed: int, out) -> None:
+def reader(path: str, stop, seed: int, ref: list[str], out) -> None:
+    torch.set_num_threads(1)
     rng = random.Random(seed)
-    loads = nbytes = errors = 0
+    n = {"loads": 0, "bytes": 0, "replays": 0, "replayed": 0, "errors": 0}
+
+    def check(i: int, state: dict) -> None:
+        got = digest({"model": state["model"], "optimizer": state["optimizer"]})
+        if got != ref[i] or state["iteration"] != i:
+            n["errors"] += 1
+
     long_lived = ckptstore.open(path, "r")
     t0 = time.monotonic()
     rounds = 0
@@ -73,32 +136,36 @@ def reader(path: str, stop, seed: int, out) -> None:
             its = r.iterations()
             for i in {its[-1], rng.choice(its)}:
                 try:
-                    kind = r.kind(i)
-                    got = r.load(i) if kind == "snapshot" else r.load_record(i)
+                    state = r.load(i)  # a delta iteration: replayed from its base
                 except ckptstore.NotFoundError:
                     continue  # removed by a gc since the listing
-                want = snap(i) if kind == "snapshot" else delta(i)
-                for k, v in want.items():
-                    if isinstance(v, np.ndarray):
-                        if got[k].tobytes() != v.tobytes():
-                            errors += 1
-                        nbytes += v.nbytes
-                loads += 1
+                check(i, state)
+                n["bytes"] += nbytes(state)
+                n["loads"] += 1
+            start = rng.choice(its)
+            try:
+                for i, state in r.replay(start, min(start + 4, its[-1])):
+                    check(i, state)
+                    n["replayed"] += 1
+                n["replays"] += 1
+            except ckptstore.NotFoundError:
+                pass  # removed by a gc since the listing
         finally:
             if r is not long_lived:
                 r.close()
         rounds += 1
     long_lived.close()
-    out.put({"loads": loads, "bytes": nbytes, "errors": errors, "seconds": time.monotonic() - t0})
+    out.put(dict(n, seconds=time.monotonic() - t0))
 
 
-def run(path: str, readers: int, seconds: float, gc_every: int) -> tuple[dict, list[dict]]:
+def run(path: str, readers: int, seconds: float, gc_every: int, width: int,
+        ref: list[str]) -> tuple[dict, list[dict]]:
     ctx = mp.get_context("fork")
     out, stop = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=reader, args=(path, stop, j, out)) for j in range(readers)]
+    procs = [ctx.Process(target=reader, args=(path, stop, j, ref, out)) for j in range(readers)]
     for p in procs:
         p.start()
-    w = ctx.Process(target=writer, args=(path, seconds, gc_every, out))
+    w = ctx.Process(target=writer, args=(path, seconds, gc_every, width, len(ref) - 1, out))
     w.start()
     w.join()
     stop.set()
@@ -114,29 +181,43 @@ def main() -> int:
     ap.add_argument("--readers", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--gc-every", type=int, default=6)
+    ap.add_argument("--width", type=int, default=256, help="the model: Linear(width, width)")
     ap.add_argument("--dir", default="/tmp/bench_readers")
     args = ap.parse_args()
+    torch.set_num_threads(1)  # (as in the forked children: one intra-op thread everywhere)
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     path = os.path.join(args.dir, "s")
+    t0 = time.monotonic()
+    ref = reference(args.width, int(2 * args.seconds * MAX_PER_SECOND))
+    ref_s = time.monotonic() - t0
     with ckptstore.open(path, "a", chunk_size=CHUNK) as s:
-        s.save(0, snap(0))
-    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; state "
-          f"{snap(0)['w'].nbytes / 2**20:.1f} MiB per snapshot, {delta(1)['g'].nbytes / 2**20:.2f} "
-          f"MiB per delta; gc every {args.gc_every} iterations")
-    alone, _ = run(path, 0, args.seconds, args.gc_every)
-    loaded, rs = run(path, args.readers, args.seconds, args.gc_every)
+        Checkpointer(s, *model(args.width), asynchronous=False).restore()  # base 0
+    params = (args.width + 1) * args.width * 4
+    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; Linear({args.width}, "
+          f"{args.width}) with AdamW: {3 * params / 2**20:.2f} MiB per base, {params / 2**20:.2f} "
+          f"MiB per delta; gc every {args.gc_every} iterations; reference of {len(ref)} "
+          f"iterations computed in {ref_s:.1f} s")
+    alone, _ = run(path, 0, args.seconds, args.gc_every, args.width, ref)
+    loaded, rs = run(path, args.readers, args.seconds, args.gc_every, args.width, ref)
+    if alone["its"] + loaded["its"] >= len(ref) - 1:
+        print(f"(the writer reached the reference's end, iteration {len(ref) - 1}: raise "
+              f"MAX_PER_SECOND)")
     a = alone["its"] / alone["seconds"]
-    b = loaded["its"] / loaded["seconds"]
-    loads = sum(r["loads"] for r in rs)
+    b = max(loaded["its"], 1) / loaded["seconds"]
     secs = max(r["seconds"] for r in rs)
-    mb = sum(r["bytes"] for r in rs) / 1e6
+
+    def total(k: str) -> int:
+        return sum(r[k] for r in rs)
+
     print(f"writer alone: {a:.1f} iterations/s ({alone['gcs']} gcs)")
     print(f"writer beside {args.readers} readers: {b:.1f} iterations/s ({loaded['gcs']} gcs): "
           f"{a / b:.2f}x slower")
-    print(f"readers: {loads / secs:.1f} verified loads/s in all ({mb / secs:.0f} MB/s), "
-          f"{sum(r['errors'] for r in rs)} wrong; load average {os.getloadavg()[0]:.1f}")
-    return 1 if any(r["errors"] for r in rs) else 0
+    print(f"readers: {total('loads') / secs:.1f} verified loads/s in all "
+          f"({total('bytes') / 1e6 / secs:.0f} MB/s of state), {total('replays') / secs:.1f} "
+          f"replays/s ({total('replayed') / secs:.1f} replayed states/s), {total('errors')} wrong; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    return 1 if total("errors") else 0
 
 
 if __name__ == "__main__":

@@ -2,5 +2,6 @@
 writes base snapshots periodically, so any iteration can be restored (format-spec/deltas.md)."""
 
 from .checkpointer import Checkpointer, counters_like, ddp_comm_hook
+from .failure_policy import CheckpointerStats, CheckpointHealth
 
-__all__ = ["Checkpointer", "counters_like", "ddp_comm_hook"]
+__all__ = ["Checkpointer", "CheckpointHealth", "CheckpointerStats", "counters_like", "ddp_comm_hook"]

@@ -55,7 +55,7 @@ from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
 from ..replay.partition import Partition, split_state
 from ..replay.shards import is_dtensor, local, localize
 from .dp_restore import can_load_in_parallel, load_in_parallel
-from .failure_policy import FailurePolicy
+from .failure_policy import CheckpointerStats, FailurePolicy
 from .sharded import check_meshes, copy_into_live, load_sharded, replicas_of
 from ..replay.replayer import fingerprint, fingerprint_digest
 
@@ -190,7 +190,8 @@ class Checkpointer:
     DTensor parameters, which are always written as local shards).
     ``on_failure``: "raise" (default) or "retry": keep training through storage failures, logged
     and counted, until ``max_failures`` in a row or no durable checkpoint for ``max_lag_s``
-    seconds (:mod:`ckptstore.torch.failure_policy`; :meth:`health` says how it is going).
+    seconds (:mod:`ckptstore.torch.failure_policy`; :meth:`health` says how it is going,
+    :meth:`stats` says it beside the store's per-checkpoint statistics).
     """
 
     def __init__(self, store, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -360,6 +361,12 @@ class Checkpointer:
         last durable checkpoint, low-space warnings (:class:`~ckptstore.torch.failure_policy.
         CheckpointHealth`)."""
         return self.policy.health()
+
+    def stats(self) -> CheckpointerStats:
+        """:meth:`health` with the store's durable iteration and its per-checkpoint statistics
+        (``store.stats()``), in one :class:`~ckptstore.torch.failure_policy.CheckpointerStats`."""
+        return CheckpointerStats(self.policy.health(), self.store.durable_iteration(),
+                                 self.store.stats())
 
     def _durable_callback(self, fut) -> None:
         if not fut.cancelled() and fut.exception() is None:

@@ -17,6 +17,10 @@ order, an unsupported state) always raises.
 
 Before every base snapshot the free space under the store is compared with the base's size; a
 base that will not fit is announced in the log before it is written.
+
+:meth:`ckptstore.torch.Checkpointer.stats` reports the policy's counters (a
+:class:`CheckpointHealth`) together with the store's per-checkpoint statistics, as
+:class:`CheckpointerStats`: the counters live here only, the store knows nothing of the policy.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import CheckpointAbortedError, CheckpointPolicyError, StoreIOError
+from ..ops.pipeline import AsyncStats
 
 log = logging.getLogger("ckptstore")
 
@@ -38,7 +43,9 @@ RETRYABLE = (StoreIOError, CheckpointAbortedError)
 
 @dataclass
 class CheckpointHealth:
-    """How checkpointing is going, as the policy sees it."""
+    """How checkpointing is going, as the policy sees it. Invariants: ``failures_in_a_row <=
+    failures_total``; a checkpoint that becomes durable resets ``failures_in_a_row`` (and
+    ``seconds_since_durable``) to 0; under "raise" nothing is counted (the failure is raised)."""
 
     policy: str
     failures_total: int = 0
@@ -49,6 +56,21 @@ class CheckpointHealth:
     #: base snapshots announced as not fitting in the free space
     low_space_warnings: int = 0
     history: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointerStats:
+    """What :meth:`ckptstore.torch.Checkpointer.stats` returns: one snapshot, taken at the call.
+
+    ``health``: the failure policy's counters (a copy: later failures do not change it);
+    ``durable_iteration``: what survives a crash now (``store.durable_iteration()``);
+    ``checkpoints``: the store's per-checkpoint statistics of its async saves, oldest first
+    (``store.stats()``; empty on the synchronous path). Failed checkpoints appear only in
+    ``health``: ``checkpoints`` lists the ones that became durable."""
+
+    health: CheckpointHealth
+    durable_iteration: int | None
+    checkpoints: list[AsyncStats] = field(default_factory=list, repr=False)
 
 
 class FailurePolicy:
