@@ -930,3 +930,37 @@ def test_topk_native_selection_keeps_what_the_torch_path_keeps(case):
         assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6)
     if case in ("randn", "huge", "strided"):
         assert native._selected_natively(g.reshape(-1)) is not None  # the kernel served it
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_encode_many_gives_each_gradient_what_it_gives_alone(threads):
+    """encode_many (topk: concurrent selections on a pool, large gradients on the caller's
+    thread) returns, in order, exactly encode_measured of each gradient alone: same indices,
+    values, decode and error, None where a gradient is None, with any number of torch threads."""
+    import torch
+
+    from ckptstore.replay.gradcodecs import parse_codec
+    from ckptstore.replay.native import topk as native_topk
+
+    gen = torch.Generator().manual_seed(9)
+    sizes = [3, 70_000, None, 300_001, 2 * native_topk.SPLIT_MIN + 5, 1 << 20, 17, None, 250_000]
+    grads = [None if n is None else torch.randn(n, generator=gen) for n in sizes]
+    grads[1][[4, 9]] = float("nan")
+    grads[5] = grads[5].reshape(1024, 1024).t()  # strided
+    codec = parse_codec("topk:0.01")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        many = codec.encode_many(grads, True)
+    finally:
+        torch.set_num_threads(before)
+    assert len(many) == len(grads)
+    for g, got in zip(grads, many):
+        if g is None:
+            assert got is None
+            continue
+        p, d, s = codec.encode_measured(g, True)
+        assert got is not None
+        assert torch.equal(got[0]["i"], p["i"]) and torch.equal(got[0]["v"].view(torch.int32), p["v"].view(torch.int32))
+        assert torch.equal(got[1].view(torch.int32), d.view(torch.int32))
+        assert (got[2].max_abs_error, got[2].l2_grad) == (s.max_abs_error, s.l2_grad) or math.isnan(s.l2_grad)

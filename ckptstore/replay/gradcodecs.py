@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,6 +76,13 @@ class GradCodec:
         stats = EncodeStats(float(err.abs().max()) if err.numel() else 0.0,
                             float(err.norm()), float(g.detach().double().norm()))
         return payload, dec, stats
+
+    def encode_many(self, grads: "list[torch.Tensor | None]", decoded: bool = True
+                    ) -> "list[tuple[dict, torch.Tensor | None, EncodeStats | None] | None]":
+        """:meth:`encode_measured` of every gradient, in order (None for a None gradient). Each
+        result depends on its own gradient only, so a codec may compute them concurrently; the
+        results are the same either way. Here: one after another."""
+        return [None if g is None else self.encode_measured(g, decoded) for g in grads]
 
 
 class GradSlices:
@@ -195,6 +204,20 @@ def sum_of_squares(t: torch.Tensor) -> float:
     return math.fsum(total)
 
 
+_encode_pool_lock = threading.Lock()
+_encode_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _encode_pool(workers: int) -> ThreadPoolExecutor:
+    """A pool of ``workers`` threads for concurrent encodes (one per size, made once)."""
+    with _encode_pool_lock:
+        pool = _encode_pools.get(workers)
+        if pool is None:
+            pool = _encode_pools[workers] = ThreadPoolExecutor(
+                workers, thread_name_prefix="ckptstore-encode")
+        return pool
+
+
 class TopKCodec(GradCodec):
     lossy = True
 
@@ -236,6 +259,30 @@ class TopKCodec(GradCodec):
         stats = EncodeStats(float(mags.max()), math.sqrt(sum_of_squares(mags)), math.sqrt(grad_sq))
         dec = self.decode(payload, tuple(g.shape), g.dtype) if decoded else None
         return payload, dec, stats
+
+    def encode_many(self, grads: "list[torch.Tensor | None]", decoded: bool = True
+                    ) -> "list[tuple[dict, torch.Tensor | None, EncodeStats | None] | None]":
+        """:meth:`encode_measured` of every gradient, in order, on ``torch.get_num_threads()``
+        threads at once: a selection is a few torch ops and one call of the C kernel, all of
+        which release the GIL, and one gradient's selection is single-threaded unless the kernel
+        splits it (``native_topk.SPLIT_MIN``), so one at a time left all cores but one idle
+        (27.3M parameters on 2 cores: 34 ms of the training thread per step). Gradients the
+        kernel splits across its own threads run on the caller's thread, the rest on a pool.
+        Each result is what :meth:`encode_measured` gives for that gradient alone."""
+        workers = torch.get_num_threads()
+        split = 2 * native_topk.SPLIT_MIN
+        pooled = [(i, g) for i, g in enumerate(grads) if g is not None and g.numel() < split]
+        if workers < 2 or len(pooled) < 2:
+            return super().encode_many(grads, decoded)
+        out: list = [None] * len(grads)
+        futures = [(i, _encode_pool(workers).submit(self.encode_measured, g, decoded))
+                   for i, g in pooled]
+        for i, g in enumerate(grads):
+            if g is not None and g.numel() >= split:
+                out[i] = self.encode_measured(g, decoded)
+        for i, fut in futures:
+            out[i] = fut.result()
+        return out
 
     def _selected_natively(self, flat: torch.Tensor) -> tuple[dict, EncodeStats] | None:
         """The payload and error of a large float32 gradient from the C kernel

@@ -489,13 +489,14 @@ class Checkpointer:
         grads: list[Any] = []
         max_err: list[float] = []
         err_l2 = g_l2 = 0.0
-        for p, owned in zip(self._params, self._owned):
-            grad = local(p.grad)
-            if grad is None or not (owned or self.apply_decoded and self.codec.lossy):
+        todo = [g if g is not None and (owned or self.apply_decoded and self.codec.lossy) else None
+                for g, owned in ((local(p.grad), owned) for p, owned in zip(self._params, self._owned))]
+        for grad, encoded in zip(todo, self.codec.encode_many(todo, self.apply_decoded)):
+            if grad is None or encoded is None:
                 grads.append(None)  # (not owned: dropped from the record below)
                 max_err.append(0.0)
                 continue
-            payload, dec, st = self.codec.encode_measured(grad, self.apply_decoded)
+            payload, dec, st = encoded
             grads.append(payload)
             if st is not None:
                 max_err.append(st.max_abs_error)
