@@ -99,9 +99,13 @@ def batch(args, it):
     return x[:, :-1], x[:, 1:]
 
 
-def fwd_bwd(model, args, it):
+def forward(model, args, it):
     x, y = batch(args, it)
-    loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, args.vocab), y.reshape(-1))
+    return torch.nn.functional.cross_entropy(model(x).reshape(-1, args.vocab), y.reshape(-1))
+
+
+def fwd_bwd(model, args, it):
+    loss = forward(model, args, it)
     loss.backward()
     return loss.item()
 
@@ -216,13 +220,17 @@ class _Variant:
             self.ck.restore()
         self.it = 0
         self.times: list[float] = []
+        self.phases: list[tuple[float, float, float]] = []  # (forward, backward, step) per step
         self.futures: list = []
         self.drains: list[float] = []
 
     def step(self, args, timed: bool) -> None:
         self.it += 1
         t0 = time.perf_counter()
-        fwd_bwd(self.model, args, self.it)
+        loss = forward(self.model, args, self.it)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         if self.ck is not None:
             fut = self.ck.step(self.it)
             if timed:
@@ -231,7 +239,9 @@ class _Variant:
             self.opt.step()
         self.opt.zero_grad()
         if timed:
-            self.times.append(time.perf_counter() - t0)
+            t3 = time.perf_counter()
+            self.times.append(t3 - t0)
+            self.phases.append((t1 - t0, t2 - t1, t3 - t2))
 
     def drain(self) -> None:
         if self.ck is not None:
@@ -273,6 +283,13 @@ def report_steps(variants: list["_Variant"], bandwidth: float | None, full_bytes
     the fraction of the disk's O_DIRECT bandwidth the checkpoints use."""
     plain = median(variants[0].times)
     print(f"plain step (median of {len(variants[0].times)}, interleaved): {plain * 1e3:.0f} ms")
+
+    def phases(v: "_Variant") -> list[float]:
+        return [median([p[k] for p in v.phases]) for k in range(3)]
+
+    base = phases(variants[0])
+    print("  plain phases (medians): " + ", ".join(
+        f"{name} {t * 1e3:.1f} ms" for name, t in zip(("forward", "backward", "step"), base)))
     for v in variants[1:]:
         step = median(v.times)
         stats = [f.result() for f in v.futures if f is not None]
@@ -288,6 +305,9 @@ def report_steps(variants: list["_Variant"], bandwidth: float | None, full_bytes
               f"delta {written / 2**20:.2f} MiB/iteration = {100 * written / full_bytes:.2f}% of a full "
               f"checkpoint; {rate / 1e6:.0f} MB/s written = {disk}; flush at a block's end "
               f"{median(v.drains) * 1e3:.0f} ms", flush=True)
+        print(f"  [{v.codec}] phases against plain (difference of medians): " + ", ".join(
+            f"{name} {(t - b) * 1e3:+.1f} ms" for name, t, b in
+            zip(("forward", "backward", "step"), phases(v), base)), flush=True)
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -530,6 +550,7 @@ def main():
     ap.add_argument("--k", type=int, default=50)
     ap.add_argument("--dir", default="/tmp/bench_delta")
     ap.add_argument("--restore-only", action="store_true", help="skip the step-time runs")
+    ap.add_argument("--steps-only", action="store_true", help="skip the restore runs")
     ap.add_argument("--codecs", default="exact,topk:0.01",
                     help="comma-separated; a codec@buffered variant appends without O_DIRECT "
                          "(step measurement only)")
@@ -575,7 +596,7 @@ def main():
             shutil.rmtree(os.path.join(args.dir, f"steps-{v.codec.replace(':', '')}"),
                           ignore_errors=True)
 
-    for codec in [c for c in codecs if "@" not in c]:
+    for codec in [c for c in codecs if "@" not in c and not args.steps_only]:
         path = os.path.join(args.dir, f"restore-{codec.replace(':', '')}")
         _, _, _, (m, o) = run_ckpt(args, codec, path, args.k, group_commit=10)
         for cache in ("warm", "cold"):
