@@ -964,3 +964,31 @@ def test_encode_many_gives_each_gradient_what_it_gives_alone(threads):
         assert torch.equal(got[0]["i"], p["i"]) and torch.equal(got[0]["v"].view(torch.int32), p["v"].view(torch.int32))
         assert torch.equal(got[1].view(torch.int32), d.view(torch.int32))
         assert (got[2].max_abs_error, got[2].l2_grad) == (s.max_abs_error, s.l2_grad) or math.isnan(s.l2_grad)
+
+
+@pytest.mark.parametrize("case", ["randn", "nan", "inf", "zeros", "ties", "float64"])
+def test_sampled_threshold_is_the_samples_order_statistic(case):
+    """The sampled threshold (numpy's selection for float32/float64) is the keep-th largest
+    sampled magnitude as torch.topk gives it, NaN counted as the largest."""
+    import torch
+
+    from ckptstore.replay import gradcodecs
+
+    g = torch.randn(1_000_003, generator=torch.Generator().manual_seed(6))
+    if case == "nan":
+        g[::5000] = float("nan")
+    elif case == "inf":
+        g[::7000] = float("-inf")
+    elif case == "zeros":
+        g[:990_000] = 0
+    elif case == "ties":
+        g = g.round()
+    elif case == "float64":
+        g = g.double()
+    for k in (1, 10_000, 400_000):
+        keep = max(1, round(gradcodecs.TOPK_SAMPLE * k / g.numel()))
+        sample = g[gradcodecs._sample_positions(g.numel())].abs()
+        want = torch.topk(sample, keep, sorted=True).values[-1]
+        got = gradcodecs._sampled_threshold(g, k)
+        assert got.dtype == g.dtype and (bool(torch.isnan(want)) and bool(torch.isnan(got)) or
+                                         got.item() == want.item())

@@ -154,8 +154,15 @@ def _sampled_threshold(values: torch.Tensor, k: int) -> torch.Tensor:
     the same): the sample's ``keep``-th largest magnitude, NaN counted as the largest (what
     ``torch.kthvalue`` gives, found by a partial top-``keep`` instead of a selection)."""
     n = values.numel()
-    sample = values[_sample_positions(n)].abs()
     keep = max(1, round(TOPK_SAMPLE * k / n))
+    if values.dtype in (torch.float32, torch.float64) and values.is_cpu and values.is_contiguous():
+        # numpy's selection (NaN sorts last, as the largest): the same order statistic, and no
+        # torch op large enough to go parallel, which on a thread of :func:`_encode_pool` would
+        # start an OpenMP team whose threads then slow training's parallel regions for good
+        sample = np.abs(values.numpy()[_sample_positions(n).numpy()])
+        at = sample.size - keep
+        return torch.tensor(np.partition(sample, at)[at], dtype=values.dtype)
+    sample = values[_sample_positions(n)].abs()
     return torch.topk(sample, keep, sorted=True).values[-1]
 
 
@@ -266,20 +273,31 @@ class TopKCodec(GradCodec):
         threads at once: a selection is a few torch ops and one call of the C kernel, all of
         which release the GIL, and one gradient's selection is single-threaded unless the kernel
         splits it (``native_topk.SPLIT_MIN``), so one at a time left all cores but one idle
-        (27.3M parameters on 2 cores: 34 ms of the training thread per step). Gradients the
-        kernel splits across its own threads run on the caller's thread, the rest on a pool.
-        Each result is what :meth:`encode_measured` gives for that gradient alone."""
+        (27.3M parameters on 2 cores: 34 ms of the training thread per step). The pool takes
+        only the gradients the kernel serves whole (contiguous float32, above the exact-topk
+        size, below the kernel's split size), whose selection runs no torch op large enough to
+        go parallel: a torch parallel region on a pool thread starts an OpenMP team of its own,
+        and those threads slowed every later parallel region of training (optimizer steps 6-10
+        ms slower for good, measured). Everything else runs on the caller's thread. Each result
+        is what :meth:`encode_measured` gives for that gradient alone."""
         workers = torch.get_num_threads()
         split = 2 * native_topk.SPLIT_MIN
-        pooled = [(i, g) for i, g in enumerate(grads) if g is not None and g.numel() < split]
-        if workers < 2 or len(pooled) < 2:
+
+        def pooled(g: torch.Tensor | None) -> bool:
+            return g is not None and g.dtype == torch.float32 and g.is_cpu and \
+                g.is_contiguous() and EXACT_TOPK_MAX < g.numel() < split
+
+        jobs = [(i, g) for i, g in enumerate(grads) if g is not None and pooled(g)]
+        if workers < 2 or len(jobs) < 2 or not native_topk.available():
             return super().encode_many(grads, decoded)
+        for _, job in jobs:
+            _sample_positions(job.numel())  # made here (torch ops), used there from the cache
         out: list = [None] * len(grads)
-        futures = [(i, _encode_pool(workers).submit(self.encode_measured, g, decoded))
-                   for i, g in pooled]
-        for i, g in enumerate(grads):
-            if g is not None and g.numel() >= split:
-                out[i] = self.encode_measured(g, decoded)
+        futures = [(i, _encode_pool(workers).submit(self.encode_measured, job, decoded))
+                   for i, job in jobs]
+        for i, grad in enumerate(grads):
+            if grad is not None and not pooled(grad):
+                out[i] = self.encode_measured(grad, decoded)
         for i, fut in futures:
             out[i] = fut.result()
         return out
