@@ -966,10 +966,11 @@ def test_encode_many_gives_each_gradient_what_it_gives_alone(threads):
         assert (got[2].max_abs_error, got[2].l2_grad) == (s.max_abs_error, s.l2_grad) or math.isnan(s.l2_grad)
 
 
-@pytest.mark.parametrize("case", ["randn", "nan", "inf", "zeros", "ties", "float64"])
+@pytest.mark.parametrize("case", ["randn", "nan", "inf", "zeros", "ties", "float64", "subnormal",
+                                  "negative-zero", "all-nan"])
 def test_sampled_threshold_is_the_samples_order_statistic(case):
-    """The sampled threshold (numpy's selection for float32/float64) is the keep-th largest
-    sampled magnitude as torch.topk gives it, NaN counted as the largest."""
+    """The sampled threshold (the C kernel's radix select for float32, where it is built) is the
+    keep-th largest sampled magnitude as torch.topk gives it, NaN counted as the largest."""
     import torch
 
     from ckptstore.replay import gradcodecs
@@ -985,10 +986,32 @@ def test_sampled_threshold_is_the_samples_order_statistic(case):
         g = g.round()
     elif case == "float64":
         g = g.double()
-    for k in (1, 10_000, 400_000):
+    elif case == "subnormal":
+        g = g * 1e-40
+    elif case == "negative-zero":
+        g[:600_000] = -0.0
+    elif case == "all-nan":
+        g[:] = float("nan")
+    for k in (1, 10_000, 400_000, g.numel()):
         keep = max(1, round(gradcodecs.TOPK_SAMPLE * k / g.numel()))
         sample = g[gradcodecs._sample_positions(g.numel())].abs()
         want = torch.topk(sample, keep, sorted=True).values[-1]
         got = gradcodecs._sampled_threshold(g, k)
         assert got.dtype == g.dtype and (bool(torch.isnan(want)) and bool(torch.isnan(got)) or
                                          got.item() == want.item())
+
+
+def test_kth_magnitude_refuses_positions_out_of_range():
+    import torch
+
+    from ckptstore.replay.native import topk as native_topk
+
+    if not native_topk.available():
+        pytest.skip("no C compiler: the native kernel is not built here")
+    x = torch.randn(100)
+    assert native_topk.kth_magnitude(x, torch.tensor([3, 50, 99]), 2) == sorted(
+        x[[3, 50, 99]].abs().tolist())[-2]
+    for bad in ([0, 100], [-1, 5]):
+        with pytest.raises(IndexError):
+            native_topk.kth_magnitude(x, torch.tensor(bad), 1)
+    assert native_topk.kth_magnitude(x, torch.tensor([1, 2]), 3) is None  # keep > m

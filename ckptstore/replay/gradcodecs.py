@@ -155,14 +155,14 @@ def _sampled_threshold(values: torch.Tensor, k: int) -> torch.Tensor:
     ``torch.kthvalue`` gives, found by a partial top-``keep`` instead of a selection)."""
     n = values.numel()
     keep = max(1, round(TOPK_SAMPLE * k / n))
-    if values.dtype in (torch.float32, torch.float64) and values.is_cpu and values.is_contiguous():
-        # numpy's selection (NaN sorts last, as the largest): the same order statistic, and no
-        # torch op large enough to go parallel, which on a thread of :func:`_encode_pool` would
-        # start an OpenMP team whose threads then slow training's parallel regions for good
-        sample = np.abs(values.numpy()[_sample_positions(n).numpy()])
-        at = sample.size - keep
-        return torch.tensor(np.partition(sample, at)[at], dtype=values.dtype)
-    sample = values[_sample_positions(n)].abs()
+    positions = _sample_positions(n)
+    # the C kernel's radix select: the same order statistic with no torch op, which on a thread
+    # of :func:`_encode_pool` would start an OpenMP team whose threads then slow training's
+    # parallel regions for good (numpy's partition: 5 ms on a mostly-zero sample)
+    native = native_topk.kth_magnitude(values, positions, keep)
+    if native is not None:
+        return torch.tensor(native, dtype=values.dtype)
+    sample = values[positions].abs()
     return torch.topk(sample, keep, sorted=True).values[-1]
 
 
@@ -269,17 +269,18 @@ class TopKCodec(GradCodec):
 
     def encode_many(self, grads: "list[torch.Tensor | None]", decoded: bool = True
                     ) -> "list[tuple[dict, torch.Tensor | None, EncodeStats | None] | None]":
-        """:meth:`encode_measured` of every gradient, in order, on ``torch.get_num_threads()``
-        threads at once: a selection is a few torch ops and one call of the C kernel, all of
-        which release the GIL, and one gradient's selection is single-threaded unless the kernel
-        splits it (``native_topk.SPLIT_MIN``), so one at a time left all cores but one idle
-        (27.3M parameters on 2 cores: 34 ms of the training thread per step). The pool takes
-        only the gradients the kernel serves whole (contiguous float32, above the exact-topk
-        size, below the kernel's split size), whose selection runs no torch op large enough to
-        go parallel: a torch parallel region on a pool thread starts an OpenMP team of its own,
-        and those threads slowed every later parallel region of training (optimizer steps 6-10
-        ms slower for good, measured). Everything else runs on the caller's thread. Each result
-        is what :meth:`encode_measured` gives for that gradient alone."""
+        """:meth:`encode_measured` of every gradient, in order, the selections of gradients the
+        C kernel serves whole (contiguous float32, above the exact-topk size, below the kernel's
+        split size) on a pool of ``torch.get_num_threads()`` threads, after the rest ran on the
+        caller's thread. A selection is one call of the kernel for its threshold and one for the
+        pass, both releasing the GIL and single-threaded, so one at a time left every core but
+        one idle (27.3M parameters on 2 cores: 39 ms of the training thread per step, now 20).
+        The pooled work runs no torch op large enough to go parallel: a torch parallel region on
+        a pool thread starts an OpenMP team of its own, whose threads slowed every later
+        parallel region of training (optimizer steps 6-10 ms slower for good, measured); the
+        rest goes first because its torch ops do go parallel, and beside the pool they would
+        make more threads than cores. Each result is what :meth:`encode_measured` gives for that
+        gradient alone."""
         workers = torch.get_num_threads()
         split = 2 * native_topk.SPLIT_MIN
 
@@ -293,11 +294,13 @@ class TopKCodec(GradCodec):
         for _, job in jobs:
             _sample_positions(job.numel())  # made here (torch ops), used there from the cache
         out: list = [None] * len(grads)
-        futures = [(i, _encode_pool(workers).submit(self.encode_measured, job, decoded))
-                   for i, job in jobs]
+        # the rest first, on this thread: their torch ops go parallel themselves, and beside the
+        # pool they would make more threads than cores
         for i, grad in enumerate(grads):
             if grad is not None and not pooled(grad):
                 out[i] = self.encode_measured(grad, decoded)
+        futures = [(i, _encode_pool(workers).submit(self.encode_measured, job, decoded))
+                   for i, job in jobs]
         for i, fut in futures:
             out[i] = fut.result()
         return out

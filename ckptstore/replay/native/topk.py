@@ -19,6 +19,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import build
@@ -34,19 +35,40 @@ def _kernel() -> Any:
     with _lock:
         if not _fn:
             lib = build.load("topk_select")
-            fn = None
-            if lib is not None and lib.ckpt_topk_abi() == 1:
+            fn = kth = None
+            if lib is not None and lib.ckpt_topk_abi() == 2:
                 fn = lib.ckpt_topk_select
                 fn.restype = ctypes.c_int64
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                kth = lib.ckpt_topk_kth_magnitude
+                kth.restype = ctypes.c_float
+                kth.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                ctypes.c_void_p]
                 _pool.append(ThreadPoolExecutor(2, thread_name_prefix="ckptstore-topk"))
-            _fn.append(fn)
+            _fn.extend((fn, kth))
         return _fn[0]
 
 
 def available() -> bool:
     return _kernel() is not None
+
+
+def kth_magnitude(flat: torch.Tensor, positions: torch.Tensor, keep: int) -> float | None:
+    """The ``keep``-th largest of ``flat[positions].abs()`` (NaN the largest), exactly as
+    ``torch.topk(flat[positions].abs(), keep).values[-1]`` gives it, for a contiguous float32
+    CPU ``flat`` and int64 ``positions`` in range; None when the kernel is missing. Runs no
+    torch op (so it may run on any thread: see gradcodecs.TopKCodec.encode_many)."""
+    if _kernel() is None or flat.dtype != torch.float32 or flat.device.type != "cpu" or \
+            not flat.is_contiguous() or positions.dtype != torch.int64 or \
+            not positions.is_contiguous() or not 1 <= keep <= positions.numel():
+        return None
+    m = positions.numel()
+    at = positions.numpy()
+    if int(at.min()) < 0 or int(at.max()) >= flat.numel():  # (numpy: no torch op here)
+        raise IndexError(f"sample positions outside a tensor of {flat.numel()} entries")
+    keys = np.empty(m, dtype=np.uint32)
+    return float(_fn[1](flat.data_ptr(), positions.data_ptr(), m, keep, keys.ctypes.data))
 
 
 def select(flat: torch.Tensor, threshold: float, cap: int

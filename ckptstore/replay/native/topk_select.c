@@ -17,7 +17,46 @@
 #include <string.h>
 #include <stdint.h>
 
-int ckpt_topk_abi(void) { return 1; }
+int ckpt_topk_abi(void) { return 2; }
+
+/* ckpt_topk_kth_magnitude(x, pos, m, keep, keys) is the keep-th largest of |x[pos[0..m)]|
+ * (1 <= keep <= m), NaN counted as larger than every number, returned with its exact bits: what
+ * torch.topk(sample.abs(), keep).values[-1] gives for the codec's sampled threshold
+ * (gradcodecs._sampled_threshold). A magnitude's bits (the sign cleared) order as the magnitudes
+ * do, +inf below every NaN, so this is a selection on unsigned keys: an MSB-first radix select,
+ * 11 + 11 + 10 bits, each pass over the keys still in the candidate bucket (no degenerate case:
+ * ties, zeros and NaN cost what any sample costs). ``keys`` is caller scratch of m uint32. */
+float ckpt_topk_kth_magnitude(const float *x, const int64_t *pos, int64_t m, int64_t keep,
+                              uint32_t *keys) {
+    for (int64_t i = 0; i < m; i++) {
+        uint32_t b;
+        memcpy(&b, x + pos[i], sizeof b);
+        keys[i] = b & 0x7fffffffu;
+    }
+    static const int shifts[3] = {21, 10, 0};
+    static const int widths[3] = {11, 11, 10};
+    uint32_t prefix = 0, prefix_mask = 0;
+    int64_t live = m;                       /* keys[0..live) match prefix under prefix_mask */
+    int64_t rank = keep;                    /* the rank-th largest of the live keys is the answer */
+    for (int p = 0; p < 3; p++) {
+        int64_t count[2048] = {0};
+        const int sh = shifts[p];
+        const uint32_t bucket_mask = (1u << widths[p]) - 1u;
+        for (int64_t i = 0; i < live; i++) count[(keys[i] >> sh) & bucket_mask]++;
+        int64_t b = (int64_t)bucket_mask, above = 0;
+        while (above + count[b] < rank) above += count[b--];
+        rank -= above;
+        prefix |= (uint32_t)b << sh;
+        prefix_mask |= bucket_mask << sh;
+        int64_t w = 0;
+        for (int64_t i = 0; i < live; i++)
+            if ((keys[i] & prefix_mask) == prefix) keys[w++] = keys[i];
+        live = w;
+    }
+    float out;
+    memcpy(&out, &prefix, sizeof out);
+    return out;
+}
 
 /* Kept entries are rare (~1%). Blocks of 32 entries are reduced branch-free with GCC/clang vector
  * extensions (the dropped entries' squares in float lanes, flushed into doubles every FLUSH
