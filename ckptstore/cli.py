@@ -115,7 +115,8 @@ def _show_dcp(store: Any, iteration: int, path: str) -> int:
 def _shard_sections(store: JobStore, iteration: int) -> list[dict] | None:
     """Every rank's ``shards`` section (rank order) when ``iteration`` of the job store holds
     sharded (FSDP2 / DTensor) Checkpointer parts, else None. A delta records no section: its
-    base's (in the same rank stream, so the same layout) is read. Reads manifests only."""
+    base's (in the same rank stream, so the same layout) is read. Reads each part's replay
+    section only (no tensor)."""
     from .format.delta import REPLAY_KEY
     from .replay.shards import shards_of
 

@@ -932,8 +932,9 @@ def test_topk_native_selection_keeps_what_the_torch_path_keeps(case):
         assert native._selected_natively(g.reshape(-1)) is not None  # the kernel served it
 
 
+@pytest.mark.parametrize("spec", ["topk:0.01", "topk:0.6"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_encode_many_gives_each_gradient_what_it_gives_alone(threads):
+def test_encode_many_gives_each_gradient_what_it_gives_alone(threads, spec):
     """encode_many (topk: concurrent selections on a pool, large gradients on the caller's
     thread) returns, in order, exactly encode_measured of each gradient alone: same indices,
     values, decode and error, None where a gradient is None, with any number of torch threads."""
@@ -943,23 +944,27 @@ def test_encode_many_gives_each_gradient_what_it_gives_alone(threads):
     from ckptstore.replay.native import topk as native_topk
 
     gen = torch.Generator().manual_seed(9)
-    sizes = [3, 70_000, None, 300_001, 2 * native_topk.SPLIT_MIN + 5, 1 << 20, 17, None, 250_000]
+    sizes = [3, 70_000, None, 300_001, native_topk.SPLIT_AT + 5, 1 << 20, 17, None, 250_000,
+             200_000]
     grads = [None if n is None else torch.randn(n, generator=gen) for n in sizes]
     grads[1][[4, 9]] = float("nan")
     grads[5] = grads[5].reshape(1024, 1024).t()  # strided
-    codec = parse_codec("topk:0.01")
+    grads[9][:199_000] = 0  # mostly zero: the sampled threshold misses, the torch path runs
+    codec = parse_codec(spec)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # (the torch path's float32 sums follow the thread count)
     try:
         many = codec.encode_many(grads, True)
+        alone = [None if g is None else codec.encode_measured(g, True) for g in grads]
     finally:
         torch.set_num_threads(before)
     assert len(many) == len(grads)
-    for g, got in zip(grads, many):
+    for g, got, want in zip(grads, many, alone):
         if g is None:
-            assert got is None
+            assert got is None and want is None
             continue
-        p, d, s = codec.encode_measured(g, True)
+        assert want is not None
+        p, d, s = want
         assert got is not None
         assert torch.equal(got[0]["i"], p["i"]) and torch.equal(got[0]["v"].view(torch.int32), p["v"].view(torch.int32))
         assert torch.equal(got[1].view(torch.int32), d.view(torch.int32))

@@ -16,6 +16,7 @@ together with the error measured at encode time.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import threading
@@ -148,17 +149,19 @@ def _sample_positions(n: int) -> torch.Tensor:
     return torch.randint(0, n, (TOPK_SAMPLE,), generator=gen).sort().values
 
 
-def _sampled_threshold(values: torch.Tensor, k: int) -> torch.Tensor:
+def _sampled_threshold(values: torch.Tensor, k: int,
+                       positions: torch.Tensor | None = None) -> torch.Tensor:
     """The magnitude above which about ``k`` of the flat ``values`` lie, from a fixed-seed
     sample (``values`` may be the magnitudes or the signed values: the sample's magnitudes are
-    the same): the sample's ``keep``-th largest magnitude, NaN counted as the largest (what
-    ``torch.kthvalue`` gives, found by a partial top-``keep`` instead of a selection)."""
+    the same; ``positions``: :func:`_sample_positions` of its size, when the caller has them):
+    the sample's ``keep``-th largest magnitude, NaN counted as the largest (what
+    ``torch.topk(sample, keep).values[-1]`` gives). For float32 where the C kernel is built, a
+    radix select in C (no torch op: see :meth:`TopKCodec.encode_many`; numpy's partition took
+    5 ms on a mostly-zero sample); else a partial top-``keep`` in torch."""
     n = values.numel()
     keep = max(1, round(TOPK_SAMPLE * k / n))
-    positions = _sample_positions(n)
-    # the C kernel's radix select: the same order statistic with no torch op, which on a thread
-    # of :func:`_encode_pool` would start an OpenMP team whose threads then slow training's
-    # parallel regions for good (numpy's partition: 5 ms on a mostly-zero sample)
+    if positions is None:
+        positions = _sample_positions(n)
     native = native_topk.kth_magnitude(values, positions, keep)
     if native is not None:
         return torch.tensor(native, dtype=values.dtype)
@@ -269,53 +272,68 @@ class TopKCodec(GradCodec):
 
     def encode_many(self, grads: "list[torch.Tensor | None]", decoded: bool = True
                     ) -> "list[tuple[dict, torch.Tensor | None, EncodeStats | None] | None]":
-        """:meth:`encode_measured` of every gradient, in order, the selections of gradients the
-        C kernel serves whole (contiguous float32, above the exact-topk size, below the kernel's
-        split size) on a pool of ``torch.get_num_threads()`` threads, after the rest ran on the
-        caller's thread. A selection is one call of the kernel for its threshold and one for the
-        pass, both releasing the GIL and single-threaded, so one at a time left every core but
-        one idle (27.3M parameters on 2 cores: 39 ms of the training thread per step, now 20).
-        The pooled work runs no torch op large enough to go parallel: a torch parallel region on
-        a pool thread starts an OpenMP team of its own, whose threads slowed every later
-        parallel region of training (optimizer steps 6-10 ms slower for good, measured); the
-        rest goes first because its torch ops do go parallel, and beside the pool they would
-        make more threads than cores. Each result is what :meth:`encode_measured` gives for that
-        gradient alone."""
+        """:meth:`encode_measured` of every gradient, in order. The C kernel's selections of
+        gradients it serves whole on one thread (contiguous float32 CPU, :meth:`_native_serves`,
+        below ``native_topk.SPLIT_AT`` entries) run on a pool of ``torch.get_num_threads()``
+        threads; everything else runs on the caller's thread, first (its torch ops go parallel
+        themselves: beside the pool they would make more threads than cores), and so do the
+        decodes and any selection the kernel gave back (a threshold that missed) afterwards. A
+        selection is two kernel calls (threshold, pass) that release the GIL and run
+        single-threaded, so one at a time left every core but one idle (27.3M parameters on 2
+        cores: 39 ms of the training thread per step, 20 now). Pool threads run no torch op
+        large enough to go parallel: a torch parallel region on another thread starts an
+        OpenMP team of its own, whose threads slowed every later parallel region of training
+        (optimizer steps 6-10 ms slower for good, measured). Each result is what
+        :meth:`encode_measured` gives for that gradient alone."""
         workers = torch.get_num_threads()
-        split = 2 * native_topk.SPLIT_MIN
 
-        def pooled(g: torch.Tensor | None) -> bool:
-            return g is not None and g.dtype == torch.float32 and g.is_cpu and \
-                g.is_contiguous() and EXACT_TOPK_MAX < g.numel() < split
+        def pooled(g: torch.Tensor) -> bool:
+            return g.is_cpu and g.is_contiguous() and g.numel() < native_topk.SPLIT_AT and \
+                self._native_serves(g)
 
-        jobs = [(i, g) for i, g in enumerate(grads) if g is not None and pooled(g)]
-        if workers < 2 or len(jobs) < 2 or not native_topk.available():
+        jobs = [(i, g.detach().reshape(-1)) for i, g in enumerate(grads)
+                if g is not None and pooled(g)]
+        if workers < 2 or len(jobs) < 2:
             return super().encode_many(grads, decoded)
-        for _, job in jobs:
-            _sample_positions(job.numel())  # made here (torch ops), used there from the cache
         out: list = [None] * len(grads)
-        # the rest first, on this thread: their torch ops go parallel themselves, and beside the
-        # pool they would make more threads than cores
         for i, grad in enumerate(grads):
             if grad is not None and not pooled(grad):
                 out[i] = self.encode_measured(grad, decoded)
-        futures = [(i, _encode_pool(workers).submit(self.encode_measured, job, decoded))
-                   for i, job in jobs]
+        pool = _encode_pool(workers)
+        # the sample positions are made here (torch ops) and handed over
+        futures = [(i, pool.submit(self._selected_natively, flat, _sample_positions(flat.numel())))
+                   for i, flat in jobs]
+        concurrent.futures.wait([f for _, f in futures])  # none left reading a gradient
         for i, fut in futures:
-            out[i] = fut.result()
+            fast = fut.result()
+            g = grads[i]
+            assert g is not None
+            if fast is None:  # the threshold missed: the torch path, here
+                out[i] = self.encode_measured(g, decoded)
+            else:
+                dec = self.decode(fast[0], tuple(g.shape), g.dtype) if decoded else None
+                out[i] = (fast[0], dec, fast[1])
         return out
 
-    def _selected_natively(self, flat: torch.Tensor) -> tuple[dict, EncodeStats] | None:
+    def _native_serves(self, flat: torch.Tensor) -> bool:
+        """Whether :meth:`_selected_natively` may serve this gradient: a float32 tensor above
+        the exact-topk size keeping less than half its entries, the kernel built."""
+        n = flat.numel()
+        return n > EXACT_TOPK_MAX and max(1, math.ceil(self.fraction * n)) < n // 2 and \
+            flat.dtype == torch.float32 and native_topk.available()
+
+    def _selected_natively(self, flat: torch.Tensor, positions: torch.Tensor | None = None
+                           ) -> tuple[dict, EncodeStats] | None:
         """The payload and error of a large float32 gradient from the C kernel
         (:mod:`ckptstore.replay.native.topk`): the entries :func:`_largest` keeps for the same
-        sampled threshold, in one pass. None where the torch path must run (no kernel, a small
-        tensor, a threshold that misses)."""
+        sampled threshold (``positions``: the sample's, else looked up), in one pass. None
+        where the torch path must run (no kernel, a small tensor, a threshold that misses)."""
+        if not self._native_serves(flat):
+            return None
         n = flat.numel()
         k = max(1, math.ceil(self.fraction * n))
-        if n <= EXACT_TOPK_MAX or k >= n // 2 or flat.dtype != torch.float32 or \
-                not native_topk.available():
-            return None
-        got = native_topk.select(flat.contiguous(), float(_sampled_threshold(flat, k)), 2 * k)
+        got = native_topk.select(flat.contiguous(), float(_sampled_threshold(flat, k, positions)),
+                                 2 * k)
         if got is None or not k // 2 <= got[0].numel():
             return None
         idx, vals, all_sq, dropped_sq, dropped_max = got

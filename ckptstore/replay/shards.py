@@ -453,7 +453,7 @@ def layout_problems(sections: Sequence[dict], where: str = "") -> list[CkptStore
     name them): a rank that records no box of it, or one that does not fit the global shape the
     other ranks record (DamagedCheckpointError); boxes that overlap or leave a gap
     (ShardCoverageError, :func:`tiling_error`). Empty when every entry's boxes tile it. Reads
-    the boxes only (no tensor), so a layout is checked before any shard is read or assembled.
+    the boxes only (no tensor), so a layout is checked before any tensor is assembled.
     ``where`` prefixes every message (e.g. ``"iteration 7: "``)."""
     problems: list[CkptStoreError] = []
     tables = [t if isinstance(t := sec.get("tensors"), dict) else {} for sec in sections]

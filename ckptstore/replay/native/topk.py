@@ -26,6 +26,8 @@ from . import build
 
 #: ranges below this many entries run on one thread
 SPLIT_MIN = 1 << 20
+#: tensors of this many entries and more are selected on two threads (:func:`select`)
+SPLIT_AT = 2 * SPLIT_MIN
 _lock = threading.Lock()
 _fn: list[Any] = []
 _pool: list[ThreadPoolExecutor] = []
@@ -55,8 +57,9 @@ def available() -> bool:
 
 
 def kth_magnitude(flat: torch.Tensor, positions: torch.Tensor, keep: int) -> float | None:
-    """The ``keep``-th largest of ``flat[positions].abs()`` (NaN the largest), exactly as
-    ``torch.topk(flat[positions].abs(), keep).values[-1]`` gives it, for a contiguous float32
+    """The ``keep``-th largest of ``flat[positions].abs()`` (a NaN when that is one: NaN counts
+    as the largest), as ``torch.topk(flat[positions].abs(), keep).values[-1]`` gives it, for a
+    contiguous float32
     CPU ``flat`` and int64 ``positions`` in range; None when the kernel is missing. Runs no
     torch op (so it may run on any thread: see gradcodecs.TopKCodec.encode_many)."""
     if _kernel() is None or flat.dtype != torch.float32 or flat.device.type != "cpu" or \
@@ -81,7 +84,7 @@ def select(flat: torch.Tensor, threshold: float, cap: int
             not flat.is_contiguous():
         return None
     n = flat.numel()
-    parts = 2 if n >= 2 * SPLIT_MIN else 1
+    parts = 2 if n >= SPLIT_AT else 1
     bounds = [n * p // parts for p in range(parts + 1)]
     idx = torch.empty((parts, cap), dtype=torch.int64)
     vals = torch.empty((parts, cap), dtype=torch.float32)

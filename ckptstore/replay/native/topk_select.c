@@ -20,7 +20,7 @@
 int ckpt_topk_abi(void) { return 2; }
 
 /* ckpt_topk_kth_magnitude(x, pos, m, keep, keys) is the keep-th largest of |x[pos[0..m)]|
- * (1 <= keep <= m), NaN counted as larger than every number, returned with its exact bits: what
+ * (1 <= keep <= m, else NaN), NaN counted as larger than every number (a NaN's key is its bits): what
  * torch.topk(sample.abs(), keep).values[-1] gives for the codec's sampled threshold
  * (gradcodecs._sampled_threshold). A magnitude's bits (the sign cleared) order as the magnitudes
  * do, +inf below every NaN, so this is a selection on unsigned keys: an MSB-first radix select,
@@ -28,6 +28,7 @@ int ckpt_topk_abi(void) { return 2; }
  * ties, zeros and NaN cost what any sample costs). ``keys`` is caller scratch of m uint32. */
 float ckpt_topk_kth_magnitude(const float *x, const int64_t *pos, int64_t m, int64_t keep,
                               uint32_t *keys) {
+    if (keep < 1 || keep > m) return NAN;   /* (the caller checks; never read out of bounds) */
     for (int64_t i = 0; i < m; i++) {
         uint32_t b;
         memcpy(&b, x + pos[i], sizeof b);
@@ -48,6 +49,7 @@ float ckpt_topk_kth_magnitude(const float *x, const int64_t *pos, int64_t m, int
         rank -= above;
         prefix |= (uint32_t)b << sh;
         prefix_mask |= bucket_mask << sh;
+        if (p == 2) break;                  /* every bit is chosen */
         int64_t w = 0;
         for (int64_t i = 0; i < live; i++)
             if ((keys[i] & prefix_mask) == prefix) keys[w++] = keys[i];
