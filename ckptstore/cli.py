@@ -15,7 +15,7 @@ import sys
 from typing import Any, Sequence
 
 from .console import human_bytes, printable, progress, table
-from .errors import CkptStoreError, DamagedCheckpointError, NotFoundError
+from .errors import CkptStoreError, NotFoundError
 from .multirank.fsck import check_job
 from .multirank.job_store import JobStore
 from .storage.job_log import is_job_store
@@ -112,30 +112,6 @@ def _show_dcp(store: Any, iteration: int, path: str) -> int:
     return 1 if lay.problems else 0
 
 
-def _shard_sections(store: JobStore, iteration: int) -> list[dict] | None:
-    """Every rank's ``shards`` section (rank order) when ``iteration`` of the job store holds
-    sharded (FSDP2 / DTensor) Checkpointer parts, else None. A delta records no section: its
-    base's (in the same rank stream, so the same layout) is read. Reads each part's replay
-    section only (no tensor)."""
-    from .format.delta import REPLAY_KEY
-    from .replay.shards import shards_of
-
-    sections = []
-    for r in range(store.global_commit(iteration).world_size):
-        base = store.base_of(iteration, rank=r)
-        try:
-            section = shards_of(store.load_record(base, keys=[REPLAY_KEY], rank=r))
-        except NotFoundError:  # a state without a replay section: not a Checkpointer's
-            section = None
-        if section is None:
-            if r == 0:
-                return None
-            raise DamagedCheckpointError(f"{store.path}: iteration {iteration}: rank 0 saved a "
-                                         f"sharded part, rank {r} (base {base}) did not")
-        sections.append(section)
-    return sections
-
-
 def _show_sharded(store: JobStore, iteration: int, sections: list[dict]) -> int:
     """show of sharded Checkpointer parts: every DTensor entry's box on every rank (global shape,
     offsets, local shape, placements, mesh) and the rank whose part stores its bytes (another
@@ -189,7 +165,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         if not args.raw and args.rank is None and is_dcp(opened, it):
             return _show_dcp(opened, it, args.path)
         if not args.raw and args.rank is None and isinstance(opened, JobStore):
-            sections = _shard_sections(opened, it)
+            sections = opened.shard_sections(it)
             if sections is not None:
                 return _show_sharded(opened, it, sections)
         store = opened

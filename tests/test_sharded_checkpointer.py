@@ -282,11 +282,12 @@ def test_assembly_refuses_parts_that_do_not_tile():
 def test_cli_shows_the_boxes_and_restores_full_tensors(tmp_path, capsys, monkeypatch):
     """``ckptstore show`` of a sharded Checkpointer job store prints every DTensor entry's box on
     every rank (a delta: its base's boxes) and exits 1 naming the tensor when the recorded boxes
-    do not tile it; ``ckptstore restore --format safetensors`` writes one file of the full
-    (gathered) tensors."""
+    do not tile it, as fsck does for every iteration; ``ckptstore restore --format
+    safetensors`` writes one file of the full (gathered) tensors."""
     from safetensors.torch import load_file
 
     from ckptstore.cli import main as cli
+    from ckptstore.multirank.fsck import check_job
     from ckptstore.multirank.job_store import JobStore
 
     world, path, live = 2, str(tmp_path / "job"), str(tmp_path / "live")
@@ -332,6 +333,7 @@ def test_cli_shows_the_boxes_and_restores_full_tensors(tmp_path, capsys, monkeyp
         for k, t in entry.items():
             assert_bits(t, got[f"optimizer/state/{i}/{k}"], f"optimizer state {i} {k}")
     assert tuple(got["model/4.weight"].shape) == (7, 24)
+    assert check_job(path).clean  # fsck checks the layout of every iteration's parts
     # recorded boxes that overlap (rank 1's rows 3-5 of 4.weight) and leave a gap (row 6)
     real = JobStore.load_record
 
@@ -349,3 +351,7 @@ def test_cli_shows_the_boxes_and_restores_full_tensors(tmp_path, capsys, monkeyp
            "at offsets [0, 0] (sizes [4, 24], rank 0) and at offsets [3, 0] (sizes [3, 24], " \
            "rank 1) overlap in the box at offsets [3, 0] of sizes [1, 24]" in captured.err, \
         captured.err
+    report = check_job(path)  # fsck names every iteration whose parts no longer tile
+    assert not report.clean and set(report.damaged_iterations) == set(report.iterations)
+    assert any("'4.weight'" in m and "overlap" in m for m in report.damaged_iterations[2]), \
+        report.damaged_iterations[2]

@@ -16,6 +16,7 @@ from typing import Callable
 
 from ..errors import CkptStoreError, DamagedCheckpointError, StoreNotFoundError
 from ..ops.fsck import FsckReport, check, quarantine_note
+from ..replay.shards import layout_problems
 from ..storage.job_log import JobLayout, read_job_header, read_job_view, tail_is_suspicious
 from .job_store import JobStore
 
@@ -125,6 +126,7 @@ def check_job(path: str | os.PathLike, *, repair: bool = False,
                                     "names it: ignored")
         except CkptStoreError as e:
             report.damage.append(f"{where} cannot be checked: {e}")
+    layouts: dict[tuple[int, ...], list[str]] = {}
     with JobStore(path, "r") as reader:
         for it, g in view.commits.items():
             for r in range(g.world_size):
@@ -138,4 +140,25 @@ def check_job(path: str | os.PathLike, *, repair: bool = False,
                     reader.stream(it, rank=r)
                 except DamagedCheckpointError as e:
                     report.damaged_iterations.setdefault(it, []).append(str(e))
+            if it not in report.damaged_iterations:
+                for problem in _layout_problems(reader, it, layouts):
+                    report.damaged_iterations.setdefault(it, []).append(problem)
     return report
+
+
+def _layout_problems(reader: JobStore, iteration: int,
+                     seen: dict[tuple[int, ...], list[str]]) -> list[str]:
+    """Why the sharded Checkpointer parts of ``iteration`` (if it holds any) cannot be assembled
+    into one state: boxes that do not tile a tensor, a rank without a box or a sharded part
+    (format-spec/deltas.md, "Sharded states"). Reads each base's replay section once: iterations
+    whose ranks have the same bases (a base and its deltas) share ``seen``'s answer."""
+    g = reader.global_commit(iteration)
+    key = (g.epoch, *(reader.base_of(iteration, rank=r) for r in range(g.world_size)))
+    if key not in seen:
+        try:
+            sections = reader.shard_sections(iteration)
+            problems = [] if sections is None else layout_problems(sections, "")
+            seen[key] = [f"sharded parts: {p}" for p in problems]
+        except CkptStoreError as e:
+            seen[key] = [f"sharded parts: {e}"]
+    return [f"iteration {iteration}: {p}" for p in seen[key]]

@@ -33,6 +33,7 @@ from ..errors import (CkptStoreError, DamagedCheckpointError, FormatError, NotFo
                       RankMismatchError, ReadOnlyStoreError, StoreClosedError, StoreNotFoundError)
 from ..engine.engine import DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE
 from ..engine.writer_engine import WriterEngine
+from ..format.delta import REPLAY_KEY
 from ..format.job import Epoch, GlobalCommit
 from ..inplace import copy_into
 from ..replay.partition import merge_parts, partition_of
@@ -530,6 +531,27 @@ class JobStore:
         parts = [first if r == (mine or 0) else self.stream(iteration, r).load(iteration)
                  for r in range(g.world_size)]
         return select_keys(merge_parts(parts, mine or 0), keys, iteration)
+
+    def shard_sections(self, iteration: int) -> list[dict] | None:
+        """Every rank's ``shards`` section (rank order) when ``iteration`` holds sharded
+        (FSDP2 / DTensor) Checkpointer parts (format-spec/deltas.md, "Sharded states"), else
+        None. A delta records no section: its base's (in the same rank stream, so the same
+        layout) is read. Reads each part's replay section only, no tensor; raises
+        DamagedCheckpointError when rank 0 saved a sharded part and another rank did not."""
+        sections = []
+        for r in range(self.global_commit(iteration).world_size):
+            base = self.base_of(iteration, rank=r)
+            try:
+                section = shards_of(self.load_record(base, keys=[REPLAY_KEY], rank=r))
+            except NotFoundError:  # a state without a replay section: not a Checkpointer's
+                section = None
+            if section is None:
+                if r == 0:
+                    return None
+                raise DamagedCheckpointError(f"{self.path}: iteration {iteration}: rank 0 saved "
+                                             f"a sharded part, rank {r} (base {base}) did not")
+            sections.append(section)
+        return sections
 
     def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
                     rank: int | None = None) -> Any:
