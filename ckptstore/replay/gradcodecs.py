@@ -296,8 +296,9 @@ class TopKCodec(GradCodec):
         if workers < 2 or len(jobs) < 2:
             return super().encode_many(grads, decoded)
         out: list = [None] * len(grads)
+        in_pool = {i for i, _ in jobs}
         for i, grad in enumerate(grads):
-            if grad is not None and not pooled(grad):
+            if grad is not None and i not in in_pool:
                 out[i] = self.encode_measured(grad, decoded)
         pool = _encode_pool(workers)
         # the sample positions are made here (torch ops) and handed over

@@ -59,9 +59,9 @@ def available() -> bool:
 def kth_magnitude(flat: torch.Tensor, positions: torch.Tensor, keep: int) -> float | None:
     """The ``keep``-th largest of ``flat[positions].abs()`` (a NaN when that is one: NaN counts
     as the largest), as ``torch.topk(flat[positions].abs(), keep).values[-1]`` gives it, for a
-    contiguous float32
-    CPU ``flat`` and int64 ``positions`` in range; None when the kernel is missing. Runs no
-    torch op (so it may run on any thread: see gradcodecs.TopKCodec.encode_many)."""
+    contiguous float32 CPU ``flat`` and int64 ``positions`` in range (IndexError otherwise);
+    None when the kernel is missing. Runs no torch op (so it may run on any thread: see
+    gradcodecs.TopKCodec.encode_many)."""
     if _kernel() is None or flat.dtype != torch.float32 or flat.device.type != "cpu" or \
             not flat.is_contiguous() or positions.dtype != torch.int64 or \
             not positions.is_contiguous() or not 1 <= keep <= positions.numel():
