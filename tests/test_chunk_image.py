@@ -214,6 +214,7 @@ def test_chunks_already_stored_or_compressible_are_left_out_of_the_image(dio_dir
         assert torch.equal(r.load_record(1)["g"]["a"], first)
 
 
+@pytest.mark.slow
 def test_sigkill_at_every_write_and_fsync_of_imaged_deltas(dio_dir: Path, assert_same) -> None:
     """Kill the writer at each of its writes (an O_DIRECT write torn on a block boundary) and
     fsyncs while it appends imaged deltas: a prefix of whole iterations survives, every durable

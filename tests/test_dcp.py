@@ -1310,6 +1310,7 @@ def mr_kill(rank: int, world: int, path: str, victim: int, timeout: float) -> di
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,victim", [(2, 1), (4, 0)], ids=["2-ranks-kill-rank-1",
                                                                  "4-ranks-kill-coordinator"])
 def test_multi_rank_save_with_a_dead_rank_commits_nothing(tmp_path, world, victim):

@@ -622,6 +622,7 @@ def test_a_damaged_shard_is_reported_naming_the_rank_and_the_tensor(jobs, tmp_pa
 
 # ---- a rank SIGKILLed during a sharded commit ---------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim,kill,after_vote", [
     (1, ["writev", "/streams/", 1], False),          # rank 1 writing its shards' records
     (1, ["fsync", "/streams/", 2, True], False),     # rank 1 with its local COMMIT durable

@@ -302,6 +302,7 @@ def test_default_mode_writes_deltas_direct_and_snapshots_buffered(dio_dir: Path)
                 assert torch.equal(r.load_record(i)["g"], _delta(i)["g"])
 
 
+@pytest.mark.slow
 def test_sigkill_at_every_write_and_fsync_of_mixed_direct_and_buffered_appends(dio_dir: Path,
                                                                                assert_same) -> None:
     """Kill the default-mode writer at each of its writes (torn: an O_DIRECT write on a block

@@ -301,6 +301,7 @@ for line in sys.stdin:
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_rebasing_gc(primary, tmp_path, assert_same):
     """A gc that rebases at 40 SIGKILLed at writes, fsyncs, renames and unlinks (torn writes,
     kills before and after the call): the next writer open finishes or rolls back the gc, fsck is

@@ -98,6 +98,7 @@ def _check_store(path: str, mode: str, assert_same) -> None:
                     assert_same(state_for(i), s.load(i))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["data.mdb", "lock.mdb"])
 def test_every_flip_in_the_index_leaves_every_load_exact(pristine, assert_same, name):
     path, files = pristine

@@ -18,7 +18,7 @@ image the enumeration yields, ~1,000 over the scenarios in under a minute; N > 0
 spread evenly over the crash points). Every image of a scenario is checked even after one fails
 (the first failure is raised at the end). The counts per scenario (crash points, images, what
 fsck found, failures) are printed as one table in the run's terminal summary (tests/conftest.py,
-shown by a plain ``pytest -q``) and written to $CKPTSTORE_POWERLOSS_REPORT as JSON when set.
+shown by ``pytest -q -m slow``, where this slow-marked sweep runs) and written to $CKPTSTORE_POWERLOSS_REPORT as JSON when set.
 """
 
 from __future__ import annotations
@@ -438,6 +438,7 @@ def _check_job_image(where: str, dest: Path, must: set[int], may: set[int], asse
     assert after.clean, f"{where}: fsck after the next job's save:\n" + "\n".join(after.lines())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_power_loss(sc: Scenario, tmp_path, assert_same):
     root = tmp_path / "store"

@@ -262,6 +262,7 @@ def test_checkpointer_with_remote_deltas_and_close_uploads_the_end(server, url, 
 
 
 # ---- interruption: SIGKILL mid-upload, resume ----------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("uploader", ["push", "writer"])
 def test_upload_killed_mid_way_resumes(server, url, tmp_path, assert_same, uploader):
     """SIGKILL the uploading process (``push``, or a writer's background uploader) while an
