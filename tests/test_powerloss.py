@@ -18,7 +18,8 @@ image the enumeration yields, ~1,000 over the scenarios in under a minute; N > 0
 spread evenly over the crash points). Every image of a scenario is checked even after one fails
 (the first failure is raised at the end). The counts per scenario (crash points, images, what
 fsck found, failures) are printed as one table in the run's terminal summary (tests/conftest.py,
-shown by ``pytest -q -m slow``, where this slow-marked sweep runs) and written to $CKPTSTORE_POWERLOSS_REPORT as JSON when set.
+shown by ``pytest -q -m slow``, where this slow-marked sweep runs) and written to
+$CKPTSTORE_POWERLOSS_REPORT as JSON when set.
 """
 
 from __future__ import annotations

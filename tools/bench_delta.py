@@ -285,6 +285,7 @@ def report_steps(variants: list["_Variant"], bandwidth: float | None, full_bytes
     """Print step-time ratios, the persister's CPU per iteration and per MB, bytes per iteration and
     the fraction of the disk's O_DIRECT bandwidth the checkpoints use."""
     plain = median(variants[0].times)
+    plain_mean = sum(variants[0].times) / len(variants[0].times)
     print(f"plain step (median of {len(variants[0].times)}, interleaved): {plain * 1e3:.0f} ms")
 
     def phases(v: "_Variant") -> list[float]:
@@ -311,7 +312,6 @@ def report_steps(variants: list["_Variant"], bandwidth: float | None, full_bytes
         # the flush at each block's end is untimed above; counting it too charges the variant
         # for work it deferred (a backlog the block's end left to the flush)
         amortized = (sum(v.times) + sum(v.drains)) / len(v.times)
-        plain_mean = sum(variants[0].times) / len(variants[0].times)
         print(f"  [{v.codec}] with the flushes at the blocks' ends: {amortized * 1e3:.0f} ms per "
               f"iteration (mean) = {amortized / plain_mean:.3f}x plain's mean "
               f"{plain_mean * 1e3:.0f} ms", flush=True)
