@@ -21,9 +21,12 @@ from typing import Any
 
 def _rank_main(rank: int, world: int, init: str, path: str, module: str, scenario: str,
                out_dir: str, kwargs: dict, pg_timeout: float) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable()  # a rank that dies of a signal leaves its threads' tracebacks on stderr
     torch.set_num_threads(1)
     result: dict[str, Any]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
