@@ -55,8 +55,8 @@ import xxhash
 from ckptstore.format import records as rec
 from ckptstore.format.chunk import Codec, address_of, choose_encoding, encode_chunk_header
 from ckptstore.format.commit import Commit, encode_commit
-from ckptstore.format.header import (SegmentHeader, StoreHeader, encode_segment_header,
-                                     encode_store_header)
+from ckptstore.format.header import (FRAMING_CHECKS, SegmentHeader, StoreHeader,
+                                     encode_segment_header, encode_store_header)
 from ckptstore.format.manifest import Manifest, TensorEntry, encode_manifest
 from ckptstore.format.state import flatten
 from ckptstore.format.tree import encode_tree, make_tree, snapshot_root, tree_root
@@ -111,14 +111,20 @@ def store_header_vectors() -> list[dict]:
     h = StoreHeader(1, STORE_ID, CHUNK_SIZE, SEGMENT_SIZE, CREATED_NS)
     good = encode_store_header(h)
     fields = {"format_version": 1, "store_id": STORE_ID.hex(), "chunk_size": CHUNK_SIZE,
-              "segment_size": SEGMENT_SIZE, "created_ns": CREATED_NS}
+              "segment_size": SEGMENT_SIZE, "created_ns": CREATED_NS, "flags": 0}
+    framed = encode_store_header(StoreHeader(1, STORE_ID, CHUNK_SIZE, SEGMENT_SIZE, CREATED_NS,
+                                             FRAMING_CHECKS))
     body = good[:56]
     v2 = recheck_store(body[:8] + struct.pack("<I", 2) + body[12:])
-    flags = recheck_store(body[:12] + struct.pack("<I", 1) + body[16:])
+    flags = recheck_store(body[:12] + struct.pack("<I", 2) + body[16:])
     zero_chunk = recheck_store(body[:32] + u64(0) + body[40:])
     return [
         dict(name="store_header_v1", kind="store_header", hex=good.hex(), expected=fields,
              note="STORE file of a v1 store (4 MiB chunks, 1 GiB segments)"),
+        dict(name="store_header_framing_checks", kind="store_header", hex=framed.hex(),
+             expected={**fields, "flags": FRAMING_CHECKS},
+             note="STORE flag 1 (FRAMING_CHECKS): CHUNK records may carry record flag 1; what "
+                  "a store created since 2026-11-26 has"),
         dict(name="store_header_bad_magic", kind="store_header", hex=flip(good, 0, 0x20).hex(),
              error="FormatError", note="magic 'cKPTSTOR'"),
         dict(name="store_header_bad_check", kind="store_header", hex=flip(good, 40).hex(),
@@ -126,7 +132,7 @@ def store_header_vectors() -> list[dict]:
         dict(name="store_header_unknown_version", kind="store_header", hex=v2.hex(),
              error="UnsupportedVersionError", note="format_version 2 with a valid check"),
         dict(name="store_header_unknown_flags", kind="store_header", hex=flags.hex(),
-             error="FormatError", note="flags 1 with a valid check"),
+             error="FormatError", note="flags 2 (unknown) with a valid check"),
         dict(name="store_header_zero_chunk_size", kind="store_header", hex=zero_chunk.hex(),
              error="FormatError", note="chunk_size 0 with a valid check"),
         dict(name="store_header_truncated", kind="store_header", hex=good[:63].hex(),
@@ -142,10 +148,10 @@ def record_vectors() -> list[dict]:
     delta = rec.encode_record(rec.RecordType.GRAD_DELTA, b"reserved")
     small = rec.encode_record(rec.RecordType.MANIFEST, b"{}")
 
-    def ok(name, r, rtype, payload, note):
+    def ok(name, r, rtype, payload, note, flags=0):
         return dict(name=name, kind="record", hex=r.hex(), note=note,
                     expected={"type": int(rtype), "type_name": rec.RecordType(rtype).name,
-                              "length": len(payload), "payload": payload.hex()})
+                              "length": len(payload), "payload": payload.hex(), "flags": flags})
 
     def bad(name, buf, error, note):
         return dict(name=name, kind="record", hex=buf.hex(), error=error, note=note)
@@ -154,7 +160,29 @@ def record_vectors() -> list[dict]:
     flags = raw_header(rec.RecordType.MANIFEST, 2, flags=1) + b"{}" + rec.encode_trailer(b"{}")
     reserved = raw_header(rec.RecordType.MANIFEST, 2, reserved=1) + b"{}" + rec.encode_trailer(b"{}")
     too_long = raw_header(rec.RecordType.CHUNK, rec.MAX_PAYLOAD + 1)
+    chunk_raw = bytes(range(48))
+    chunk_payload = encode_chunk_header(address_of(chunk_raw), Codec.RAW, 48) + chunk_raw
+    framed = rec.encode_record(rec.RecordType.CHUNK, chunk_payload, rec.FRAMING_CHECK)
+    framed_short = raw_header(rec.RecordType.CHUNK, 16, flags=1) + bytes(16) + \
+        rec.encode_trailer(bytes(16))
+    flag2 = raw_header(rec.RecordType.CHUNK, len(chunk_payload), flags=2) + chunk_payload + \
+        rec.encode_trailer(chunk_payload)
     return [
+        ok("record_chunk_framing_check", framed, rec.RecordType.CHUNK, chunk_payload,
+           "a CHUNK record with flag 1 (FRAMING_CHECK): payload_check = xxh3_64 of the 32-byte "
+           "chunk header only; the 48 data bytes are covered by the address", flags=1),
+        ok("record_chunk_framing_check_data_flipped", flip(framed, 24 + 32), rec.RecordType.CHUNK,
+           flip(chunk_payload, 32),
+           "record_chunk_framing_check with its first data byte flipped: the record is valid "
+           "(its trailer does not cover data) and its chunk payload fails the address check "
+           "(ChecksumMismatch): a reader MUST verify the address (C1)", flags=1),
+        bad("record_chunk_framing_check_header_flipped", flip(framed, 24 + 20),
+            "ChecksumMismatch", "record_chunk_framing_check with a chunk-header reserved byte "
+            "flipped: the trailer covers the chunk header"),
+        bad("record_framing_check_short_chunk", framed_short, "CorruptRecordError",
+            "flag 1 on a 16-byte CHUNK payload (shorter than a chunk header) with valid checks"),
+        bad("record_chunk_unknown_flag", flag2, "CorruptRecordError",
+            "flag 2 (unassigned) on a CHUNK record with valid checks"),
         ok("record_segment_header", seg_rec, rec.RecordType.SEGMENT_HEADER, seg_payload,
            "the 80-byte first record of segment 1 (see segment_header_seq1)"),
         ok("record_commit", commit_rec, rec.RecordType.COMMIT, encode_commit(_commit()),
@@ -180,7 +208,9 @@ def record_vectors() -> list[dict]:
         bad("record_truncated_trailer", small[:-1], "CorruptRecordError", "7 of 8 trailer bytes"),
         bad("record_unknown_type", unknown_type, "CorruptRecordError",
             "type 7 (unassigned) with valid checks: the header is invalid in v1"),
-        bad("record_unknown_flags", flags, "CorruptRecordError", "flags 1 with valid checks"),
+        bad("record_unknown_flags", flags, "CorruptRecordError",
+            "flag 1 (FRAMING_CHECK) on a MANIFEST record with valid checks: only CHUNK records "
+            "carry it"),
         bad("record_nonzero_reserved", reserved, "CorruptRecordError",
             "reserved u16 = 1 with valid checks"),
         bad("record_length_over_max", too_long, "CorruptRecordError",

@@ -78,7 +78,10 @@ def _fix_record_at(buf: bytearray, pos: int) -> int | None:
     end = pos + rec.HEADER_SIZE + length
     if end + rec.TRAILER_SIZE > len(buf):
         return None
-    buf[end:end + 8] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(buf[pos + 24:end])))
+    covered = end
+    if buf[pos + 5] & rec.FRAMING_CHECK and length >= rec.FRAMED_BYTES:  # the chunk header only
+        covered = pos + rec.HEADER_SIZE + rec.FRAMED_BYTES
+    buf[end:end + 8] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(buf[pos + 24:covered])))
     return end + rec.TRAILER_SIZE
 
 
@@ -101,7 +104,10 @@ def check_records(data: bytes) -> None:
     ok, h = _decodes(lambda: rec.decode_header(body))
     if ok:
         _require(0 <= h.length <= rec.MAX_PAYLOAD and h.type in rec.KNOWN_TYPES, f"bad header {h}")
-        _require(rec.encode_header(h.type, h.length) == body[:rec.HEADER_SIZE],
+        _require(h.flags in (0, rec.FRAMING_CHECK) and
+                 (h.flags == 0 or (h.type == rec.RecordType.CHUNK and h.length >= rec.FRAMED_BYTES)),
+                 f"a record flag on {h}")
+        _require(rec.encode_header(h.type, h.length, h.flags) == body[:rec.HEADER_SIZE],
                  "a decoded header does not re-encode to its bytes")
     ok2, got = _decodes(lambda: rec.decode_record(body))
     if ok2:
@@ -109,7 +115,7 @@ def check_records(data: bytes) -> None:
         _require(ok and h2 == h, "decode_record accepted a header decode_header refused")
         _require(len(payload) == h2.length and h2.total_size <= len(body),
                  "record payload is not bounded by the input")
-        _require(rec.encode_record(h2.type, bytes(payload)) == body[:h2.total_size],
+        _require(rec.encode_record(h2.type, bytes(payload), h2.flags) == body[:h2.total_size],
                  "a decoded record does not re-encode to its bytes")
 
 

@@ -105,6 +105,40 @@ class FullDisk(FileOps):
         return super()._pwritev(fd, buffers, offset)
 
 
+def create_store_without_features(path, chunk_size: int = 4 << 20,
+                                  segment_size: int = 1 << 30) -> None:
+    """Create at ``path`` a store with STORE flags 0, as releases before FRAMING_CHECKS made
+    them (format-spec/format.md §4): writers opening it frame every record with a full payload
+    check, and stay readable by those releases."""
+    import os
+
+    from ckptstore.storage.layout import Layout
+    from ckptstore.storage.store_file import create_store
+
+    os.makedirs(path, exist_ok=True)
+    create_store(Layout(str(path)), FileOps(), chunk_size, segment_size, flags=0)
+
+
+def chunk_record_flags(path) -> list[int]:
+    """The record flags of every CHUNK record in the segments of the store at ``path``."""
+    from ckptstore.format import records as rec
+    from ckptstore.storage.layout import Layout
+    from ckptstore.storage.segments import ScannedRecord, SegmentFile, scan_segment
+
+    layout = Layout(str(path))
+    out = []
+    for seq in layout.list_segments():
+        f = SegmentFile(layout.segment_path(seq), seq)
+        try:
+            for r in scan_segment(f):
+                if isinstance(r, ScannedRecord) and r.type == rec.RecordType.CHUNK:
+                    head = f.pread(r.loc.offset, rec.HEADER_SIZE)
+                    out.append(rec.decode_header(head).flags)
+        finally:
+            f.close()
+    return out
+
+
 # ---- tables in the terminal summary ---------------------------------------------------------------
 
 #: {title: (header, rows)}: what test modules handed to :func:`add_terminal_table` in this run

@@ -32,12 +32,13 @@ CHUNK = 16 << 10
 STRIDE = ChunkImage.stride_for(CHUNK)
 
 
-def _walk(buf: bytes) -> list[tuple[int, int, bytes, bytes]]:
-    """Every record of ``buf`` in order: (offset, type, chunk address, chunk data)."""
+def _walk(buf: bytes, flags: int = 0) -> list[tuple[int, int, bytes, bytes]]:
+    """Every record of ``buf`` in order: (offset, type, chunk address, chunk data); each must have
+    record ``flags``."""
     out, off = [], 0
     while off < len(buf):
         header, payload = rec.decode_record(buf[off:])
-        assert header.type == rec.RecordType.CHUNK
+        assert header.type == rec.RecordType.CHUNK and header.flags == flags
         ch, data = decode_chunk(payload)
         assert ch.codec is Codec.RAW and address_of(data) == ch.address
         out.append((off, header.type, ch.address, bytes(data)))
@@ -49,8 +50,10 @@ def _walk(buf: bytes) -> list[tuple[int, int, bytes, bytes]]:
 # ---- the pure layer ------------------------------------------------------------------------------
 
 @settings(max_examples=150, deadline=None)
-@given(nbytes=st.integers(1, 3 * 3 * BLOCK + 777), blocks=st.integers(2, 4), seed=st.integers(0, 2**32 - 1))
-def test_a_framed_image_is_a_run_of_valid_chunk_records(nbytes: int, blocks: int, seed: int) -> None:
+@given(nbytes=st.integers(1, 3 * 3 * BLOCK + 777), blocks=st.integers(2, 4), seed=st.integers(0, 2**32 - 1),
+       framing=st.booleans())
+def test_a_framed_image_is_a_run_of_valid_chunk_records(nbytes: int, blocks: int, seed: int,
+                                                       framing: bool) -> None:
     geo = ChunkImage(nbytes, blocks * BLOCK)
     data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
     image = bytearray(np.random.default_rng(seed + 1).integers(0, 256, geo.size, dtype=np.uint8))
@@ -58,13 +61,13 @@ def test_a_framed_image_is_a_run_of_valid_chunk_records(nbytes: int, blocks: int
     for j in range(geo.n_chunks):
         start, n = geo.data_offset(j), geo.data_length(j)
         buf[start:start + n] = data[j * geo.chunk_size:j * geo.chunk_size + n]
-        seal_chunk(buf, j * geo.stride, address_of(buf[start:start + n]), n)
+        seal_chunk(buf, j * geo.stride, address_of(buf[start:start + n]), n, framing)
         lo, hi = geo.span(j)
         assert lo % BLOCK == 0 and hi % BLOCK == 0 and lo == j * geo.stride
     if geo.pad:
-        seal_pad(buf, geo.records_end, geo.pad)
+        seal_pad(buf, geo.records_end, geo.pad, framing)
     assert geo.size % BLOCK == 0 and (geo.pad == 0 or geo.pad >= RECORD_OVERHEAD)
-    records = _walk(bytes(image))
+    records = _walk(bytes(image), rec.FRAMING_CHECK if framing else 0)
     assert b"".join(r[3] for r in records[:geo.n_chunks]) == data
     assert [r[0] for r in records[:geo.n_chunks]] == [j * geo.stride for j in range(geo.n_chunks)]
     if geo.pad:
@@ -215,13 +218,19 @@ def test_chunks_already_stored_or_compressible_are_left_out_of_the_image(dio_dir
 
 
 @pytest.mark.slow
-def test_sigkill_at_every_write_and_fsync_of_imaged_deltas(dio_dir: Path, assert_same) -> None:
+@pytest.mark.parametrize("kind", ["framing_checks", "full_checks"])
+def test_sigkill_at_every_write_and_fsync_of_imaged_deltas(dio_dir: Path, assert_same, kind: str) -> None:
     """Kill the writer at each of its writes (an O_DIRECT write torn on a block boundary) and
     fsyncs while it appends imaged deltas: a prefix of whole iterations survives, every durable
-    one among them, fsck is clean and the next writer finishes the run."""
+    one among them, fsck is clean and the next writer finishes the run. In a store created now
+    (FRAMING_CHECK records, whose trailers do not cover the data) and in one created without
+    the feature."""
     from _crashkit import kill_sweep
+    from conftest import chunk_record_flags, create_store_without_features
 
     template = dio_dir / "template"
+    if kind == "full_checks":
+        create_store_without_features(template, CHUNK)
     with ckptstore.open(template, chunk_size=CHUNK) as s:
         s.save(0, {"w": torch.zeros(10)})
 
@@ -243,6 +252,7 @@ def test_sigkill_at_every_write_and_fsync_of_imaged_deltas(dio_dir: Path, assert
             for i in range(its[-1] + 1, 5):
                 w.save_delta(i, _imaged(i), durable=True)
         _check_loads(path, [1, 2, 3, 4])
+        assert set(chunk_record_flags(path)) == {rec.FRAMING_CHECK if kind == "framing_checks" else 0}
         shutil.rmtree(path)
 
 

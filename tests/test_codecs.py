@@ -227,6 +227,16 @@ def test_store_header_good():
     assert len(buf) == fheader.STORE_HEADER_SIZE
     assert fheader.decode_store_header(buf) == h
     assert buf == store_body(chunk=4096, seg=1 << 20, created=99)
+    assert not h.framing_checks
+
+
+def test_store_header_with_framing_checks():
+    """STORE flag 1 (FRAMING_CHECKS) round-trips; a store created now carries it."""
+    h = fheader.StoreHeader(1, ID, 4096, 1 << 20, 99, fheader.FRAMING_CHECKS)
+    buf = fheader.encode_store_header(h)
+    assert buf == store_body(chunk=4096, seg=1 << 20, created=99, flags=1)
+    assert fheader.decode_store_header(buf) == h and h.framing_checks
+    assert fheader.NEW_STORE_FLAGS == fheader.FRAMING_CHECKS
 
 
 def test_store_header_corruptions():
@@ -246,7 +256,9 @@ def test_store_header_corruptions():
         buf = fheader.encode_store_header(fheader.StoreHeader(version, ID, 4096, 1 << 20, 1))
         err = raises_format(fheader.decode_store_header, buf, exc=UnsupportedVersionError)
         assert str(version) in str(err)
-    raises_format(fheader.decode_store_header, store_body(flags=1))          # reserved flags
+    for flags in (2, 3, 1 << 31):                                            # unknown flags
+        err = raises_format(fheader.decode_store_header, store_body(flags=flags))
+        assert "unknown flags" in str(err)
     raises_format(fheader.decode_store_header, store_body(chunk=0))
     raises_format(fheader.decode_store_header, store_body(seg=0))
 

@@ -38,6 +38,7 @@ from ckptstore.storage.layout import Layout
 from ckptstore.storage.segments import ScannedRecord, SegmentFile, scan_segment
 
 from _crashkit import CHUNK_SIZE, FreezeOps, state_for
+from conftest import chunk_record_flags, create_store_without_features
 
 SEGMENT_SIZE = 96 << 10  # several segments for a small store
 ITERATIONS = [1, 2, 3, 4, 5, 6, 8, 9, 12, 15]
@@ -141,9 +142,14 @@ def build_map(path: Path) -> StoreMap:
     return m
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> StoreMap:
+@pytest.fixture(scope="module", params=["framing_checks", "full_checks"])
+def pristine(request, tmp_path_factory) -> StoreMap:
+    """The store every trial damages a copy of: one created now (CHUNK records with
+    FRAMING_CHECK trailers), and one with STORE flags 0 (every record's trailer over its whole
+    payload, as older releases wrote)."""
     path = tmp_path_factory.mktemp("pristine") / "store"
+    if request.param == "full_checks":
+        create_store_without_features(path, CHUNK_SIZE, SEGMENT_SIZE)
     with ckptstore.open(path, "a", chunk_size=CHUNK_SIZE, segment_size=SEGMENT_SIZE) as w:
         for it in ITERATIONS:
             w.save(it, state_for(it))
@@ -155,6 +161,8 @@ def pristine(tmp_path_factory) -> StoreMap:
     assert any(len(m.users(r)) > 1 for r in m.of_type(rec.RecordType.TREE))
     assert {Codec.RAW, Codec.LZ4} <= set(m.codec_of.values())
     assert len({r.seq for r in m.commit_of.values()}) >= 3
+    flags = set(chunk_record_flags(path))
+    assert flags == ({rec.FRAMING_CHECK} if request.param == "framing_checks" else {0}), flags
     report = check(path)
     assert report.clean and report.iterations == ITERATIONS and not report.notes, report.lines()
     return m

@@ -58,14 +58,15 @@ class _Leaf:
 def _decode_store_header(buf: bytes) -> dict:
     h = decode_store_header(buf)
     return {"format_version": h.format_version, "store_id": h.store_id.hex(),
-            "chunk_size": h.chunk_size, "segment_size": h.segment_size, "created_ns": h.created_ns}
+            "chunk_size": h.chunk_size, "segment_size": h.segment_size, "created_ns": h.created_ns,
+            "flags": h.flags}
 
 
 def _decode_record(buf: bytes) -> dict:
     header, payload = rec.decode_record(buf)
     assert header.total_size == len(buf), "a record vector is exactly one record"
     return {"type": header.type, "type_name": rec.RecordType(header.type).name,
-            "length": header.length, "payload": bytes(payload).hex()}
+            "length": header.length, "payload": bytes(payload).hex(), "flags": header.flags}
 
 
 def _decode_segment_header(buf: bytes) -> dict:
@@ -184,9 +185,10 @@ def _encode(v: dict) -> bytes:
         return rec.encode_record(e["type"], bytes.fromhex(e["payload"]))
     if kind == "store_header":
         return encode_store_header(StoreHeader(e["format_version"], bytes.fromhex(e["store_id"]),
-                                               e["chunk_size"], e["segment_size"], e["created_ns"]))
+                                               e["chunk_size"], e["segment_size"], e["created_ns"],
+                                               e["flags"]))
     if kind == "record":
-        return rec.encode_record(e["type"], bytes.fromhex(e["payload"]))
+        return rec.encode_record(e["type"], bytes.fromhex(e["payload"]), e["flags"])
     if kind == "segment_header":
         return encode_segment_header(SegmentHeader(e["format_version"], e["seq"],
                                                    bytes.fromhex(e["store_id"]), e["supersedes"]))

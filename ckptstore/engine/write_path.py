@@ -147,7 +147,8 @@ def append_checkpoint(target: CheckpointTarget, index: Index, iteration: int, sk
         written += loc.end - loc.offset
         return loc
 
-    images = _ImageBatch()  # tensors lying in chunk images: framed now, written after the loop
+    # tensors lying in chunk images: framed now, written after the loop
+    images = _ImageBatch(log.framing_checks)
 
     def chunk_known(addr: bytes) -> bool:
         return addr in new_chunks or addr in images.addresses or \
@@ -255,7 +256,9 @@ class _ImageBatch:
     already stored are left out (each record owns a block-aligned span, so what remains stays
     aligned); chunks that compress are appended compressed after the images."""
 
-    def __init__(self) -> None:
+    def __init__(self, framing_checks: bool = False) -> None:
+        #: records are framed with FRAMING_CHECK trailers (the store's STORE flag)
+        self.framing_checks = framing_checks
         #: [buffer, start, end): spans of image memory to write, in order, adjacent ones merged
         self.runs: list[list[Any]] = []
         #: (address, offset in the written bytes, payload length) of each framed record
@@ -301,9 +304,9 @@ class _ImageBatch:
                 self.packed.append((addr, data, n))
                 continue
             lo, hi = geo.span(j)
-            seal_chunk(buf, lo, addr, n)
+            seal_chunk(buf, lo, addr, n, self.framing_checks)
             if j == last and geo.pad:
-                seal_pad(buf, geo.records_end, geo.pad)
+                seal_pad(buf, geo.records_end, geo.pad, self.framing_checks)
             self.framed.append((addr, self.out, CHUNK_HEADER_SIZE + n))
             self.out += hi - lo
             lo += tensor.offset

@@ -95,6 +95,12 @@ def max_raw_length(codec: int, payload_length: int) -> int:
     return 0
 
 
+def lz4_bound(raw_length: int) -> int:
+    """The most bytes lz4's block format takes for ``raw_length`` bytes (LZ4_COMPRESSBOUND): a
+    longer lz4 chunk payload is damaged, whatever it holds."""
+    return raw_length + raw_length // 255 + 16
+
+
 def choose_encoding(raw: memoryview) -> tuple[Codec, bytes | memoryview]:
     """Return (codec, data) for a raw chunk: lz4 only when it saves at least MIN_SAVING."""
     n = len(raw)

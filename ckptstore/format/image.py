@@ -65,25 +65,31 @@ def pad_payload(size: int) -> bytes:
     return encode_chunk_header(_zeros_address(n), Codec.RAW, n) + bytes(n)
 
 
-def seal_pad(buf: memoryview, offset: int, size: int) -> None:
-    """Write a pad record of ``size`` bytes at ``offset`` of ``buf``."""
+def seal_pad(buf: memoryview, offset: int, size: int, framing_check: bool = False) -> None:
+    """Write a pad record of ``size`` bytes at ``offset`` of ``buf`` (``framing_check``: as in
+    :func:`seal_chunk`)."""
     payload = pad_payload(size)
     n = size - RECORD_OVERHEAD
     buf[offset + rec.HEADER_SIZE:offset + rec.HEADER_SIZE + len(payload)] = payload
-    seal_chunk(buf, offset, _zeros_address(n), n)
+    seal_chunk(buf, offset, _zeros_address(n), n, framing_check)
 
 
-def seal_chunk(buf: memoryview, offset: int, address: bytes, data_len: int) -> None:
+def seal_chunk(buf: memoryview, offset: int, address: bytes, data_len: int,
+               framing_check: bool = False) -> None:
     """Frame the raw chunk whose ``data_len`` bytes lie at ``offset + DATA_OFFSET`` of ``buf``
     as one CHUNK record starting at ``offset``: record header, chunk header (``address``, raw
-    codec), and the trailer over the payload as it now lies in ``buf``. The data is read, never
-    written; the caller computed ``address`` over it."""
+    codec), and the trailer over the payload as it now lies in ``buf`` (with ``framing_check``,
+    a FRAMING_CHECK record whose trailer covers the chunk header alone: the data is not read
+    again). The data is never written; the caller computed ``address`` over it."""
     payload_len = CHUNK_HEADER_SIZE + data_len
-    buf[offset:offset + rec.HEADER_SIZE] = rec.encode_header(rec.RecordType.CHUNK, payload_len)
-    buf[offset + rec.HEADER_SIZE:offset + DATA_OFFSET] = encode_chunk_header(address, Codec.RAW,
-                                                                              data_len)
+    flags = rec.FRAMING_CHECK if framing_check else 0
+    buf[offset:offset + rec.HEADER_SIZE] = rec.encode_header(rec.RecordType.CHUNK, payload_len,
+                                                             flags)
+    chunk_header = encode_chunk_header(address, Codec.RAW, data_len)
+    buf[offset + rec.HEADER_SIZE:offset + DATA_OFFSET] = chunk_header
     start = offset + rec.HEADER_SIZE
-    check = xxhash.xxh3_64_intdigest(buf[start:start + payload_len])
+    check = xxhash.xxh3_64_intdigest(chunk_header if framing_check
+                                     else buf[start:start + payload_len])
     buf[start + payload_len:start + payload_len + rec.TRAILER_SIZE] = rec.encode_check(check)
 
 

@@ -5,16 +5,20 @@ A record is::
     offset  size  field
     0       4     magic          b"CSR1"
     4       1     type           RecordType
-    5       1     flags          0 in format v1
+    5       1     flags          0, or FRAMING_CHECK on a CHUNK record
     6       2     reserved       0
     8       8     length         payload length N, u64 LE, <= MAX_PAYLOAD
     16      8     header_check   xxh3_64(bytes 0..16), u64 LE
     24      N     payload
-    24+N    8     payload_check  xxh3_64(payload), u64 LE
+    24+N    8     payload_check  xxh3_64(payload), or with FRAMING_CHECK xxh3_64(payload[:32])
 
 Invariants: the header check lets a scanner trust ``length`` before reading the payload (a
 garbage length can never make a reader allocate), and a record is valid if and only if both checks
-match. Records carry no alignment padding.
+match. A CHUNK record with FRAMING_CHECK (allowed only in a store whose STORE header has the
+framing-checked-chunks feature, format/header.py) has a trailer over its 32-byte chunk header
+alone: its data is covered by the chunk's xxh3-128 address, which every reader verifies before
+using a byte (format-spec/format.md §5, §8), so a writer hashes the data once instead of twice.
+Records carry no alignment padding.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ TRAILER_SIZE = 8
 OVERHEAD = HEADER_SIZE + TRAILER_SIZE
 #: Largest payload a v1 record may carry. Chunks are far smaller; this bounds what a reader allocates.
 MAX_PAYLOAD = 1 << 30
+#: Record flag: the trailer covers the payload's first :data:`FRAMED_BYTES` bytes only (CHUNK
+#: records: the chunk header; the data is covered by the chunk's address).
+FRAMING_CHECK = 0x01
+#: Bytes of payload a FRAMING_CHECK trailer covers: a CHUNK payload's chunk header.
+FRAMED_BYTES = 32
 
 _HEAD = struct.Struct("<4sBBHQ")  # magic, type, flags, reserved, length (16 bytes)
 _U64 = struct.Struct("<Q")
@@ -65,6 +74,13 @@ class RecordHeader:
 
     type: int
     length: int
+    flags: int = 0
+
+    @property
+    def framing_checked(self) -> bool:
+        """Whether the trailer covers only the payload's first :data:`FRAMED_BYTES` bytes (the
+        rest, a chunk's data, is then verified by its address, never by the trailer)."""
+        return bool(self.flags & FRAMING_CHECK)
 
     @property
     def total_size(self) -> int:
@@ -72,11 +88,16 @@ class RecordHeader:
         return OVERHEAD + self.length
 
 
-def encode_header(record_type: int, length: int) -> bytes:
-    """Return the 24-byte header of a record of ``record_type`` with a ``length``-byte payload."""
+def encode_header(record_type: int, length: int, flags: int = 0) -> bytes:
+    """Return the 24-byte header of a record of ``record_type`` with a ``length``-byte payload;
+    ``flags`` is 0 or FRAMING_CHECK (a CHUNK record of at least FRAMED_BYTES bytes only)."""
     if not 0 <= length <= MAX_PAYLOAD:
         raise ValueError(f"record payload of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit")
-    head = _HEAD.pack(MAGIC, int(record_type), 0, 0, length)
+    if flags and (flags != FRAMING_CHECK or record_type != RecordType.CHUNK
+                  or length < FRAMED_BYTES):
+        raise ValueError(f"record flags {flags:#x} are not allowed on a record of type "
+                         f"{int(record_type)} with a {length}-byte payload")
+    head = _HEAD.pack(MAGIC, int(record_type), flags, 0, length)
     return head + _U64.pack(xxhash.xxh3_64_intdigest(head))
 
 
@@ -99,17 +120,22 @@ def decode_header(buf: bytes | bytearray | memoryview,
     actual = xxhash.xxh3_64_intdigest(head)
     if check != actual:
         raise ChecksumMismatch("record header", f"{check:016x}", f"{actual:016x}")
-    if flags != 0 or reserved != 0:
+    if flags not in (0, FRAMING_CHECK) or reserved != 0:
         raise CorruptRecordError(f"record header has unknown flags {flags:#x}/{reserved:#x}")
     if length > MAX_PAYLOAD:
         raise CorruptRecordError(f"record length {length} exceeds the {MAX_PAYLOAD}-byte limit")
     if rtype not in known:
         raise CorruptRecordError(f"unknown record type {rtype}")
-    return RecordHeader(rtype, length)
+    if flags and (rtype != RecordType.CHUNK or length < FRAMED_BYTES):
+        raise CorruptRecordError(
+            f"record flag {flags:#x} on a record of type {rtype} with a {length}-byte payload "
+            f"(only a CHUNK record of at least {FRAMED_BYTES} bytes carries it)")
+    return RecordHeader(rtype, length, flags)
 
 
 def payload_check(*parts: bytes | memoryview) -> int:
-    """xxh3_64 over the concatenation of ``parts`` (the payload, possibly in pieces)."""
+    """xxh3_64 over the concatenation of ``parts`` (the payload, possibly in pieces; for a
+    FRAMING_CHECK record, its first FRAMED_BYTES bytes)."""
     if len(parts) == 1:
         return xxhash.xxh3_64_intdigest(parts[0])
     h = xxhash.xxh3_64()
@@ -129,19 +155,28 @@ def encode_check(check: int) -> bytes:
     return _U64.pack(check)
 
 
-def check_trailer(payload: bytes | memoryview, trailer: bytes | memoryview) -> None:
-    """Raise ChecksumMismatch unless ``trailer`` is the check of ``payload``."""
+def checked_part(header: RecordHeader, payload: bytes | memoryview) -> bytes | memoryview:
+    """The part of ``payload`` that its record's trailer covers: all of it, or with
+    FRAMING_CHECK its first FRAMED_BYTES bytes."""
+    return payload[:FRAMED_BYTES] if header.framing_checked else payload
+
+
+def check_trailer(payload: bytes | memoryview, trailer: bytes | memoryview,
+                  header: RecordHeader | None = None) -> None:
+    """Raise ChecksumMismatch unless ``trailer`` is the check of ``payload`` (of the part its
+    ``header``'s flags say the trailer covers)."""
     if len(trailer) != TRAILER_SIZE:
         raise CorruptRecordError(f"truncated record trailer: {len(trailer)} of {TRAILER_SIZE} bytes")
     (expected,) = _U64.unpack(bytes(trailer))
-    actual = payload_check(payload)
+    actual = payload_check(payload if header is None else checked_part(header, payload))
     if expected != actual:
         raise ChecksumMismatch("record payload", f"{expected:016x}", f"{actual:016x}")
 
 
-def encode_record(record_type: int, payload: bytes) -> bytes:
+def encode_record(record_type: int, payload: bytes, flags: int = 0) -> bytes:
     """Return a whole record (header, payload, trailer) as one bytes object. For small records."""
-    return encode_header(record_type, len(payload)) + payload + encode_trailer(payload)
+    header = encode_header(record_type, len(payload), flags)
+    return header + payload + encode_trailer(payload[:FRAMED_BYTES] if flags else payload)
 
 
 def decode_record(buf: bytes | memoryview,
@@ -149,6 +184,8 @@ def decode_record(buf: bytes | memoryview,
     """Decode a whole record at the start of ``buf``; return its header and a view of its payload.
 
     Raises CorruptRecordError (or ChecksumMismatch) when the record is short or fails a check.
+    A FRAMING_CHECK (CHUNK) record is checked up to its chunk header: its data is not verified
+    here, and the caller verifies it against the chunk's address (chunk.decode_chunk_data).
     """
     view = memoryview(buf)
     header = decode_header(view, known)
@@ -157,5 +194,5 @@ def decode_record(buf: bytes | memoryview,
         raise CorruptRecordError(
             f"truncated record: {len(view)} of {end + TRAILER_SIZE} bytes present")
     payload = view[HEADER_SIZE:end]
-    check_trailer(payload, view[end:end + TRAILER_SIZE])
+    check_trailer(payload, view[end:end + TRAILER_SIZE], header)
     return header, payload

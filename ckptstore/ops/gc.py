@@ -323,7 +323,8 @@ class _Compactor:
             self.writer.close()
         path = self.engine.layout.gc_temp_path(self.seq)
         self.writer = SegmentWriter.create(path, self.seq, self.engine.header.store_id, self.ops,
-                                           supersedes, self.engine.evict_written)
+                                           supersedes, self.engine.evict_written,
+                                           framing_checks=self.engine.header.framing_checks)
         self.temps.append((self.seq, path))
         self.seq += 1
         return self.writer

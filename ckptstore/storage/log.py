@@ -125,10 +125,13 @@ class Log:
     """Segment files of one store. Read methods are thread-safe; append methods are not."""
 
     def __init__(self, layout: Layout, store_id: bytes, ops: FileOps | None = None,
-                 evict_written: bool = False, direct_io: bool = False) -> None:
+                 evict_written: bool = False, direct_io: bool = False,
+                 framing_checks: bool = False) -> None:
         self.layout = layout
         self.store_id = store_id
         self.ops = ops
+        #: the writer frames CHUNK records with FRAMING_CHECK trailers (the STORE header's flag)
+        self.framing_checks = framing_checks
         #: the writer (and quarantine copies) advise the kernel to drop written pages (SegmentWriter)
         self.evict_written = evict_written
         #: the writer appends through O_DIRECT from this reused staging buffer (storage/direct.py)
@@ -467,13 +470,13 @@ class Log:
                 seq = live[-1]
                 self.writer = SegmentWriter.reopen(self.layout.segment_path(seq), seq,
                                                    _header_len(), self.ops, self.evict_written,
-                                                   self.stage, self.direct_on)
+                                                   self.stage, self.direct_on, self.framing_checks)
             else:
                 self.roll(segment_size)
             return
         self.writer = SegmentWriter.reopen(self.layout.segment_path(position.seq), position.seq,
                                            position.offset, self.ops, self.evict_written,
-                                           self.stage, self.direct_on)
+                                           self.stage, self.direct_on, self.framing_checks)
 
     def use_direct(self, on: bool) -> None:
         """Append through O_DIRECT (when the log has a stage) or buffered, from now on."""
@@ -499,7 +502,7 @@ class Log:
             self.writer = None  # never leave a closed writer behind if create() fails
         self.writer = SegmentWriter.create(self.layout.segment_path(seq), seq, self.store_id,
                                            self.ops, supersedes, self.evict_written, self.stage,
-                                           self.direct_on)
+                                           self.direct_on, self.framing_checks)
         self.ops.fsync_dir(self.layout.segment_dir)
         self.headers[seq] = SegmentHeader(FORMAT_VERSION, seq, self.store_id, supersedes)
         return self.writer

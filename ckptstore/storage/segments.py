@@ -15,8 +15,9 @@ from typing import Iterator, Sequence
 
 import xxhash
 
-from ..errors import CorruptRecordError, FormatError
+from ..errors import ChecksumMismatch, CorruptRecordError, FormatError
 from ..format import records as rec
+from ..format.chunk import CHUNK_HEADER_SIZE, Codec, decode_chunk_data, decode_chunk_header, lz4_bound
 from ..format.image import pad_payload, pad_size
 from ..format.header import SEGMENT_HEADER_SIZE, SegmentHeader, decode_segment_header, encode_segment_header
 from .direct import DirectAppender, StagingBuffer
@@ -213,6 +214,41 @@ def _verify_streaming(f: SegmentFile, loc: Loc) -> FormatError | None:
     return None
 
 
+def _verify_framed_chunk(f: SegmentFile, loc: Loc) -> FormatError | None:
+    """Check a FRAMING_CHECK CHUNK record: its trailer over the chunk header, then its data
+    against the chunk's address (what stands in for the payload check on these records), raw data
+    hashed block by block, lz4 data (bounded by lz4's worst case for the declared length before
+    anything is read) decoded whole."""
+    try:
+        head = f.pread(loc.payload_offset, CHUNK_HEADER_SIZE)
+        trailer = f.pread(loc.payload_offset + loc.length, rec.TRAILER_SIZE)
+        rec.check_trailer(head, trailer)
+        chunk = decode_chunk_header(head)
+        start, n = loc.payload_offset + CHUNK_HEADER_SIZE, loc.length - CHUNK_HEADER_SIZE
+        if chunk.codec is Codec.RAW:
+            if n != chunk.raw_length:
+                raise CorruptRecordError(
+                    f"raw chunk holds {n} bytes but declares {chunk.raw_length}")
+            h = xxhash.xxh3_128()
+            pos = 0
+            while pos < n:
+                block = f.pread(start + pos, min(_SCAN_BLOCK, n - pos))
+                if not block:
+                    raise CorruptRecordError("chunk data truncated at end of file")
+                h.update(block)
+                pos += len(block)
+            if h.digest() != chunk.address:
+                raise ChecksumMismatch("chunk address", chunk.address.hex(), h.hexdigest())
+        else:
+            if n > lz4_bound(chunk.raw_length):
+                raise CorruptRecordError(f"lz4 chunk of {n} bytes is longer than lz4 makes "
+                                         f"{chunk.raw_length} bytes")
+            decode_chunk_data(chunk, f.pread(start, n))
+    except FormatError as e:
+        return e.located(f.path, loc.offset)
+    return None
+
+
 def _find_next_header(f: SegmentFile, start: int, size: int) -> int:
     """Offset of the next valid record header at or after ``start``, or ``size`` if none."""
     pos = start
@@ -266,7 +302,8 @@ def scan_segment(f: SegmentFile, start: int = 0, *, verify: bool = False,
             except FormatError as e:
                 yield ScannedRecord(loc, header.type, None, e.located(f.path, pos))
         elif verify:
-            yield ScannedRecord(loc, header.type, None, _verify_streaming(f, loc))
+            check = _verify_framed_chunk if header.framing_checked else _verify_streaming
+            yield ScannedRecord(loc, header.type, None, check(f, loc))
         else:
             yield ScannedRecord(loc, header.type)
         pos = loc.end
@@ -282,6 +319,20 @@ EVICT_EVERY = 32 << 20
 
 #: Advice ranges start on a page boundary (the kernel keeps a partially covered page).
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _framed_part(parts: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """The first :data:`~ckptstore.format.records.FRAMED_BYTES` bytes of a payload given in
+    ``parts``: what a FRAMING_CHECK trailer covers."""
+    out: list[bytes | memoryview] = []
+    need = rec.FRAMED_BYTES
+    for part in parts:
+        if need <= 0:
+            break
+        piece = memoryview(part).cast("B")[:need]
+        out.append(piece)
+        need -= len(piece)
+    return out
 
 
 class SegmentWriter:
@@ -302,8 +353,11 @@ class SegmentWriter:
 
     def __init__(self, path: str, seq: int, fd: int, offset: int, ops: FileOps,
                  evict: bool = False, stage: StagingBuffer | None = None,
-                 direct_on: bool = True) -> None:
+                 direct_on: bool = True, framing_checks: bool = False) -> None:
         self.path = path
+        #: CHUNK records get FRAMING_CHECK trailers (over the chunk header; only in a store whose
+        #: STORE header has the FRAMING_CHECKS flag)
+        self.framing_checks = framing_checks
         self.seq = seq
         self.fd = fd
         self.offset = offset
@@ -328,13 +382,13 @@ class SegmentWriter:
     @classmethod
     def create(cls, path: str, seq: int, store_id: bytes, ops: FileOps, supersedes: int = 0,
                evict: bool = False, stage: StagingBuffer | None = None,
-               direct_on: bool = True) -> "SegmentWriter":
+               direct_on: bool = True, framing_checks: bool = False) -> "SegmentWriter":
         """Create a new segment holding only its header record (fsynced; the caller fsyncs the dir)."""
         from ..format.header import FORMAT_VERSION
 
         fd = ops.open_append(path, create=True)
         try:
-            w = cls(path, seq, fd, 0, ops, evict, stage, direct_on)
+            w = cls(path, seq, fd, 0, ops, evict, stage, direct_on, framing_checks)
         except BaseException:
             os.close(fd)
             raise
@@ -349,10 +403,11 @@ class SegmentWriter:
 
     @classmethod
     def reopen(cls, path: str, seq: int, offset: int, ops: FileOps, evict: bool = False,
-               stage: StagingBuffer | None = None, direct_on: bool = True) -> "SegmentWriter":
+               stage: StagingBuffer | None = None, direct_on: bool = True,
+               framing_checks: bool = False) -> "SegmentWriter":
         fd = ops.open_append(path, create=False)
         try:
-            return cls(path, seq, fd, offset, ops, evict, stage, direct_on)
+            return cls(path, seq, fd, offset, ops, evict, stage, direct_on, framing_checks)
         except BaseException:
             os.close(fd)
             raise
@@ -373,13 +428,19 @@ class SegmentWriter:
             self.direct.flush()
         self.direct_on = on
 
+    def _flags_for(self, record_type: int, length: int) -> int:
+        """The record flags a record gets here: FRAMING_CHECK on a CHUNK in a store that uses them."""
+        return rec.FRAMING_CHECK if self.framing_checks and record_type == rec.RecordType.CHUNK \
+            and length >= rec.FRAMED_BYTES else 0
+
     def append(self, record_type: int, payload_parts: Sequence[bytes | memoryview]) -> Loc:
         staging = self._staging
         if staging is not None:
             return self._append_direct(staging, record_type, payload_parts)
         length = sum(len(p) for p in payload_parts)
-        header = rec.encode_header(record_type, length)
-        trailer = rec.encode_trailer(*payload_parts)
+        flags = self._flags_for(record_type, length)
+        header = rec.encode_header(record_type, length, flags)
+        trailer = rec.encode_trailer(*(_framed_part(payload_parts) if flags else payload_parts))
         loc = Loc(self.seq, self.offset, length)
         self.ops.writev(self.fd, self.path, [header, *payload_parts, trailer], self.offset)
         self.offset = loc.end
@@ -390,15 +451,22 @@ class SegmentWriter:
 
     def _append_direct(self, direct: DirectAppender, record_type: int,
                        payload_parts: Sequence[bytes | memoryview]) -> Loc:
-        """Stage the record; its trailer hashes the staged bytes while they are in cache."""
+        """Stage the record; its trailer hashes the staged bytes while they are in cache (with
+        FRAMING_CHECK, only the chunk header)."""
         length = sum(memoryview(p).nbytes for p in payload_parts)
         loc = Loc(self.seq, self.offset, length)
+        flags = self._flags_for(record_type, length)
         try:
-            direct.put(rec.encode_header(record_type, length))
-            check = xxhash.xxh3_64()
-            for part in payload_parts:
-                direct.put(part, check.update)
-            direct.put(rec.encode_check(check.intdigest()))
+            direct.put(rec.encode_header(record_type, length, flags))
+            if flags:
+                for part in payload_parts:
+                    direct.put(part)
+                direct.put(rec.encode_trailer(*_framed_part(payload_parts)))
+            else:
+                check = xxhash.xxh3_64()
+                for part in payload_parts:
+                    direct.put(part, check.update)
+                direct.put(rec.encode_check(check.intdigest()))
         except BaseException:
             direct.cut(self.offset)  # the record was never appended
             raise

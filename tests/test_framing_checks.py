@@ -1,0 +1,230 @@
+"""FRAMING_CHECK records (format-spec/format.md §4, §5, §8): in a store created with the
+FRAMING_CHECKS feature, a CHUNK record's trailer covers its chunk header only, its data being
+covered by the chunk's xxh3-128 address.
+
+What must hold: a store created now has the feature and frames every CHUNK record (plain saves,
+lz4 chunks, chunk images and their pad records, gc copies) that way, while a store created
+without it keeps full payload checks on every record; the bytes on disk are what the spec says;
+damage to a flagged record's data or chunk header is found by loads and by fsck, located at the
+record, and costs no other iteration; a store whose STORE header has a flag this reader does not
+know is refused at open, not misread.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+import ckptstore
+from ckptstore.errors import DamagedCheckpointError, FormatError
+from ckptstore.format import records as rec
+from ckptstore.format.chunk import CHUNK_HEADER_SIZE, Codec, decode_chunk_header
+from ckptstore.format.header import FRAMING_CHECKS, StoreHeader, decode_store_header, encode_store_header
+from ckptstore.ops.fsck import check
+from ckptstore.storage.layout import Layout
+from ckptstore.storage.segments import ScannedRecord, SegmentFile, scan_segment
+from conftest import _same, create_store_without_features
+from test_chunk_image import CHUNK, _grads, _imaged
+
+KINDS = ["framing_checks", "full_checks"]
+
+
+def _chunk_records(path: Path) -> list[tuple[str, int, rec.RecordHeader, bytes, bytes]]:
+    """(segment path, offset, header, payload, trailer) of every CHUNK record in the store."""
+    layout = Layout(str(path))
+    out = []
+    for seq in layout.list_segments():
+        f = SegmentFile(layout.segment_path(seq), seq)
+        try:
+            for r in scan_segment(f):
+                if isinstance(r, ScannedRecord) and r.type == rec.RecordType.CHUNK:
+                    buf = f.pread(r.loc.offset, r.loc.end - r.loc.offset)
+                    header = rec.decode_header(buf)
+                    end = rec.HEADER_SIZE + header.length
+                    out.append((f.path, r.loc.offset, header, bytes(buf[rec.HEADER_SIZE:end]),
+                                bytes(buf[end:])))
+        finally:
+            f.close()
+    return out
+
+
+def _states(i: int) -> dict:
+    g = torch.Generator().manual_seed(i)
+    return {"w": torch.randn(3 * CHUNK // 4 + 5, generator=g),      # raw chunks
+            "z": torch.zeros(CHUNK // 2) + i,                        # compresses: lz4 chunks
+            "i": i}
+
+
+def _fill(path: Path, kind: str) -> None:
+    if kind == "full_checks":
+        create_store_without_features(path, CHUNK, 1 << 20)
+    with ckptstore.open(path, chunk_size=CHUNK, segment_size=1 << 20) as s:
+        s.save(0, {"w": torch.zeros(10)})
+        for i in range(1, 5):
+            s.save_delta(i, _imaged(i), durable=i % 2 == 0)    # chunk images (and pad records)
+        for i in range(5, 9):
+            s.save(i, _states(i))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_chunk_record_is_framed_as_its_store_says(tmp_path: Path, kind: str) -> None:
+    """On disk: with the feature, every CHUNK record (raw, lz4, imaged, pad) has record flag 1 and
+    a trailer of xxh3_64(chunk header); without it, flag 0 and xxh3_64(payload). Every other
+    record has flag 0 either way. Everything loads; fsck (which verifies every record) is clean."""
+    path = tmp_path / "s"
+    _fill(path, kind)
+    with open(Layout(str(path)).store_file, "rb") as f:
+        header = decode_store_header(f.read())
+    assert header.framing_checks == (kind == "framing_checks")
+    records = _chunk_records(path)
+    codecs = {decode_chunk_header(payload).codec for _, _, _, payload, _ in records}
+    assert codecs == {Codec.RAW, Codec.LZ4}
+    pads = [p for _, _, _, p, _ in records if p[CHUNK_HEADER_SIZE:] == bytes(len(p) - CHUNK_HEADER_SIZE)]
+    assert pads, "the imaged deltas wrote pad records"
+    for where, off, h, payload, trailer in records:
+        covered = payload[:CHUNK_HEADER_SIZE] if kind == "framing_checks" else payload
+        assert h.flags == (rec.FRAMING_CHECK if kind == "framing_checks" else 0), (where, off)
+        assert int.from_bytes(trailer, "little") == xxhash.xxh3_64_intdigest(covered), (where, off)
+    assert check(str(path)).clean
+    _check_loads_all(path)
+
+
+def _check_loads_all(path: Path) -> None:
+    with ckptstore.open(path, mode="r") as r:
+        for i in range(1, 5):
+            got, want = r.load_record(i), _grads(i)
+            assert torch.equal(got["g"]["w"], want["w"]) and torch.equal(got["b"], want["b"])
+        for i in range(5, 9):
+            _same(_states(i), r.load(i), f"iteration {i}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gc_copies_keep_their_stores_framing(tmp_path: Path, kind: str) -> None:
+    """gc re-appends the records it keeps: they are framed as their store says, verified on the
+    way (the address of every copied chunk), and load."""
+    path = tmp_path / "s"
+    _fill(path, kind)
+    with ckptstore.open(path, chunk_size=CHUNK, segment_size=1 << 20) as s:
+        s.gc(keep_last=3)
+        kept = s.iterations()
+    assert kept[-3:] == [6, 7, 8]
+    flags = {h.flags for _, _, h, _, _ in _chunk_records(path)}
+    assert flags == ({rec.FRAMING_CHECK} if kind == "framing_checks" else {0})
+    assert check(str(path)).clean
+    with ckptstore.open(path, mode="r") as r:
+        for i in (6, 7, 8):
+            _same(_states(i), r.load(i), f"iteration {i} after gc")
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("where", ["data", "chunk header", "trailer", "lz4 data"])
+def test_damage_to_a_framed_record_is_found_and_contained(tmp_path: Path, where: str) -> None:
+    """One byte changed in a FRAMING_CHECK record: its data (caught by the address on load and by
+    fsck's decode), its chunk header (the trailer), its trailer (fsck; a load may still succeed
+    bit-exact: the read path checks the address), lz4 data (decode or address). fsck names the
+    record's file and offset and the iteration that needs it; every other iteration loads."""
+    path = tmp_path / "s"
+    _fill(path, "framing_checks")
+    records = _chunk_records(path)
+    with ckptstore.open(path, mode="r") as r:
+        idx = r.engine.index
+        want_codec = Codec.LZ4 if where == "lz4 data" else Codec.RAW
+        # a chunk only iteration 7 uses: 7's "w" (random, not shared) or 7's "z" (lz4, distinct)
+        tensor = "z" if want_codec is Codec.LZ4 else "w"
+        target = None
+        for seg, off, h, payload, trailer in records:
+            ch = decode_chunk_header(payload)
+            if ch.codec is not want_codec:
+                continue
+            ref = idx.get_chunk(ch.address)
+            if ref is not None and ref.loc.offset == off and _only_in(r, ch.address, 7, tensor):
+                target = (seg, off, h)
+                break
+    assert target is not None
+    seg, off, h = target
+    at = {"data": off + rec.HEADER_SIZE + CHUNK_HEADER_SIZE + 100,
+          "lz4 data": off + rec.HEADER_SIZE + CHUNK_HEADER_SIZE + (h.length - CHUNK_HEADER_SIZE) // 2,
+          "chunk header": off + rec.HEADER_SIZE + 5,
+          "trailer": off + rec.HEADER_SIZE + h.length + 3}[where]
+    _flip(seg, at)
+    report = check(str(path))
+    text = "\n".join(report.lines())
+    assert not report.clean, text
+    assert f"{os.path.basename(seg)} offset {off}" in text, text
+    assert 7 in report.damaged_iterations, text
+    assert set(report.damaged_iterations) == {7}, text
+    with ckptstore.open(path, mode="r") as r:
+        if where == "trailer":
+            _same(_states(7), r.load(7), "a damaged trailer leaves verified data readable")
+        else:
+            with pytest.raises(DamagedCheckpointError):
+                r.load(7)
+        for i in (5, 6, 8):
+            _same(_states(i), r.load(i), f"iteration {i}")
+
+
+def _only_in(r, address: bytes, it: int, tensor: str) -> bool:
+    """Whether chunk ``address`` belongs to tensor ``tensor`` of iteration ``it`` and to no other
+    iteration's tensors."""
+    from ckptstore.format.tree import decode_tree
+
+    users = set()
+    for i in r.iterations():
+        for t in r.manifest(i).tensors:
+            if t.inline is not None:
+                continue
+            loc = r.engine.index.get_tree(t.root)
+            if loc is None:
+                continue
+            if address in decode_tree(r.engine.log.read_payload(loc)).addresses:
+                users.add((i, t.path.rsplit("/", 1)[-1]))
+    return users == {(it, tensor)}
+
+
+def test_a_store_with_an_unknown_feature_flag_is_refused_at_open(tmp_path: Path) -> None:
+    """A STORE flag this reader does not know (a newer release's feature) refuses the store in
+    every mode, naming the file, and changes nothing on disk."""
+    path = tmp_path / "s"
+    _fill(path, "framing_checks")
+    store_file = Layout(str(path)).store_file
+    with open(store_file, "rb") as f:
+        h = decode_store_header(f.read())
+    with open(store_file, "wb") as f:
+        f.write(encode_store_header(StoreHeader(h.format_version, h.store_id, h.chunk_size,
+                                                h.segment_size, h.created_ns,
+                                                FRAMING_CHECKS | 0x4)))
+    before = {p: p.read_bytes() for p in sorted(path.rglob("*.seg"))}
+    for mode in ("r", "a"):
+        with pytest.raises(FormatError, match="unknown flags 0x4") as ei:
+            ckptstore.open(path, mode=mode)
+        assert "STORE" in str(ei.value)
+    assert {p: p.read_bytes() for p in sorted(path.rglob("*.seg"))} == before
+
+
+def test_a_featureless_store_stays_featureless_across_reopens(tmp_path: Path) -> None:
+    """Reopening a store created without the feature (an older release's store) never turns it
+    on: appends after a reopen, an index rebuild and a tail cut keep full payload checks."""
+    path = tmp_path / "s"
+    _fill(path, "full_checks")
+    shutil.rmtree(path / "index")
+    with ckptstore.open(path, chunk_size=CHUNK, segment_size=1 << 20) as s:
+        s.save_delta(9, _imaged(9), durable=True)
+        s.save(10, _states(10))
+    assert {h.flags for _, _, h, _, _ in _chunk_records(path)} == {0}
+    assert check(str(path)).clean
+    with ckptstore.open(path, mode="r") as r:
+        got = r.load_record(9)
+        assert torch.equal(got["g"]["w"], _grads(9)["w"])
+        _same(_states(10), r.load(10), "iteration 10")
