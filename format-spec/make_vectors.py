@@ -55,7 +55,7 @@ import xxhash
 from ckptstore.format import records as rec
 from ckptstore.format.chunk import Codec, address_of, choose_encoding, encode_chunk_header
 from ckptstore.format.commit import Commit, encode_commit
-from ckptstore.format.header import (FRAMING_CHECKS, SegmentHeader, StoreHeader,
+from ckptstore.format.header import (FEATURE_FRAMING_CHECKS, SegmentHeader, StoreHeader,
                                      encode_segment_header, encode_store_header)
 from ckptstore.format.manifest import Manifest, TensorEntry, encode_manifest
 from ckptstore.format.state import flatten
@@ -113,7 +113,7 @@ def store_header_vectors() -> list[dict]:
     fields = {"format_version": 1, "store_id": STORE_ID.hex(), "chunk_size": CHUNK_SIZE,
               "segment_size": SEGMENT_SIZE, "created_ns": CREATED_NS, "flags": 0}
     framed = encode_store_header(StoreHeader(1, STORE_ID, CHUNK_SIZE, SEGMENT_SIZE, CREATED_NS,
-                                             FRAMING_CHECKS))
+                                             FEATURE_FRAMING_CHECKS))
     body = good[:56]
     v2 = recheck_store(body[:8] + struct.pack("<I", 2) + body[12:])
     flags = recheck_store(body[:12] + struct.pack("<I", 2) + body[16:])
@@ -122,7 +122,7 @@ def store_header_vectors() -> list[dict]:
         dict(name="store_header_v1", kind="store_header", hex=good.hex(), expected=fields,
              note="STORE file of a v1 store (4 MiB chunks, 1 GiB segments)"),
         dict(name="store_header_framing_checks", kind="store_header", hex=framed.hex(),
-             expected={**fields, "flags": FRAMING_CHECKS},
+             expected={**fields, "flags": FEATURE_FRAMING_CHECKS},
              note="STORE flag 1 (FRAMING_CHECKS): CHUNK records may carry record flag 1; what "
                   "a store created since 2026-11-26 has"),
         dict(name="store_header_bad_magic", kind="store_header", hex=flip(good, 0, 0x20).hex(),
@@ -411,6 +411,11 @@ def job_vectors() -> list[dict]:
              hex=encode_store_header(StoreHeader(1, STORE_ID, CHUNK_SIZE, SEGMENT_SIZE,
                                                  CREATED_NS)).hex(),
              error="UnsupportedVersionError", note="a v1 STORE is not a job store"),
+        dict(name="job_store_header_flags_refused", kind="job_store_header",
+             hex=encode_store_header(StoreHeader(2, STORE_ID, CHUNK_SIZE, SEGMENT_SIZE,
+                                                 CREATED_NS, FEATURE_FRAMING_CHECKS)).hex(),
+             error="FormatError", note="flags 1 on a job store's STORE: a job store has no "
+                                       "feature flags (its rank streams, v1 stores, do)"),
         dict(name="epoch_2_adopts_1", kind="epoch", hex=epay.hex(), expected=epoch_fields,
              note="epoch 2 of a 2-rank job, continuing epoch 1's global log up to offset 424"),
         dict(name="epoch_adopts_itself", kind="epoch",
@@ -814,9 +819,9 @@ def chunk_image_vectors() -> list[dict]:
         start = geo.data_offset(j)
         buf[start:start + n] = raw[j * geo.chunk_size:j * geo.chunk_size + n]
         addrs.append(address_of(raw[j * geo.chunk_size:j * geo.chunk_size + n]))
-        seal_chunk(buf, j * geo.stride, addrs[-1], n)
+        seal_chunk(buf, j * geo.stride, addrs[-1], n, False)  # beside store_header_v1: flags 0
         records.append({"offset": base + j * geo.stride, "type": "CHUNK", "length": 32 + n})
-    seal_pad(buf, geo.records_end, geo.pad)
+    seal_pad(buf, geo.records_end, geo.pad, False)
     records.append({"offset": base + geo.records_end, "type": "CHUNK",
                     "length": geo.pad - rec.OVERHEAD})
     out += image

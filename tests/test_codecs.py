@@ -232,11 +232,11 @@ def test_store_header_good():
 
 def test_store_header_with_framing_checks():
     """STORE flag 1 (FRAMING_CHECKS) round-trips; a store created now carries it."""
-    h = fheader.StoreHeader(1, ID, 4096, 1 << 20, 99, fheader.FRAMING_CHECKS)
+    h = fheader.StoreHeader(1, ID, 4096, 1 << 20, 99, fheader.FEATURE_FRAMING_CHECKS)
     buf = fheader.encode_store_header(h)
     assert buf == store_body(chunk=4096, seg=1 << 20, created=99, flags=1)
     assert fheader.decode_store_header(buf) == h and h.framing_checks
-    assert fheader.NEW_STORE_FLAGS == fheader.FRAMING_CHECKS
+    assert fheader.NEW_STORE_FEATURES == fheader.FEATURE_FRAMING_CHECKS
 
 
 def test_store_header_corruptions():

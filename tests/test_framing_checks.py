@@ -24,7 +24,7 @@ import ckptstore
 from ckptstore.errors import DamagedCheckpointError, FormatError
 from ckptstore.format import records as rec
 from ckptstore.format.chunk import CHUNK_HEADER_SIZE, Codec, decode_chunk_header
-from ckptstore.format.header import FRAMING_CHECKS, StoreHeader, decode_store_header, encode_store_header
+from ckptstore.format.header import FEATURE_FRAMING_CHECKS, StoreHeader, decode_store_header, encode_store_header
 from ckptstore.ops.fsck import check
 from ckptstore.storage.layout import Layout
 from ckptstore.storage.segments import ScannedRecord, SegmentFile, scan_segment
@@ -204,7 +204,7 @@ def test_a_store_with_an_unknown_feature_flag_is_refused_at_open(tmp_path: Path)
     with open(store_file, "wb") as f:
         f.write(encode_store_header(StoreHeader(h.format_version, h.store_id, h.chunk_size,
                                                 h.segment_size, h.created_ns,
-                                                FRAMING_CHECKS | 0x4)))
+                                                FEATURE_FRAMING_CHECKS | 0x4)))
     before = {p: p.read_bytes() for p in sorted(path.rglob("*.seg"))}
     for mode in ("r", "a"):
         with pytest.raises(FormatError, match="unknown flags 0x4") as ei:
@@ -228,3 +228,54 @@ def test_a_featureless_store_stays_featureless_across_reopens(tmp_path: Path) ->
         got = r.load_record(9)
         assert torch.equal(got["g"]["w"], _grads(9)["w"])
         _same(_states(10), r.load(10), "iteration 10")
+
+
+def test_fsck_reports_a_framed_record_in_a_store_without_the_feature(tmp_path: Path) -> None:
+    """A FRAMING_CHECK record that no writer of its store may write (the store lacks the
+    feature; an older reader would take it for damage): fsck reports it, at its file and offset,
+    as damage to the iteration that uses it. Loads still verify its data by address and succeed."""
+    path = tmp_path / "s"
+    _fill(path, "full_checks")
+    seg, off, h, payload, _ = next(r for r in _chunk_records(path)
+                                   if decode_chunk_header(r[3]).codec is Codec.RAW
+                                   and len(r[3]) > 4096)
+    framed = rec.encode_record(rec.RecordType.CHUNK, payload, rec.FRAMING_CHECK)
+    with open(seg, "r+b") as f:  # the same record, re-framed: valid, but not allowed here
+        f.seek(off)
+        f.write(framed)
+    report = check(str(path))
+    text = "\n".join(report.lines())
+    assert not report.clean and f"{os.path.basename(seg)} offset {off}" in text, text
+    assert "without the FRAMING_CHECKS feature" in text, text
+    assert report.damaged_iterations, text
+    with ckptstore.open(path, mode="r") as r:
+        for i in range(1, 5):
+            assert torch.equal(r.load_record(i)["g"]["w"], _grads(i)["w"])
+        for i in range(5, 9):
+            _same(_states(i), r.load(i), f"iteration {i}")
+
+
+def test_a_save_does_not_deduplicate_against_a_chunk_whose_header_is_damaged(tmp_path: Path) -> None:
+    """The dedup check reads a stored chunk's record and chunk headers, and for a FRAMING_CHECK
+    record its trailer: with a byte of the chunk header changed (its raw length, which neither the
+    address nor the record header covers), a later save of the same bytes writes the chunk again
+    instead of naming the damaged record, and both checkpoints load from the new copy."""
+    path = tmp_path / "s"
+    _fill(path, "framing_checks")
+    with ckptstore.open(path, mode="r") as r:
+        idx = r.engine.index
+        target = next((seg, off) for seg, off, h, payload, _ in _chunk_records(path)
+                      if decode_chunk_header(payload).codec is Codec.RAW and len(payload) > 4096
+                      and _only_in(r, decode_chunk_header(payload).address, 8, "w")
+                      and idx.get_chunk(decode_chunk_header(payload).address).loc.offset == off)
+    seg, off = target
+    _flip(seg, off + rec.HEADER_SIZE + 24)  # raw_length's low byte: still decodes, now wrong
+    with ckptstore.open(path, mode="r") as r:
+        with pytest.raises(DamagedCheckpointError):
+            r.load(8)
+    with ckptstore.open(path, chunk_size=CHUNK, segment_size=1 << 20) as s:
+        stats = s.save(9, _states(8))
+        assert stats.chunks_written == 1, stats  # the damaged one; the rest deduplicated
+    with ckptstore.open(path, mode="r") as r:
+        _same(_states(8), r.load(9), "iteration 9: the chunk written again")
+        _same(_states(8), r.load(8), "iteration 8: its chunk's new copy serves it too")

@@ -51,7 +51,7 @@ class ReaderEngine(Engine):
     def _open_log(self) -> Log:
         """The log this reader reads (a remote reader's reads its segments from an object
         store: ckptstore/remote/reader.py)."""
-        return Log(self.layout, self.header.store_id)
+        return Log(self.layout, self.header.store_id, framing_checks=self.header.framing_checks)
 
     # ---- the view --------------------------------------------------------------------------
     def _warm_view(self, live: list[int]) -> tuple[Index, Position | None]:

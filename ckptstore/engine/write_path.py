@@ -54,16 +54,21 @@ class SaveStats:
 
 def stored_chunk(log: Log, index: Index, address: bytes) -> bool:
     """Whether the log holds chunk ``address`` where the index says (its record header and chunk
-    header are read and checked, not its data). A malformed or wrong index entry reads as absent:
-    the chunk is written again and its new location replaces the entry, so no commit ever depends
-    on an index value the log does not confirm."""
+    header are read and checked, not its data; for a FRAMING_CHECK record the trailer too, which
+    covers the chunk header: a damaged codec or length is not deduplicated against). A malformed
+    or wrong index entry reads as absent: the chunk is written again and its new location
+    replaces the entry, so no commit ever depends on an index value the log does not confirm."""
     try:
         ref = index.get_chunk(address)
         if ref is None:
             return False
-        head = log.file(ref.loc.seq).pread(ref.loc.offset, rec.HEADER_SIZE + CHUNK_HEADER_SIZE)
+        f = log.file(ref.loc.seq)
+        head = f.pread(ref.loc.offset, rec.HEADER_SIZE + CHUNK_HEADER_SIZE)
         header = rec.decode_header(head[:rec.HEADER_SIZE])
         chunk = decode_chunk_header(head[rec.HEADER_SIZE:])
+        if header.framing_checked:
+            rec.check_trailer(head[rec.HEADER_SIZE:], f.pread(ref.loc.payload_offset + ref.loc.length,
+                                                              rec.TRAILER_SIZE), header)
     except (IndexUnusable, FormatError, OSError):
         return False
     return header.type == rec.RecordType.CHUNK and header.length == ref.loc.length and \
@@ -256,7 +261,7 @@ class _ImageBatch:
     already stored are left out (each record owns a block-aligned span, so what remains stays
     aligned); chunks that compress are appended compressed after the images."""
 
-    def __init__(self, framing_checks: bool = False) -> None:
+    def __init__(self, framing_checks: bool) -> None:
         #: records are framed with FRAMING_CHECK trailers (the store's STORE flag)
         self.framing_checks = framing_checks
         #: [buffer, start, end): spans of image memory to write, in order, adjacent ones merged

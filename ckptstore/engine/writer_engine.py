@@ -101,7 +101,7 @@ class WriterEngine(Engine):
         if not 0 < self.chunk_size <= MAX_CHUNK_SIZE:
             raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK_SIZE}")
         self.log = Log(self.layout, self.header.store_id, self.file_ops, self.evict_written,
-                       bool(self.direct_io), self.header.framing_checks)
+                       bool(self.direct_io), framing_checks=self.header.framing_checks)
         self.finish_interrupted_gc()
         self.index = self._open_index()
         self.recover()

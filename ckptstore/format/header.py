@@ -4,7 +4,7 @@ STORE file, 64 bytes, little-endian::
 
     0   8   magic          b"CKPTSTOR"
     8   4   format_version u32 (1)
-    12  4   flags          u32: incompatible features, a bit set of STORE_FLAGS
+    12  4   flags          u32: incompatible features, a bit set of KNOWN_FEATURES
     16  16  store_id       random bytes; every segment header repeats it
     32  8   chunk_size     u64, bytes per chunk for new writes (informational for readers)
     40  8   segment_size   u64, soft limit at which a writer rolls to a new segment
@@ -36,12 +36,13 @@ STORE_HEADER_SIZE = 64
 
 #: STORE flag: CHUNK records in this store may carry the FRAMING_CHECK record flag (their trailer
 #: covers the chunk header; the data is covered by its address, format-spec/format.md §4, §5).
-FRAMING_CHECKS = 0x1
-#: Every STORE flag this reader knows. Flags are *incompatible* features: a reader refuses a
-#: store with a flag it does not know, so an older reader never meets records it cannot check.
-STORE_FLAGS = FRAMING_CHECKS
+FEATURE_FRAMING_CHECKS = 0x1
+#: Every STORE flag this reader knows in a version-1 store (a job store, version 2, has none).
+#: Flags are *incompatible* features: a reader refuses a store with a flag it does not know, so an
+#: older reader never meets records it cannot check.
+KNOWN_FEATURES = FEATURE_FRAMING_CHECKS
 #: The flags of a store created now.
-NEW_STORE_FLAGS = FRAMING_CHECKS
+NEW_STORE_FEATURES = FEATURE_FRAMING_CHECKS
 
 _STORE = struct.Struct("<8sII16sQQQ")
 _SEGMENT = struct.Struct("<II Q 16s Q Q".replace(" ", ""))
@@ -61,7 +62,7 @@ class StoreHeader:
     @property
     def framing_checks(self) -> bool:
         """Whether this store's writers frame CHUNK records with FRAMING_CHECK trailers."""
-        return bool(self.flags & FRAMING_CHECKS)
+        return bool(self.flags & FEATURE_FRAMING_CHECKS)
 
 
 def encode_store_header(h: StoreHeader) -> bytes:
@@ -91,10 +92,11 @@ def decode_store_header(buf: bytes, versions: tuple[int, ...] = (FORMAT_VERSION,
         raise UnsupportedVersionError(
             f"store format version {version} is {what} (this reader takes version "
             f"{', '.join(map(str, versions))})")
-    if flags & ~STORE_FLAGS:
-        raise FormatError(f"store header has unknown flags {flags & ~STORE_FLAGS:#x} (features "
-                          "of a newer ckptstore: this reader refuses the store rather than "
-                          "misread it)")
+    known = KNOWN_FEATURES if version == FORMAT_VERSION else 0  # a job store (v2) has none
+    if flags & ~known:
+        raise FormatError(f"store header has unknown flags {flags & ~known:#x} (features of a "
+                          "newer ckptstore: this reader refuses the store rather than misread "
+                          "it)")
     if chunk_size == 0 or segment_size == 0:
         raise FormatError("store header has a zero chunk or segment size")
     return StoreHeader(version, store_id, chunk_size, segment_size, created, flags)

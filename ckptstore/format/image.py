@@ -65,7 +65,7 @@ def pad_payload(size: int) -> bytes:
     return encode_chunk_header(_zeros_address(n), Codec.RAW, n) + bytes(n)
 
 
-def seal_pad(buf: memoryview, offset: int, size: int, framing_check: bool = False) -> None:
+def seal_pad(buf: memoryview, offset: int, size: int, framing_check: bool) -> None:
     """Write a pad record of ``size`` bytes at ``offset`` of ``buf`` (``framing_check``: as in
     :func:`seal_chunk`)."""
     payload = pad_payload(size)
@@ -75,7 +75,7 @@ def seal_pad(buf: memoryview, offset: int, size: int, framing_check: bool = Fals
 
 
 def seal_chunk(buf: memoryview, offset: int, address: bytes, data_len: int,
-               framing_check: bool = False) -> None:
+               framing_check: bool) -> None:
     """Frame the raw chunk whose ``data_len`` bytes lie at ``offset + DATA_OFFSET`` of ``buf``
     as one CHUNK record starting at ``offset``: record header, chunk header (``address``, raw
     codec), and the trailer over the payload as it now lies in ``buf`` (with ``framing_check``,

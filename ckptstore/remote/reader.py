@@ -416,10 +416,12 @@ class RemoteLog(Log):
     """The log of a remote copy: the HEAD's segments, read with range GETs until
     :meth:`materialize` fetches them whole into the reader's private directory."""
 
-    def __init__(self, local: Layout, store_id: bytes, reader: PieceReader) -> None:
+    def __init__(self, local: Layout, store_id: bytes, reader: PieceReader, *,
+                 framing_checks: bool) -> None:
         head = reader.head
         super().__init__(_HeadLayout(local.root, tuple(s.seq for s in head.segments),
-                                     reader.url(SEGMENTS_DIR)), store_id)
+                                     reader.url(SEGMENTS_DIR)), store_id,
+                         framing_checks=framing_checks)
         self.local = local
         self.reader = reader
         #: the segments are local files now (fetched whole and verified)
@@ -516,7 +518,8 @@ class RemoteReaderEngine(_TemporaryCopyEngine):
         super().__init__(path, load_threads=load_threads, use_index=use_index)
 
     def _open_log(self) -> Log:
-        self.remote_log = RemoteLog(self.layout, self.header.store_id, self.reader)
+        self.remote_log = RemoteLog(self.layout, self.header.store_id, self.reader,
+                                    framing_checks=self.header.framing_checks)
         return self.remote_log
 
     def _rlog(self) -> RemoteLog:

@@ -125,12 +125,13 @@ class Log:
     """Segment files of one store. Read methods are thread-safe; append methods are not."""
 
     def __init__(self, layout: Layout, store_id: bytes, ops: FileOps | None = None,
-                 evict_written: bool = False, direct_io: bool = False,
-                 framing_checks: bool = False) -> None:
+                 evict_written: bool = False, direct_io: bool = False, *,
+                 framing_checks: bool) -> None:
         self.layout = layout
         self.store_id = store_id
         self.ops = ops
-        #: the writer frames CHUNK records with FRAMING_CHECK trailers (the STORE header's flag)
+        #: the STORE header's FEATURE_FRAMING_CHECKS: the writer frames CHUNK records with
+        #: FRAMING_CHECK trailers, and a verifying scan reports one in a store without it
         self.framing_checks = framing_checks
         #: the writer (and quarantine copies) advise the kernel to drop written pages (SegmentWriter)
         self.evict_written = evict_written
@@ -310,7 +311,8 @@ class Log:
             f = self.file(seq)
             offset = start.offset if start is not None and seq == start.seq else 0
             tail_start.append((seq, offset))
-            for item in scan_segment(f, offset, verify=verify):
+            for item in scan_segment(f, offset, verify=verify,
+                                     framing_allowed=self.framing_checks):
                 if progress is not None:
                     progress(item.loc.end - item.loc.offset if isinstance(item, ScannedRecord)
                              else item.end - item.start)
@@ -470,13 +472,15 @@ class Log:
                 seq = live[-1]
                 self.writer = SegmentWriter.reopen(self.layout.segment_path(seq), seq,
                                                    _header_len(), self.ops, self.evict_written,
-                                                   self.stage, self.direct_on, self.framing_checks)
+                                                   self.stage, self.direct_on,
+                                                   framing_checks=self.framing_checks)
             else:
                 self.roll(segment_size)
             return
         self.writer = SegmentWriter.reopen(self.layout.segment_path(position.seq), position.seq,
                                            position.offset, self.ops, self.evict_written,
-                                           self.stage, self.direct_on, self.framing_checks)
+                                           self.stage, self.direct_on,
+                                           framing_checks=self.framing_checks)
 
     def use_direct(self, on: bool) -> None:
         """Append through O_DIRECT (when the log has a stage) or buffered, from now on."""
@@ -502,7 +506,7 @@ class Log:
             self.writer = None  # never leave a closed writer behind if create() fails
         self.writer = SegmentWriter.create(self.layout.segment_path(seq), seq, self.store_id,
                                            self.ops, supersedes, self.evict_written, self.stage,
-                                           self.direct_on, self.framing_checks)
+                                           self.direct_on, framing_checks=self.framing_checks)
         self.ops.fsync_dir(self.layout.segment_dir)
         self.headers[seq] = SegmentHeader(FORMAT_VERSION, seq, self.store_id, supersedes)
         return self.writer
@@ -571,7 +575,8 @@ class Log:
         if live_writer is not None:
             live_writer.quiesce()  # a background write in flight would change the size below
         if os.path.getsize(path) > offset:
-            w = live_writer or SegmentWriter.reopen(path, seq, offset, self.ops)
+            w = live_writer or SegmentWriter.reopen(path, seq, offset, self.ops,
+                                                    framing_checks=self.framing_checks)
             w.truncate(offset)
             if w is not self.writer:
                 w.close()

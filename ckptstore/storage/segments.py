@@ -268,12 +268,15 @@ def _find_next_header(f: SegmentFile, start: int, size: int) -> int:
 
 
 def scan_segment(f: SegmentFile, start: int = 0, *, verify: bool = False,
-                 end: int | None = None) -> Iterator[ScannedRecord | CorruptRegion]:
+                 end: int | None = None,
+                 framing_allowed: bool = True) -> Iterator[ScannedRecord | CorruptRegion]:
     """Walk the records of ``f`` from ``start`` (a record boundary) to ``end`` (default: file size).
 
     Yields a ScannedRecord for every record with a valid header, in order, and a CorruptRegion for
     every stretch of bytes that is not one (a torn tail included). Small records (manifest, commit,
-    tree, headers) are always read and verified; chunk payloads only with ``verify``.
+    tree, headers) are always read and verified; chunk payloads only with ``verify``, which also
+    reports a FRAMING_CHECK record in a store without the feature (``framing_allowed`` False) as
+    damaged: no writer of that store may write one (format-spec/format.md §4).
     """
     size = f.size() if end is None else end
     pos = start
@@ -302,8 +305,15 @@ def scan_segment(f: SegmentFile, start: int = 0, *, verify: bool = False,
             except FormatError as e:
                 yield ScannedRecord(loc, header.type, None, e.located(f.path, pos))
         elif verify:
-            check = _verify_framed_chunk if header.framing_checked else _verify_streaming
-            yield ScannedRecord(loc, header.type, None, check(f, loc))
+            problem: FormatError | None
+            if header.framing_checked and not framing_allowed:
+                problem = CorruptRecordError(
+                    "a FRAMING_CHECK record in a store without the FRAMING_CHECKS feature "
+                    "(readers before it take the record for damage)").located(f.path, pos)
+            else:
+                check = _verify_framed_chunk if header.framing_checked else _verify_streaming
+                problem = check(f, loc)
+            yield ScannedRecord(loc, header.type, None, problem)
         else:
             yield ScannedRecord(loc, header.type)
         pos = loc.end
@@ -353,7 +363,7 @@ class SegmentWriter:
 
     def __init__(self, path: str, seq: int, fd: int, offset: int, ops: FileOps,
                  evict: bool = False, stage: StagingBuffer | None = None,
-                 direct_on: bool = True, framing_checks: bool = False) -> None:
+                 direct_on: bool = True, *, framing_checks: bool) -> None:
         self.path = path
         #: CHUNK records get FRAMING_CHECK trailers (over the chunk header; only in a store whose
         #: STORE header has the FRAMING_CHECKS flag)
@@ -382,13 +392,15 @@ class SegmentWriter:
     @classmethod
     def create(cls, path: str, seq: int, store_id: bytes, ops: FileOps, supersedes: int = 0,
                evict: bool = False, stage: StagingBuffer | None = None,
-               direct_on: bool = True, framing_checks: bool = False) -> "SegmentWriter":
-        """Create a new segment holding only its header record (fsynced; the caller fsyncs the dir)."""
+               direct_on: bool = True, *, framing_checks: bool) -> "SegmentWriter":
+        """Create a new segment holding only its header record (fsynced; the caller fsyncs the dir).
+        ``framing_checks``: the store's FEATURE_FRAMING_CHECKS (CHUNK records get FRAMING_CHECK
+        trailers)."""
         from ..format.header import FORMAT_VERSION
 
         fd = ops.open_append(path, create=True)
         try:
-            w = cls(path, seq, fd, 0, ops, evict, stage, direct_on, framing_checks)
+            w = cls(path, seq, fd, 0, ops, evict, stage, direct_on, framing_checks=framing_checks)
         except BaseException:
             os.close(fd)
             raise
@@ -403,11 +415,12 @@ class SegmentWriter:
 
     @classmethod
     def reopen(cls, path: str, seq: int, offset: int, ops: FileOps, evict: bool = False,
-               stage: StagingBuffer | None = None, direct_on: bool = True,
-               framing_checks: bool = False) -> "SegmentWriter":
+               stage: StagingBuffer | None = None, direct_on: bool = True, *,
+               framing_checks: bool) -> "SegmentWriter":
         fd = ops.open_append(path, create=False)
         try:
-            return cls(path, seq, fd, offset, ops, evict, stage, direct_on, framing_checks)
+            return cls(path, seq, fd, offset, ops, evict, stage, direct_on,
+                       framing_checks=framing_checks)
         except BaseException:
             os.close(fd)
             raise

@@ -11,14 +11,14 @@ import time
 
 from ..errors import FormatError
 from ..format.chunk import MAX_CHUNK_SIZE
-from ..format.header import (FORMAT_VERSION, NEW_STORE_FLAGS, STORE_HEADER_SIZE, StoreHeader,
+from ..format.header import (FORMAT_VERSION, NEW_STORE_FEATURES, STORE_HEADER_SIZE, StoreHeader,
                              decode_store_header, encode_store_header)
 from .fileops import FileOps, io_errors
 from .layout import Layout
 
 
 def create_store(layout: Layout, ops: FileOps, chunk_size: int, segment_size: int,
-                 flags: int = NEW_STORE_FLAGS) -> None:
+                 flags: int = NEW_STORE_FEATURES) -> None:
     """Create the segment directory and make its entry durable, then the STORE file (temp file,
     fsync, rename, directory fsync): the store exists once the rename is durable, and never
     without ``segments/`` (a lost mkdir may otherwise land after the rename, format-spec §3).
