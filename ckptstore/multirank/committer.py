@@ -126,11 +126,12 @@ class GlobalCommitter:
             raw = self.group.broadcast(encode_outcome(decision) if decision else None,
                                        "the commit outcome")
             outcome = decode_outcome(raw)
-        except (RankFailureError, FormatError) as e:
-            failure = e if isinstance(e, RankFailureError) else RankFailureError(
-                f"{self.path}: the commit outcome did not decode: {e}")
-            self.broken = failure
-            raise failure from e
+        except RankFailureError as e:
+            self.broken = e
+            raise  # (not "from e": an exception that is its own cause cuts its traceback short)
+        except FormatError as e:
+            self.broken = RankFailureError(f"{self.path}: the commit outcome did not decode: {e}")
+            raise self.broken from e
         if outcome.code == OutcomeCode.COMMITTED and vote.status == VoteStatus.PREPARED:
             commits = self._global_commits(votes_raw)
             self._last_committed = commits[-1].iteration
