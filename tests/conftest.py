@@ -119,8 +119,9 @@ def create_store_without_features(path, chunk_size: int = 4 << 20,
     create_store(Layout(str(path)), FileOps(), chunk_size, segment_size, flags=0)
 
 
-def chunk_record_flags(path) -> list[int]:
-    """The record flags of every CHUNK record in the segments of the store at ``path``."""
+def chunk_records(path) -> list[tuple[str, int, Any, bytes, bytes]]:
+    """(segment path, offset, record header, payload, trailer) of every CHUNK record in the
+    segments of the store at ``path``, in log order."""
     from ckptstore.format import records as rec
     from ckptstore.storage.layout import Layout
     from ckptstore.storage.segments import ScannedRecord, SegmentFile, scan_segment
@@ -132,11 +133,19 @@ def chunk_record_flags(path) -> list[int]:
         try:
             for r in scan_segment(f):
                 if isinstance(r, ScannedRecord) and r.type == rec.RecordType.CHUNK:
-                    head = f.pread(r.loc.offset, rec.HEADER_SIZE)
-                    out.append(rec.decode_header(head).flags)
+                    buf = f.pread(r.loc.offset, r.loc.end - r.loc.offset)
+                    header = rec.decode_header(buf)
+                    end = rec.HEADER_SIZE + header.length
+                    out.append((f.path, r.loc.offset, header, bytes(buf[rec.HEADER_SIZE:end]),
+                                bytes(buf[end:])))
         finally:
             f.close()
     return out
+
+
+def chunk_record_flags(path) -> list[int]:
+    """The record flags of every CHUNK record in the store at ``path``."""
+    return [header.flags for _, _, header, _, _ in chunk_records(path)]
 
 
 # ---- tables in the terminal summary ---------------------------------------------------------------

@@ -24,33 +24,14 @@ import ckptstore
 from ckptstore.errors import DamagedCheckpointError, FormatError
 from ckptstore.format import records as rec
 from ckptstore.format.chunk import CHUNK_HEADER_SIZE, Codec, decode_chunk_header
-from ckptstore.format.header import FEATURE_FRAMING_CHECKS, StoreHeader, decode_store_header, encode_store_header
+from ckptstore.format.header import (FEATURE_FRAMING_CHECKS, StoreHeader, decode_store_header,
+                                     encode_store_header)
 from ckptstore.ops.fsck import check
 from ckptstore.storage.layout import Layout
-from ckptstore.storage.segments import ScannedRecord, SegmentFile, scan_segment
-from conftest import _same, create_store_without_features
+from conftest import _same, chunk_records, create_store_without_features
 from test_chunk_image import CHUNK, _grads, _imaged
 
 KINDS = ["framing_checks", "full_checks"]
-
-
-def _chunk_records(path: Path) -> list[tuple[str, int, rec.RecordHeader, bytes, bytes]]:
-    """(segment path, offset, header, payload, trailer) of every CHUNK record in the store."""
-    layout = Layout(str(path))
-    out = []
-    for seq in layout.list_segments():
-        f = SegmentFile(layout.segment_path(seq), seq)
-        try:
-            for r in scan_segment(f):
-                if isinstance(r, ScannedRecord) and r.type == rec.RecordType.CHUNK:
-                    buf = f.pread(r.loc.offset, r.loc.end - r.loc.offset)
-                    header = rec.decode_header(buf)
-                    end = rec.HEADER_SIZE + header.length
-                    out.append((f.path, r.loc.offset, header, bytes(buf[rec.HEADER_SIZE:end]),
-                                bytes(buf[end:])))
-        finally:
-            f.close()
-    return out
 
 
 def _states(i: int) -> dict:
@@ -81,7 +62,7 @@ def test_every_chunk_record_is_framed_as_its_store_says(tmp_path: Path, kind: st
     with open(Layout(str(path)).store_file, "rb") as f:
         header = decode_store_header(f.read())
     assert header.framing_checks == (kind == "framing_checks")
-    records = _chunk_records(path)
+    records = chunk_records(path)
     codecs = {decode_chunk_header(payload).codec for _, _, _, payload, _ in records}
     assert codecs == {Codec.RAW, Codec.LZ4}
     pads = [p for _, _, _, p, _ in records if p[CHUNK_HEADER_SIZE:] == bytes(len(p) - CHUNK_HEADER_SIZE)]
@@ -113,7 +94,7 @@ def test_gc_copies_keep_their_stores_framing(tmp_path: Path, kind: str) -> None:
         s.gc(keep_last=3)
         kept = s.iterations()
     assert kept[-3:] == [6, 7, 8]
-    flags = {h.flags for _, _, h, _, _ in _chunk_records(path)}
+    flags = {h.flags for _, _, h, _, _ in chunk_records(path)}
     assert flags == ({rec.FRAMING_CHECK} if kind == "framing_checks" else {0})
     assert check(str(path)).clean
     with ckptstore.open(path, mode="r") as r:
@@ -137,7 +118,7 @@ def test_damage_to_a_framed_record_is_found_and_contained(tmp_path: Path, where:
     record's file and offset and the iteration that needs it; every other iteration loads."""
     path = tmp_path / "s"
     _fill(path, "framing_checks")
-    records = _chunk_records(path)
+    records = chunk_records(path)
     with ckptstore.open(path, mode="r") as r:
         idx = r.engine.index
         want_codec = Codec.LZ4 if where == "lz4 data" else Codec.RAW
@@ -222,7 +203,7 @@ def test_a_featureless_store_stays_featureless_across_reopens(tmp_path: Path) ->
     with ckptstore.open(path, chunk_size=CHUNK, segment_size=1 << 20) as s:
         s.save_delta(9, _imaged(9), durable=True)
         s.save(10, _states(10))
-    assert {h.flags for _, _, h, _, _ in _chunk_records(path)} == {0}
+    assert {h.flags for _, _, h, _, _ in chunk_records(path)} == {0}
     assert check(str(path)).clean
     with ckptstore.open(path, mode="r") as r:
         got = r.load_record(9)
@@ -236,7 +217,7 @@ def test_fsck_reports_a_framed_record_in_a_store_without_the_feature(tmp_path: P
     as damage to the iteration that uses it. Loads still verify its data by address and succeed."""
     path = tmp_path / "s"
     _fill(path, "full_checks")
-    seg, off, h, payload, _ = next(r for r in _chunk_records(path)
+    seg, off, h, payload, _ = next(r for r in chunk_records(path)
                                    if decode_chunk_header(r[3]).codec is Codec.RAW
                                    and len(r[3]) > 4096)
     framed = rec.encode_record(rec.RecordType.CHUNK, payload, rec.FRAMING_CHECK)
@@ -264,7 +245,7 @@ def test_a_save_does_not_deduplicate_against_a_chunk_whose_header_is_damaged(tmp
     _fill(path, "framing_checks")
     with ckptstore.open(path, mode="r") as r:
         idx = r.engine.index
-        target = next((seg, off) for seg, off, h, payload, _ in _chunk_records(path)
+        target = next((seg, off) for seg, off, h, payload, _ in chunk_records(path)
                       if decode_chunk_header(payload).codec is Codec.RAW and len(payload) > 4096
                       and _only_in(r, decode_chunk_header(payload).address, 8, "w")
                       and idx.get_chunk(decode_chunk_header(payload).address).loc.offset == off)
