@@ -1032,3 +1032,34 @@ def test_kth_magnitude_refuses_positions_out_of_range():
         with pytest.raises(IndexError):
             native_topk.kth_magnitude(x, torch.tensor(bad), 1)
     assert native_topk.kth_magnitude(x, torch.tensor([1, 2]), 3) is None  # keep > m
+
+
+@settings(max_examples=60, deadline=None)
+@given(raw=st.binary(min_size=1, max_size=3000), compressible=st.booleans(),
+       cut=st.integers(1, 700), seed=st.integers(0, 2**32 - 1))
+def test_verify_chunk_blocks_agrees_with_decoding_the_whole_payload(raw: bytes, compressible: bool,
+                                                                   cut: int, seed: int) -> None:
+    """Streaming verification (a framed record's data read block by block) accepts exactly what
+    decode_chunk accepts: intact chunks of either codec in any blocking; a flipped data byte, a
+    short stream and an lz4 payload over lz4's worst case are refused with a FormatError."""
+    import random
+
+    if compressible:
+        raw = raw[:8] * 400
+    payload = good_chunk(raw)
+    header = fchunk.decode_chunk_header(payload)
+    data = payload[fchunk.CHUNK_HEADER_SIZE:]
+    blocks = [data[i:i + cut] for i in range(0, len(data), cut)]
+    fchunk.verify_chunk_blocks(header, len(data), blocks)
+    bad = bytearray(data)
+    bad[random.Random(seed).randrange(len(bad))] ^= 0x10
+    with pytest.raises(FormatError):
+        fchunk.decode_chunk(payload[:fchunk.CHUNK_HEADER_SIZE] + bytes(bad))
+    with pytest.raises(FormatError):
+        fchunk.verify_chunk_blocks(header, len(data), [bytes(bad)])
+    with pytest.raises(CorruptRecordError):
+        fchunk.verify_chunk_blocks(header, len(data), blocks[:-1])
+    if header.codec is fchunk.Codec.LZ4:
+        too_long = fchunk.lz4_bound(header.raw_length) + 1
+        with pytest.raises(CorruptRecordError):
+            fchunk.verify_chunk_blocks(header, too_long, [data + bytes(too_long - len(data))])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import Iterable
 
 import lz4.block
 import xxhash
@@ -146,6 +147,36 @@ def decode_chunk_data(header: ChunkHeader, data: bytes | memoryview) -> memoryvi
     if actual != header.address:
         raise ChecksumMismatch("chunk address", header.address.hex(), actual.hex())
     return raw
+
+
+def verify_chunk_blocks(header: ChunkHeader, data_length: int,
+                        blocks: Iterable[bytes | memoryview]) -> None:
+    """Verify a chunk whose ``data_length`` bytes of data arrive as ``blocks``, in order (a
+    reader streaming a record from a file): raw data is hashed block by block, never held
+    whole; lz4 data, at most lz4's worst case for ``raw_length`` (checked before any block is
+    taken), is joined and decoded. Raises CorruptRecordError / ChecksumMismatch as
+    :func:`decode_chunk_data` does, and CorruptRecordError when the blocks end short."""
+    if header.codec is Codec.RAW:
+        if data_length != header.raw_length:
+            raise CorruptRecordError(
+                f"raw chunk holds {data_length} bytes but declares {header.raw_length}")
+        h = xxhash.xxh3_128()
+        got = 0
+        for block in blocks:
+            h.update(block)
+            got += len(block)
+        if got != data_length:
+            raise CorruptRecordError(f"chunk data ends after {got} of {data_length} bytes")
+        if h.digest() != header.address:
+            raise ChecksumMismatch("chunk address", header.address.hex(), h.hexdigest())
+        return
+    if data_length > lz4_bound(header.raw_length):
+        raise CorruptRecordError(f"lz4 chunk of {data_length} bytes is longer than lz4 makes "
+                                 f"{header.raw_length} bytes")
+    data = b"".join(blocks)
+    if len(data) != data_length:
+        raise CorruptRecordError(f"chunk data ends after {len(data)} of {data_length} bytes")
+    decode_chunk_data(header, data)
 
 
 def decode_chunk(payload: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:

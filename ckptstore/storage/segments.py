@@ -15,9 +15,9 @@ from typing import Iterator, Sequence
 
 import xxhash
 
-from ..errors import ChecksumMismatch, CorruptRecordError, FormatError
+from ..errors import CorruptRecordError, FormatError
 from ..format import records as rec
-from ..format.chunk import CHUNK_HEADER_SIZE, Codec, decode_chunk_data, decode_chunk_header, lz4_bound
+from ..format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header, verify_chunk_blocks
 from ..format.image import pad_payload, pad_size
 from ..format.header import SEGMENT_HEADER_SIZE, SegmentHeader, decode_segment_header, encode_segment_header
 from .direct import DirectAppender, StagingBuffer
@@ -216,37 +216,28 @@ def _verify_streaming(f: SegmentFile, loc: Loc) -> FormatError | None:
 
 def _verify_framed_chunk(f: SegmentFile, loc: Loc) -> FormatError | None:
     """Check a FRAMING_CHECK CHUNK record: its trailer over the chunk header, then its data
-    against the chunk's address (what stands in for the payload check on these records), raw data
-    hashed block by block, lz4 data (bounded by lz4's worst case for the declared length before
-    anything is read) decoded whole."""
+    against the chunk's address (what stands in for the payload check on these records)."""
     try:
         head = f.pread(loc.payload_offset, CHUNK_HEADER_SIZE)
         trailer = f.pread(loc.payload_offset + loc.length, rec.TRAILER_SIZE)
         rec.check_trailer(head, trailer)
-        chunk = decode_chunk_header(head)
         start, n = loc.payload_offset + CHUNK_HEADER_SIZE, loc.length - CHUNK_HEADER_SIZE
-        if chunk.codec is Codec.RAW:
-            if n != chunk.raw_length:
-                raise CorruptRecordError(
-                    f"raw chunk holds {n} bytes but declares {chunk.raw_length}")
-            h = xxhash.xxh3_128()
-            pos = 0
-            while pos < n:
-                block = f.pread(start + pos, min(_SCAN_BLOCK, n - pos))
-                if not block:
-                    raise CorruptRecordError("chunk data truncated at end of file")
-                h.update(block)
-                pos += len(block)
-            if h.digest() != chunk.address:
-                raise ChecksumMismatch("chunk address", chunk.address.hex(), h.hexdigest())
-        else:
-            if n > lz4_bound(chunk.raw_length):
-                raise CorruptRecordError(f"lz4 chunk of {n} bytes is longer than lz4 makes "
-                                         f"{chunk.raw_length} bytes")
-            decode_chunk_data(chunk, f.pread(start, n))
+        verify_chunk_blocks(decode_chunk_header(head), n, _blocks(f, start, n))
     except FormatError as e:
         return e.located(f.path, loc.offset)
     return None
+
+
+def _blocks(f: SegmentFile, start: int, n: int) -> Iterator[bytes]:
+    """``n`` bytes of ``f`` from ``start`` in reads of at most _SCAN_BLOCK; stops early at the
+    end of the file."""
+    pos = 0
+    while pos < n:
+        block = f.pread(start + pos, min(_SCAN_BLOCK, n - pos))
+        if not block:
+            return
+        yield block
+        pos += len(block)
 
 
 def _find_next_header(f: SegmentFile, start: int, size: int) -> int:
