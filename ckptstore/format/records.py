@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import Sequence
 
 import xxhash
 
@@ -155,10 +156,24 @@ def encode_check(check: int) -> bytes:
     return _U64.pack(check)
 
 
-def checked_part(header: RecordHeader, payload: bytes | memoryview) -> bytes | memoryview:
-    """The part of ``payload`` that its record's trailer covers: all of it, or with
-    FRAMING_CHECK its first FRAMED_BYTES bytes."""
-    return payload[:FRAMED_BYTES] if header.framing_checked else payload
+def framed_parts(parts: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """The first :data:`FRAMED_BYTES` bytes of a payload given in ``parts`` (in order), as parts:
+    what a FRAMING_CHECK trailer covers."""
+    out: list[bytes | memoryview] = []
+    need = FRAMED_BYTES
+    for part in parts:
+        if need <= 0:
+            break
+        piece = memoryview(part).cast("B")[:need]
+        out.append(piece)
+        need -= len(piece)
+    return out
+
+
+def checked_parts(flags: int, parts: Sequence[bytes | memoryview]) -> Sequence[bytes | memoryview]:
+    """The parts of a payload that the trailer of a record with ``flags`` covers: all of them,
+    or with FRAMING_CHECK the first FRAMED_BYTES bytes."""
+    return framed_parts(parts) if flags & FRAMING_CHECK else parts
 
 
 def check_trailer(payload: bytes | memoryview, trailer: bytes | memoryview,
@@ -168,7 +183,7 @@ def check_trailer(payload: bytes | memoryview, trailer: bytes | memoryview,
     if len(trailer) != TRAILER_SIZE:
         raise CorruptRecordError(f"truncated record trailer: {len(trailer)} of {TRAILER_SIZE} bytes")
     (expected,) = _U64.unpack(bytes(trailer))
-    actual = payload_check(payload if header is None else checked_part(header, payload))
+    actual = payload_check(*checked_parts(0 if header is None else header.flags, [payload]))
     if expected != actual:
         raise ChecksumMismatch("record payload", f"{expected:016x}", f"{actual:016x}")
 
@@ -176,7 +191,7 @@ def check_trailer(payload: bytes | memoryview, trailer: bytes | memoryview,
 def encode_record(record_type: int, payload: bytes, flags: int = 0) -> bytes:
     """Return a whole record (header, payload, trailer) as one bytes object. For small records."""
     header = encode_header(record_type, len(payload), flags)
-    return header + payload + encode_trailer(payload[:FRAMED_BYTES] if flags else payload)
+    return header + payload + encode_trailer(*checked_parts(flags, [payload]))
 
 
 def decode_record(buf: bytes | memoryview,

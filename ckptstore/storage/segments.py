@@ -322,20 +322,6 @@ EVICT_EVERY = 32 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _framed_part(parts: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
-    """The first :data:`~ckptstore.format.records.FRAMED_BYTES` bytes of a payload given in
-    ``parts``: what a FRAMING_CHECK trailer covers."""
-    out: list[bytes | memoryview] = []
-    need = rec.FRAMED_BYTES
-    for part in parts:
-        if need <= 0:
-            break
-        piece = memoryview(part).cast("B")[:need]
-        out.append(piece)
-        need -= len(piece)
-    return out
-
-
 class SegmentWriter:
     """Appends records to one segment file through a FileOps seam.
 
@@ -444,7 +430,7 @@ class SegmentWriter:
         length = sum(len(p) for p in payload_parts)
         flags = self._flags_for(record_type, length)
         header = rec.encode_header(record_type, length, flags)
-        trailer = rec.encode_trailer(*(_framed_part(payload_parts) if flags else payload_parts))
+        trailer = rec.encode_trailer(*rec.checked_parts(flags, payload_parts))
         loc = Loc(self.seq, self.offset, length)
         self.ops.writev(self.fd, self.path, [header, *payload_parts, trailer], self.offset)
         self.offset = loc.end
@@ -465,7 +451,7 @@ class SegmentWriter:
             if flags:
                 for part in payload_parts:
                     direct.put(part)
-                direct.put(rec.encode_trailer(*_framed_part(payload_parts)))
+                direct.put(rec.encode_trailer(*rec.framed_parts(payload_parts)))
             else:
                 check = xxhash.xxh3_64()
                 for part in payload_parts:
