@@ -196,17 +196,14 @@ _ALWAYS_READ = frozenset({rec.RecordType.SEGMENT_HEADER, rec.RecordType.MANIFEST
 
 def _verify_streaming(f: SegmentFile, loc: Loc) -> FormatError | None:
     """Check a large record's trailer by hashing its payload block by block."""
-    import xxhash
-
     h = xxhash.xxh3_64()
-    pos, end = loc.payload_offset, loc.payload_offset + loc.length
-    while pos < end:
-        block = f.pread(pos, min(_SCAN_BLOCK, end - pos))
-        if not block:
-            return CorruptRecordError("record payload truncated at end of file").located(f.path, loc.offset)
+    got = 0
+    for block in _blocks(f, loc.payload_offset, loc.length):
         h.update(block)
-        pos += len(block)
-    trailer = f.pread(end, rec.TRAILER_SIZE)
+        got += len(block)
+    if got < loc.length:
+        return CorruptRecordError("record payload truncated at end of file").located(f.path, loc.offset)
+    trailer = f.pread(loc.payload_offset + loc.length, rec.TRAILER_SIZE)
     if len(trailer) < rec.TRAILER_SIZE:
         return CorruptRecordError("record trailer truncated at end of file").located(f.path, loc.offset)
     if int.from_bytes(trailer, "little") != h.intdigest():
