@@ -134,34 +134,52 @@ class CastCodec(GradCodec):
 
 #: below this many entries ``topk`` selects exactly k (torch.topk); above, by a sampled threshold
 EXACT_TOPK_MAX = 1 << 16
-#: entries sampled to estimate the threshold (the top 1% of 2^16 samples is ~655 of them: the
-#: count lands within ~10% of k)
+#: torch's grain size (at::internal::GRAIN_SIZE): an elementwise op on at most this many entries
+#: runs on its calling thread
+SERIAL_MAX = 1 << 15
+#: the most entries sampled to estimate the threshold
 TOPK_SAMPLE = 1 << 16
+#: the fewest entries sampled
+TOPK_SAMPLE_MIN = 1 << 14
+#: sampled entries expected above the threshold: the count kept then lands within about
+#: 1/sqrt(128) ~ 9% of k (one standard deviation), far inside the [k/2, 2k] it must
+TOPK_SAMPLE_ABOVE = 128
+
+
+def sample_size(n: int, k: int) -> int:
+    """How many of a tensor's ``n`` entries are sampled to find the threshold of its ``k``
+    largest: the smallest power of two in [TOPK_SAMPLE_MIN, TOPK_SAMPLE] expected to hold
+    TOPK_SAMPLE_ABOVE entries above it (2^14 for topk:0.01). Every sample is a pass over the
+    tensor's memory as far as the cache is concerned (2^16 samples touched every cache line of a
+    1M-entry gradient), so no larger than the estimate needs."""
+    want = -(-TOPK_SAMPLE_ABOVE * n // max(1, k))
+    return min(TOPK_SAMPLE, max(TOPK_SAMPLE_MIN, 1 << (want - 1).bit_length()))
 
 
 @functools.lru_cache(maxsize=32)
-def _sample_positions(n: int) -> torch.Tensor:
-    """The fixed-seed sample positions for a tensor of ``n`` entries, in increasing order (the
-    same on every call: cached, since a model's few distinct tensor sizes repeat every
+def _sample_positions(n: int, m: int = TOPK_SAMPLE) -> torch.Tensor:
+    """The ``m`` fixed-seed sample positions for a tensor of ``n`` entries, in increasing order
+    (the same on every call: cached, since a model's few distinct tensor sizes repeat every
     iteration)."""
     gen = torch.Generator().manual_seed(n)
     # sorted: the same sample, gathered front to back (prefetched, not a cache miss per entry)
-    return torch.randint(0, n, (TOPK_SAMPLE,), generator=gen).sort().values
+    return torch.randint(0, n, (m,), generator=gen).sort().values
 
 
 def _sampled_threshold(values: torch.Tensor, k: int,
                        positions: torch.Tensor | None = None) -> torch.Tensor:
     """The magnitude above which about ``k`` of the flat ``values`` lie, from a fixed-seed
     sample (``values`` may be the magnitudes or the signed values: the sample's magnitudes are
-    the same; ``positions``: :func:`_sample_positions` of its size, when the caller has them):
+    the same; ``positions``: its :func:`_sample_positions` (:func:`sample_size` of them), when
+    the caller has them):
     the sample's ``keep``-th largest magnitude, NaN counted as the largest (what
     ``torch.topk(sample, keep).values[-1]`` gives). For float32 where the C kernel is built, a
     radix select in C (no torch op: see :meth:`TopKCodec.encode_many`; numpy's partition took
     5 ms on a mostly-zero sample); else a partial top-``keep`` in torch."""
     n = values.numel()
-    keep = max(1, round(TOPK_SAMPLE * k / n))
     if positions is None:
-        positions = _sample_positions(n)
+        positions = _sample_positions(n, sample_size(n, k))
+    keep = max(1, round(positions.numel() * k / n))
     native = native_topk.kth_magnitude(values, positions, keep)
     if native is not None:
         return torch.tensor(native, dtype=values.dtype)
@@ -272,39 +290,47 @@ class TopKCodec(GradCodec):
 
     def encode_many(self, grads: "list[torch.Tensor | None]", decoded: bool = True
                     ) -> "list[tuple[dict, torch.Tensor | None, EncodeStats | None] | None]":
-        """:meth:`encode_measured` of every gradient, in order. The C kernel's selections of
-        gradients it serves whole on one thread (contiguous float32 CPU, :meth:`_native_serves`,
-        below ``native_topk.SPLIT_AT`` entries) run on a pool of ``torch.get_num_threads()``
-        threads; everything else runs on the caller's thread, first (its torch ops go parallel
-        themselves: beside the pool they would make more threads than cores), and so do the
-        decodes and any selection the kernel gave back (a threshold that missed) afterwards. A
-        selection is two kernel calls (threshold, pass) that release the GIL and run
-        single-threaded, so one at a time left every core but one idle (27.3M parameters on 2
-        cores: 39 ms of the training thread per step, 20 now). Pool threads run no torch op
-        large enough to go parallel: a torch parallel region on another thread starts an
-        OpenMP team of its own, whose threads slowed every later parallel region of training
-        (optimizer steps 6-10 ms slower for good, measured). Each result is what
-        :meth:`encode_measured` gives for that gradient alone."""
+        """:meth:`encode_measured` of every gradient, in order. The C kernel's selections
+        (contiguous float32 CPU gradients it serves, :meth:`_native_serves`) run whole, each on
+        one thread, on a pool of ``torch.get_num_threads()`` threads, largest first. Of the
+        rest, gradients whose torch ops may go parallel (more than SERIAL_MAX entries) run on
+        the caller's thread before the pool starts (beside the pool they would make more
+        threads than cores); smaller ones run there while the pool works (their ops stay on the
+        calling thread); the decodes and any selection the kernel gave back (a threshold that
+        missed) run there afterwards. A selection is two kernel calls (threshold, pass) that
+        release the GIL and run single-threaded, so one at a time left every core but one idle
+        (27.3M parameters on 2 cores: 39 ms of the training thread per step, 13 now). Pool
+        threads run no torch op large enough to go parallel: a torch parallel region on another
+        thread starts an OpenMP team of its own, whose threads slowed every later parallel
+        region of training (optimizer steps 6-10 ms slower for good, measured). Each result is
+        what :meth:`encode_measured` gives for that gradient alone (the error norms to within
+        float64 rounding: alone, a gradient of ``native_topk.SPLIT_AT`` entries or more is
+        scanned in two halves whose sums add up in another order)."""
         workers = torch.get_num_threads()
 
         def pooled(g: torch.Tensor) -> bool:
-            return g.is_cpu and g.is_contiguous() and g.numel() < native_topk.SPLIT_AT and \
-                self._native_serves(g)
+            return g.is_cpu and g.is_contiguous() and self._native_serves(g)
 
-        jobs = [(i, g.detach().reshape(-1)) for i, g in enumerate(grads)
-                if g is not None and pooled(g)]
+        jobs = sorted(((i, g.detach().reshape(-1)) for i, g in enumerate(grads)
+                       if g is not None and pooled(g)), key=lambda job: -job[1].numel())
         if workers < 2 or len(jobs) < 2:
             return super().encode_many(grads, decoded)
         out: list = [None] * len(grads)
         in_pool = {i for i, _ in jobs}
-        for i, grad in enumerate(grads):
-            if grad is not None and i not in in_pool:
-                out[i] = self.encode_measured(grad, decoded)
+        rest = [i for i, g in enumerate(grads) if g is not None and i not in in_pool]
+        for i in rest:
+            if grads[i].numel() > SERIAL_MAX:  # type: ignore[union-attr]
+                out[i] = self.encode_measured(grads[i], decoded)  # type: ignore[arg-type]
         pool = _encode_pool(workers)
         # the sample positions are made here (torch ops) and handed over
-        futures = [(i, pool.submit(self._selected_natively, flat, _sample_positions(flat.numel())))
-                   for i, flat in jobs]
-        concurrent.futures.wait([f for _, f in futures])  # none left reading a gradient
+        futures = [(i, pool.submit(self._selected_natively, flat, self._positions(flat.numel()),
+                                   False)) for i, flat in jobs]
+        try:
+            for i in rest:
+                if out[i] is None:
+                    out[i] = self.encode_measured(grads[i], decoded)  # type: ignore[arg-type]
+        finally:
+            concurrent.futures.wait([f for _, f in futures])  # none left reading a gradient
         for i, fut in futures:
             fast = fut.result()
             g = grads[i]
@@ -316,6 +342,10 @@ class TopKCodec(GradCodec):
                 out[i] = (fast[0], dec, fast[1])
         return out
 
+    def _positions(self, n: int) -> torch.Tensor:
+        """The sample positions of a tensor of ``n`` entries (:func:`sample_size` of its k)."""
+        return _sample_positions(n, sample_size(n, max(1, math.ceil(self.fraction * n))))
+
     def _native_serves(self, flat: torch.Tensor) -> bool:
         """Whether :meth:`_selected_natively` may serve this gradient: a float32 tensor above
         the exact-topk size keeping less than half its entries, the kernel built."""
@@ -323,22 +353,23 @@ class TopKCodec(GradCodec):
         return n > EXACT_TOPK_MAX and max(1, math.ceil(self.fraction * n)) < n // 2 and \
             flat.dtype == torch.float32 and native_topk.available()
 
-    def _selected_natively(self, flat: torch.Tensor, positions: torch.Tensor | None = None
-                           ) -> tuple[dict, EncodeStats] | None:
+    def _selected_natively(self, flat: torch.Tensor, positions: torch.Tensor | None = None,
+                           split: bool = True) -> tuple[dict, EncodeStats] | None:
         """The payload and error of a large float32 gradient from the C kernel
         (:mod:`ckptstore.replay.native.topk`): the entries :func:`_largest` keeps for the same
         sampled threshold (``positions``: the sample's, else looked up), in one pass. None
-        where the torch path must run (no kernel, a small tensor, a threshold that misses)."""
+        where the torch path must run (no kernel, a small tensor, a threshold that misses).
+        ``split``: a large gradient's pass may run on two threads (:func:`native_topk.select`)."""
         if not self._native_serves(flat):
             return None
         n = flat.numel()
         k = max(1, math.ceil(self.fraction * n))
         got = native_topk.select(flat.contiguous(), float(_sampled_threshold(flat, k, positions)),
-                                 2 * k)
+                                 2 * k, torch.int32 if n < 2**31 else torch.int64, split)
         if got is None or not k // 2 <= got[0].numel():
             return None
         idx, vals, all_sq, dropped_sq, dropped_max = got
-        payload = {"i": idx.to(torch.int32 if n < 2**31 else torch.int64), "v": vals}
+        payload = {"i": idx, "v": vals}
         return payload, EncodeStats(dropped_max, math.sqrt(dropped_sq), math.sqrt(all_sq))
 
     @staticmethod

@@ -38,15 +38,16 @@ def _kernel() -> Any:
         if not _fn:
             lib = build.load("topk_select")
             fn = kth = None
-            if lib is not None and lib.ckpt_topk_abi() == 2:
+            if lib is not None and lib.ckpt_topk_abi() == 3:
                 fn = lib.ckpt_topk_select
                 fn.restype = ctypes.c_int64
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                               ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_void_p]
                 kth = lib.ckpt_topk_kth_magnitude
-                kth.restype = ctypes.c_float
-                kth.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                ctypes.c_void_p]
+                kth.restype = ctypes.c_int
+                kth.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
                 _pool.append(ThreadPoolExecutor(2, thread_name_prefix="ckptstore-topk"))
             _fn.extend((fn, kth))
         return _fn[0]
@@ -59,47 +60,62 @@ def available() -> bool:
 def kth_magnitude(flat: torch.Tensor, positions: torch.Tensor, keep: int) -> float | None:
     """The ``keep``-th largest of ``flat[positions].abs()`` (a NaN when that is one: NaN counts
     as the largest), as ``torch.topk(flat[positions].abs(), keep).values[-1]`` gives it, for a
-    contiguous float32 CPU ``flat`` and int64 ``positions`` in range (IndexError otherwise);
-    None when the kernel is missing. Runs no torch op (so it may run on any thread: see
-    gradcodecs.TopKCodec.encode_many)."""
+    contiguous float32 CPU ``flat`` and int64 ``positions`` in range (IndexError otherwise,
+    found by the kernel as it gathers); None when the kernel is missing. Runs no torch op (so
+    it may run on any thread: see gradcodecs.TopKCodec.encode_many)."""
     if _kernel() is None or flat.dtype != torch.float32 or flat.device.type != "cpu" or \
             not flat.is_contiguous() or positions.dtype != torch.int64 or \
-            not positions.is_contiguous() or not 1 <= keep <= positions.numel():
+            positions.device.type != "cpu" or not positions.is_contiguous() or \
+            not 1 <= keep <= positions.numel():
         return None
     m = positions.numel()
-    at = positions.numpy()
-    if int(at.min()) < 0 or int(at.max()) >= flat.numel():  # (numpy: no torch op here)
+    keys = np.empty(m + 1, dtype=np.uint32)  # the last slot receives the answer's bits
+    answer = keys[m:].view(np.float32)
+    status = _fn[1](flat.data_ptr(), flat.numel(), positions.data_ptr(), m, keep,
+                    keys.ctypes.data, answer.ctypes.data)
+    if status == -2:
         raise IndexError(f"sample positions outside a tensor of {flat.numel()} entries")
-    keys = np.empty(m, dtype=np.uint32)
-    return float(_fn[1](flat.data_ptr(), positions.data_ptr(), m, keep, keys.ctypes.data))
+    assert status == 0, status  # keep was checked above
+    return float(answer[0])
 
 
-def select(flat: torch.Tensor, threshold: float, cap: int
-           ) -> tuple[torch.Tensor, torch.Tensor, float, float, float] | None:
-    """(int64 indices, values, sum of squares of all entries, of the dropped ones, largest
-    dropped magnitude) for a contiguous float32 CPU ``flat``; None when the kernel is missing or
-    more than ``cap`` entries are kept."""
+def select(flat: torch.Tensor, threshold: float, cap: int, index_dtype: torch.dtype = torch.int64,
+           split: bool = True) -> tuple[torch.Tensor, torch.Tensor, float, float, float] | None:
+    """(indices of ``index_dtype``, int32 or int64; values; sum of squares of all entries, of
+    the dropped ones; largest dropped magnitude) for a contiguous float32 CPU ``flat``; None when
+    the kernel is missing or more than ``cap`` entries are kept. The indices and values are
+    views of the front of buffers sized for ``cap`` per part (no copy to trim them).
+    ``split``: a tensor of SPLIT_AT entries or more is scanned in two halves on two threads
+    (else on the calling thread alone, e.g. a pool's worker)."""
     fn = _kernel()
     if fn is None or flat.dtype != torch.float32 or flat.device.type != "cpu" or \
-            not flat.is_contiguous():
+            not flat.is_contiguous() or index_dtype not in (torch.int32, torch.int64):
         return None
     n = flat.numel()
-    parts = 2 if n >= SPLIT_AT else 1
-    bounds = [n * p // parts for p in range(parts + 1)]
-    idx = torch.empty((parts, cap), dtype=torch.int64)
-    vals = torch.empty((parts, cap), dtype=torch.float32)
-    stats = torch.zeros((parts, 3), dtype=torch.float64)
+    if index_dtype == torch.int32 and n > 2**31:
+        raise ValueError(f"int32 indices cannot address {n} entries")
+    parts = 2 if split and n >= SPLIT_AT else 1
+    # halves split at a multiple of the kernel's float runs (FLUSH = 512 entries): the same
+    # runs as one scan, so split and whole sums differ only in the order doubles add up
+    bounds = [0, n // 2 // 512 * 512, n] if parts == 2 else [0, n]
+    idx = torch.empty(parts * cap, dtype=index_dtype)
+    vals = torch.empty(parts * cap, dtype=torch.float32)
+    stats = np.zeros((parts, 3), dtype=np.float64)
     ptr, esz = flat.data_ptr(), flat.element_size()
+    isz = idx.element_size()
 
     def run(p: int) -> int:
         lo, hi = bounds[p], bounds[p + 1]
-        return int(fn(ptr + lo * esz, hi - lo, threshold, lo, idx[p].data_ptr(),
-                      vals[p].data_ptr(), cap, stats[p].data_ptr()))
+        return int(fn(ptr + lo * esz, hi - lo, threshold, lo, idx.data_ptr() + p * cap * isz, isz,
+                      vals.data_ptr() + p * cap * 4, cap, stats[p].ctypes.data))
 
     counts = [run(0)] if parts == 1 else list(_pool[0].map(run, range(parts)))
-    if sum(counts) > cap:
+    total = sum(counts)
+    if total > cap:
         return None
-    i = torch.cat([idx[p, :c] for p, c in enumerate(counts)])
-    v = torch.cat([vals[p, :c] for p, c in enumerate(counts)])
-    s = stats.sum(0)
-    return i, v, float(s[0]), float(s[1]), float(stats[:, 2].max())
+    if parts == 2 and counts[0] < cap and counts[1]:
+        # the second part's entries move down to follow the first's (regions may overlap)
+        ctypes.memmove(idx.data_ptr() + counts[0] * isz, idx.data_ptr() + cap * isz, counts[1] * isz)
+        ctypes.memmove(vals.data_ptr() + counts[0] * 4, vals.data_ptr() + cap * 4, counts[1] * 4)
+    return (idx[:total], vals[:total], float(stats[:, 0].sum()), float(stats[:, 1].sum()),
+            float(stats[:, 2].max()))

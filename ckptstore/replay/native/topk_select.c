@@ -3,9 +3,10 @@
  * threshold (NaN entries are kept, as torch.topk keeps them) and measures, in the same pass,
  * what the codec records about the error (format-spec/deltas.md, "err").
  *
- * ckpt_topk_select(x, n, thr, base, idx, vals, cap, stats) scans x[0..n):
+ * ckpt_topk_select(x, n, thr, base, idx, idx_bytes, vals, cap, stats) scans x[0..n):
  *   kept(i)  = thr > 0 ? !(|x[i]| < thr) : !(|x[i]| <= 0)     (the torch path's rule)
- *   idx[c] = base + i and vals[c] = x[i] (its exact bits) for the c-th kept entry, c < cap;
+ *   idx[c] = base + i (int32 when idx_bytes is 4, else int64) and vals[c] = x[i] (its exact
+ *   bits) for the c-th kept entry, c < cap;
  *   stats[0] += sum of x[i]^2 over all entries, stats[1] += over dropped entries (doubles),
  *   stats[2] = max(stats[2], max |x[i]| over dropped entries);
  * and returns the number of kept entries (which may exceed cap: then only cap were written and
@@ -17,19 +18,22 @@
 #include <string.h>
 #include <stdint.h>
 
-int ckpt_topk_abi(void) { return 2; }
+int ckpt_topk_abi(void) { return 3; }
 
-/* ckpt_topk_kth_magnitude(x, pos, m, keep, keys) is the keep-th largest of |x[pos[0..m)]|
- * (1 <= keep <= m, else NaN), NaN counted as larger than every number (a NaN's key is its bits): what
+/* ckpt_topk_kth_magnitude(x, n, pos, m, keep, keys, out) sets *out to the keep-th largest of
+ * |x[pos[0..m)]| and returns 0; it returns -1 (out untouched) unless 1 <= keep <= m, and -2
+ * when a position lies outside [0, n) (checked while gathering: nothing is read out of bounds).
+ * NaN is counted as larger than every number (a NaN's key is its bits): what
  * torch.topk(sample.abs(), keep).values[-1] gives for the codec's sampled threshold
  * (gradcodecs._sampled_threshold). A magnitude's bits (the sign cleared) order as the magnitudes
  * do, +inf below every NaN, so this is a selection on unsigned keys: an MSB-first radix select,
  * 11 + 11 + 10 bits, each pass over the keys still in the candidate bucket (no degenerate case:
  * ties, zeros and NaN cost what any sample costs). ``keys`` is caller scratch of m uint32. */
-float ckpt_topk_kth_magnitude(const float *x, const int64_t *pos, int64_t m, int64_t keep,
-                              uint32_t *keys) {
-    if (keep < 1 || keep > m) return NAN;   /* (the caller checks; never read out of bounds) */
+int ckpt_topk_kth_magnitude(const float *x, int64_t n, const int64_t *pos, int64_t m,
+                            int64_t keep, uint32_t *keys, float *out) {
+    if (keep < 1 || keep > m) return -1;
     for (int64_t i = 0; i < m; i++) {
+        if ((uint64_t)pos[i] >= (uint64_t)n) return -2;
         uint32_t b;
         memcpy(&b, x + pos[i], sizeof b);
         keys[i] = b & 0x7fffffffu;
@@ -55,68 +59,94 @@ float ckpt_topk_kth_magnitude(const float *x, const int64_t *pos, int64_t m, int
             if ((keys[i] & prefix_mask) == prefix) keys[w++] = keys[i];
         live = w;
     }
-    float out;
-    memcpy(&out, &prefix, sizeof out);
-    return out;
+    memcpy(out, &prefix, sizeof *out);
+    return 0;
 }
 
-/* Kept entries are rare (~1%). Blocks of 32 entries are reduced branch-free with GCC/clang vector
- * extensions (the dropped entries' squares in float lanes, flushed into doubles every FLUSH
- * entries so that no float lane sums more than FLUSH/8 squares; their largest magnitude), and
- * only a block holding a kept entry is walked again to emit it; a run whose float sum falls
- * outside [1e-30, 1e30] is summed again in double, as gradcodecs.sum_of_squares does. "dropped" is |x| < t with
- * t = thr when thr > 0, else the smallest positive float: for magnitudes (and NaN, for which
- * every comparison is false) that is exactly the rule above. */
+/* Kept entries are rare (~1%). Blocks of 32 entries (four vectors of 8) are reduced branch-free
+ * with GCC/clang vector extensions: the dropped entries' squares in float lanes (four
+ * independent accumulators, so the adds do not wait on each other), flushed into doubles every
+ * FLUSH entries so that no float lane sums more than FLUSH/32 squares, and their largest
+ * magnitude. A block holding a kept entry gets a 32-bit mask of its kept lanes, and only those
+ * entries are emitted (in increasing order: lowest set bit first). A run whose float sum falls
+ * outside [1e-30, 1e30] is summed again in double, as gradcodecs.sum_of_squares does. "dropped"
+ * is |x| < t with t = thr when thr > 0, else the smallest positive float: for magnitudes (and
+ * NaN, for which every comparison is false) that is exactly the rule above. A dropped entry's
+ * masked magnitude is a non-negative float, never NaN, so its bits order as its value does and
+ * the running maximum is an integer comparison. */
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef int64_t vl4 __attribute__((vector_size(32)));
 #define FLUSH 512
 /* a float run's sum of squares outside this range may have overflowed or lost precision */
 #define SQUARES_SAFE_LOW 1e-30
 #define SQUARES_SAFE_HIGH 1e30
 
-int64_t ckpt_topk_select(const float *x, int64_t n, float thr, int64_t base, int64_t *idx,
-                         float *vals, int64_t cap, double *stats) {
+/* bit l set where lane l of ``kept`` (0 or -1 per lane) is set */
+static inline uint32_t lane_mask(vi8 kept) {
+#if defined(__AVX__)
+    return (uint32_t)__builtin_ia32_movmskps256((vf8)kept);
+#else
+    uint32_t m = 0;
+    for (int l = 0; l < 8; l++) m |= (uint32_t)(kept[l] & 1) << l;
+    return m;
+#endif
+}
+
+static inline void put_index(void *idx, int idx_bytes, int64_t c, int64_t at) {
+    if (idx_bytes == 4)
+        ((int32_t *)idx)[c] = (int32_t)at;
+    else
+        ((int64_t *)idx)[c] = at;
+}
+
+int64_t ckpt_topk_select(const float *x, int64_t n, float thr, int64_t base, void *idx,
+                         int idx_bytes, float *vals, int64_t cap, double *stats) {
     const float t = thr > 0.0f ? thr : FLT_TRUE_MIN;
     const vf8 tv = {t, t, t, t, t, t, t, t};
     const vi8 absmask = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff,
                          0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
-    vf8 maxv = {0};
+    vi8 maxv[4] = {{0}, {0}, {0}, {0}};     /* bits of non-negative floats */
     int64_t c = 0;
     double dropped_sq = 0.0, kept_sq = 0.0;
     int64_t i = 0;
     while (i + 32 <= n) {
-        vf8 acc = {0};
+        vf8 acc[4] = {{0}, {0}, {0}, {0}};
         int64_t start = i;
         int64_t stop = i + FLUSH <= n ? i + FLUSH : n - (n - i) % 32;
         for (; i < stop; i += 32) {
-            vi8 any = {0};
+            vi8 keep[4];
             for (int q = 0; q < 4; q++) {
                 vf8 v;
                 memcpy(&v, x + i + 8 * q, sizeof v);
-                vf8 a = (vf8)((vi8)v & absmask);
-                vi8 drop = a < tv;                  /* -1 where dropped */
-                vf8 d = (vf8)((vi8)a & drop);
-                acc += d * d;
-                vi8 more = d > maxv;
-                maxv = (vf8)(((vi8)d & more) | ((vi8)maxv & ~more));
-                any |= ~drop;
+                vi8 a = (vi8)v & absmask;
+                vi8 drop = (vf8)a < tv;             /* -1 where dropped */
+                vi8 d = a & drop;
+                acc[q] += (vf8)d * (vf8)d;
+                vi8 more = d > maxv[q];
+                maxv[q] = (d & more) | (maxv[q] & ~more);
+                keep[q] = ~drop;
             }
-            if (any[0] | any[1] | any[2] | any[3] | any[4] | any[5] | any[6] | any[7]) {
-                for (int l = 0; l < 32; l++) {
+            vl4 any = (vl4)(keep[0] | keep[1] | keep[2] | keep[3]);
+            if (any[0] | any[1] | any[2] | any[3]) {
+                uint32_t m = lane_mask(keep[0]) | lane_mask(keep[1]) << 8 |
+                             lane_mask(keep[2]) << 16 | lane_mask(keep[3]) << 24;
+                while (m) {
+                    int l = __builtin_ctz(m);
+                    m &= m - 1;
                     float v = x[i + l];
-                    if (!(fabsf(v) < t)) {
-                        if (c < cap) {
-                            idx[c] = base + i + l;
-                            vals[c] = v;
-                        }
-                        kept_sq += (double)v * (double)v;
-                        c++;
+                    if (c < cap) {
+                        put_index(idx, idx_bytes, c, base + i + l);
+                        vals[c] = v;
                     }
+                    kept_sq += (double)v * (double)v;
+                    c++;
                 }
             }
         }
+        vf8 sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
         double s = 0.0;
-        for (int l = 0; l < 8; l++) s += (double)acc[l];
+        for (int l = 0; l < 8; l++) s += (double)sum[l];
         if (s != 0.0 && !(s >= SQUARES_SAFE_LOW && s <= SQUARES_SAFE_HIGH)) {
             /* squares that overflow or turn subnormal in float: this run again in double */
             s = 0.0;
@@ -128,14 +158,18 @@ int64_t ckpt_topk_select(const float *x, int64_t n, float thr, int64_t base, int
         dropped_sq += s;
     }
     float m = (float)stats[2];
-    for (int l = 0; l < 8; l++)
-        if (maxv[l] > m) m = maxv[l];
+    for (int q = 0; q < 4; q++)
+        for (int l = 0; l < 8; l++) {
+            float lane;
+            memcpy(&lane, (const int32_t *)&maxv[q] + l, sizeof lane);
+            if (lane > m) m = lane;
+        }
     for (; i < n; i++) {
         float v = x[i];
         float a = fabsf(v);
         if (!(a < t)) {
             if (c < cap) {
-                idx[c] = base + i;
+                put_index(idx, idx_bytes, c, base + i);
                 vals[c] = v;
             }
             kept_sq += (double)v * (double)v;
