@@ -944,6 +944,110 @@ def test_topk_native_selection_keeps_what_the_torch_path_keeps(case):
         assert native._selected_natively(g.reshape(-1)) is not None  # the kernel served it
 
 
+@pytest.mark.parametrize("case", ["randn", "zeros", "ties", "nan", "more-nan-than-k", "inf",
+                                  "negative-zero", "all-equal", "one-entry"])
+@pytest.mark.parametrize("fraction", ["0.01", "0.3", "1"])
+def test_topk_exact_path_native_and_torch_keep_the_same_entries(case, fraction):
+    """Small gradients (at most EXACT_TOPK_MAX entries) keep exactly k: every entry above the
+    k-th largest magnitude, then ties at it in increasing index order, NaN the largest. The C
+    kernel (ckpt_topk_exact) and the torch path (_exactly_k) keep the same entries, values and
+    largest error, with norms within 1e-6, ties and NaN included."""
+    import torch
+
+    from ckptstore.replay.gradcodecs import parse_codec
+    from ckptstore.replay.native import topk as native_topk
+
+    if not native_topk.available():
+        pytest.skip("no C compiler: the native kernel is not built here")
+    g = torch.randn(4099, generator=torch.Generator().manual_seed(8))
+    if case == "zeros":
+        g[100:] = 0
+    elif case == "ties":
+        g = (g * 2).round() / 2
+    elif case == "nan":
+        g[[3, 999, 4000]] = float("nan")
+    elif case == "more-nan-than-k":
+        g[::2] = float("nan")
+        g[1::4] = -g[1::4].abs() * float("nan")  # NaN of the other sign (cleared in the key)
+    elif case == "inf":
+        g[[7, 70]] = float("inf")
+        g[700] = float("-inf")
+    elif case == "negative-zero":
+        g[:3000] = -0.0
+    elif case == "all-equal":
+        g[:] = -1.5
+    elif case == "one-entry":
+        g = g[:1].clone()
+    native = parse_codec(f"topk:{fraction}")
+    torch_path = parse_codec(f"topk:{fraction}")
+    torch_path._selected_natively = lambda flat, *a, **k: None  # type: ignore[method-assign]
+    p1, d1, s1 = native.encode_measured(g)
+    p2, d2, s2 = torch_path.encode_measured(g)
+    k = math.ceil(float(fraction) * g.numel())
+    assert p1["i"].numel() == k and p1["i"].dtype == torch.int32
+    assert torch.equal(p1["i"], p2["i"])
+    assert torch.equal(p1["v"].view(torch.int32), p2["v"].view(torch.int32))
+    assert torch.equal(d1.view(torch.int32), d2.view(torch.int32))
+    assert s1.max_abs_error == s2.max_abs_error or math.isnan(s1.max_abs_error) and math.isnan(s2.max_abs_error)
+    for a, b in ((s1.l2_error, s2.l2_error), (s1.l2_grad, s2.l2_grad)):
+        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6)
+    assert native._selected_natively(g) is not None  # the kernel served it
+    # the rule itself: ties at the k-th magnitude go front to back
+    keys = g.abs().view(torch.int32)
+    kth = torch.topk(keys, k).values[-1]
+    idx = p1["i"].to(torch.int64)
+    assert bool((keys[idx] >= kth).all())
+    dropped = torch.ones(g.numel(), dtype=torch.bool)
+    dropped[idx] = False
+    assert not bool((keys[dropped] > kth).any())
+    tied_kept = idx[keys[idx] == kth]
+    tied_dropped = dropped.nonzero().squeeze(1)[keys[dropped] == kth]
+    assert tied_kept.numel() == 0 or tied_dropped.numel() == 0 or tied_kept.max() < tied_dropped.min()
+
+
+def test_selection_batch_refuses_what_it_cannot_serve():
+    import numpy as np
+    import torch
+
+    from ckptstore.replay.native import topk as native_topk
+
+    if not native_topk.available():
+        pytest.skip("no C compiler: the native kernel is not built here")
+    x = torch.randn(100)
+    with pytest.raises(ValueError, match="not a contiguous float32"):
+        native_topk.SelectionBatch([x.double()], [None], [3], [3], [torch.int32], 1)
+    with pytest.raises(ValueError, match="cap 2 below"):
+        native_topk.SelectionBatch([x], [None], [3], [2], [torch.int32], 1)
+    batch = native_topk.SelectionBatch([x, x], [torch.tensor([0, 100]), torch.tensor([1, 2])],
+                                       [1, 3], [10, 10], [torch.int64, torch.int32], 2)
+    for share in range(batch.shares):
+        batch.run(share)
+    with pytest.raises(IndexError):
+        batch.result(0)
+    with pytest.raises(ValueError, match="keep 3 outside"):
+        batch.result(1)
+    # a mix of modes and index dtypes in one batch: each as it would be alone
+    ys = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (5, 300_000, 70_001)]
+    pos = [None, torch.arange(0, 300_000, 7), torch.arange(0, 70_001, 3)]
+    batch = native_topk.SelectionBatch(ys, pos, [2, 400, 200], [2, 20_000, 20_000],
+                                       [torch.int64, torch.int32, torch.int64], 2)
+    for share in range(batch.shares):
+        batch.run(share)
+    want0 = sorted(range(5), key=lambda i: -abs(float(ys[0][i])))[:2]
+    got0 = batch.result(0)
+    assert got0 is not None and got0[0].tolist() == sorted(want0) and got0[0].dtype == torch.int64
+    for j in (1, 2):
+        got = batch.result(j)
+        assert got is not None
+        sample = ys[j][pos[j]].abs()
+        threshold = float(torch.topk(sample, [400, 200][j - 1]).values[-1])
+        want = (ys[j].abs() >= threshold).nonzero().squeeze(1)
+        assert torch.equal(got[0].to(torch.int64), want)
+        assert got[0].dtype == [torch.int32, torch.int64][j - 1]
+        assert torch.equal(got[1], ys[j][want])
+        assert got[2] == pytest.approx(float(np.square(ys[j].double().numpy()).sum()), rel=1e-6)
+
+
 @pytest.mark.parametrize("spec", ["topk:0.01", "topk:0.6"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_encode_many_gives_each_gradient_what_it_gives_alone(threads, spec):

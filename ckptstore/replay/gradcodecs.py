@@ -166,6 +166,12 @@ def _sample_positions(n: int, m: int = TOPK_SAMPLE) -> torch.Tensor:
     return torch.randint(0, n, (m,), generator=gen).sort().values
 
 
+def _sample_rank(m: int, k: int, n: int) -> int:
+    """The rank in a sample of ``m`` of ``n`` entries whose magnitude is the threshold of the
+    ``k`` largest."""
+    return max(1, round(m * k / n))
+
+
 def _sampled_threshold(values: torch.Tensor, k: int,
                        positions: torch.Tensor | None = None) -> torch.Tensor:
     """The magnitude above which about ``k`` of the flat ``values`` lie, from a fixed-seed
@@ -179,7 +185,7 @@ def _sampled_threshold(values: torch.Tensor, k: int,
     n = values.numel()
     if positions is None:
         positions = _sample_positions(n, sample_size(n, k))
-    keep = max(1, round(positions.numel() * k / n))
+    keep = _sample_rank(positions.numel(), k, n)
     native = native_topk.kth_magnitude(values, positions, keep)
     if native is not None:
         return torch.tensor(native, dtype=values.dtype)
@@ -191,7 +197,7 @@ def _largest(mags: torch.Tensor, k: int) -> torch.Tensor:
     """Strictly increasing flat indices of about ``k`` entries of largest magnitude ``mags``: all
     entries at or above a threshold, so every chosen magnitude is >= every dropped one.
 
-    Exactly k (torch.topk, then sorted) for small tensors, and whenever the sampled threshold
+    Exactly k (:func:`_exactly_k`) for small tensors, and whenever the sampled threshold
     misses (fewer than k/2 or more than 2k chosen: ties, e.g. mostly zeros). Else the threshold
     is the matching quantile of a fixed-seed random sample: one pass instead of a selection over
     every entry (27M entries: ~80 ms against ~550 ms on 2 cores). The sample uses its own
@@ -204,8 +210,24 @@ def _largest(mags: torch.Tensor, k: int) -> torch.Tensor:
         chosen = below.logical_not_().nonzero().squeeze(1)
         if k // 2 <= chosen.numel() <= 2 * k:
             return chosen
-    idx = torch.topk(mags, k, sorted=False).indices
-    return torch.sort(idx).values
+    return _exactly_k(mags, k)
+
+
+#: the signed integer type of each float type's width: a magnitude's bits as an order key
+_KEY_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _exactly_k(mags: torch.Tensor, k: int) -> torch.Tensor:
+    """Strictly increasing flat indices of exactly ``k`` (1 <= k <= numel) entries of largest
+    magnitude ``mags`` (non-negative, ``abs()`` of a float tensor): every entry above the k-th
+    largest, then entries equal to it in increasing index order, NaN the largest (as torch.topk
+    orders it). Compared by bits: a magnitude's bits, its sign clear, order as it does, NaN above
+    +inf, so ties are bit-equal entries and the rule is the C kernel's (ckpt_topk_exact)."""
+    keys = mags.view(_KEY_DTYPES[mags.element_size()])
+    kth = torch.topk(keys, k, sorted=True).values[-1]
+    above = (keys > kth).nonzero().squeeze(1)
+    ties = (keys == kth).nonzero().squeeze(1)[:k - above.numel()]
+    return torch.cat([above, ties]).sort().values
 
 
 #: entries per float32 partial sum in :func:`sum_of_squares`
@@ -291,7 +313,7 @@ class TopKCodec(GradCodec):
     def encode_many(self, grads: "list[torch.Tensor | None]", decoded: bool = True
                     ) -> "list[tuple[dict, torch.Tensor | None, EncodeStats | None] | None]":
         """:meth:`encode_measured` of every gradient, in order. The C kernel's selections
-        (contiguous float32 CPU gradients it serves, :meth:`_native_serves`) run whole, each on
+        (contiguous float32 CPU gradients it serves, :meth:`_native_mode`) run whole, each on
         one thread, on a pool of ``torch.get_num_threads()`` threads, largest first. Of the
         rest, gradients whose torch ops may go parallel (more than SERIAL_MAX entries) run on
         the caller's thread before the pool starts (beside the pool they would make more
@@ -309,10 +331,10 @@ class TopKCodec(GradCodec):
         workers = torch.get_num_threads()
 
         def pooled(g: torch.Tensor) -> bool:
-            return g.is_cpu and g.is_contiguous() and self._native_serves(g)
+            return g.is_cpu and g.is_contiguous() and self._native_mode(g) is not None
 
-        jobs = sorted(((i, g.detach().reshape(-1)) for i, g in enumerate(grads)
-                       if g is not None and pooled(g)), key=lambda job: -job[1].numel())
+        jobs = [(i, g.detach().reshape(-1)) for i, g in enumerate(grads)
+                if g is not None and pooled(g)]
         if workers < 2 or len(jobs) < 2:
             return super().encode_many(grads, decoded)
         out: list = [None] * len(grads)
@@ -321,51 +343,76 @@ class TopKCodec(GradCodec):
         for i in rest:
             if grads[i].numel() > SERIAL_MAX:  # type: ignore[union-attr]
                 out[i] = self.encode_measured(grads[i], decoded)  # type: ignore[arg-type]
-        pool = _encode_pool(workers)
         # the sample positions are made here (torch ops) and handed over
-        futures = [(i, pool.submit(self._selected_natively, flat, self._positions(flat.numel()),
-                                   False)) for i, flat in jobs]
+        ks = [max(1, math.ceil(self.fraction * flat.numel())) for _, flat in jobs]
+        positions = [self._positions(flat.numel()) if self._native_mode(flat) == "sampled"
+                     else None for _, flat in jobs]
+        batch = native_topk.SelectionBatch(
+            [flat for _, flat in jobs], positions,
+            [k if p is None else _sample_rank(p.numel(), k, flat.numel())
+             for p, k, (_, flat) in zip(positions, ks, jobs)],
+            [k if p is None else 2 * k for p, k in zip(positions, ks)],
+            [torch.int32 if flat.numel() < 2**31 else torch.int64 for _, flat in jobs], workers)
+        pool = _encode_pool(workers)
+        futures = [pool.submit(batch.run, share) for share in range(batch.shares)]
         try:
             for i in rest:
                 if out[i] is None:
                     out[i] = self.encode_measured(grads[i], decoded)  # type: ignore[arg-type]
         finally:
-            concurrent.futures.wait([f for _, f in futures])  # none left reading a gradient
-        for i, fut in futures:
-            fast = fut.result()
+            concurrent.futures.wait(futures)  # none left reading a gradient
+        for f in futures:
+            f.result()
+        for j, ((i, _), k) in enumerate(zip(jobs, ks)):
             g = grads[i]
             assert g is not None
-            if fast is None:  # the threshold missed: the torch path, here
+            got = batch.result(j)
+            if got is None or not k // 2 <= got[0].numel():  # the threshold missed: torch path
                 out[i] = self.encode_measured(g, decoded)
-            else:
-                dec = self.decode(fast[0], tuple(g.shape), g.dtype) if decoded else None
-                out[i] = (fast[0], dec, fast[1])
+                continue
+            idx, vals, all_sq, dropped_sq, dropped_max = got
+            payload = {"i": idx, "v": vals}
+            dec = self.decode(payload, tuple(g.shape), g.dtype) if decoded else None
+            out[i] = (payload, dec,
+                      EncodeStats(dropped_max, math.sqrt(dropped_sq), math.sqrt(all_sq)))
         return out
 
     def _positions(self, n: int) -> torch.Tensor:
         """The sample positions of a tensor of ``n`` entries (:func:`sample_size` of its k)."""
         return _sample_positions(n, sample_size(n, max(1, math.ceil(self.fraction * n))))
 
-    def _native_serves(self, flat: torch.Tensor) -> bool:
-        """Whether :meth:`_selected_natively` may serve this gradient: a float32 tensor above
-        the exact-topk size keeping less than half its entries, the kernel built."""
+    def _native_mode(self, flat: torch.Tensor) -> str | None:
+        """How :meth:`_selected_natively` serves this flat gradient, the kernel built: "exact"
+        (exactly k, :func:`_exactly_k`'s rule) for a non-empty float32 tensor of at most
+        EXACT_TOPK_MAX entries, "sampled" (:func:`_largest`'s threshold) for a larger one keeping
+        less than half its entries; None otherwise (the torch path)."""
         n = flat.numel()
-        return n > EXACT_TOPK_MAX and max(1, math.ceil(self.fraction * n)) < n // 2 and \
-            flat.dtype == torch.float32 and native_topk.available()
+        if flat.dtype != torch.float32 or n == 0 or not native_topk.available():
+            return None
+        if n <= EXACT_TOPK_MAX:
+            return "exact"
+        return "sampled" if max(1, math.ceil(self.fraction * n)) < n // 2 else None
 
     def _selected_natively(self, flat: torch.Tensor, positions: torch.Tensor | None = None,
                            split: bool = True) -> tuple[dict, EncodeStats] | None:
-        """The payload and error of a large float32 gradient from the C kernel
-        (:mod:`ckptstore.replay.native.topk`): the entries :func:`_largest` keeps for the same
-        sampled threshold (``positions``: the sample's, else looked up), in one pass. None
-        where the torch path must run (no kernel, a small tensor, a threshold that misses).
+        """The payload and error of a float32 gradient from the C kernel
+        (:mod:`ckptstore.replay.native.topk`): the entries :func:`_largest` keeps (for the same
+        sampled threshold: ``positions``, the sample's, else looked up), in one pass. None where
+        the torch path must run (no kernel, not float32, a threshold that misses).
         ``split``: a large gradient's pass may run on two threads (:func:`native_topk.select`)."""
-        if not self._native_serves(flat):
+        mode = self._native_mode(flat)
+        if mode is None:
             return None
         n = flat.numel()
         k = max(1, math.ceil(self.fraction * n))
-        got = native_topk.select(flat.contiguous(), float(_sampled_threshold(flat, k, positions)),
-                                 2 * k, torch.int32 if n < 2**31 else torch.int64, split)
+        index_dtype = torch.int32 if n < 2**31 else torch.int64
+        if mode == "exact":
+            batch = native_topk.SelectionBatch([flat.contiguous()], [None], [k], [k], [index_dtype], 1)
+            batch.run(0)
+            got = batch.result(0)
+        else:
+            got = native_topk.select(flat.contiguous(), float(_sampled_threshold(flat, k, positions)),
+                                     2 * k, index_dtype, split)
         if got is None or not k // 2 <= got[0].numel():
             return None
         idx, vals, all_sq, dropped_sq, dropped_max = got

@@ -18,11 +18,12 @@
 #include <string.h>
 #include <stdint.h>
 
-int ckpt_topk_abi(void) { return 3; }
+int ckpt_topk_abi(void) { return 4; }
 
 /* ckpt_topk_kth_magnitude(x, n, pos, m, keep, keys, out) sets *out to the keep-th largest of
- * |x[pos[0..m)]| and returns 0; it returns -1 (out untouched) unless 1 <= keep <= m, and -2
- * when a position lies outside [0, n) (checked while gathering: nothing is read out of bounds).
+ * |x[pos[0..m)]| (of every entry, |x[0..n)|, when pos is NULL: then m must be n) and returns 0;
+ * it returns -1 (out untouched) unless 1 <= keep <= m, and -2 when a position lies outside
+ * [0, n) (checked while gathering: nothing is read out of bounds).
  * NaN is counted as larger than every number (a NaN's key is its bits): what
  * torch.topk(sample.abs(), keep).values[-1] gives for the codec's sampled threshold
  * (gradcodecs._sampled_threshold). A magnitude's bits (the sign cleared) order as the magnitudes
@@ -31,11 +32,12 @@ int ckpt_topk_abi(void) { return 3; }
  * ties, zeros and NaN cost what any sample costs). ``keys`` is caller scratch of m uint32. */
 int ckpt_topk_kth_magnitude(const float *x, int64_t n, const int64_t *pos, int64_t m,
                             int64_t keep, uint32_t *keys, float *out) {
-    if (keep < 1 || keep > m) return -1;
+    if (keep < 1 || keep > m || (pos == NULL && m != n)) return -1;
     for (int64_t i = 0; i < m; i++) {
-        if ((uint64_t)pos[i] >= (uint64_t)n) return -2;
+        int64_t at = pos == NULL ? i : pos[i];
+        if ((uint64_t)at >= (uint64_t)n) return -2;
         uint32_t b;
-        memcpy(&b, x + pos[i], sizeof b);
+        memcpy(&b, x + at, sizeof b);
         keys[i] = b & 0x7fffffffu;
     }
     static const int shifts[3] = {21, 10, 0};
@@ -184,4 +186,91 @@ int64_t ckpt_topk_select(const float *x, int64_t n, float thr, int64_t base, voi
     stats[1] += dropped_sq;
     stats[2] = (double)m;
     return c;
+}
+
+/* ckpt_topk_exact(x, n, k, idx, idx_bytes, vals, stats, keys) keeps exactly k entries of x[0..n)
+ * (1 <= k <= n, else returns -1): every entry whose magnitude key (its bits, sign cleared: NaN
+ * above +inf) is above the k-th largest key T, then entries whose key equals T in increasing
+ * index order until k are kept (gradcodecs._largest's rule for the exact path). Writes idx, vals
+ * and stats as ckpt_topk_select does (stats start at 0) and returns k. ``keys``: scratch of n. */
+int64_t ckpt_topk_exact(const float *x, int64_t n, int64_t k, void *idx, int idx_bytes,
+                        float *vals, double *stats, uint32_t *keys) {
+    float kth;
+    if (ckpt_topk_kth_magnitude(x, n, NULL, n, k, keys, &kth) != 0) return -1;
+    uint32_t t;
+    memcpy(&t, &kth, sizeof t);
+    int64_t above = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t b;
+        memcpy(&b, x + i, sizeof b);
+        above += (b & 0x7fffffffu) > t;
+    }
+    int64_t ties = k - above, c = 0;       /* equal keys still to keep, front to back */
+    double dropped_sq = 0.0, kept_sq = 0.0;
+    float m = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i];
+        uint32_t b;
+        memcpy(&b, &v, sizeof b);
+        b &= 0x7fffffffu;
+        if (b > t || (b == t && ties > 0)) {
+            if (b == t) ties--;
+            put_index(idx, idx_bytes, c, i);
+            vals[c++] = v;
+            kept_sq += (double)v * (double)v;
+        } else {
+            float a = fabsf(v);            /* NaN only when more NaNs than k: then it sticks, */
+            dropped_sq += (double)a * (double)a;  /* as torch's max and sum propagate it */
+            if (a > m || a != a) m = a;
+        }
+    }
+    stats[0] = dropped_sq + kept_sq;
+    stats[1] = dropped_sq;
+    stats[2] = (double)m;
+    return c;
+}
+
+/* One gradient's whole selection for ckpt_topk_run: the threshold is the keep-th largest sampled
+ * magnitude (ckpt_topk_kth_magnitude over x[pos[0..m)], scratch ``keys``), then the pass
+ * (ckpt_topk_select with base 0); or, when pos is NULL, exactly ``keep`` entries
+ * (ckpt_topk_exact, scratch ``keys`` of n). Outputs: ``status`` (0, or kth_magnitude's -1 / -2:
+ * then nothing else is meaningful), ``threshold`` (sampled only), ``kept`` and ``stats`` as the
+ * selection leaves them (stats start at 0). The layout is mirrored by ctypes in
+ * ckptstore/replay/native/topk.py. */
+typedef struct {
+    const float *x;
+    int64_t n;
+    const int64_t *pos;                     /* NULL: exactly ``keep`` entries (ckpt_topk_exact) */
+    int64_t m;
+    int64_t keep;
+    void *idx;
+    float *vals;
+    int64_t cap;
+    uint32_t *keys;
+    int32_t idx_bytes;
+    int32_t status;
+    int64_t kept;
+    double stats[3];
+    float threshold;
+} ckpt_topk_job;
+
+/* Runs jobs[0..count) in order on the calling thread (one call per worker thread: a batch of
+ * gradients costs one crossing into C instead of two per gradient). */
+void ckpt_topk_run(ckpt_topk_job *jobs, int64_t count) {
+    for (int64_t j = 0; j < count; j++) {
+        ckpt_topk_job *job = jobs + j;
+        job->stats[0] = job->stats[1] = job->stats[2] = 0.0;
+        job->kept = 0;
+        if (job->pos == NULL) {
+            job->kept = ckpt_topk_exact(job->x, job->n, job->keep, job->idx, job->idx_bytes,
+                                        job->vals, job->stats, job->keys);
+            job->status = job->kept < 0 ? -1 : 0;
+            continue;
+        }
+        job->status = ckpt_topk_kth_magnitude(job->x, job->n, job->pos, job->m, job->keep,
+                                              job->keys, &job->threshold);
+        if (job->status != 0) continue;
+        job->kept = ckpt_topk_select(job->x, job->n, job->threshold, 0, job->idx, job->idx_bytes,
+                                     job->vals, job->cap, job->stats);
+    }
 }
