@@ -14,6 +14,7 @@ from .errors import (BisectError, BisectPredicateError, CheckpointAbortedError, 
                      StoreNotFoundError, UnsupportedTypeError, UnsupportedVersionError,
                      CheckpointPolicyError, CommitOutcomeUnknownError, GlobalCommitAbortedError,
                      RankFailureError, RankMismatchError, RetentionError, StaleWriterError,
+                     StoreFeaturesError,
                      TargetMismatchError, DCPError, ExportError, ImportSkippedWarning,
                      ImportSourceError)
 from .errors import (RemoteConflictError, RemoteError, RemoteIntegrityError,
@@ -59,7 +60,13 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  #
     append on a file system that refuses O_DIRECT go through ordinary writes; the bytes and their
     durability points are the same either way), ``retention`` and ``retention_every`` (writers:
     a retention policy applied by an automatic gc after every ``retention_every``-th base
-    snapshot this writer commits; see :meth:`Store.set_retention`).
+    snapshot this writer commits; see :meth:`Store.set_retention`), ``features`` (writers,
+    default "current": a store created now gets every format feature this release writes,
+    today FRAMING_CHECKS, format-spec/format.md §4; "compatible": a store created now gets none,
+    so ckptstore releases from before those features can read it, e.g. followers or remote
+    readers not yet upgraded, and opening a store that has features raises
+    StoreFeaturesError; an existing store keeps the features it was created with either way;
+    a multi-rank store applies it to the streams its ranks create).
 
     Remote tier (single-writer stores; format-spec/remote.md): ``remote="s3://bucket/run"`` and
     ``remote_options={...}`` (writers: endpoint and credentials, ``bandwidth``, ``head_interval``,
@@ -97,7 +104,7 @@ __all__ = [
     "StoreClosedError", "NotFoundError", "IterationOrderError", "UnsupportedTypeError",
     "StoreIOError", "DiskFullError", "DamagedCheckpointError", "IndexUnusable", "DeltaChainError",
     "ReplayDivergenceError", "CheckpointAbortedError", "DamagedIndexWarning",
-    "StaleWriterError", "RankMismatchError", "RankFailureError", "CommitOutcomeUnknownError",
+    "StaleWriterError", "StoreFeaturesError", "RankMismatchError", "RankFailureError", "CommitOutcomeUnknownError",
     "GlobalCommitAbortedError", "CheckpointPolicyError", "TargetMismatchError",
     "BisectError", "BisectPredicateError", "BisectResult", "RetentionError", "DCPError",
     "ImportSourceError", "ExportError", "ImportSkippedWarning",

@@ -25,10 +25,10 @@ def _when(ns: int) -> str:
     return datetime.datetime.fromtimestamp(ns / 1e9).isoformat(timespec="seconds")
 
 
-def _open(path: str, mode: str = "r"):
+def _open(path: str, mode: str = "r", **options: Any):
     from . import open as open_store
 
-    return open_store(path, mode)
+    return open_store(path, mode, **options)
 
 
 def _ls_job(store: Any, path: str) -> int:
@@ -285,7 +285,7 @@ def cmd_import(args: argparse.Namespace) -> int:
                          human_bytes(r.stats.logical_bytes), human_bytes(r.stats.written_bytes),
                          human_bytes(r.stats.dedup_bytes)])
 
-        with _open(args.path, "a") as store:
+        with _open(args.path, "a", features=args.features) as store:
             rep = import_dir(store, args.from_dir, meta=meta, on_import=imported)
         print(table(rows, ["iteration", "kind", "source", "size", "written", "dedup"]))
         for name, why in rep.skipped:
@@ -304,7 +304,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         except argparse.ArgumentTypeError as e:
             return _import_usage(f"ITER {e}")
     loaded = load_source(args.source[-1], args.kind)  # read and checked before the store opens
-    with _open(args.path, "a") as store:
+    with _open(args.path, "a", features=args.features) as store:
         with progress("import", None) as tick:
             r = import_checkpoint(store, iteration, loaded, meta=meta, progress=tick)
     print(f"imported {printable(r.source)} ({r.kind}) as iteration {r.iteration}: "
@@ -738,6 +738,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--from-dir", metavar="DIR", help="import every checkpoint in DIR "
                    "(checkpoint-N and DCP directories, torch and safetensors files with a number "
                    "in the name) in increasing iteration order")
+    s.add_argument("--features", choices=("current", "compatible"), default="current",
+                   help="a STORE created by this import: with every format feature this release "
+                   "writes (current, the default), or with none, so that older ckptstore releases "
+                   "read it too (compatible; refused for a store that has features)")
     s.set_defaults(func=cmd_import)
 
     s = sub.add_parser("fsck", help="verify every record and checkpoint; --repair recovers")

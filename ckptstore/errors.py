@@ -181,6 +181,12 @@ class DamagedIndexWarning(UserWarning):
     store."""
 
 
+class StoreFeaturesError(CkptStoreError, ValueError):
+    """The store was asked for without features it has (``features="compatible"`` on a store
+    created with format features, format-spec/format.md §4): features are chosen when a store
+    is created and never removed, and releases that do not know them refuse to read it."""
+
+
 class StaleWriterError(CkptStoreError):
     """This writer belongs to an older job: a newer job claimed a higher writer epoch of the
     multi-rank store (format-spec/format.md §22, "Epochs and fencing"). Nothing this writer

@@ -99,7 +99,7 @@ class Store:
                  commit_round: Callable[[Callable[[], Any]], Any] | None = None,
                  retention: Policy | None = None, retention_every: int = 1,
                  remote: str | None = None, remote_options: dict | None = None,
-                 _engine: ReaderEngine | None = None) -> None:
+                 features: str = "current", _engine: ReaderEngine | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         _check_every(retention_every)  # (retention itself: below, before anything is opened)
@@ -113,7 +113,7 @@ class Store:
             self._writer = WriterEngine(self.path, chunk_size=chunk_size,
                                         segment_size=segment_size, file_ops=file_ops,
                                         load_threads=load_threads, evict_written=evict_written,
-                                        direct_io=direct_io)
+                                        direct_io=direct_io, features=features)
             self.engine = self._writer
         else:
             # _engine: a reader ckptstore.open("s3://...", "r") built (ckptstore/remote/reader.py)

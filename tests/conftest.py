@@ -108,15 +108,13 @@ class FullDisk(FileOps):
 def create_store_without_features(path, chunk_size: int = 4 << 20,
                                   segment_size: int = 1 << 30) -> None:
     """Create at ``path`` a store with STORE flags 0, as releases before FRAMING_CHECKS made
-    them (format-spec/format.md §4): writers opening it frame every record with a full payload
-    check, and stay readable by those releases."""
-    import os
+    them (format-spec/format.md §4), through the user-facing ``features="compatible"``: writers
+    opening it frame every record with a full payload check, and stay readable by those
+    releases."""
+    import ckptstore
 
-    from ckptstore.storage.layout import Layout
-    from ckptstore.storage.store_file import create_store
-
-    os.makedirs(path, exist_ok=True)
-    create_store(Layout(str(path)), FileOps(), chunk_size, segment_size, flags=0)
+    ckptstore.open(path, features="compatible", chunk_size=chunk_size,
+                   segment_size=segment_size).close()
 
 
 def chunk_records(path) -> list[tuple[str, int, Any, bytes, bytes]]:

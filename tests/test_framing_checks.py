@@ -211,6 +211,61 @@ def test_a_featureless_store_stays_featureless_across_reopens(tmp_path: Path) ->
         _same(_states(10), r.load(10), "iteration 10")
 
 
+def _flags(path: Path) -> int:
+    with open(Layout(str(path)).store_file, "rb") as f:
+        return decode_store_header(f.read()).flags
+
+
+def test_features_compatible_creates_a_store_older_releases_read(tmp_path: Path) -> None:
+    """``features="compatible"`` (the user-facing switch for older readers) creates a store with
+    STORE flags 0 whose records keep full payload checks; it opens again with either setting and
+    stays so. ``ckptstore import --features compatible`` does the same."""
+    path = tmp_path / "s"
+    with ckptstore.open(path, features="compatible", chunk_size=CHUNK) as s:
+        s.save(0, _states(0))
+    assert _flags(path) == 0
+    with ckptstore.open(path, features="compatible") as s:
+        s.save(1, _states(1))
+    with ckptstore.open(path) as s:  # the default never adds a feature to an existing store
+        s.save(2, _states(2))
+    assert _flags(path) == 0
+    assert {h.flags for _, _, h, _, _ in chunk_records(path)} == {0}
+    assert check(str(path)).clean
+    with ckptstore.open(path, mode="r") as r:
+        _same(_states(2), r.load(2), "iteration 2")
+
+    from ckptstore.cli import main
+
+    src = tmp_path / "w.safetensors"
+    from safetensors.torch import save_file
+    save_file({"w": torch.arange(100.0)}, str(src))
+    for features, want in (("compatible", 0), ("current", FEATURE_FRAMING_CHECKS)):
+        dst = tmp_path / f"imported-{features}"
+        assert main(["import", str(dst), "7", str(src), "--features", features]) == 0
+        assert _flags(dst) == want
+
+
+def test_features_compatible_refuses_a_store_with_features(tmp_path: Path) -> None:
+    """Asking for a compatible store where one with features exists raises StoreFeaturesError
+    naming the file and the feature, changes nothing, and leaves the store openable (the writer
+    lock is released). A bad value is a ValueError and creates nothing."""
+    path = tmp_path / "s"
+    with ckptstore.open(path) as s:
+        s.save(0, _states(0))
+    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file() and
+              "index" not in p.parts}
+    with pytest.raises(ckptstore.StoreFeaturesError, match="FRAMING_CHECKS") as ei:
+        ckptstore.open(path, features="compatible")
+    assert isinstance(ei.value, ValueError) and "STORE" in str(ei.value)
+    assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file() and
+            "index" not in p.parts} == before
+    with ckptstore.open(path) as s:  # not left locked
+        s.save(1, _states(1))
+    with pytest.raises(ValueError, match="features must be"):
+        ckptstore.open(tmp_path / "new", features="old")
+    assert not (tmp_path / "new" / "STORE").exists()
+
+
 def test_fsck_reports_a_framed_record_in_a_store_without_the_feature(tmp_path: Path) -> None:
     """A FRAMING_CHECK record that no writer of its store may write (the store lacks the
     feature; an older reader would take it for damage): fsck reports it, at its file and offset,

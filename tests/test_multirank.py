@@ -101,10 +101,11 @@ def fail_on_one_rank(rank, world, path, how):
                 "exact": same(rank_state(2, rank), s.load(2))}
 
 
-def deltas_and_flush(rank, world, path):
+def deltas_and_flush(rank, world, path, features="current"):
     """Snapshot, then deltas appended without committing and committed by one flush; the records
     load back per rank (load_record: a delta is stored as written)."""
-    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0) as s:
+    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0,
+                        features=features) as s:
         s.save(0, rank_state(0, rank))
         for it in (1, 2, 3):
             s.save_delta(it, {"g": torch.full((5,), float(it + 10 * rank))}, durable=False)
@@ -201,12 +202,22 @@ def test_a_failure_on_one_rank_aborts_the_iteration_on_every_rank(tmp_path, how)
             stream.close()
 
 
-def test_deltas_are_committed_globally_by_one_flush(tmp_path):
+@pytest.mark.parametrize("features", ["current", "compatible"])
+def test_deltas_are_committed_globally_by_one_flush(tmp_path, features):
+    """(And ``features`` reaches the streams the ranks create: "compatible" streams have STORE
+    flags 0, readable by releases before FRAMING_CHECKS.)"""
+    from ckptstore.format.header import NEW_STORE_FEATURES
+    from ckptstore.storage.layout import Layout
+    from ckptstore.storage.store_file import read_store_header
+
     path = str(tmp_path / "job")
-    res = ok(run_ranks(2, MOD, "deltas_and_flush", path, str(tmp_path / "w")))
+    res = ok(run_ranks(2, MOD, "deltas_and_flush", path, str(tmp_path / "w"), features=features))
     assert [r["durable"] for r in res] == [3, 3]
     assert all(r["iterations"] == [0, 1, 2, 3] and r["kind"] == "delta" for r in res)
     assert [r["g"] for r in res] == [[2.0] * 5, [12.0] * 5]
+    for r in range(2):
+        flags = read_store_header(Layout(JobLayout(path).stream_dir(1, r))).flags
+        assert flags == (0 if features == "compatible" else NEW_STORE_FEATURES)
 
 
 def test_a_writer_of_an_older_epoch_is_fenced(tmp_path):

@@ -25,9 +25,11 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from ..errors import (CheckpointAbortedError, CkptStoreError, DamagedCheckpointError,
-                      DeltaChainError, FormatError, IndexUnusable, IterationOrderError)
+                      DeltaChainError, FormatError, IndexUnusable, IterationOrderError,
+                      StoreFeaturesError)
 from ..format.chunk import MAX_CHUNK_SIZE
 from ..format.commit import decode_commit
+from ..format.header import NEW_STORE_FEATURES, feature_names
 from ..storage.fileops import FileOps
 from ..storage.index import CommitEntry, Index, IndexBatch, Position
 from ..storage.lmdb_index import LmdbIndex
@@ -47,8 +49,15 @@ class WriterEngine(Engine):
 
     def __init__(self, path: str, *, chunk_size: int | None = None, segment_size: int | None = None,
                  file_ops: FileOps | None = None, load_threads: int = 2,
-                 evict_written: bool = True, direct_io: bool | str = "deltas") -> None:
+                 evict_written: bool = True, direct_io: bool | str = "deltas",
+                 features: str = "current") -> None:
         super().__init__(path, file_ops=file_ops, load_threads=load_threads)
+        #: "current": a store created here gets every format feature this release writes;
+        #: "compatible": none (releases before them read it), and opening a store that has some
+        #: raises StoreFeaturesError. An existing store keeps its features either way.
+        if features not in ("current", "compatible"):
+            raise ValueError(f'features must be "current" or "compatible", not {features!r}')
+        self.features = features
         #: append through O_DIRECT where the file system takes it (storage/direct.py): True for
         #: every record, "deltas" for delta checkpoints only (snapshots buffered), False never
         if direct_io not in (True, False, "deltas"):
@@ -94,8 +103,16 @@ class WriterEngine(Engine):
         self.lock.acquire()
         if not os.path.exists(self.layout.store_file):
             create_store(self.layout, self.file_ops, chunk_size or DEFAULT_CHUNK_SIZE,
-                         segment_size or DEFAULT_SEGMENT_SIZE)
+                         segment_size or DEFAULT_SEGMENT_SIZE,
+                         flags=0 if self.features == "compatible" else NEW_STORE_FEATURES)
         self.header = read_store_header(self.layout)
+        if self.features == "compatible" and self.header.flags:
+            raise StoreFeaturesError(
+                f"{self.layout.store_file}: this store was created with format features "
+                f"{', '.join(feature_names(self.header.flags))} (format-spec/format.md §4), which "
+                "ckptstore releases without them cannot read; features are chosen when a store is "
+                "created and never removed: copy the checkpoints into a store created with "
+                'features="compatible" instead')
         self.chunk_size = chunk_size or self.header.chunk_size
         self.segment_size = segment_size or self.header.segment_size
         if not 0 < self.chunk_size <= MAX_CHUNK_SIZE:

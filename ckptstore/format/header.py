@@ -43,6 +43,15 @@ FEATURE_FRAMING_CHECKS = 0x1
 KNOWN_FEATURES = FEATURE_FRAMING_CHECKS
 #: The flags of a store created now.
 NEW_STORE_FEATURES = FEATURE_FRAMING_CHECKS
+#: Each feature's name, as errors and ``ckptstore`` options say it.
+FEATURE_NAMES = {FEATURE_FRAMING_CHECKS: "FRAMING_CHECKS"}
+
+
+def feature_names(flags: int) -> list[str]:
+    """The names of the features set in ``flags`` (unknown bits as hex)."""
+    names = [name for bit, name in FEATURE_NAMES.items() if flags & bit]
+    rest = flags & ~sum(FEATURE_NAMES)
+    return names + ([f"{rest:#x}"] if rest else [])
 
 _STORE = struct.Struct("<8sII16sQQQ")
 _SEGMENT = struct.Struct("<II Q 16s Q Q".replace(" ", ""))

@@ -60,7 +60,8 @@ class JobStore:
                  segment_size: int | None = None, file_ops: FileOps | None = None,
                  load_threads: int = 2, evict_written: bool = True,
                  direct_io: bool | str = "deltas",
-                 host_budget: int | None = None, max_inflight: int | None = None) -> None:
+                 host_budget: int | None = None, max_inflight: int | None = None,
+                 features: str = "current") -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         self.path = os.fspath(path)
@@ -85,7 +86,7 @@ class JobStore:
             if process_group is None:
                 raise ValueError("writing a multi-rank store needs process_group=...")
             self._open_writer(process_group, commit_timeout, chunk_size, segment_size,
-                              evict_written, direct_io, host_budget, max_inflight)
+                              evict_written, direct_io, host_budget, max_inflight, features)
         else:
             if not os.path.exists(self.layout.store_file):
                 raise StoreNotFoundError(f"no store at {self.path}")
@@ -98,7 +99,8 @@ class JobStore:
     # ---- opening ------------------------------------------------------------------------------
     def _open_writer(self, process_group: Any, timeout: float, chunk_size: int | None,
                      segment_size: int | None, evict_written: bool, direct_io: bool | str,
-                     host_budget: int | None, max_inflight: int | None) -> None:
+                     host_budget: int | None, max_inflight: int | None,
+                     features: str) -> None:
         group = self._group = RankGroup(process_group, timeout)
         self.rank = group.rank
         try:
@@ -130,7 +132,7 @@ class JobStore:
                                   segment_size=segment_size or self.header.segment_size,
                                   file_ops=self._ops, load_threads=self._load_threads,
                                   evict_written=evict_written, direct_io=direct_io,
-                                  host_budget=host_budget,
+                                  host_budget=host_budget, features=features,
                                   max_inflight=max_inflight, commit_round=committer.around)
             except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
                 error = f"rank {group.rank}: {type(e).__name__}: {e}".encode()
