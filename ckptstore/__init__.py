@@ -66,7 +66,8 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  #
     so ckptstore releases from before those features can read it, e.g. followers or remote
     readers not yet upgraded, and opening a store that has features raises
     StoreFeaturesError; an existing store keeps the features it was created with either way;
-    a multi-rank store applies it to the streams its ranks create).
+    a multi-rank store's ranks create new streams at every open, with the features of its first
+    streams, or ``features`` for a new store).
 
     Remote tier (single-writer stores; format-spec/remote.md): ``remote="s3://bucket/run"`` and
     ``remote_options={...}`` (writers: endpoint and credentials, ``bandwidth``, ``head_interval``,

@@ -102,6 +102,8 @@ class Store:
                  features: str = "current", _engine: ReaderEngine | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
+        if features not in ("current", "compatible"):
+            raise ValueError(f'features must be "current" or "compatible", not {features!r}')
         _check_every(retention_every)  # (retention itself: below, before anything is opened)
         if retention is not None:
             _check_retention(retention, os.fspath(path), mode, commit_round)

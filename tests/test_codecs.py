@@ -6,8 +6,9 @@ error or an lz4 error) and must never allocate according to a length field it ha
 
 from __future__ import annotations
 
-import math
 import base64
+import math
+import os
 import json
 import random
 import struct
@@ -904,7 +905,8 @@ def test_topk_keeps_nan_entries_like_torch_topk():
     assert 12345 in set(idx.tolist())
 
 
-@pytest.mark.parametrize("case", ["randn", "nan", "inf", "mostly-zero", "huge", "tiny", "strided"])
+@pytest.mark.parametrize("case", ["randn", "nan", "inf", "mostly-zero", "huge", "tiny", "vanishing",
+                                  "strided"])
 def test_topk_native_selection_keeps_what_the_torch_path_keeps(case):
     """The C kernel (ckptstore/replay/native/topk_select.c) keeps exactly the entries of the
     torch path for the same sampled threshold, with the same values, and measures the same
@@ -927,6 +929,8 @@ def test_topk_native_selection_keeps_what_the_torch_path_keeps(case):
         g *= 1e21
     elif case == "tiny":
         g *= 1e-22
+    elif case == "vanishing":  # every float32 square is 0: a run summed as 0 is summed again
+        g *= 1e-24
     elif case == "strided":
         g = g[:3_000_000].reshape(1000, 3000).t()
     native = parse_codec("topk:0.01")
@@ -1005,6 +1009,44 @@ def test_topk_exact_path_native_and_torch_keep_the_same_entries(case, fraction):
     assert tied_kept.numel() == 0 or tied_dropped.numel() == 0 or tied_kept.max() < tied_dropped.min()
 
 
+def test_topk_without_the_kernel_takes_the_torch_path():
+    """With CKPTSTORE_NATIVE=0 (as with no C compiler) every topk encode runs the torch path, in
+    a fresh process (the kernel is loaded once per process): found in review, the loader raised
+    UnboundLocalError there and every float32 encode failed."""
+    import subprocess
+    import sys
+
+    code = """
+import math, torch
+from ckptstore.replay.gradcodecs import parse_codec
+from ckptstore.replay.native import topk
+assert not topk.available()
+c = parse_codec("topk:0.01")
+grads = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (1000, 300001, 70001)]
+for (p, _, st), g in zip(c.encode_many(grads, False), grads):
+    assert p["i"].numel() >= math.ceil(0.01 * g.numel()) // 2 and st.l2_grad > 0
+assert parse_codec("topk:0.5").encode(torch.randn(1000))["i"].numel() == 500
+print("ok")
+"""
+    env = dict(os.environ, CKPTSTORE_NATIVE="0")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_topk_keeps_non_cpu_gradients_off_the_kernel():
+    """The kernel reads host memory: a gradient on another device (here "meta") is never
+    handed to it (found in review: small ones reached SelectionBatch and raised)."""
+    import torch
+
+    from ckptstore.replay.gradcodecs import parse_codec
+
+    codec = parse_codec("topk:0.01")
+    for n in (1000, 300_001):
+        assert codec._native_mode(torch.empty(n, device="meta")) is None
+        assert codec._selected_natively(torch.empty(n, device="meta")) is None
+
+
 def test_selection_batch_refuses_what_it_cannot_serve():
     import numpy as np
     import torch
@@ -1066,8 +1108,11 @@ def test_encode_many_gives_each_gradient_what_it_gives_alone(threads, spec):
     grads = [None if n is None else torch.randn(n, generator=gen) for n in sizes]
     grads[1][[4, 9]] = float("nan")
     grads[5] = grads[5].reshape(1024, 1024).t()  # strided
-    grads[9][:199_000] = 0  # mostly zero: the sampled threshold misses, the torch path runs
+    grads[9][:199_500] = 0  # mostly zero: the sampled threshold misses, the torch path runs
     codec = parse_codec(spec)
+    if native_topk.available() and spec == "topk:0.01":
+        assert codec._selected_natively(grads[9]) is None  # (the kernel gives it back)
+        assert codec._selected_natively(grads[8]) is not None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # (the torch path's float32 sums follow the thread count)
     try:

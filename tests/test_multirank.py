@@ -101,11 +101,10 @@ def fail_on_one_rank(rank, world, path, how):
                 "exact": same(rank_state(2, rank), s.load(2))}
 
 
-def deltas_and_flush(rank, world, path, features="current"):
+def deltas_and_flush(rank, world, path):
     """Snapshot, then deltas appended without committing and committed by one flush; the records
     load back per rank (load_record: a delta is stored as written)."""
-    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0,
-                        features=features) as s:
+    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0) as s:
         s.save(0, rank_state(0, rank))
         for it in (1, 2, 3):
             s.save_delta(it, {"g": torch.full((5,), float(it + 10 * rank))}, durable=False)
@@ -114,6 +113,22 @@ def deltas_and_flush(rank, world, path, features="current"):
         rec = s.load_record(2)
         return {"durable": durable, "iterations": s.iterations(), "kind": s.kind(3),
                 "g": rec["g"].tolist()}
+
+
+def save_with_features(rank, world, path, iteration, features):
+    """Open with ``features``, save ``iteration``; the STORE flags of this rank's new stream, or
+    the error's type and message."""
+    from ckptstore.storage.layout import Layout
+    from ckptstore.storage.store_file import read_store_header
+
+    try:
+        s = ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0, features=features)
+    except ckptstore.CkptStoreError as e:
+        return {"error_type": type(e).__name__, "message": str(e)}
+    with s:
+        s.save(iteration, rank_state(iteration, rank))
+        own = JobLayout(path).stream_dir(s.epoch, rank)
+        return {"flags": read_store_header(Layout(own)).flags, "iterations": s.iterations()}
 
 
 def zombie(rank, world, path, ready, go):
@@ -202,22 +217,38 @@ def test_a_failure_on_one_rank_aborts_the_iteration_on_every_rank(tmp_path, how)
             stream.close()
 
 
-@pytest.mark.parametrize("features", ["current", "compatible"])
-def test_deltas_are_committed_globally_by_one_flush(tmp_path, features):
-    """(And ``features`` reaches the streams the ranks create: "compatible" streams have STORE
-    flags 0, readable by releases before FRAMING_CHECKS.)"""
-    from ckptstore.format.header import NEW_STORE_FEATURES
-    from ckptstore.storage.layout import Layout
-    from ckptstore.storage.store_file import read_store_header
-
+def test_deltas_are_committed_globally_by_one_flush(tmp_path):
     path = str(tmp_path / "job")
-    res = ok(run_ranks(2, MOD, "deltas_and_flush", path, str(tmp_path / "w"), features=features))
+    res = ok(run_ranks(2, MOD, "deltas_and_flush", path, str(tmp_path / "w")))
     assert [r["durable"] for r in res] == [3, 3]
     assert all(r["iterations"] == [0, 1, 2, 3] and r["kind"] == "delta" for r in res)
     assert [r["g"] for r in res] == [[2.0] * 5, [12.0] * 5]
-    for r in range(2):
-        flags = read_store_header(Layout(JobLayout(path).stream_dir(1, r))).flags
-        assert flags == (0 if features == "compatible" else NEW_STORE_FEATURES)
+
+
+def test_a_job_store_keeps_the_features_its_first_streams_were_created_with(tmp_path):
+    """Every job that reopens a multi-rank store creates new streams (one per rank per epoch):
+    they get the features of the job's first streams whatever the reopening job asks, so a store
+    begun "compatible" stays readable by older releases; asking "compatible" of a store begun
+    with features raises StoreFeaturesError on every rank, and a bad value is refused before
+    anything is created."""
+    from ckptstore.format.header import NEW_STORE_FEATURES
+
+    compat, current = str(tmp_path / "compat"), str(tmp_path / "current")
+    # (one rank where the check is each rank's own: a job of 2 ranks per store, then of 1)
+    for path, world, features, it, flags in ((compat, 2, "compatible", 0, 0),
+                                             (compat, 1, "current", 1, 0),
+                                             (current, 1, "current", 0, NEW_STORE_FEATURES)):
+        res = ok(run_ranks(world, MOD, "save_with_features", path, str(tmp_path / "w"),
+                           iteration=it, features=features))
+        assert [r["flags"] for r in res] == [flags] * world
+        assert res[0]["iterations"] == list(range(it + 1))
+    res = run_ranks(2, MOD, "save_with_features", current, str(tmp_path / "w"), iteration=1,
+                    features="compatible")
+    assert [r["ok"]["error_type"] for r in res] == ["StoreFeaturesError"] * 2, res
+    assert all("FRAMING_CHECKS" in r["ok"]["message"] for r in res)
+    with pytest.raises(ValueError, match="features must be"):
+        ckptstore.JobStore(str(tmp_path / "none"), "r", features="old")
+    assert not os.path.exists(tmp_path / "none")
 
 
 def test_a_writer_of_an_older_epoch_is_fenced(tmp_path):

@@ -30,17 +30,21 @@ import time
 from typing import Any, Callable, Sequence, TypeVar
 
 from ..errors import (CkptStoreError, DamagedCheckpointError, FormatError, NotFoundError,
-                      RankMismatchError, ReadOnlyStoreError, StoreClosedError, StoreNotFoundError)
+                      RankMismatchError, ReadOnlyStoreError, StoreClosedError, StoreFeaturesError,
+                      StoreNotFoundError)
 from ..engine.engine import DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE
 from ..engine.writer_engine import WriterEngine
 from ..format.delta import REPLAY_KEY
+from ..format.header import feature_names
 from ..format.job import Epoch, GlobalCommit
 from ..inplace import copy_into
 from ..replay.partition import merge_parts, partition_of
 from ..replay.shards import assemble_parts, shards_of
 from ..storage.fileops import FileOps
+from ..storage.layout import Layout
 from ..storage.job_log import (EpochLog, JobLayout, JobView, create_job_store, quarantine_tail,
                                read_job_header, read_job_view, tail_is_suspicious)
+from ..storage.store_file import read_store_header
 from ..store import CheckpointInfo, SaveStats, Store, select_keys
 from .committer import GlobalCommitter
 from .group import RankGroup
@@ -64,6 +68,8 @@ class JobStore:
                  features: str = "current") -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
+        if features not in ("current", "compatible"):
+            raise ValueError(f'features must be "current" or "compatible", not {features!r}')
         self.path = os.fspath(path)
         self.mode = mode
         self.layout = JobLayout(self.path)
@@ -125,8 +131,10 @@ class JobStore:
             committer.on_commit = self._learn
             self._committer = committer
             error = b""
+            own_error: BaseException | None = None
             try:
                 self.header = read_job_header(self.layout)
+                features = self._stream_features(epoch, features)
                 self._own = Store(self.layout.stream_dir(epoch, group.rank), "a",
                                   chunk_size=chunk_size or self.header.chunk_size,
                                   segment_size=segment_size or self.header.segment_size,
@@ -136,11 +144,14 @@ class JobStore:
                                   max_inflight=max_inflight, commit_round=committer.around)
             except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
                 error = f"rank {group.rank}: {type(e).__name__}: {e}".encode()
+                own_error = e
             ids = group.all_gather(error or self.header.store_id, "the streams' open")
             failed = [m.decode(errors="replace") for m in ids if len(m) != 16]
             if failed:
-                raise CkptStoreError(f"{self.path}: a rank could not open its stream: "
-                                     + "; ".join(failed))
+                message = f"{self.path}: a rank could not open its stream: " + "; ".join(failed)
+                if isinstance(own_error, StoreFeaturesError):
+                    raise StoreFeaturesError(message) from own_error
+                raise CkptStoreError(message)
             if any(m != ids[0] for m in ids):
                 raise RankMismatchError(f"{self.path}: the ranks see different stores (store ids "
                                         f"{[m.hex() for m in ids]}): is the directory shared?")
@@ -151,6 +162,33 @@ class JobStore:
         except BaseException:
             self._release()
             raise
+
+    def _stream_features(self, epoch: int, requested: str) -> str:
+        """The ``features`` of the stream this rank creates for ``epoch``: those of the job's
+        oldest earlier stream that has a readable STORE file (a store keeps the features it was
+        created with: a job that began compatible stays readable by older releases), else
+        ``requested``. StoreFeaturesError when ``requested`` is "compatible" and the earlier
+        streams have features."""
+        try:
+            names = sorted(os.listdir(self.layout.streams_dir))
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            head, _, _ = name.partition("-")
+            if not head.isdigit() or not 0 < int(head) < epoch:
+                continue
+            try:
+                flags = read_store_header(Layout(os.path.join(self.layout.streams_dir, name))).flags
+            except (CkptStoreError, OSError):
+                continue  # a stream whose open failed, or damaged: the next one says
+            if flags and requested == "compatible":
+                raise StoreFeaturesError(
+                    f"{self.path}: its streams were created with format features "
+                    f"{', '.join(feature_names(flags))} (stream {name}; format-spec/format.md §4), "
+                    "which ckptstore releases without them cannot read; features are chosen when "
+                    "a store is created and never removed")
+            return "current" if flags else "compatible"
+        return requested
 
     def _claim(self, world_size: int, chunk_size: int | None, segment_size: int | None
                ) -> tuple[int, int | None]:

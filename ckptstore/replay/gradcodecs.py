@@ -383,11 +383,12 @@ class TopKCodec(GradCodec):
 
     def _native_mode(self, flat: torch.Tensor) -> str | None:
         """How :meth:`_selected_natively` serves this flat gradient, the kernel built: "exact"
-        (exactly k, :func:`_exactly_k`'s rule) for a non-empty float32 tensor of at most
+        (exactly k, :func:`_exactly_k`'s rule) for a non-empty float32 CPU tensor of at most
         EXACT_TOPK_MAX entries, "sampled" (:func:`_largest`'s threshold) for a larger one keeping
         less than half its entries; None otherwise (the torch path)."""
         n = flat.numel()
-        if flat.dtype != torch.float32 or n == 0 or not native_topk.available():
+        if flat.dtype != torch.float32 or flat.device.type != "cpu" or n == 0 or \
+                not native_topk.available():
             return None
         if n <= EXACT_TOPK_MAX:
             return "exact"

@@ -37,7 +37,7 @@ def _kernel() -> Any:
     with _lock:
         if not _fn:
             lib = build.load("topk_select")
-            fn = kth = None
+            fn = kth = run = None
             if lib is not None and lib.ckpt_topk_abi() == 4:
                 fn = lib.ckpt_topk_select
                 fn.restype = ctypes.c_int64

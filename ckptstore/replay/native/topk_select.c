@@ -71,7 +71,8 @@ int ckpt_topk_kth_magnitude(const float *x, int64_t n, const int64_t *pos, int64
  * FLUSH entries so that no float lane sums more than FLUSH/32 squares, and their largest
  * magnitude. A block holding a kept entry gets a 32-bit mask of its kept lanes, and only those
  * entries are emitted (in increasing order: lowest set bit first). A run whose float sum falls
- * outside [1e-30, 1e30] is summed again in double, as gradcodecs.sum_of_squares does. "dropped"
+ * outside [1e-30, 1e30] (or 0 while a dropped entry is not) is summed again in double, as
+ * gradcodecs.sum_of_squares does. "dropped"
  * is |x| < t with t = thr when thr > 0, else the smallest positive float: for magnitudes (and
  * NaN, for which every comparison is false) that is exactly the rule above. A dropped entry's
  * masked magnitude is a non-negative float, never NaN, so its bits order as its value does and
@@ -114,6 +115,7 @@ int64_t ckpt_topk_select(const float *x, int64_t n, float thr, int64_t base, voi
     int64_t i = 0;
     while (i + 32 <= n) {
         vf8 acc[4] = {{0}, {0}, {0}, {0}};
+        vi8 seen = {0};                     /* nonzero where a dropped entry was nonzero */
         int64_t start = i;
         int64_t stop = i + FLUSH <= n ? i + FLUSH : n - (n - i) % 32;
         for (; i < stop; i += 32) {
@@ -125,6 +127,7 @@ int64_t ckpt_topk_select(const float *x, int64_t n, float thr, int64_t base, voi
                 vi8 drop = (vf8)a < tv;             /* -1 where dropped */
                 vi8 d = a & drop;
                 acc[q] += (vf8)d * (vf8)d;
+                seen |= d;
                 vi8 more = d > maxv[q];
                 maxv[q] = (d & more) | (maxv[q] & ~more);
                 keep[q] = ~drop;
@@ -149,8 +152,11 @@ int64_t ckpt_topk_select(const float *x, int64_t n, float thr, int64_t base, voi
         vf8 sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
         double s = 0.0;
         for (int l = 0; l < 8; l++) s += (double)sum[l];
-        if (s != 0.0 && !(s >= SQUARES_SAFE_LOW && s <= SQUARES_SAFE_HIGH)) {
-            /* squares that overflow or turn subnormal in float: this run again in double */
+        vl4 nonzero = (vl4)seen;
+        if ((s != 0.0 || (nonzero[0] | nonzero[1] | nonzero[2] | nonzero[3])) &&
+                !(s >= SQUARES_SAFE_LOW && s <= SQUARES_SAFE_HIGH)) {
+            /* squares that overflow, turn subnormal or vanish in float (every one of a run
+             * underflowing to 0 while its entries are not 0): this run again in double */
             s = 0.0;
             for (int64_t j = start; j < stop; j++) {
                 double a = fabs((double)x[j]);
