@@ -165,12 +165,13 @@ def append_checkpoint(target: CheckpointTarget, index: Index, iteration: int, sk
             new_trees[tree.root] = append(rec.RecordType.TREE, [encode_tree(tree)])
 
     for leaf in leaves:
+        name = leaf.name  # (a path joined anew on every access)
         image = leaf.image
         if image is not None and image.image.chunk_size == chunk_size and leaf.nbytes > INLINE_MAX:
-            tree = images.frame(image, chunk_known, progress, leaf.name, trials)
-            entries.append(TensorEntry(leaf.name, leaf.lib, leaf.dtype, leaf.shape, leaf.nbytes,
+            tree = images.frame(image, chunk_known, progress, name, trials)
+            entries.append(TensorEntry(name, leaf.lib, leaf.dtype, leaf.shape, leaf.nbytes,
                                        tree.root, None, leaf.param, leaf.requires_grad))
-            roots.append((leaf.name, tree.root))
+            roots.append((name, tree.root))
             continue
         view = leaf.byte_view()
         nbytes = len(view)
@@ -198,9 +199,9 @@ def append_checkpoint(target: CheckpointTarget, index: Index, iteration: int, sk
             tree = make_tree(nbytes, chunk_size, addresses)
             root = tree.root
             append_tree(tree)
-        entries.append(TensorEntry(leaf.name, leaf.lib, leaf.dtype, leaf.shape, nbytes, root, inline,
+        entries.append(TensorEntry(name, leaf.lib, leaf.dtype, leaf.shape, nbytes, root, inline,
                                    leaf.param, leaf.requires_grad))
-        roots.append((leaf.name, root))
+        roots.append((name, root))
 
     written += images.write(target, new_chunks)
     n_written += images.n_new

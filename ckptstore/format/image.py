@@ -117,12 +117,14 @@ class ChunkImage:
         a block, at least two blocks (so most of a record is data)."""
         return max(2 * BLOCK, -(-chunk_size // BLOCK) * BLOCK)
 
-    @property
+    # The derived sizes below are cached (the write path asks for them per record; the fields
+    # are frozen, so they never change).
+    @functools.cached_property
     def chunk_size(self) -> int:
         """The data bytes per full record (the manifest's ``chunk_size``)."""
         return self.stride - RECORD_OVERHEAD
 
-    @property
+    @functools.cached_property
     def n_chunks(self) -> int:
         return -(-self.nbytes // self.chunk_size)
 
@@ -134,16 +136,16 @@ class ChunkImage:
         """Offset just past record ``j``."""
         return j * self.stride + RECORD_OVERHEAD + self.data_length(j)
 
-    @property
+    @functools.cached_property
     def records_end(self) -> int:
         return self.record_end(self.n_chunks - 1)
 
-    @property
+    @functools.cached_property
     def pad(self) -> int:
         """Bytes of the pad record after the last chunk record (0: none)."""
         return pad_size(self.records_end)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return self.records_end + self.pad
 
