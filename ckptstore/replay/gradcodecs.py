@@ -319,12 +319,13 @@ class TopKCodec(GradCodec):
         the caller's thread before the pool starts (beside the pool they would make more
         threads than cores); smaller ones run there while the pool works (their ops stay on the
         calling thread); the decodes and any selection the kernel gave back (a threshold that
-        missed) run there afterwards. A selection is two kernel calls (threshold, pass) that
-        release the GIL and run single-threaded, so one at a time left every core but one idle
-        (27.3M parameters on 2 cores: 39 ms of the training thread per step, 13 now). Pool
-        threads run no torch op large enough to go parallel: a torch parallel region on another
-        thread starts an OpenMP team of its own, whose threads slowed every later parallel
-        region of training (optimizer steps 6-10 ms slower for good, measured). Each result is
+        missed) run there afterwards. Each pool thread makes one kernel call for its share
+        (:class:`native_topk.SelectionBatch`), which releases the GIL; one selection at a time
+        left every core but one idle (27.3M parameters on 2 cores: 39 ms of the training thread
+        per step, 8 now). Pool threads run no torch op large enough to go parallel: a torch
+        parallel region on another thread starts an OpenMP team of its own, whose threads slowed
+        every later parallel region of training (optimizer steps 6-10 ms slower for good,
+        measured). Each result is
         what :meth:`encode_measured` gives for that gradient alone (the error norms to within
         float64 rounding: alone, a gradient of ``native_topk.SPLIT_AT`` entries or more is
         scanned in two halves whose sums add up in another order)."""
