@@ -395,13 +395,12 @@ class TopKCodec(GradCodec):
             return "exact"
         return "sampled" if max(1, math.ceil(self.fraction * n)) < n // 2 else None
 
-    def _selected_natively(self, flat: torch.Tensor, positions: torch.Tensor | None = None,
-                           split: bool = True) -> tuple[dict, EncodeStats] | None:
+    def _selected_natively(self, flat: torch.Tensor) -> tuple[dict, EncodeStats] | None:
         """The payload and error of a float32 gradient from the C kernel
         (:mod:`ckptstore.replay.native.topk`): the entries :func:`_largest` keeps (for the same
-        sampled threshold: ``positions``, the sample's, else looked up), in one pass. None where
-        the torch path must run (no kernel, not float32, a threshold that misses).
-        ``split``: a large gradient's pass may run on two threads (:func:`native_topk.select`)."""
+        sampled threshold), in one pass (a large gradient's on two threads,
+        :func:`native_topk.select`). None where the torch path must run (no kernel, not float32,
+        a threshold that misses)."""
         mode = self._native_mode(flat)
         if mode is None:
             return None
@@ -413,8 +412,8 @@ class TopKCodec(GradCodec):
             batch.run(0)
             got = batch.result(0)
         else:
-            got = native_topk.select(flat.contiguous(), float(_sampled_threshold(flat, k, positions)),
-                                     2 * k, index_dtype, split)
+            got = native_topk.select(flat.contiguous(), float(_sampled_threshold(flat, k)),
+                                     2 * k, index_dtype)
         if got is None or not k // 2 <= got[0].numel():
             return None
         idx, vals, all_sq, dropped_sq, dropped_max = got

@@ -147,8 +147,9 @@ class SelectionBatch:
         _fn[2](ctypes.addressof(array), len(array))
 
     def result(self, j: int) -> tuple[torch.Tensor, torch.Tensor, float, float, float] | None:
-        """What :func:`select` gives gradient ``j`` for its sampled threshold (``split=False``),
-        after its share ran: None when it kept more than its cap. IndexError for sample positions
+        """What :func:`select` gives gradient ``j`` for its sampled threshold (its pass on one
+        thread: the sums of a tensor :func:`select` splits add up in another order), after its
+        share ran: None when it kept more than its cap. IndexError for sample positions
         out of range, ValueError for a keep outside [1, its sample size]."""
         share, a = self._where[j]
         job = self._arrays[share][a]
@@ -190,14 +191,13 @@ def kth_magnitude(flat: torch.Tensor, positions: torch.Tensor, keep: int) -> flo
     return float(answer[0])
 
 
-def select(flat: torch.Tensor, threshold: float, cap: int, index_dtype: torch.dtype = torch.int64,
-           split: bool = True) -> tuple[torch.Tensor, torch.Tensor, float, float, float] | None:
+def select(flat: torch.Tensor, threshold: float, cap: int, index_dtype: torch.dtype = torch.int64
+           ) -> tuple[torch.Tensor, torch.Tensor, float, float, float] | None:
     """(indices of ``index_dtype``, int32 or int64; values; sum of squares of all entries, of
     the dropped ones; largest dropped magnitude) for a contiguous float32 CPU ``flat``; None when
     the kernel is missing or more than ``cap`` entries are kept. The indices and values are
-    views of the front of buffers sized for ``cap`` per part (no copy to trim them).
-    ``split``: a tensor of SPLIT_AT entries or more is scanned in two halves on two threads
-    (else on the calling thread alone, e.g. a pool's worker)."""
+    views of the front of buffers sized for ``cap`` per part (no copy to trim them). A tensor
+    of SPLIT_AT entries or more is scanned in two halves on two threads."""
     fn = _kernel()
     if fn is None or flat.dtype != torch.float32 or flat.device.type != "cpu" or \
             not flat.is_contiguous() or index_dtype not in (torch.int32, torch.int64):
@@ -205,7 +205,7 @@ def select(flat: torch.Tensor, threshold: float, cap: int, index_dtype: torch.dt
     n = flat.numel()
     if index_dtype == torch.int32 and n > 2**31:
         raise ValueError(f"int32 indices cannot address {n} entries")
-    parts = 2 if split and n >= SPLIT_AT else 1
+    parts = 2 if n >= SPLIT_AT else 1
     # halves split at a multiple of the kernel's float runs (FLUSH = 512 entries): the same
     # runs as one scan, so split and whole sums differ only in the order doubles add up
     bounds = [0, n // 2 // 512 * 512, n] if parts == 2 else [0, n]
