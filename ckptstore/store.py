@@ -40,7 +40,7 @@ from .inplace import copy_into
 from .engine.engine import Engine
 from .engine.reader_engine import ReaderEngine
 from .engine.write_path import SaveStats, flatten_meta
-from .engine.writer_engine import WriterEngine
+from .engine.writer_engine import WriterEngine, check_features
 from .ops.bisect import BisectResult, Predicate, bisect as bisect_range
 from .ops.diff import TensorDiff, diff_manifests
 from .ops.gc import GcReport, collect, dry_run as gc_dry_run, gc_policy
@@ -102,8 +102,7 @@ class Store:
                  features: str = "current", _engine: ReaderEngine | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
-        if features not in ("current", "compatible"):
-            raise ValueError(f'features must be "current" or "compatible", not {features!r}')
+        check_features(features)
         _check_every(retention_every)  # (retention itself: below, before anything is opened)
         if retention is not None:
             _check_retention(retention, os.fspath(path), mode, commit_round)

@@ -42,6 +42,15 @@ from .transaction import Transaction
 from .write_path import CompressionTrials, SaveStats, append_checkpoint, chunk_size_for
 
 
+def check_features(features: str) -> None:
+    """Refuse (ValueError) a ``features`` option other than "current" (a store created gets
+    every format feature this release writes) or "compatible" (none, so releases before them
+    read it; opening a store that has some raises StoreFeaturesError). An existing store keeps
+    its features either way."""
+    if features not in ("current", "compatible"):
+        raise ValueError(f'features must be "current" or "compatible", not {features!r}')
+
+
 class WriterEngine(Engine):
     """The single writer of a store directory (mode "a")."""
 
@@ -52,11 +61,8 @@ class WriterEngine(Engine):
                  evict_written: bool = True, direct_io: bool | str = "deltas",
                  features: str = "current") -> None:
         super().__init__(path, file_ops=file_ops, load_threads=load_threads)
-        #: "current": a store created here gets every format feature this release writes;
-        #: "compatible": none (releases before them read it), and opening a store that has some
-        #: raises StoreFeaturesError. An existing store keeps its features either way.
-        if features not in ("current", "compatible"):
-            raise ValueError(f'features must be "current" or "compatible", not {features!r}')
+        check_features(features)
+        #: see :func:`check_features`
         self.features = features
         #: append through O_DIRECT where the file system takes it (storage/direct.py): True for
         #: every record, "deltas" for delta checkpoints only (snapshots buffered), False never

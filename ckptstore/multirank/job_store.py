@@ -33,7 +33,7 @@ from ..errors import (CkptStoreError, DamagedCheckpointError, FormatError, NotFo
                       RankMismatchError, ReadOnlyStoreError, StoreClosedError, StoreFeaturesError,
                       StoreNotFoundError)
 from ..engine.engine import DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE
-from ..engine.writer_engine import WriterEngine
+from ..engine.writer_engine import WriterEngine, check_features
 from ..format.delta import REPLAY_KEY
 from ..format.header import feature_names
 from ..format.job import Epoch, GlobalCommit
@@ -68,8 +68,7 @@ class JobStore:
                  features: str = "current") -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
-        if features not in ("current", "compatible"):
-            raise ValueError(f'features must be "current" or "compatible", not {features!r}')
+        check_features(features)
         self.path = os.fspath(path)
         self.mode = mode
         self.layout = JobLayout(self.path)
