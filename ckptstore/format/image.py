@@ -30,8 +30,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import xxhash
-
 from . import records as rec
 from .chunk import CHUNK_HEADER_SIZE, Codec, address_of, encode_chunk_header
 
@@ -85,12 +83,11 @@ def seal_chunk(buf: memoryview, offset: int, address: bytes, data_len: int,
     flags = rec.FRAMING_CHECK if framing_check else 0
     buf[offset:offset + rec.HEADER_SIZE] = rec.encode_header(rec.RecordType.CHUNK, payload_len,
                                                              flags)
-    chunk_header = encode_chunk_header(address, Codec.RAW, data_len)
-    buf[offset + rec.HEADER_SIZE:offset + DATA_OFFSET] = chunk_header
+    buf[offset + rec.HEADER_SIZE:offset + DATA_OFFSET] = encode_chunk_header(address, Codec.RAW,
+                                                                              data_len)
     start = offset + rec.HEADER_SIZE
-    check = xxhash.xxh3_64_intdigest(chunk_header if framing_check
-                                     else buf[start:start + payload_len])
-    buf[start + payload_len:start + payload_len + rec.TRAILER_SIZE] = rec.encode_check(check)
+    buf[start + payload_len:start + payload_len + rec.TRAILER_SIZE] = \
+        rec.encode_trailer(*rec.checked_parts(flags, [buf[start:start + payload_len]]))
 
 
 @dataclass(frozen=True)

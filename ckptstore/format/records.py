@@ -89,13 +89,18 @@ class RecordHeader:
         return OVERHEAD + self.length
 
 
+def may_frame(record_type: int, length: int) -> bool:
+    """Whether a record of ``record_type`` with a ``length``-byte payload may carry
+    FRAMING_CHECK: a CHUNK record of at least FRAMED_BYTES bytes."""
+    return record_type == RecordType.CHUNK and length >= FRAMED_BYTES
+
+
 def encode_header(record_type: int, length: int, flags: int = 0) -> bytes:
     """Return the 24-byte header of a record of ``record_type`` with a ``length``-byte payload;
     ``flags`` is 0 or FRAMING_CHECK (a CHUNK record of at least FRAMED_BYTES bytes only)."""
     if not 0 <= length <= MAX_PAYLOAD:
         raise ValueError(f"record payload of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit")
-    if flags and (flags != FRAMING_CHECK or record_type != RecordType.CHUNK
-                  or length < FRAMED_BYTES):
+    if flags and (flags != FRAMING_CHECK or not may_frame(record_type, length)):
         raise ValueError(f"record flags {flags:#x} are not allowed on a record of type "
                          f"{int(record_type)} with a {length}-byte payload")
     head = _HEAD.pack(MAGIC, int(record_type), flags, 0, length)
@@ -127,7 +132,7 @@ def decode_header(buf: bytes | bytearray | memoryview,
         raise CorruptRecordError(f"record length {length} exceeds the {MAX_PAYLOAD}-byte limit")
     if rtype not in known:
         raise CorruptRecordError(f"unknown record type {rtype}")
-    if flags and (rtype != RecordType.CHUNK or length < FRAMED_BYTES):
+    if flags and not may_frame(rtype, length):
         raise CorruptRecordError(
             f"record flag {flags:#x} on a record of type {rtype} with a {length}-byte payload "
             f"(only a CHUNK record of at least {FRAMED_BYTES} bytes carries it)")

@@ -417,8 +417,8 @@ class SegmentWriter:
 
     def _flags_for(self, record_type: int, length: int) -> int:
         """The record flags a record gets here: FRAMING_CHECK on a CHUNK in a store that uses them."""
-        return rec.FRAMING_CHECK if self.framing_checks and record_type == rec.RecordType.CHUNK \
-            and length >= rec.FRAMED_BYTES else 0
+        return rec.FRAMING_CHECK if self.framing_checks and rec.may_frame(record_type, length) \
+            else 0
 
     def append(self, record_type: int, payload_parts: Sequence[bytes | memoryview]) -> Loc:
         staging = self._staging
