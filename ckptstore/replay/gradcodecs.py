@@ -325,35 +325,33 @@ class TopKCodec(GradCodec):
         per step, 8 now). Pool threads run no torch op large enough to go parallel: a torch
         parallel region on another thread starts an OpenMP team of its own, whose threads slowed
         every later parallel region of training (optimizer steps 6-10 ms slower for good,
-        measured). Each result is
-        what :meth:`encode_measured` gives for that gradient alone (the error norms to within
-        float64 rounding: alone, a gradient of ``native_topk.SPLIT_AT`` entries or more is
-        scanned in two halves whose sums add up in another order)."""
+        measured). Each result is what :meth:`encode_measured` gives for that gradient alone (the
+        error norms to within float64 rounding: alone, a gradient of ``native_topk.SPLIT_AT``
+        entries or more is scanned in two halves whose sums add up in another order)."""
         workers = torch.get_num_threads()
 
-        def pooled(g: torch.Tensor) -> bool:
-            return g.is_cpu and g.is_contiguous() and self._native_mode(g) is not None
-
-        jobs = [(i, g.detach().reshape(-1)) for i, g in enumerate(grads)
-                if g is not None and pooled(g)]
+        # (index, flat gradient, how the kernel serves it) of every gradient it serves whole
+        jobs = [(i, g.detach().reshape(-1), mode) for i, g in enumerate(grads)
+                if g is not None and g.is_cpu and g.is_contiguous()
+                and (mode := self._native_mode(g)) is not None]
         if workers < 2 or len(jobs) < 2:
             return super().encode_many(grads, decoded)
         out: list = [None] * len(grads)
-        in_pool = {i for i, _ in jobs}
+        in_pool = {i for i, _, _ in jobs}
         rest = [i for i, g in enumerate(grads) if g is not None and i not in in_pool]
         for i in rest:
             if grads[i].numel() > SERIAL_MAX:  # type: ignore[union-attr]
                 out[i] = self.encode_measured(grads[i], decoded)  # type: ignore[arg-type]
         # the sample positions are made here (torch ops) and handed over
-        ks = [max(1, math.ceil(self.fraction * flat.numel())) for _, flat in jobs]
-        positions = [self._positions(flat.numel()) if self._native_mode(flat) == "sampled"
-                     else None for _, flat in jobs]
+        ks = [max(1, math.ceil(self.fraction * flat.numel())) for _, flat, _ in jobs]
+        positions = [self._positions(flat.numel()) if mode == "sampled" else None
+                     for _, flat, mode in jobs]
         batch = native_topk.SelectionBatch(
-            [flat for _, flat in jobs], positions,
+            [flat for _, flat, _ in jobs], positions,
             [k if p is None else _sample_rank(p.numel(), k, flat.numel())
-             for p, k, (_, flat) in zip(positions, ks, jobs)],
+             for p, k, (_, flat, _) in zip(positions, ks, jobs)],
             [k if p is None else 2 * k for p, k in zip(positions, ks)],
-            [torch.int32 if flat.numel() < 2**31 else torch.int64 for _, flat in jobs], workers)
+            [torch.int32 if flat.numel() < 2**31 else torch.int64 for _, flat, _ in jobs], workers)
         pool = _encode_pool(workers)
         futures = [pool.submit(batch.run, share) for share in range(batch.shares)]
         try:
@@ -364,7 +362,7 @@ class TopKCodec(GradCodec):
             concurrent.futures.wait(futures)  # none left reading a gradient
         for f in futures:
             f.result()
-        for j, ((i, _), k) in enumerate(zip(jobs, ks)):
+        for j, ((i, _, _), k) in enumerate(zip(jobs, ks)):
             g = grads[i]
             assert g is not None
             got = batch.result(j)
