@@ -49,36 +49,12 @@ def _rank_main(rank: int, world: int, init: str, path: str, module: str, scenari
     os._exit(0)  # skip interpreter teardown (gloo threads of a failed group can hang it)
 
 
-#: Exit codes of a rank killed by a signal the process raised itself (a crash inside native code:
-#: SIGSEGV, SIGABRT, SIGBUS), as opposed to -9, the SIGKILL of a straggler past its deadline.
-_CRASHES = (-11, -6, -7)
-
-
 def run_ranks(world: int, module: str, scenario: str, path: str, work: str, *,
-              deadline: float = 120.0, pg_timeout: float = 60.0, rerun_after_crash: bool = False,
+              deadline: float = 120.0, pg_timeout: float = 60.0,
               **kwargs: Any) -> list[dict[str, Any]]:
-    """Run ``module.scenario`` on ``world`` ranks; results in rank order.
-
-    ``rerun_after_crash``: when a rank died of a crash signal (:data:`_CRASHES`), warn (the
-    warning names the ranks and signals; each rank's faulthandler traceback is on the test's
-    captured stderr) and run the scenario once more from scratch, ``path`` deleted first (the
-    caller promises that ``path`` is what the scenario creates). For scenarios that meet a rare
-    crash inside torch's gloo transport on an oversubscribed machine (a segfault in gloo's
-    event-loop thread, inside malloc: the heap was corrupted before; seen about once in 20 runs
-    of test_dcp's 4-rank save-and-load on 2 cores, never with an error of ckptstore's)."""
-    out = _run_ranks_once(world, module, scenario, path, work, deadline, pg_timeout, kwargs)
-    crashed = [(r, x["died"]) for r, x in enumerate(out) if x.get("died") in _CRASHES]
-    if rerun_after_crash and crashed:
-        import shutil
-        import warnings
-
-        warnings.warn(f"{scenario} on {world} ranks: rank(s) {crashed} died of a signal "
-                      "(rank, exit code); running it again from scratch", RuntimeWarning,
-                      stacklevel=2)
-        if path and os.path.exists(path):
-            shutil.rmtree(path)
-        out = _run_ranks_once(world, module, scenario, path, work, deadline, pg_timeout, kwargs)
-    return out
+    """Run ``module.scenario`` on ``world`` ranks; results in rank order. A rank that crashed
+    (SIGSEGV, SIGABRT, ...) comes back as ``{"died": -signal}``: never rerun, never hidden."""
+    return _run_ranks_once(world, module, scenario, path, work, deadline, pg_timeout, kwargs)
 
 
 def _run_ranks_once(world: int, module: str, scenario: str, path: str, work: str, deadline: float,

@@ -1083,7 +1083,6 @@ def test_multi_rank_saves_load_at_every_world_size(tmp_path, assert_same):
         save(s, 20, {**{k: glob(k) for k in GLOBALS}, **copy.deepcopy(VALUES)})
     keys2, keys4 = list(GLOBALS), list(GLOBALS) + list(TWO_D)
     res2 = run_ranks(2, MOD, "mr_save_and_load", job2, str(tmp_path / "w2"), deadline=300,
-                     rerun_after_crash=True,
                      sources=[(single, keys2)], save=True)
     assert all("ok" in r for r in res2), res2
     assert [r["ok"]["bad"] for r in res2] == [[], []], res2
@@ -1091,14 +1090,12 @@ def test_multi_rank_saves_load_at_every_world_size(tmp_path, assert_same):
                for r in res2)
     check_single_process_load(job2, 2, keys2, assert_same)
     res4 = run_ranks(4, MOD, "mr_save_and_load", job4, str(tmp_path / "w4"), deadline=400,
-                     rerun_after_crash=True,
                      sources=[(single, keys2), (job2, keys2)], save=True)
     assert all("ok" in r for r in res4), res4
     assert [r["ok"]["bad"] for r in res4] == [[]] * 4, res4
     assert all(r["ok"]["iterations"] == [10, 20, 40, 41] for r in res4)
     check_single_process_load(job4, 4, keys4, assert_same)
     res = run_ranks(2, MOD, "mr_save_and_load", "", str(tmp_path / "w2b"), deadline=300,
-                    rerun_after_crash=True,
                     sources=[(job4, keys4)], save=False)
     assert [r.get("ok", r)["bad"] for r in res] == [[], []], res
     from ckptstore.cli import main
