@@ -15,7 +15,7 @@ import sys
 from typing import Any, Sequence
 
 from .console import human_bytes, printable, progress, table
-from .errors import CkptStoreError, NotFoundError
+from .errors import CkptStoreError, JobStreamError, NotFoundError
 from .multirank.fsck import check_job
 from .multirank.job_store import JobStore
 from .storage.job_log import is_job_store
@@ -422,13 +422,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    outer = os.path.dirname(os.path.dirname(os.path.abspath(args.path)))
-    if is_job_store(args.path) or (os.path.basename(os.path.dirname(os.path.abspath(args.path)))
-                                   == "streams" and is_job_store(outer)):
-        # a stream's commits are named by global commits: gc of one stream alone would remove
-        # iterations the job store still lists (gc of job stores is not built yet)
-        print(f"ckptstore gc: {args.path} is (a stream of) a multi-rank job store; gc of job "
-              "stores is not supported yet", file=sys.stderr)
+    if is_job_store(args.path):
+        print(f"ckptstore gc: {args.path} is a multi-rank job store; gc of job stores is not "
+              "supported yet", file=sys.stderr)
         return 2
     from .ops.retention import policy_from_options
 
@@ -861,6 +857,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
+    except JobStreamError as e:  # a misuse, not a failure: one rank's stream on its own
+        print(f"ckptstore {args.command}: {printable(str(e))}", file=sys.stderr)
+        return 2
     except (CkptStoreError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
         print(f"ckptstore {args.command}: error: {printable(str(e))}", file=sys.stderr)
         return 1

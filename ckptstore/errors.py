@@ -78,6 +78,20 @@ class ReadOnlyStoreError(CkptStoreError, PermissionError):
     """A write was attempted through a store opened with mode "r"."""
 
 
+class JobStreamError(ReadOnlyStoreError):
+    """A part of a multi-rank job store (a rank's stream under ``streams/``, or anything under
+    it or ``global/``) was asked to change on its own: opened for writing, gc'd, repaired,
+    pushed, pulled into, followed. A stream's commits are named by the job's global commits,
+    so changing one stream alone would damage every iteration of the job; the job store
+    (``ckptstore.open(job, ...)``, ``ckptstore fsck --repair job``) does it for every rank
+    together. Reading a stream for inspection (mode "r") stays allowed. ``job`` is the job
+    store's path."""
+
+    def __init__(self, message: str, job: str) -> None:
+        super().__init__(message)
+        self.job = job
+
+
 class StoreClosedError(CkptStoreError, ValueError):
     """The store was used after close()."""
 

@@ -42,7 +42,7 @@ from .errors import (CkptStoreError, DeltaChainError, FollowerError, FollowerMis
 from .ops.retention import KeepLast
 from .replay.follower import FOLLOWER_KEY, Identity, follower_path, identity_of, mismatch
 from .replay.replayer import IncrementalReplayer
-from .storage.job_log import is_job_store
+from .storage.job_log import is_job_store, refuse_job_part
 from .store import Store
 
 __all__ = ["Follower", "FollowerStats", "follower_path"]
@@ -108,6 +108,8 @@ class Follower:
         if is_job_store(self.primary_path):
             raise FollowerError(f"{self.primary_path} is a multi-rank job store: the follower "
                                 "supports single-writer stores only")
+        # its follower store would be written inside the job store, beside the ranks' streams
+        refuse_job_part(self.primary_path, "following")
         self.primary = Store(self.primary_path, "r")
         self.store: Store | None = None
         try:

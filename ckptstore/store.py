@@ -29,8 +29,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .errors import (CkptStoreError, NotFoundError, ReadOnlyStoreError, RetentionError,
-                     StoreClosedError)
+from .errors import (CkptStoreError, JobStreamError, NotFoundError, ReadOnlyStoreError,
+                     RetentionError, StoreClosedError)
 from .errors import RemoteUnsupportedError
 from .format.commit import KIND_DELTA, KIND_NAMES
 from .format.header import StoreHeader
@@ -52,6 +52,7 @@ from .replay.follower import FollowerBases, FollowerRebaser, rebased_of
 from .replay.replayer import replay_range, replay_to
 from .storage.fileops import FileOps
 from .storage.index import Index
+from .storage.job_log import refuse_job_part
 from .storage.layout import Layout
 from .storage.log import Log, ScanReport
 from .tensors import leaf_hook
@@ -114,7 +115,8 @@ class Store:
             self._writer = WriterEngine(self.path, chunk_size=chunk_size,
                                         segment_size=segment_size, file_ops=file_ops,
                                         load_threads=load_threads, evict_written=evict_written,
-                                        direct_io=direct_io, features=features)
+                                        direct_io=direct_io, features=features,
+                                        job_stream=commit_round is not None)
             self.engine = self._writer
         else:
             # _engine: a reader ckptstore.open("s3://...", "r") built (ckptstore/remote/reader.py)
@@ -671,6 +673,7 @@ class Store:
         written). On a writer it first commits what is pending, as gc does, so it reports what
         gc would do now."""
         pol = gc_policy(keep_last, keep_every, policy)
+        self._refuse_job_part("gc")
         rebase = self._rebaser() if follower_bases else None
         try:
             if dry_run and self._writer is None:
@@ -694,9 +697,18 @@ class Store:
             if rebase is not None:
                 rebase.close()
 
-    def _rebaser(self) -> FollowerRebaser:
+    def _refuse_job_part(self, action: str) -> None:
+        """JobStreamError when this store is a rank's stream of a job store: the job store's own
+        (its writer hands its stream out through ``JobStore.stream``) or one opened on its
+        path."""
         if self._commit_round is not None:
-            raise RetentionError(f"{self.path}: gc is not supported on multi-rank job stores")
+            raise JobStreamError(f"{self.path} is this rank's stream of a multi-rank job store: "
+                                 f"{action} of one rank's stream alone would damage every "
+                                 "iteration of the job", os.path.dirname(os.path.dirname(
+                                     os.path.abspath(self.path))))
+        refuse_job_part(self.path, action)
+
+    def _rebaser(self) -> FollowerRebaser:
         return FollowerRebaser(self, lambda path: Store(path, "r"))
 
     # ---- automatic retention ------------------------------------------------------------------

@@ -348,6 +348,8 @@ def test_old_gc_arguments_still_work(trained, tmp_path):
             store.gc(keep_last=1, keep_every=0)
         with pytest.raises(TypeError):
             store.gc()
+        with pytest.raises(TypeError, match="policy=KeepLast"):  # not keep_last=KeepLast(5)
+            store.gc(ckptstore.KeepLast(5), follower_bases=True)
         r = store.gc(keep_last=3, keep_every=10)  # 22..24 (chain to 20) and 0, 10
         assert r.kept == [0, 10, 20, 21, 22, 23, 24]
         assert store.iterations() == [0, 10, 20, 21, 22, 23, 24]

@@ -14,7 +14,7 @@ compresses), and measures, median of ``--reps`` runs each, every run into a fres
   fetched;  ``dcp.load`` with ``FsspecReader`` into preallocated tensors -> s.
 
 moto is a Python server sharing this machine's cores: the numbers measure the clients' overheads
-plus moto's, not a network. Needs the ``remote-test`` extra (boto3, moto[server], s3fs).
+plus moto's, not a network. Needs the ``bench-remote`` extra (boto3, moto[server], s3fs).
 
     python tools/bench_remote.py [--mib 128] [--reps 3] [--dir /tmp/bench_remote]
 """

@@ -32,6 +32,7 @@ from ..format.commit import decode_commit
 from ..format.header import NEW_STORE_FEATURES, feature_names
 from ..storage.fileops import FileOps
 from ..storage.index import CommitEntry, Index, IndexBatch, Position
+from ..storage.job_log import refuse_job_part
 from ..storage.lmdb_index import LmdbIndex
 from ..storage.lock import WriterLock
 from ..storage.log import Log
@@ -59,7 +60,12 @@ class WriterEngine(Engine):
     def __init__(self, path: str, *, chunk_size: int | None = None, segment_size: int | None = None,
                  file_ops: FileOps | None = None, load_threads: int = 2,
                  evict_written: bool = True, direct_io: bool | str = "deltas",
-                 features: str = "current") -> None:
+                 features: str = "current", job_stream: bool = False) -> None:
+        # job_stream: opened by its job store (multirank/job_store.py, multirank/fsck.py), which
+        # commits and repairs every rank's stream together; anyone else is refused before
+        # anything under the directory is created or locked (JobStreamError)
+        if not job_stream:
+            refuse_job_part(path, "opening it for writing")
         super().__init__(path, file_ops=file_ops, load_threads=load_threads)
         check_features(features)
         #: see :func:`check_features`

@@ -117,7 +117,7 @@ def check_job(path: str | os.PathLike, *, repair: bool = False,
         stream_dir = os.path.join(layout.streams_dir, name)
         where = f"rank {rank}'s stream {stream_dir} (epoch {epoch})"
         try:
-            report.streams[(epoch, rank)] = check(stream_dir, repair=repair, progress=progress)
+            report.streams[(epoch, rank)] = check(stream_dir, repair=repair, progress=progress, job_stream=True)
         except StoreNotFoundError as e:
             if any(g.epoch == epoch for g in view.commits.values()):
                 report.damage.append(f"{where} cannot be checked: {e}")

@@ -29,6 +29,7 @@ from typing import Callable
 from ..errors import DamagedCheckpointError, FormatError
 from ..format.chunk import CHUNK_HEADER_SIZE, decode_chunk_header
 from ..storage.index import ChunkRef, Index, MemoryIndex
+from ..storage.job_log import refuse_job_part
 from ..storage.layout import Layout
 from ..storage.lmdb_index import IndexContents, read_index_unlocked
 from ..storage.lock import no_writer
@@ -75,14 +76,18 @@ class FsckReport:
 
 
 def check(path: str | os.PathLike, *, repair: bool = False,
-          progress: Callable[[int], None] | None = None) -> FsckReport:
-    """Verify the store at ``path``; with ``repair`` also recover it (needs the writer lock)."""
+          progress: Callable[[int], None] | None = None, job_stream: bool = False) -> FsckReport:
+    """Verify the store at ``path``; with ``repair`` also recover it (needs the writer lock).
+    A rank's stream of a job store is repaired only by the job store's fsck, which passes
+    ``job_stream`` (ckptstore/multirank/fsck.py); alone it raises JobStreamError."""
     path = os.fspath(path)
     report = FsckReport(path)
     if repair:
+        if not job_stream:
+            refuse_job_part(path, "repair")
         # Read before the writer open, which rebuilds an index that no longer matches the log.
         indexed = _read_index(Layout(path))[1]
-        writer = WriterEngine(path)  # the automatic recovery: finish gc, cut the tail
+        writer = WriterEngine(path, job_stream=job_stream)  # recovery: finish gc, cut the tail
         try:
             _note_recovery(writer.last_scan, report)
             _verify(writer.log, report, progress, rebuild=writer.index)

@@ -157,6 +157,9 @@ def gc_policy(keep_last: int | None, keep_every: int | None, policy: Policy | No
     """The policy of :meth:`ckptstore.Store.gc`'s arguments: the union of ``KeepLast(keep_last)``,
     ``KeepEvery(keep_every)`` and ``policy`` (those given). Keeps the old messages for bad
     ``keep_last`` / ``keep_every``."""
+    if isinstance(keep_last, Policy) or isinstance(keep_every, Policy):
+        raise TypeError("a retention policy is passed as policy=: store.gc(policy=KeepLast(5)); "
+                        "the first two positional arguments are keep_last and keep_every (ints)")
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
         raise ValueError("keep_last must be an int >= 1 (the latest checkpoint is always kept)")
     if keep_every is not None and (type(keep_every) is not int or keep_every < 1):

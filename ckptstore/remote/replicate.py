@@ -53,7 +53,7 @@ from ..errors import (FormatError, RemoteConflictError, RemoteError, RemoteInteg
                       RemoteUnsupportedError)
 from ..storage.fileops import io_errors
 from ..storage.index import unseal
-from ..storage.job_log import is_job_store
+from ..storage.job_log import is_job_store, refuse_job_part
 from ..storage.segments import SEGMENT_HEADER_RECORD_SIZE
 from .client import CLIENT_KEYS, MIN_PART_SIZE, ObjectStore, Pacer
 from .head import (HEADS_DIR, INDEX_DIR, MAX_HEAD_BYTES, SEGMENTS_DIR, STORE_OBJECT, Extent,
@@ -641,6 +641,7 @@ def push(path: str | os.PathLike, url: str, options: dict | None = None, *,
     if is_job_store(path):
         raise RemoteUnsupportedError(f"{path} is a multi-rank job store: the remote tier supports "
                                      "single-writer stores only")
+    refuse_job_part(path, "a push")  # one rank's partition would look like a whole store remotely
     client_opts, opts = split_options(options)
     t0 = time.perf_counter()
     rep = Replicator(ObjectStore(url, client_opts), opts, progress=progress)

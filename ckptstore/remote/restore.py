@@ -36,6 +36,7 @@ from ..errors import (FormatError, RemoteConflictError, RemoteError, RemoteInteg
                       RemoteUnsupportedError, StoreLockedError, StoreNotFoundError)
 from ..format.header import decode_store_header
 from ..storage.fileops import FileOps, io_errors
+from ..storage.job_log import refuse_job_part
 from ..storage.layout import Layout
 from ..storage.lock import no_writer
 from .client import ObjectStore, parse_url
@@ -86,9 +87,10 @@ def pull(url: str, path: str | os.PathLike, options: dict | None = None, *,
          progress: Callable[[int], None] | None = None) -> PullResult:
     """Restore the newest valid remote HEAD of ``url`` into the directory ``path`` (created if
     needed; empty, or a copy of the same store that no writer holds)."""
+    path = os.fspath(path)
+    refuse_job_part(path, "a pull into it")  # (pull_head checks again: its other callers)
     client_opts, _ = split_options(options)
     store = ObjectStore(url, client_opts)
-    path = os.fspath(path)
     t0 = time.perf_counter()
     head = newest_head(store)
     for _ in range(5):
@@ -124,6 +126,7 @@ def pull_head(store: ObjectStore, head: Head, path: str, stats: PullStats,
               progress: Callable[[int], None] | None) -> None:
     """Make the directory ``path`` a verified copy of ``head`` (one attempt of :func:`pull`;
     also a lazy reader's whole-segment fallback, ckptstore/remote/reader.py)."""
+    refuse_job_part(path, "a pull into it")
     ops = FileOps()
     layout = Layout(path)
     ops.makedirs(path)

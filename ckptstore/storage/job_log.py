@@ -26,7 +26,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from ..errors import CkptStoreError, FormatError, StoreIOError
+from ..errors import CkptStoreError, FormatError, JobStreamError, StoreIOError
 from ..format import records as rec
 from ..format.header import STORE_HEADER_SIZE, StoreHeader, decode_store_header, encode_store_header
 from ..format.job import (GLOBAL_HEAD_SIZE, JOB_FORMAT_VERSION, JOB_TYPES, RANK_ENTRY_SIZE, Epoch,
@@ -101,6 +101,33 @@ def is_job_store(path: str) -> bool:
         return True
     except (OSError, CkptStoreError):
         return False
+
+
+def job_store_holding(path: str) -> str | None:
+    """The job store whose own parts hold ``path`` (its ``streams/`` or ``global/`` folder, at
+    any depth: a rank's stream, a store made inside one), or None. Symlinks are resolved first,
+    so a link to a stream is a stream; ``path`` need not exist (a store about to be created)."""
+    child = os.path.realpath(path)
+    parent = os.path.dirname(child)
+    while parent != child:
+        if os.path.basename(child) in (STREAMS_DIR, GLOBAL_DIR) and is_job_store(parent):
+            return parent
+        child, parent = parent, os.path.dirname(parent)
+    return None
+
+
+def refuse_job_part(path: str, action: str) -> None:
+    """Raise JobStreamError when ``path`` is a part of a job store (:func:`job_store_holding`):
+    ``action`` (e.g. "gc") on it alone would change one rank's records under the job's global
+    commits. Called before anything is created or written."""
+    job = job_store_holding(path)
+    if job is not None:
+        raise JobStreamError(
+            f"{path} is a part of the multi-rank job store {job} (one rank's stream): {action} "
+            "of it alone would change records that the job's global commits name and damage "
+            f"every iteration of the job; use the job store {job} instead (ckptstore.open(job, "
+            "'a', process_group=pg) writes it, ckptstore fsck --repair repairs it); reading the "
+            "stream with mode \"r\" is allowed", job)
 
 
 def create_job_store(layout: JobLayout, ops: FileOps, chunk_size: int, segment_size: int) -> None:
