@@ -117,8 +117,10 @@ def test_the_default_policy_raises_at_the_failing_step(tmp_path):
     with pytest.raises(ckptstore.DiskFullError):
         _train(ck, model, opt, [1], {}, disk, full={1})
     assert ck.health().policy == "raise"
-    st = ck.stats()  # "raise" counts nothing: the failure was raised to the caller
-    assert (st.health.policy, st.health.failures_total, st.durable_iteration) == ("raise", 0, 0)
+    st = ck.stats()  # "raise" counts the failure it raised to the caller
+    assert (st.health.policy, st.health.failures_total, st.health.failures_in_a_row,
+            st.durable_iteration) == ("raise", 1, 1, 0)
+    assert "DiskFullError" in st.health.last_error and "No space left" in st.health.last_error
     store.close()
 
 

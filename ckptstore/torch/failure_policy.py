@@ -45,7 +45,8 @@ RETRYABLE = (StoreIOError, CheckpointAbortedError)
 class CheckpointHealth:
     """How checkpointing is going, as the policy sees it. Invariants: ``failures_in_a_row <=
     failures_total``; a checkpoint that becomes durable resets ``failures_in_a_row`` (and
-    ``seconds_since_durable``) to 0; under "raise" nothing is counted (the failure is raised)."""
+    ``seconds_since_durable``) to 0; every failure the Checkpointer sees is counted, whatever
+    the policy (under "raise" it is also raised; a misuse is counted and raised under both)."""
 
     policy: str
     failures_total: int = 0
@@ -109,8 +110,6 @@ class FailurePolicy:
     def failed(self, error: BaseException, iteration: int) -> None:
         """A checkpoint failed; returns to keep training, raises to stop (the error itself under
         "raise" or for a failure the policy does not cover, else CheckpointPolicyError)."""
-        if self.mode == "raise" or not isinstance(error, RETRYABLE):
-            raise error
         with self._lock:
             h = self._health
             h.failures_total += 1
@@ -118,10 +117,10 @@ class FailurePolicy:
             h.last_error = f"{type(error).__name__}: {error}"
             h.history = (h.history + [f"iteration {iteration}: {h.last_error}"])[-20:]
             lag = time.monotonic() - self._last_durable
-            over = h.failures_in_a_row >= self.max_failures or \
-                (self.max_lag_s is not None and lag > self.max_lag_s)
             row = h.failures_in_a_row
-        if over:
+        if self.mode == "raise" or not isinstance(error, RETRYABLE):
+            raise error
+        if row >= self.max_failures or (self.max_lag_s is not None and lag > self.max_lag_s):
             raise CheckpointPolicyError(
                 f"checkpointing failed {row} times in a row (limit {self.max_failures}); the last "
                 f"durable checkpoint is {lag:.0f} s old (limit {self.max_lag_s}); last failure at "
