@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DeltaChainError, NotFoundError
+from ..errors import CkptStoreError, DeltaChainError, NotFoundError, RankFailureError
 from ..multirank.job_store import JobStore
 from ..engine.engine import DEFAULT_CHUNK_SIZE
 from ..format.image import BLOCK as IMAGE_BLOCK, ChunkImage
@@ -367,6 +367,31 @@ class Checkpointer:
         (``store.stats()``), in one :class:`~ckptstore.torch.failure_policy.CheckpointerStats`."""
         return CheckpointerStats(self.policy.health(), self.store.durable_iteration(),
                                  self.store.stats())
+
+    def peer_failure(self, cause: BaseException) -> CkptStoreError:
+        """The typed error for a collective of the training job that failed under the DDP comm
+        hook (``cause``: torch's error, e.g. gloo's "connection closed" after a rank died): the
+        store's own background failure when it has one (a round in which another rank voted
+        FAILED: GlobalCommitAbortedError naming that rank and its error), else RankFailureError
+        naming this rank and ``cause``. A job store is marked broken with it, so
+        ``store.check()`` reports it and close() runs no round that the dead rank would never
+        join. (DDP re-raises a hook's error as RuntimeError with this error's type and message
+        in its text: torch's reducer keeps no Python type.)"""
+        error: CkptStoreError | None = None
+        try:
+            self.store.check()
+        except CkptStoreError as e:
+            error = e
+        store = self.store
+        if error is None:
+            rank = store.rank if isinstance(store, JobStore) else None
+            error = RankFailureError(
+                f"{store.path}: the gradient all-reduce of ckptstore's DDP comm hook failed on "
+                f"rank {rank}: another rank of the job died or stopped answering "
+                f"({type(cause).__name__}: {cause})")
+        if isinstance(store, JobStore):
+            store.mark_broken(error)
+        return error
 
     def _durable_callback(self, fut) -> None:
         if not fut.cancelled() and fut.exception() is None:
@@ -755,7 +780,7 @@ class Checkpointer:
                     self._resync = True
                     raise
         except BaseException as e:
-            self.policy.failed(e, iteration)  # raises unless the policy keeps training
+            self._policy_failed(e, iteration)  # raises unless the policy keeps training
             return _Step(iteration, recorded=False)
         self._check_follows(iteration, self.store.tail())
         t0 = time.perf_counter()
@@ -820,8 +845,21 @@ class Checkpointer:
             st.arena = None
         self._last = st.iteration
         self._resync = True
-        self.policy.failed(e, st.iteration)  # raises unless the policy keeps training
+        self._policy_failed(e, st.iteration)  # raises unless the policy keeps training
         return None
+
+    def _policy_failed(self, error: BaseException, iteration: int) -> None:
+        """The failure policy's verdict on ``error`` (returns to keep training). When it raises,
+        this rank stops: a job store is marked broken first, so close() runs no commit round
+        that the other ranks, blocked in the training job's own collectives while they wait
+        for this rank, would never join (each waited ``commit_timeout`` before); they learn of
+        the failure from their own round's outcome or when this rank's process ends."""
+        try:
+            self.policy.failed(error, iteration)
+        except BaseException as raised:
+            if isinstance(self.store, JobStore) and isinstance(raised, CkptStoreError):
+                self.store.mark_broken(raised)
+            raise
 
     def _check_resumes(self, iteration: int) -> None:
         """Before a chain restart: ``iteration`` must follow the live objects' iteration, or the
@@ -867,7 +905,7 @@ class Checkpointer:
             pipe.check()
         except BaseException as e:
             self._resync = True
-            self.policy.failed(e, iteration)  # raises unless the policy keeps training
+            self._policy_failed(e, iteration)  # raises unless the policy keeps training
             pipe = self.store.running_pipeline  # reported: the store takes records again
         tail = pipe.tail()
         if self._resync or self._last is None or tail is None or tail < self._last:
@@ -882,7 +920,7 @@ class Checkpointer:
                 else:
                     self._continue_chain(latest)
             except BaseException as e:
-                self.policy.failed(e, iteration)
+                self._policy_failed(e, iteration)
                 self._release_captures(pipe)
                 return _Step(iteration, recorded=False)
             self._resync = False
@@ -971,7 +1009,10 @@ def ddp_comm_hook(checkpointer: Checkpointer | None = None):
         params = list(bucket.parameters())
 
         def done(f):
-            out = f.value()[0]
+            try:
+                out = f.value()[0]
+            except Exception as e:  # noqa: BLE001 - re-raised as ckptstore's typed error
+                raise checkpointer.peer_failure(e) from e
             checkpointer.capture_bucket(params, out)
             return out
         return fut.then(done)
