@@ -17,6 +17,11 @@ One *round* per commit operation, on every rank, in the same order:
    typed error. UNKNOWN (a newer job claimed the store while the record was written): each rank
    keeps its records and raises CommitOutcomeUnknownError.
 
+DCP's variant (format-spec/format.md §22.6, :mod:`.prepared`) runs no round: DCP's own
+collectives gather the PREPARED votes, and the coordinator's :meth:`GlobalCommitter.decide_prepared`
+makes the same decision (:meth:`GlobalCommitter._decide`) and the caller :meth:`~GlobalCommitter.settle`-s
+it as a round does.
+
 Invariants:
   * A rank cuts its prepared records only on an ABORTED outcome, which the coordinator sends only
     when it did not write (and will never write) a global commit naming them. Every other
@@ -98,7 +103,7 @@ class GlobalCommitter:
                 f"{[c.commit.iteration for c in commits]} but lost contact with the other ranks "
                 f"before the outcome was known ({e}); its records are kept, and the global log "
                 "says whether they are committed (reopen the store)") from e
-        return self._refusal(outcome)
+        return self.refusal(outcome)
 
     def vote_failed(self, error: BaseException) -> None:
         """This rank's operation failed before it could prepare: take part in the round so the
@@ -111,7 +116,7 @@ class GlobalCommitter:
 
     def vote_empty(self) -> None:
         """This rank had nothing to commit in this round (a flush with no pending delta)."""
-        refusal = self._refusal(self._round(Vote(VoteStatus.EMPTY)))
+        refusal = self.refusal(self._round(Vote(VoteStatus.EMPTY)))
         if refusal is not None:
             raise refusal
 
@@ -132,7 +137,14 @@ class GlobalCommitter:
         except FormatError as e:
             self.broken = RankFailureError(f"{self.path}: the commit outcome did not decode: {e}")
             raise self.broken from e
-        if outcome.code == OutcomeCode.COMMITTED and vote.status == VoteStatus.PREPARED:
+        self.settle(outcome, votes_raw if vote.status == VoteStatus.PREPARED else None)
+        return outcome
+
+    def settle(self, outcome: Outcome, votes_raw: list[bytes] | None) -> None:
+        """What a rank learns from an outcome, in a round or in DCP's variant: a COMMITTED outcome
+        of PREPARED votes (``votes_raw``; None when this rank did not prepare) is the job's next
+        global commits (:attr:`on_commit`); a stale or unknown one breaks the committer."""
+        if outcome.code == OutcomeCode.COMMITTED and votes_raw is not None:
             commits = self._global_commits(votes_raw)
             self._last_committed = commits[-1].iteration
             self.on_commit(commits)
@@ -140,12 +152,24 @@ class GlobalCommitter:
             self.broken = StaleWriterError(outcome.message)
         elif outcome.code == OutcomeCode.UNKNOWN:
             self.broken = CommitOutcomeUnknownError(outcome.message)
-        return outcome
+
+    # ---- the DCP variant (format-spec/format.md §22.6; ckptstore/multirank/prepared.py) -------
+    def decide_prepared(self, votes_raw: list[bytes]) -> Outcome:
+        """The coordinator's decision on votes that DCP's own collectives gathered (every rank
+        prepared in ``write_data``; no round runs): the decision of a round, :meth:`_decide`,
+        with the global log written when it commits. The caller :meth:`settle`-s the outcome.
+        Never raises; ABORTED when no round could run either (a broken committer)."""
+        assert self.log is not None, "only the coordinator decides"
+        if self.broken is not None:
+            reason = Reason.STALE if isinstance(self.broken, StaleWriterError) else Reason.GLOBAL_LOG
+            return Outcome(OutcomeCode.ABORTED, reason, f"no commit can be made: {self.broken}")
+        return self._decide(votes_raw)
 
     def _decide(self, votes_raw: list[bytes]) -> Outcome:
         """The coordinator's decision, with the global log written when it commits. Never
         raises: before the append, any failure is ABORTED (nothing was written); once the append
-        may have reached the disk, any doubt is UNKNOWN (every rank keeps its records)."""
+        may have reached the disk, any doubt is UNKNOWN (every rank keeps its records). A round
+        and DCP's variant (:meth:`decide_prepared`) both decide here."""
         assert self.log is not None
         try:
             votes, refusal = self._check_votes(votes_raw)
@@ -216,7 +240,7 @@ class GlobalCommitter:
         return (f"{self.path}: this job's writer epoch {self.epoch} is stale: a newer job claimed "
                 f"epoch {newer}; this writer may not commit again")
 
-    def _refusal(self, outcome: Outcome) -> CkptStoreError | None:
+    def refusal(self, outcome: Outcome) -> CkptStoreError | None:
         """None for COMMITTED; the error to raise for ABORTED (a decision: prepared records may
         be cut); raises CommitOutcomeUnknownError for UNKNOWN (they must be kept)."""
         if outcome.code == OutcomeCode.COMMITTED:
