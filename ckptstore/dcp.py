@@ -82,13 +82,18 @@ device, any layout, dtype conversion as DCP's own reader does with ``copy_``).
 
 **Many ranks.** Over a :class:`~ckptstore.JobStore` of N > 1 ranks (``ckptstore.open(path, "a",
 process_group=pg)`` on every rank), ``dcp.save`` runs on every rank of ``pg`` and each save is
-one iteration of the job store, committed by its global two-phase commit (format-spec/format.md
-§22.3): visible only once every rank's items are durable, or not at all::
+one iteration of the job store, committed by the DCP variant of its global two-phase commit
+(format-spec/format.md §22.6): visible only once every rank's items are durable and DCP gathered
+every rank's success, or not at all::
 
     js = ckptstore.open("runs/gpt", "a", process_group=dist.group.WORLD)   # every rank
     dcp.save(state, storage_writer=ckptstore.dcp.StorageWriter(js, 100))   # every rank
 
-How a save runs (DCP's flow, ``state_dict_saver._save_state_dict``):
+ckptstore runs no collective of its own during a DCP save: DCP's own collectives carry
+everything (so a rank that fails anywhere, in a planner, a writer subclass, before or after this
+writer's ``write_data``, makes every rank raise DCP's ``CheckpointException`` at once, naming
+that rank's error, and the store saves again right after). How a save runs (DCP's flow,
+``state_dict_saver._save_state_dict``):
 
 1. *Planning.* DCP gathers every rank's plan on the coordinator; its planner deduplicates the
    items every rank holds alike (a replicated parameter, a non-tensor value: one rank writes
@@ -96,36 +101,47 @@ How a save runs (DCP's flow, ``state_dict_saver._save_state_dict``):
    ``prepare_global_plan`` (coordinator) then gives each rank's plan ``storage_data``: the store
    key of each of its items (JSON-like lists; DCP ships plans with its own object collectives).
    Keys are a pure function of a rank's items (``fqn``, ``@offsets`` off the origin, ``#`` while
-   taken), so the coordinator knows every rank's keys without another message.
-2. *write_data, every rank, collective.* Each rank resolves its items (nothing is written when one
-   cannot be stored) and saves ``{"dcp": head, "items": its items}`` as its state of the iteration
-   with :meth:`JobStore.save`: its stream's records and local COMMIT are made durable, every rank
-   votes, rank 0 of the job store writes the GLOBAL_COMMIT (the commit point), every rank learns
-   the outcome. The coordinator's ``head`` holds DCP's metadata of the whole save (the
-   planner's, the Metadata DCP passes to ``finish``), its storage map naming the rank and key of
-   every item; the other ranks' heads name the coordinator (``metadata_rank``). A rank that fails
-   before its vote (an item that cannot be stored, a planner that raises) still takes part in
-   the round, voting FAILED: every rank aborts at once, nothing is visible, and the store is
-   ready for the next save.
-3. *finish (coordinator).* Nothing is left to commit: it checks that the Metadata DCP passes is
-   the one committed and sets its storage map. So a failure in ``finish`` (a subclass raising,
-   the check failing) is reported by DCP while the iteration stays whole and visible; it can
-   never be half-visible.
+   taken), so the coordinator knows every rank's keys without another message. The
+   coordinator's ``set_up_storage_writer`` settles what an earlier save of this job store left
+   prepared (below).
+2. *write_data, every rank: prepare.* Each rank resolves its items (nothing is written when one
+   cannot be stored) and commits ``{"dcp": head, "items": its items}`` in its own rank stream
+   (records, fsync, local COMMIT, fsync) without making it visible: the job store holds the
+   stream's index update back (``JobStore.prepared``). The coordinator's ``head`` holds DCP's
+   metadata of the whole save (the planner's, the Metadata DCP passes to ``finish``), its
+   storage map naming the rank and key of every item; the other ranks' heads name the coordinator
+   (``metadata_rank``). The WriteResults it returns end with one more, key ``VOTE_KEY``, whose
+   ``storage_data`` is this rank's *vote*: where its local COMMIT is and what it says (the commit
+   round's vote encoding, multirank/messages.py, as a hex string: plain data, which DCP's gather
+   carries to the coordinator; nothing read from a store is pickled).
+3. *finish, the coordinator: the global commit.* DCP calls it only when every rank's
+   ``write_data`` succeeded. It checks the Metadata DCP passes against the prepared one and
+   every rank's results, then decides on the votes exactly as a commit round's coordinator does
+   (same iteration on every rank, no newer epoch, after the latest commit) and appends the
+   GLOBAL_COMMIT: **the commit point**. A failure before it (a subclass raising at the start of
+   ``finish``, a check failing) commits nothing. When ``dcp.save`` returns on any rank, the
+   iteration is durable.
+4. *Every other rank learns lazily.* Its prepared commit stays held until the job store's next
+   use reads the global log (``iterations``, ``latest``, ``load``, the next save's set-up...):
+   named by a GLOBAL_COMMIT, it is indexed and visible. A save that failed leaves it held; the
+   rank's next ``write_data`` (which DCP runs only after the coordinator began that next save,
+   and so settled the failed one for good) cuts it back unless the log names it; any other write
+   first (``JobStore.save``, ``close``) keeps it in its stream, never visible. So a failed save
+   costs nothing and the same iteration can be saved again.
 
-Failures: DCP reports every rank's error in ``CheckpointException.failures`` (the failing rank's
-own, :class:`~ckptstore.errors.GlobalCommitAbortedError` on the others). A rank that dies (or
-hangs) before its vote makes the others' round fail within the job store's ``commit_timeout``
-with ``RankFailureError`` (``CommitOutcomeUnknownError`` after their vote; the global log then
-decides); DCP's own next collective over the dead rank then fails with torch's error (gloo's
-``RuntimeError``), which is what ``dcp.save`` raises: the typed error stays in the writer's
-``error``. A rank that raises in DCP between planning and this writer's ``write_data`` (a
-planner's ``finish_plan``, a subclass's ``write_data`` before it calls this one) never votes:
-the others wait for the commit timeout. Refused with ``DCPError`` on every rank before any round
-runs: ``use_collectives=False``, ``no_dist=True``, a DCP process group of another size or rank
-numbering than the job store's (save over the group the store was opened with), a job store
-whose async pipeline runs (its persister runs the rounds). DCP's plan
-caching (``DefaultSavePlanner(enable_plan_caching=True)``) works: unchanged plans keep the keys
-made from the same items.
+Failures: DCP reports the failing ranks' errors in ``CheckpointException.failures`` (the other
+ranks report none); the writer keeps the typed one in ``error`` (``GlobalCommitAbortedError``,
+``RankMismatchError``, ``StaleWriterError``, ``CommitOutcomeUnknownError`` from the decision).
+A rank that dies makes DCP's next collective over it fail on the others (gloo's error, at once
+when its sockets close, else at the process group's timeout): an acknowledged save is never lost,
+and a save in flight is visible iff its GLOBAL_COMMIT is durable. Refused with ``DCPError`` on
+every rank before anything is written: ``use_collectives=False``, ``no_dist=True``, a DCP process
+group of another size or rank numbering than the job store's (save over the group the store was
+opened with), a DCP coordinator other than the job store's rank 0 (``dcp.save`` always uses rank
+0; only ``coordinator_rank`` of the deprecated ``save_state_dict`` can differ), deltas pending
+commit, a job store whose async pipeline runs (its persister owns the stream's commits). DCP's
+plan caching (``DefaultSavePlanner(enable_plan_caching=True)``) works: unchanged plans keep the
+keys made from the same items.
 
 Loads work at any world size, and in one process without a group: the reader takes DCP's
 metadata from the coordinator's state and reads each requested box from the stream of the rank
@@ -188,7 +204,7 @@ if TYPE_CHECKING:
 
 __all__ = ["StorageWriter", "StorageReader", "FORMAT", "FORMAT_VERSION", "Layout", "TensorLayout",
            "ShardLayout", "ValueLayout", "is_dcp", "layout", "layout_of", "load_full_state_dict",
-           "check_state_dict"]
+           "check_state_dict", "VOTE_KEY"]
 
 #: the marker of a DCP iteration (``state["dcp"]["format"]``) and its layout version
 FORMAT = "ckptstore.dcp"
@@ -537,10 +553,9 @@ class StorageWriter:
         #: the coordinator's committed (DCP metadata, storage map, encoded metadata)
         self._committed: tuple[Metadata, dict[Any, tuple[int, str]], dict[str, Any]] | None = None
         self._done = False
-        #: why this rank's part of the last multi-rank save failed in write_data (None: it did
-        #: not fail there). When a rank died, DCP's own collectives after write_data fail with
-        #: torch's error (gloo's RuntimeError); this keeps the store's typed one
-        #: (RankFailureError, CommitOutcomeUnknownError, GlobalCommitAbortedError, ...)
+        #: why this rank's part of the last multi-rank save failed in write_data or finish (None:
+        #: it did not fail there): the typed error (GlobalCommitAbortedError, RankMismatchError,
+        #: CommitOutcomeUnknownError, DCPError, ...) that DCP wraps in its CheckpointException
         self.error: BaseException | None = None
 
     def _checked(self, iteration: int) -> int:
@@ -598,11 +613,23 @@ class StorageWriter:
                            f"{store.rank}: save over the process group the store was opened with")
         if store.running_pipeline is not None:
             raise DCPError(f"{store.path}: the job store's async pipeline runs its commit rounds; "
-                           "ckptstore.dcp commits inside DCP's write_data and cannot share them "
-                           "(use a job store without async saves, or dcp.async_save)")
+                           "ckptstore.dcp commits through DCP's own collectives and cannot share "
+                           "the stream with it (use a job store without async saves, or "
+                           "dcp.async_save)")
+        if is_coordinator != (store.rank == 0):
+            raise DCPError(f"{store.path}: rank {store.rank} of the job store is "
+                           f"{'' if is_coordinator else 'not '}DCP's coordinator: the global commit "
+                           "is written by the job store's rank 0 in DCP's finish, so DCP's "
+                           "coordinator must be rank 0 (dcp.save's; coordinator_rank=0)")
+        if store.pending():
+            raise DCPError(f"{store.path}: rank {store.rank} has deltas pending commit; flush() "
+                           "the job store before a DCP save")
         if self.iteration is None:
             raise DCPError("no iteration to save: pass StorageWriter(store, iteration) or "
                            "checkpoint_id= to dcp.save")
+        prepared = store.prepared
+        if is_coordinator:
+            prepared.begin_save()  # from here no decide can commit an earlier save's prepare
         self._checked(self.iteration)
         self._coordinator = is_coordinator
 
@@ -640,9 +667,10 @@ class StorageWriter:
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """One process: resolve and check every item of the plan; nothing is written until
-        :meth:`finish`. Many ranks (collective): resolve this rank's items and save them (the
-        coordinator's with DCP's metadata) as this rank's part of the iteration, committed on
-        every rank or on none when this returns."""
+        :meth:`finish`. Many ranks (no collective of ckptstore's own): resolve this rank's items
+        and *prepare* them (the coordinator's with DCP's metadata) as this rank's part of the
+        iteration: durable in its stream, not visible; the results end with this rank's vote,
+        which DCP gathers for the coordinator's :meth:`finish` (the global commit)."""
         if not self._multi:
             self._staged, results = self._stage(plan, planner, _assign_keys(plan.items))
             return _resolved(results)
@@ -656,18 +684,11 @@ class StorageWriter:
                 head = {"format": FORMAT, "version": FORMAT_VERSION,
                         "metadata_rank": plan.storage_data["coordinator"]}
             state = {"dcp": head, "items": staged}
-        except BaseException as e:
-            self.error = e
-            try:
-                store.fail_save(e)  # the other ranks abort now instead of at the commit timeout
-            except Exception:  # noqa: BLE001 - a closed store: no round can run; e is the error
-                pass
-            raise
-        try:
-            self.last_stats = store.save(self.iteration, state, meta=self.meta)
+            self.last_stats, vote = store.prepared.prepare(self.iteration, state, self.meta)
         except BaseException as e:
             self.error = e
             raise
+        results.append(_vote_result(store.rank or 0, self.iteration, vote))
         self._done = True
         return _resolved(results)
 
@@ -779,26 +800,42 @@ class StorageWriter:
         self.last_stats = self.store.save(self.iteration, state, meta=self.meta)
 
     def _finish_multi(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """The iteration is committed on every rank already: only checks, no store write (a
-        failure here is reported by DCP, and the iteration stays whole and visible)."""
+        """The global commit (the coordinator, after DCP gathered every rank's results): check
+        the metadata and every rank's results, then decide on every rank's vote. Any failure
+        before the decision commits nothing (the coordinator's prepared part is cut back; the
+        others' are cut at their next save)."""
+        store = self.store
+        assert isinstance(store, JobStore)
         committed, self._committed = self._committed, None
-        if committed is None or not self._done:
-            raise DCPError("finish() without a committed write_data()")
-        md, storage, doc = committed
-        it = self.iteration
-        if metadata is not md:
-            theirs = encode_metadata(dataclasses.replace(metadata, storage_data={}))
-            if (theirs["state_dict_metadata"], theirs["planner_data"]) != \
-                    (doc["state_dict_metadata"], doc["planner_data"]):
-                raise DCPError(f"iteration {it} is committed on every rank with the metadata "
-                               "ckptstore.dcp computed from the global plan, which differs from "
-                               "the one DCP passed to finish() (a planner whose create_global_plan "
-                               "makes its own); loads use the stored metadata")
-        for r, per_rank in enumerate(results):
-            for wr in per_rank:
-                if storage.get(wr.index) != (r, wr.storage_data):
-                    raise DCPError(f"iteration {it}: rank {r}'s write result for "
-                                   f"{wr.index.fqn!r} is not the item the plan gave it")
+        try:
+            if committed is None or not self._done:
+                raise DCPError("finish() without a prepared write_data()")
+            md, storage, doc = committed
+            it = self.iteration
+            assert it is not None
+            if metadata is not md:
+                theirs = encode_metadata(dataclasses.replace(metadata, storage_data={}))
+                if (theirs["state_dict_metadata"], theirs["planner_data"]) != \
+                        (doc["state_dict_metadata"], doc["planner_data"]):
+                    raise DCPError(f"iteration {it}: the metadata DCP passed to finish() differs "
+                                   "from the one ckptstore.dcp computed from the global plan and "
+                                   "prepared (a planner whose create_global_plan makes its own); "
+                                   "nothing is committed")
+            votes = _votes_of(results, it, store.world_size or 0)
+            for r, per_rank in enumerate(results):
+                for wr in per_rank[:-1]:
+                    if storage.get(wr.index) != (r, wr.storage_data):
+                        raise DCPError(f"iteration {it}: rank {r}'s write result for "
+                                       f"{wr.index.fqn!r} is not the item the plan gave it")
+        except BaseException as e:
+            self.error = e
+            store.prepared.abandon()
+            raise
+        try:
+            store.prepared.decide(it, votes)  # the global commit point
+        except BaseException as e:
+            self.error = e
+            raise
         metadata.version = _dcp_version(metadata.version)
         metadata.storage_data = dict(storage)
         metadata.storage_meta = self.storage_meta()
@@ -812,6 +849,44 @@ class StorageWriter:
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike | int) -> bool:
         """Whether ``checkpoint_id`` names an iteration (an int >= 0 or a string of digits)."""
         return _valid_id(checkpoint_id)
+
+
+#: the DCP key of the extra WriteResult that carries a rank's vote (a NUL never starts an fqn)
+VOTE_KEY = "\x00ckptstore.dcp.vote"
+
+
+def _vote_result(rank: int, iteration: int, vote: bytes) -> WriteResult:
+    """The WriteResult that carries this rank's PREPARED vote to the coordinator's finish through
+    DCP's gather (plain data: the vote's bytes, multirank/messages.py, as hex)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    return WriteResult(index=MetadataIndex(VOTE_KEY), size_in_bytes=0,
+                       storage_data={"format": FORMAT, "rank": rank, "iteration": iteration,
+                                     "vote": vote.hex()})
+
+
+def _votes_of(results: list[list[WriteResult]], iteration: int, world: int) -> list[bytes]:
+    """Every rank's vote from DCP's gathered results (each rank's list ends with it), in rank
+    order; DCPError naming the rank whose results carry none."""
+    if len(results) != world:
+        raise DCPError(f"iteration {iteration}: DCP gathered the results of {len(results)} ranks, "
+                       f"the job store has {world}")
+    votes = []
+    for r, per_rank in enumerate(results):
+        last = per_rank[-1] if per_rank else None
+        data = getattr(last, "storage_data", None)
+        if last is None or last.index.fqn != VOTE_KEY or type(data) is not dict or \
+                data.get("format") != FORMAT or data.get("rank") != r or \
+                data.get("iteration") != iteration or type(data.get("vote")) is not str:
+            raise DCPError(f"iteration {iteration}: rank {r}'s write results carry no vote of "
+                           "ckptstore.dcp's write_data for it (a writer subclass that changes "
+                           "them?); nothing is committed")
+        try:
+            votes.append(bytes.fromhex(data["vote"]))
+        except ValueError:
+            raise DCPError(f"iteration {iteration}: rank {r}'s vote is not hex") from None
+    return votes
 
 
 def _object_of(item: WriteItem, planner: SavePlanner) -> Any:

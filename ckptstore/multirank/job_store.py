@@ -48,6 +48,7 @@ from ..storage.store_file import read_store_header
 from ..store import CheckpointInfo, SaveStats, Store, select_keys
 from .committer import GlobalCommitter
 from .group import RankGroup
+from .prepared import PreparedCommits
 
 T = TypeVar("T")
 
@@ -84,6 +85,8 @@ class JobStore:
         self._group: RankGroup | None = None
         self._committer: GlobalCommitter | None = None
         self._epoch_log: EpochLog | None = None
+        #: DCP's commit variant: this rank's prepared commit awaiting its outcome (.prepared)
+        self._prepared: PreparedCommits | None = None
         self.epoch: int | None = None
         #: this process's rank (None: a reader opened without a process group)
         self.rank: int | None = None
@@ -268,12 +271,26 @@ class JobStore:
     def _check(self) -> None:
         if self._closed:
             raise StoreClosedError(f"store {self.path} is closed")
+        if self._prepared is not None:
+            self._prepared.learn()  # a DCP save committed since: index it (never cuts)
 
     def _writer(self) -> tuple[Store, GlobalCommitter]:
         self._check()
         if self._own is None or self._committer is None:
             raise ReadOnlyStoreError(f'store {self.path} is open read-only (mode="r")')
+        if self._prepared is not None:
+            self._prepared.keep()  # another write follows a DCP prepare: never cut it from now
         return self._own, self._committer
+
+    @property
+    def prepared(self) -> PreparedCommits:
+        """This rank's DCP commits (ckptstore.dcp's writer; format-spec/format.md §22.6)."""
+        self._check()
+        if self._own is None or self._committer is None:
+            raise ReadOnlyStoreError(f'store {self.path} is open read-only (mode="r")')
+        if self._prepared is None:
+            self._prepared = PreparedCommits(self)
+        return self._prepared
 
     def close(self) -> None:
         """Writers (collective): commit pending deltas (one round), then release everything."""

@@ -2,7 +2,9 @@
 
 These bytes travel between the ranks of one job over torch.distributed (as uint8 tensors); they
 are never stored. Every rank sends one *vote* per commit round; the coordinator answers with one
-*outcome*.
+*outcome*. In DCP's commit variant (format-spec/format.md §22.6) a PREPARED vote travels as the
+hex string of these bytes inside a DCP WriteResult, and DCP's ``finish`` (no outcome message)
+reports the decision.
 
 Vote::
 
