@@ -109,7 +109,7 @@ class JobStore:
                      segment_size: int | None, evict_written: bool, direct_io: bool | str,
                      host_budget: int | None, max_inflight: int | None,
                      features: str) -> None:
-        group = self._group = RankGroup(process_group, timeout)
+        group = self._group = RankGroup(process_group, timeout, label=self.path)
         self.rank = group.rank
         try:
             if group.rank == 0:
