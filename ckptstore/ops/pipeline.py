@@ -58,6 +58,7 @@ from ..errors import (CheckpointAbortedError, DeltaChainError, GlobalCommitAbort
 from ..format.state import flatten
 from ..tensors import TORCH_DTYPES, ArrayLeaf, ImageTensor, leaf_hook
 from ..engine.write_path import SaveStats, flatten_meta
+from . import shutdown
 
 if TYPE_CHECKING:
     from ..engine.writer_engine import WriterEngine
@@ -359,9 +360,14 @@ class Pipeline:
         #: called by the persister with the iteration of each snapshot once it is committed and
         #: its future resolved, before the next job (automatic retention); must not raise
         self.after_snapshot: Callable[[int], None] | None = None
+        #: the job the persister is running (None between jobs); set and cleared under _cond
+        self._current: _Job | None = None
+        #: stopped at interpreter exit (stop_at_exit): nothing is queued or run any more
+        self._abandoned = False
         self._thread = threading.Thread(target=self._run, name=f"ckptstore-persist:{engine.path}",
                                         daemon=True)
         self._thread.start()
+        shutdown.track(self, shutdown.PERSISTERS)
 
     # ---- foreground -------------------------------------------------------------------------
     def submit(self, kind: str, iteration: int, state: Any, meta: dict | None = None, *,
@@ -377,10 +383,14 @@ class Pipeline:
                 self._queue_job(_Job("vote-failed", error=e))
             raise
 
-    def _queue_job(self, job: _Job) -> None:
+    def _queue_job(self, job: _Job) -> bool:
+        """Queue ``job``; False (not queued) once the pipeline was stopped at exit."""
         with self._cond:
+            if self._abandoned:
+                return False
             self._queue.append(job)
             self._cond.notify_all()
+        return True
 
     def _submit(self, kind: str, iteration: int, state: Any, meta: dict | None, commit: bool,
                 owned: list[Arena] | None) -> Future:
@@ -397,6 +407,9 @@ class Pipeline:
             tail = self.engine.tail() if not self._tail_known else None
             wait = 0.0
             with self._cond:
+                if self._abandoned:
+                    raise CheckpointAbortedError(f"{self.engine.path}: the store's async saves "
+                                                 "were stopped at interpreter exit")
                 if not self._tail_known:
                     self._tail, self._tail_known = tail, True
                 prev = self._tail
@@ -433,9 +446,8 @@ class Pipeline:
             raise
         job.future.set_running_or_notify_cancel()
         job.stats = AsyncStats(iteration, kind, time.perf_counter() - t0, wait, snap, depth, copied)
-        with self._cond:
-            self._queue.append(job)
-            self._cond.notify_all()
+        if not self._queue_job(job):  # stopped at exit meanwhile
+            self._drop([job], "the store's async saves were stopped at interpreter exit")
         return job.future
 
     def _check_order(self, kind: str, iteration: int, prev: int | None) -> None:
@@ -486,11 +498,10 @@ class Pipeline:
             self.check()
         with self._cond:
             idle = not self._inflight and not self._queue and not self._uncommitted
-        if not idle or self.commit_round is not None:
+        if (not idle or self.commit_round is not None) and not self._abandoned:
             marker = _Job("flush")
-            with self._cond:
-                self._queue.append(marker)
-                self._cond.notify_all()
+            if not self._queue_job(marker):
+                return
             try:
                 marker.future.result()
             except BaseException:  # noqa: BLE001 - the failure is raised by check() below
@@ -502,9 +513,7 @@ class Pipeline:
         :mod:`ckptstore.ops.grouptimer`): it runs after the jobs already queued, and its failure is
         reported like any background failure (the rolled-back deltas' futures, then the next call,
         flush or close)."""
-        with self._cond:
-            self._queue.append(_Job("flush"))
-            self._cond.notify_all()
+        self._queue_job(_Job("flush"))
 
     def wait(self) -> None:
         """Wait until every submitted checkpoint is persisted (snapshots committed, async deltas
@@ -519,14 +528,62 @@ class Pipeline:
         self._tail_known = False
 
     def close(self) -> None:
-        """Flush, then stop the persister thread (also when the flush raises)."""
+        """Flush, then stop the persister thread (also when the flush raises) and join it."""
         try:
             self.flush()
         finally:
-            with self._cond:
-                self._queue.append(_Job("stop"))
-                self._cond.notify_all()
+            shutdown.forget(self)
+            self._queue_job(_Job("stop"))  # (not queued once stopped at exit: it has ended)
             self._thread.join()
+
+    def stop_at_exit(self) -> str | None:
+        """Stop as a crash would, the interpreter exiting with the store open
+        (:mod:`ckptstore.ops.shutdown`): the job the persister is running finishes (a commit round
+        in flight completes or fails on every rank: a rank that stopped before the round closes
+        its group, which fails the round at once on the others); every queued job is dropped, its
+        future raising CheckpointAbortedError; the thread is joined. Appended deltas left
+        without their commit stay uncommitted on disk, exactly as after a crash (the next open
+        recovers them away); nothing committed is touched. Returns the warning's text when
+        anything was abandoned or the persister was busy, else None."""
+        why = "the store's async saves were stopped at interpreter exit (the store was not closed)"
+        with self._cond:
+            if self._abandoned or not self._thread.is_alive():
+                return None
+            self._abandoned = True
+            running = self._current
+            dropped = [j for j in self._queue if j is not running]
+            self._queue = deque([running] if running is not None else [])
+            self._cond.notify_all()
+        self._drop(dropped, why)
+        self._thread.join()
+        with self._cond:
+            lost, self._uncommitted = self._uncommitted, []
+        self._drop(lost, why + " before their group's commit", queued=False)
+        saves = [j for j in dropped + lost if j.kind in ("snapshot", "delta")]
+        if running is None and not saves:
+            return None
+        return (f"ckptstore: store {self.engine.path} was left open at interpreter exit: its "
+                f"async saves were stopped; {len(saves)} checkpoint(s) not committed were "
+                "abandoned (as in a crash: committed ones are kept; close() the store to commit "
+                "them)" + (f": iterations {[j.iteration for j in saves]}" if saves else ""))
+
+    def _drop(self, jobs: list[_Job], why: str, queued: bool = True) -> None:
+        """Fail jobs that will never run (their futures raise CheckpointAbortedError);
+        ``queued``: they were still counted in flight (not yet persisted)."""
+        for j in jobs:
+            for a in j.arenas:
+                self.pool.release(a)
+            j.arenas, j.leaves = [], []
+            if queued and j.kind in ("snapshot", "delta"):
+                with self._cond:
+                    self._inflight -= 1
+                    self._cond.notify_all()
+            if j.future.done():
+                continue
+            if j.kind == "vote-failed":
+                j.future.set_result(None)
+            else:
+                j.future.set_exception(CheckpointAbortedError(f"{self._what(j)}: {why}"))
 
     def pending_deltas(self) -> list[int]:
         with self._cond:
@@ -549,12 +606,15 @@ class Pipeline:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
+                while not self._queue and not self._abandoned:
                     self._cond.wait()
-                job = self._queue[0]
+                if self._abandoned:
+                    return
+                job = self._current = self._queue[0]
             if job.kind == "stop":
                 with self._cond:
                     self._queue.popleft()
+                    self._current = None
                     self._cond.notify_all()
                 return
             if job.kind == "vote-failed":
@@ -586,6 +646,7 @@ class Pipeline:
                 job.leaves = []
                 with self._cond:
                     self._queue.popleft()
+                    self._current = None
                     if job.kind in ("snapshot", "delta"):
                         self._inflight -= 1
                     self._cond.notify_all()
@@ -612,6 +673,7 @@ class Pipeline:
             pass
         with self._cond:
             self._queue.popleft()
+            self._current = None
             self._cond.notify_all()
         job.future.set_result(None)
 
