@@ -15,8 +15,8 @@ protocol"; format-spec/deltas.md, "Group commit"):
 4. ``txn.prepare()`` -- fsync every appended record: commit phase one.
 5. ``txn.commit() -> IndexBatch`` -- one COMMIT record per staged checkpoint, in order, then
    fsync: **the commit point** (phase two). Then the host's ``commit_hook``, if any (an outer
-   commit: a job store's global commit, which may still abort this transaction), then the index
-   learns the batch.
+   commit: a job store's global commit, which may still abort this transaction, or hold the
+   batch back from the index: :class:`Hold`), then the index learns the batch.
    ``txn.abort()`` instead of 4-5 (or after any failure in them): cut the log back to the start.
 
 Invariants:
@@ -93,9 +93,24 @@ class TransactionHost(Protocol):
     #: learns them (None: no outer commit). A multi-rank job store's global two-phase commit
     #: (ckptstore/multirank/): returning None means committed; returning an error means the
     #: outer commit decided against them: the transaction is aborted (its records, COMMITs
-    #: included, are cut back) and that error raised. Raising means the outcome is unknown: the
-    #: local commit is kept and indexed (an outer commit may name it), then the error re-raised.
-    commit_hook: Callable[[list[CommitEntry]], BaseException | None] | None
+    #: included, are cut back) and that error raised. Returning a :class:`Hold` means the outer
+    #: decision comes later (a DCP save's, ckptstore/multirank/prepared.py): the transaction
+    #: closes with its records durable and hands the batch to the hold instead of the index.
+    #: Raising means the outcome is unknown: the local commit is kept and indexed (an outer
+    #: commit may name it), then the error re-raised.
+    commit_hook: Callable[[list[CommitEntry]], "BaseException | Hold | None"] | None
+
+
+class Hold:
+    """A commit hook's answer "decided later": the transaction's local commit stays durable and
+    unindexed, and ``receive`` gets its batch instead of the index. Whoever holds the batch
+    must then give it to the host's ``apply_committed`` (committed) or cut the log back to
+    where the transaction began (not committed), under the engine's lock, before the next
+    transaction: until then the log holds a COMMIT the index does not know (which a recovery
+    scan would index: keeping is the safe default)."""
+
+    def __init__(self, receive: Callable[[IndexBatch], None]) -> None:
+        self.receive = receive
 
 
 class Transaction:
@@ -174,6 +189,7 @@ class Transaction:
             self.abort()
             raise
         unknown: BaseException | None = None
+        hold: Hold | None = None
         if self._host.commit_hook is not None:
             try:
                 refusal = self._host.commit_hook(merged.commits)  # the outer (global) commit
@@ -181,12 +197,17 @@ class Transaction:
                 unknown = e  # the outer outcome is not known: an outer commit may name these
                 # records, so they are kept and indexed, then the error is raised
             else:
-                if refusal is not None:
+                if isinstance(refusal, Hold):
+                    hold = refusal
+                elif refusal is not None:
                     self.abort()  # decided against: cut the local commit back, never written
                     raise refusal
         self._close()
         merged.position = Position(cloc.seq, cloc.end)
         merged.segments = tuple(s for s in self.log.refresh_segments() if s <= cloc.seq)
+        if hold is not None:
+            hold.receive(merged)
+            return merged
         self._host.apply_committed(merged)
         if unknown is not None:
             raise unknown

@@ -39,7 +39,7 @@ from ..storage.log import Log
 from ..storage.store_file import create_store, read_store_header
 from ..tensors import ArrayLeaf
 from .engine import DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE, Engine
-from .transaction import Transaction
+from .transaction import Hold, Transaction
 from .write_path import CompressionTrials, SaveStats, append_checkpoint, chunk_size_for
 
 
@@ -96,7 +96,7 @@ class WriterEngine(Engine):
         self.on_new_group: Callable[[], None] | None = None
         #: the outer commit every transaction's commit calls after its local commit point (a
         #: multi-rank job store's global commit; ckptstore/engine/transaction.py)
-        self.commit_hook: Callable[[list[CommitEntry]], BaseException | None] | None = None
+        self.commit_hook: Callable[[list[CommitEntry]], BaseException | Hold | None] | None = None
         #: called (under the lock, in the committing thread) after each change of what is
         #: durable: a commit indexed (:meth:`apply_committed`) or a gc installed
         #: (:meth:`install_compaction`). A listener must be quick and must not raise (an error

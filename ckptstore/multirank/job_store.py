@@ -130,7 +130,7 @@ class JobStore:
             self.epoch = epoch
             committer = GlobalCommitter(group, epoch, self._epoch_log, self.path)
             committer.adopted_latest = adopted_plus - 1 if adopted_plus else None
-            committer.on_commit = self._learn
+            committer.on_commit = self.learn
             self._committer = committer
             error = b""
             own_error: BaseException | None = None
@@ -324,8 +324,10 @@ class JobStore:
                 f"world_size={self.world_size} epoch={self.epoch}>")
 
     # ---- writing (collective) -------------------------------------------------------------------
-    def _learn(self, commits: list[GlobalCommit]) -> None:
-        """The committer's report of new global commits (from whichever thread commits)."""
+    def learn(self, commits: list[GlobalCommit]) -> None:
+        """Add global commits this rank learned to its view: the committer's report of each
+        round's (from whichever thread commits), or a DCP save's prepared commit found named in
+        the global log (ckptstore/multirank/prepared.py)."""
         with self._view_lock:
             for g in commits:
                 self._view.commits[g.iteration] = g

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CkptStoreError, DamagedCheckpointError, DCPError
 from ..format.job import GlobalCommit, RankCommit
 from ..storage.index import CommitEntry, IndexBatch, Position
+from ..engine.transaction import Hold
 from ..storage.job_log import scan_epoch_log
 from .messages import OutcomeCode, Vote, VoteStatus, encode_vote
 
@@ -113,18 +114,16 @@ class PreparedCommits:
             seen: list[tuple[list[CommitEntry], Position | None]] = []
             held: list[IndexBatch] = []
 
-            def prepared(entries: list[CommitEntry]) -> BaseException | None:
-                # the local commit point passed; the index has not learned the batch yet
+            def prepared(entries: list[CommitEntry]) -> Hold:
+                # the local commit point passed; the batch is held back from the index
                 seen.append((list(entries), engine.index.position()))
-                return None
+                return Hold(held.append)
 
             with engine.locked():
                 engine.commit_hook = prepared
-                setattr(engine, "apply_committed", held.append)  # hold the batch back
                 try:
                     stats = own.save(iteration, state, meta)
                 finally:
-                    delattr(engine, "apply_committed")
                     engine.commit_hook = self._committer.hook
                     if seen:
                         entries, start = seen[-1]
@@ -198,7 +197,7 @@ class PreparedCommits:
             if named is not None:
                 with self.engine.locked():
                     self._index(p)
-                    self._store._learn([named])
+                    self._store.learn([named])
 
     def settle_earlier(self) -> None:
         """Resolve a held commit of an earlier save for good: named -> indexed, else cut.
@@ -215,7 +214,7 @@ class PreparedCommits:
             with self.engine.locked():
                 if named is not None:
                     self._index(p)
-                    self._store._learn([named])
+                    self._store.learn([named])
                 else:
                     self._cut(p)
 
