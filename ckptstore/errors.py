@@ -14,6 +14,13 @@ from __future__ import annotations
 class CkptStoreError(Exception):
     """Root of every error ckptstore raises deliberately."""
 
+    @classmethod
+    def from_message(cls, message: str) -> "CkptStoreError":
+        """An instance whose text is ``message``: another rank's error of this class, rebuilt
+        from its report (ckptstore/multirank/rank_errors.py). TypeError when this class needs
+        more than a message."""
+        return cls(message)
+
 
 class FormatError(CkptStoreError):
     """Bytes read from a store do not decode: bad magic, length, field value or checksum.
@@ -131,6 +138,15 @@ class StoreIOError(CkptStoreError, OSError):
     def __str__(self) -> str:
         return self.args[1] if len(self.args) > 1 else super().__str__()
 
+    @classmethod
+    def from_message(cls, message: str) -> "StoreIOError":
+        """Another rank's I/O error, rebuilt from its report: ``message`` names the operation and
+        the file; the errno stays on the rank that had it (None here)."""
+        error = cls.__new__(cls)
+        OSError.__init__(error, None, message)
+        error.operation = ""
+        return error
+
 
 class DiskFullError(StoreIOError):
     """ENOSPC or EDQUOT while writing."""
@@ -228,7 +244,15 @@ class CommitOutcomeUnknownError(RankFailureError):
 class GlobalCommitAbortedError(CheckpointAbortedError):
     """A multi-rank store's commit round aborted this checkpoint on every rank: another rank
     failed before its records were durable (its error is named), or the global log could not be
-    written. What this rank prepared was cut back; earlier commits are intact."""
+    written. What this rank prepared was cut back; earlier commits are intact.
+
+    ``failures``: ``(rank, "TypeName: message")`` of every rank whose operation failed in the
+    round (empty when the global log failed); the first other rank's error, rebuilt as its
+    ckptstore type (a DiskFullError naming the file), is this error's ``__cause__``."""
+
+    def __init__(self, message: str, failures: tuple[tuple[int, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.failures = failures
 
 
 class DCPError(CkptStoreError):

@@ -58,8 +58,11 @@ def disk_full_on_rank_0(rank, world, path, policy, asynchronous):
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             ck.step(it)
         except ckptstore.CkptStoreError as e:
+            cause = e.__cause__
             error = {"type": type(e).__name__, "message": str(e),
-                     "seconds": time.monotonic() - t0}
+                     "seconds": time.monotonic() - t0,
+                     "cause": [type(cause).__name__, str(cause), getattr(cause, "rank", None)]
+                     if cause is not None else None}
             break
         opt.zero_grad()
     t1 = time.monotonic()
@@ -82,7 +85,11 @@ def test_one_ranks_full_disk_reaches_every_rank_with_its_cause(tmp_path, asynchr
     seg_dir = os.path.join(path, "streams", "0000000001-00000", "segments")
     # rank 1's error names the failing rank, its error type and the file that failed
     assert "rank 0: " in r1["error"]["message"] and seg_dir in r1["error"]["message"], r1
-    assert "DiskFullError" in r1["error"]["message"] or "write" in r1["error"]["message"], r1
+    assert "DiskFullError" in r1["error"]["message"], r1
+    # ... and its cause is rank 0's own error, rebuilt with its type
+    cause_type, cause_message, cause_rank = r1["error"]["cause"]
+    assert (cause_type, cause_rank) == ("DiskFullError", 0), r1
+    assert cause_message.startswith("rank 0: ") and seg_dir in cause_message, r1
     for r in (r0, r1):
         assert r["error"]["seconds"] < TIMEOUT / 3, r   # at once, not after the commit timeout
         assert r["close_seconds"] < TIMEOUT / 3, r      # close runs no round the other never joins
@@ -160,3 +167,24 @@ def test_a_dead_peer_under_ddp_is_reported_by_ckptstore(tmp_path):
     assert r0["close_seconds"] < TIMEOUT / 3, r0
     with ckptstore.open(path, "r") as reader:
         assert reader.iterations() and max(reader.iterations()) <= 6
+
+
+def test_a_failed_vote_names_the_root_error_and_peers_rebuild_its_type():
+    from ckptstore.multirank.rank_errors import describe, rebuild
+
+    try:
+        try:
+            raise ckptstore.DiskFullError("write", "/d/seg", OSError(errno.ENOSPC, "No space"))
+        except OSError as e:
+            raise ckptstore.CheckpointAbortedError("iteration 4 was not written") from e
+    except ckptstore.CkptStoreError as e:
+        text = describe(e)
+    assert text == "DiskFullError: write failed on /d/seg: No space"
+    err = rebuild(3, text)
+    assert type(err) is ckptstore.DiskFullError and isinstance(err, OSError) and err.rank == 3
+    assert str(err) == "rank 3: write failed on /d/seg: No space"
+    assert type(rebuild(1, "UnsupportedTypeError: state.x: object")) is ckptstore.UnsupportedTypeError
+    # not a ckptstore error class, or one that takes more than a message: RankFailureError
+    for text in ("ValueError: bad", "os: x", "JobStreamError: x", "no colon"):
+        err = rebuild(1, text)
+        assert type(err) is ckptstore.RankFailureError and str(err) == f"rank 1: {text}", text

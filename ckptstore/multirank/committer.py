@@ -43,6 +43,7 @@ from ..format.job import GlobalCommit, RankCommit
 from ..storage.index import CommitEntry
 from ..storage.job_log import EpochLog
 from .group import RankGroup
+from .rank_errors import describe, rebuild
 from .messages import (Outcome, OutcomeCode, Reason, Vote, VoteStatus, decode_outcome, decode_vote,
                        encode_outcome, encode_vote)
 
@@ -67,6 +68,8 @@ class GlobalCommitter:
         self.broken: CkptStoreError | None = None
         #: the latest iteration this epoch continues from (its first commit must follow it)
         self.adopted_latest: int | None = None
+        #: (rank, what it said) of the FAILED votes of the latest round (rank_errors.py)
+        self._failures: tuple[tuple[int, str], ...] = ()
 
     # ---- one commit operation as one round --------------------------------------------------
     def around(self, operation: Callable[[], T]) -> T:
@@ -110,7 +113,7 @@ class GlobalCommitter:
         others abort too, instead of waiting for a vote that never comes. Never raises (the
         caller re-raises its own error)."""
         try:
-            self._round(Vote(VoteStatus.FAILED, message=f"{type(error).__name__}: {error}"))
+            self._round(Vote(VoteStatus.FAILED, message=describe(error)))
         except CkptStoreError:
             pass
 
@@ -131,6 +134,7 @@ class GlobalCommitter:
             raw = self.group.broadcast(encode_outcome(decision) if decision else None,
                                        "the commit outcome")
             outcome = decode_outcome(raw)
+            self._failures = _failures_of(votes_raw)
         except RankFailureError as e:
             self.broken = e
             raise  # (not "from e": an exception that is its own cause cuts its traceback short)
@@ -252,4 +256,20 @@ class GlobalCommitter:
             return StaleWriterError(outcome.message)
         if outcome.reason == Reason.MISMATCH:
             return RankMismatchError(f"{where}: not committed: {outcome.message}")
-        return GlobalCommitAbortedError(f"{where}: not committed on any rank: {outcome.message}")
+        failures, self._failures = self._failures, ()
+        error = GlobalCommitAbortedError(f"{where}: not committed on any rank: {outcome.message}",
+                                         failures)
+        peers = [(r, text) for r, text in failures if r != self.group.rank]
+        if peers:  # the first other failing rank's own typed error (this rank raises its own)
+            error.__cause__ = rebuild(*peers[0])
+        return error
+
+
+def _failures_of(votes_raw: list[bytes]) -> tuple[tuple[int, str], ...]:
+    """(rank, message) of every FAILED vote of a round (none when a vote does not decode: the
+    coordinator's decision says so)."""
+    try:
+        votes = [decode_vote(v) for v in votes_raw]
+    except FormatError:
+        return ()
+    return tuple((r, v.message) for r, v in enumerate(votes) if v.status == VoteStatus.FAILED)
