@@ -286,10 +286,10 @@ class JobStore:
     def prepared(self) -> PreparedCommits:
         """This rank's DCP commits (ckptstore.dcp's writer; format-spec/format.md §22.6)."""
         self._check()
-        if self._own is None or self._committer is None:
+        if self._own is None or self._committer is None:  # (not _writer(): it keeps a held commit)
             raise ReadOnlyStoreError(f'store {self.path} is open read-only (mode="r")')
         if self._prepared is None:
-            self._prepared = PreparedCommits(self)
+            self._prepared = PreparedCommits(self, self._own, self._committer)
         return self._prepared
 
     def close(self) -> None:

@@ -63,7 +63,8 @@ from ..storage.job_log import scan_epoch_log
 from .messages import OutcomeCode, Vote, VoteStatus, encode_vote
 
 if TYPE_CHECKING:
-    from ..store import SaveStats
+    from ..store import SaveStats, Store
+    from .committer import GlobalCommitter
     from .job_store import JobStore
 
 
@@ -84,11 +85,13 @@ class Prepared:
 class PreparedCommits:
     """One rank's prepared DCP commits of a writing job store (at most one is held)."""
 
-    def __init__(self, store: "JobStore") -> None:
-        assert store._own is not None and store._committer is not None and store.epoch is not None
+    def __init__(self, store: "JobStore", own: "Store", committer: "GlobalCommitter") -> None:
+        """``own``: this rank's stream (a writer); ``committer``: its commit rounds' committer
+        (the job store passes its own; the view learns through ``store.learn``)."""
+        assert store.epoch is not None
         self._store = store
-        self._own = store._own
-        self._committer = store._committer
+        self._own = own
+        self._committer = committer
         self._lock = threading.RLock()
         #: the held commit (None: none)
         self.held: Prepared | None = None
