@@ -1,0 +1,324 @@
+"""Which checkpoints to write, chosen from measured costs and the failure rate (issue 30).
+
+Two ways to checkpoint a training job, one failure model:
+
+* **snapshots**: an asynchronous snapshot (``store.save_async``) every ``N`` iterations. Each one
+  stalls training ``stall_s`` (the copy into host buffers) and becomes durable ``persist_s``
+  later; nothing is written in between.
+* **deltas**: a gradient delta every iteration (``Checkpointer`` with ``policy="every-iteration"``)
+  and a base snapshot every ``B`` iterations. Every step costs ``delta_overhead_s`` more; a
+  failure loses at most the uncommitted part of a delta group, but a restore replays the deltas
+  since the newest base.
+
+The model (first order, in the manner of Young and Daly; every time is wall-clock seconds):
+failures arrive at rate ``1 / mtbf_s``; each one costs the work done since the last durable
+checkpoint (``lost_s``) plus the time to resume (``resume_s``). Goodput, useful training time over
+wall time, is then::
+
+    goodput = useful / (useful + checkpoint overhead)  x  max(0, 1 - (lost_s + resume_s) / mtbf_s)
+
+snapshots, N:  an interval takes W = N*step + stall; useful N*step; lost W/2 + persist (the last
+               durable snapshot is on average half an interval and one persist old); resume
+               restart + load.
+deltas, B:     an interval takes W = B*(step + delta_overhead) + stall (its base); useful B*step;
+               lost half a group-commit window, group_commit*(step + delta_overhead)/2; resume
+               restart + load + (B-1)/2 * replay (the deltas since the base, on average).
+
+Both goodputs are log-concave in the interval (a product of x/(x+c) and a decreasing linear
+factor), so the best real interval has a closed form, ``x = sqrt(c*(c+b)) - c`` for
+``x*(b-x)/(x+c)``; for snapshots that is ``sqrt(2*stall*mtbf*A) - stall`` seconds of training, with
+``A = 1 - (persist + resume)/mtbf``: Young/Daly's ``sqrt(2*C*MTBF)`` corrected for the resume and
+the stall. The best whole interval is one of its two integer neighbours, clamped to the bounds:
+
+* at least ``persist`` seconds of training between snapshots (bases), so snapshots never queue up
+  behind each other in the pipeline;
+* at most ``max_interval`` iterations;
+* with a disk budget, room for the retained checkpoints plus the one being written (below).
+
+**Disk.** A snapshot takes ``snapshot_bytes``; a delta chain ``snapshot_bytes + (B-1)*delta_bytes``.
+``retention`` is how many of them (bases, each with its chain) to keep: the most such that
+``(retention + 1) * unit <= disk_budget`` (the newest is written before an older one can go). An
+option with ``retention < 1`` does not fit and is chosen only when nothing fits.
+
+Everything here is plain arithmetic on floats: no torch, no I/O; :func:`plan` is a pure function.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+#: the failure rate assumed when none is given and the store's history teaches none
+DEFAULT_MTBF_S = 24 * 3600.0
+SNAPSHOTS = "snapshots"
+DELTAS = "deltas"
+MODES = (SNAPSHOTS, DELTAS)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured costs, seconds and bytes (all >= 0; ``step_s`` > 0).
+
+    ``delta_overhead_s`` None: deltas are not possible (an optimizer replay does not know)."""
+
+    #: one training step without checkpoints
+    step_s: float
+    #: what one asynchronous snapshot blocks training
+    snapshot_stall_s: float
+    #: from a snapshot's stall to its durability (background)
+    snapshot_persist_s: float = 0.0
+    snapshot_bytes: int = 0
+    #: how much longer a step takes when it writes a delta (None: no deltas)
+    delta_overhead_s: float | None = None
+    delta_bytes: int = 0
+    #: replaying one delta at restore
+    replay_s: float = 0.0
+    #: loading a base snapshot at restore
+    load_s: float = 0.0
+    #: rescheduling, process start, rendezvous: the same for both modes
+    restart_s: float = 0.0
+    #: deltas per commit (a failure loses half a group on average)
+    group_commit: int = 1
+
+    def check(self) -> None:
+        """Raise ValueError naming the first field that is not a finite number in range."""
+        for name in ("step_s", "snapshot_stall_s", "snapshot_persist_s", "replay_s", "load_s",
+                     "restart_s", "snapshot_bytes", "delta_bytes"):
+            _check_number(name, getattr(self, name), positive=name == "step_s")
+        if self.delta_overhead_s is not None:
+            _check_number("delta_overhead_s", self.delta_overhead_s)
+        if type(self.group_commit) is not int or self.group_commit < 1:
+            raise ValueError(f"group_commit must be a positive int, not {self.group_commit!r}")
+
+
+def _check_number(name: str, v: object, positive: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+            v < 0 or (positive and v == 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, "
+                         f"not {v!r}")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One (mode, interval) under the model. ``interval``: iterations between snapshots
+    (snapshots) or between bases (deltas). ``goodput`` in [0, 1]; ``fits``: the disk budget
+    holds ``retention >= 1`` of them (always True without a budget)."""
+
+    mode: str
+    interval: int
+    goodput: float
+    #: fraction of wall time spent on checkpoint overhead in steady state (no failures)
+    overhead: float
+    #: expected work lost per failure
+    lost_s: float
+    #: expected time to resume after a failure
+    resume_s: float
+    bytes_per_hour: float
+    #: how many snapshots (bases with their chain) to keep; None: no budget, keep all
+    retention: int | None
+    fits: bool
+
+    def describe(self) -> str:
+        what = (f"a snapshot every {self.interval} iterations" if self.mode == SNAPSHOTS else
+                f"a delta every iteration, a base every {self.interval}")
+        return (f"{what}: goodput {self.goodput:.4f} (overhead {100 * self.overhead:.2f}%, "
+                f"{self.lost_s:.2f} s lost + {self.resume_s:.2f} s to resume per failure)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to write, and why. ``chosen`` is the best option that fits (the best overall when
+    none fits); ``options`` every option compared (the chosen one first), each at its own best
+    interval. ``mtbf_source`` says where the failure rate came from ("given", "learned ...",
+    "assumed ...")."""
+
+    chosen: Option
+    options: tuple[Option, ...]
+    mtbf_s: float
+    mtbf_source: str
+    costs: Costs
+    disk_budget: int | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def mode(self) -> str:
+        return self.chosen.mode
+
+    @property
+    def snapshot_every(self) -> int | None:
+        """Iterations between snapshots (snapshots mode), else None."""
+        return self.chosen.interval if self.chosen.mode == SNAPSHOTS else None
+
+    @property
+    def base_every(self) -> int | None:
+        """Iterations between bases (deltas mode), else None."""
+        return self.chosen.interval if self.chosen.mode == DELTAS else None
+
+    @property
+    def goodput(self) -> float:
+        return self.chosen.goodput
+
+    @property
+    def bytes_per_hour(self) -> float:
+        return self.chosen.bytes_per_hour
+
+    @property
+    def retention(self) -> int | None:
+        return self.chosen.retention
+
+    def goodputs(self) -> dict[str, float]:
+        """``{mode: goodput}`` of every option compared."""
+        return {o.mode: o.goodput for o in self.options}
+
+    def __str__(self) -> str:
+        c = self.costs
+        lines = [f"checkpoint plan: {self.chosen.describe()}"]
+        for o in self.options[1:]:
+            lines.append(f"  instead of {o.describe()}" + ("" if o.fits else " [does not fit the disk budget]"))
+        delta = ("deltas impossible" if c.delta_overhead_s is None else
+                 f"delta +{1e3 * c.delta_overhead_s:.1f} ms/step ({_size(c.delta_bytes)}), "
+                 f"replay {1e3 * c.replay_s:.1f} ms/delta")
+        lines.append(f"  costs: step {1e3 * c.step_s:.1f} ms; snapshot stall {1e3 * c.snapshot_stall_s:.1f} ms, "
+                     f"persist {c.snapshot_persist_s:.2f} s ({_size(c.snapshot_bytes)}), load "
+                     f"{c.load_s:.2f} s; {delta}")
+        lines.append(f"  failures: MTBF {self.mtbf_s / 3600:.2f} h ({self.mtbf_source})")
+        disk = f"  disk: {_size(self.chosen.bytes_per_hour)}/h"
+        if self.disk_budget is not None:
+            disk += (f"; the budget of {_size(self.disk_budget)} keeps the newest "
+                     f"{self.chosen.retention} {'snapshots' if self.mode == SNAPSHOTS else 'chains'}")
+        lines.append(disk)
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # (unreachable)
+
+
+def evaluate(costs: Costs, mode: str, interval: int, mtbf_s: float,
+             disk_budget: int | None = None) -> Option:
+    """The model's verdict on writing ``mode`` with ``interval`` (see the module docstring).
+    Pure; defined for every interval >= 1 (bounds are :func:`bounds`'s business)."""
+    s, stall = costs.step_s, costs.snapshot_stall_s
+    if mode == SNAPSHOTS:
+        k = s
+        lost = (interval * s + stall) / 2 + costs.snapshot_persist_s
+        resume = costs.restart_s + costs.load_s
+        unit = costs.snapshot_bytes
+        per_interval = costs.snapshot_bytes
+    elif mode == DELTAS:
+        if costs.delta_overhead_s is None:
+            raise ValueError("deltas are not possible with these costs (delta_overhead_s is None)")
+        k = s + costs.delta_overhead_s
+        lost = costs.group_commit * k / 2
+        resume = costs.restart_s + costs.load_s + (interval - 1) / 2 * costs.replay_s
+        unit = costs.snapshot_bytes + (interval - 1) * costs.delta_bytes
+        per_interval = unit
+    else:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    wall = interval * k + stall
+    useful = interval * s
+    goodput = useful / wall * max(0.0, 1.0 - (lost + resume) / mtbf_s)
+    retention = None  # (no budget, or sizes not measured: keep everything)
+    if disk_budget is not None and unit > 0:
+        retention = disk_budget // unit - 1
+    return Option(mode, interval, goodput, 1.0 - useful / wall, lost, resume,
+                  per_interval * 3600.0 / wall, retention, retention is None or retention >= 1)
+
+
+def bounds(costs: Costs, mode: str, disk_budget: int | None = None,
+           max_interval: int = 100_000) -> tuple[int, int] | None:
+    """The intervals ``mode`` may use: ``(lo, hi)``, both inclusive, or None when none is
+    allowed (a disk budget that no interval fits). ``lo``: enough training to cover one
+    snapshot's persist time (never below 1); ``hi``: ``max_interval``, and for deltas the longest
+    chain the budget holds twice. ``lo > max_interval`` is kept (persisting must not queue)."""
+    k = costs.step_s + ((costs.delta_overhead_s or 0.0) if mode == DELTAS else 0.0)
+    lo = max(1, math.ceil(costs.snapshot_persist_s / k - 1e-12))
+    hi = max(lo, max_interval)
+    if disk_budget is not None:
+        if costs.snapshot_bytes * 2 > disk_budget:
+            return None
+        if mode == DELTAS and costs.delta_bytes > 0:
+            # (retention + 1) * (S + (B-1)*delta) <= budget with retention >= 1
+            hi = min(hi, (disk_budget // 2 - costs.snapshot_bytes) // costs.delta_bytes + 1)
+            if hi < lo:
+                return None
+    return lo, hi
+
+
+def best_interval(costs: Costs, mode: str, mtbf_s: float, lo: int, hi: int) -> int:
+    """The interval in ``[lo, hi]`` with the highest goodput under :func:`evaluate`: the closed
+    form's integer neighbours, clamped (the goodput is unimodal in the interval)."""
+    s, stall = costs.step_s, costs.snapshot_stall_s
+    if mode == SNAPSHOTS:
+        a = 1.0 - (costs.snapshot_persist_s + costs.restart_s + costs.load_s) / mtbf_s
+        # goodput ~ x*(b - x)/(x + c) in x = N*s seconds of training per interval
+        b, c, scale = 2 * mtbf_s * a - stall, stall, s
+    else:
+        assert costs.delta_overhead_s is not None
+        k = s + costs.delta_overhead_s
+        a = 1.0 - (costs.group_commit * k / 2 + costs.restart_s + costs.load_s
+                   - costs.replay_s / 2) / mtbf_s
+        # goodput ~ B*(b - B)/(B + c) in B
+        c, scale = stall / k, 1.0
+        b = 2 * mtbf_s * a / costs.replay_s if costs.replay_s > 0 else math.inf
+    if b <= 0:
+        x = 0.0  # every interval loses everything: the shortest
+    elif math.isinf(b):
+        x = math.inf  # longer is always better (no replay cost)
+    else:
+        x = math.sqrt(c * (c + b)) - c
+    n = x / scale
+    if not math.isfinite(n) or n >= hi:
+        return hi
+    cands = {min(hi, max(lo, m)) for m in (math.floor(n), math.ceil(n))}
+    return max(sorted(cands), key=lambda m: evaluate(costs, mode, m, mtbf_s).goodput)
+
+
+def plan(costs: Costs, mtbf_s: float, disk_budget: int | None = None, *,
+         modes: tuple[str, ...] = MODES, interval: int | None = None,
+         mtbf_source: str = "given", max_interval: int = 100_000) -> Plan:
+    """The best plan for ``costs`` under failures every ``mtbf_s`` seconds on average.
+
+    ``modes``: the modes to consider (deltas are left out when ``costs.delta_overhead_s`` is
+    None); ``interval``: fix the interval of every mode instead of choosing it (an explicit
+    ``snapshot_every``); ``disk_budget``: bytes the checkpoints may take (None: unbounded).
+    Invariants: ``plan.chosen`` has the highest goodput of the options that fit (of all options
+    when none fits), and each option's interval is the best within its :func:`bounds` (or the
+    fixed ``interval``). Raises ValueError for a bad argument."""
+    costs.check()
+    _check_number("mtbf_s", mtbf_s, positive=True)
+    if disk_budget is not None and (type(disk_budget) is not int or disk_budget <= 0):
+        raise ValueError(f"disk_budget must be a positive int (bytes) or None, not {disk_budget!r}")
+    if interval is not None and (type(interval) is not int or interval < 1):
+        raise ValueError(f"interval must be a positive int or None, not {interval!r}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ValueError(f"modes must be some of {MODES}, not {modes!r}")
+    notes: list[str] = []
+    options: list[Option] = []
+    for mode in modes:
+        if mode == DELTAS and costs.delta_overhead_s is None:
+            notes.append("deltas are off: the optimizer cannot be replayed")
+            continue
+        if interval is not None:
+            options.append(evaluate(costs, mode, interval, mtbf_s, disk_budget))
+            continue
+        bound = bounds(costs, mode, disk_budget, max_interval)
+        if bound is None:  # nothing fits: the best interval regardless, marked as not fitting
+            notes.append(f"{mode}: the disk budget holds no {mode} checkpoint with room for the next")
+            bound = bounds(costs, mode, None, max_interval)
+            assert bound is not None  # (always some interval without a budget)
+        n = best_interval(costs, mode, mtbf_s, *bound)
+        options.append(evaluate(costs, mode, n, mtbf_s, disk_budget))
+    if not options:
+        raise ValueError("no mode left to plan: deltas are impossible and snapshots were not asked for")
+    fitting = [o for o in options if o.fits] or options
+    chosen = max(fitting, key=lambda o: o.goodput)
+    rest = sorted((o for o in options if o is not chosen), key=lambda o: -o.goodput)
+    return Plan(chosen, (chosen, *rest), float(mtbf_s), mtbf_source, costs, disk_budget,
+                tuple(notes))

@@ -1,0 +1,128 @@
+"""The checkpoint planner (ckptstore/torch/plan.py): its choice against a brute-force search of
+the same model, Young/Daly where it applies, and its refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from ckptstore.torch.plan import (DELTAS, SNAPSHOTS, Costs, bounds, evaluate, plan)
+
+MAX = 300  # max_interval for the brute force: small enough to try every interval
+
+
+@st.composite
+def costs(draw) -> Costs:
+    f = st.floats
+    step = draw(f(1e-3, 10.0))
+    replayable = draw(st.booleans())
+    return Costs(step_s=step,
+                 snapshot_stall_s=draw(f(0.0, 5.0)),
+                 snapshot_persist_s=draw(st.one_of(st.just(0.0), f(0.0, 50 * step))),
+                 snapshot_bytes=draw(st.integers(0, 10 ** 10)),
+                 delta_overhead_s=draw(f(0.0, step)) if replayable else None,
+                 delta_bytes=draw(st.integers(0, 10 ** 9)),
+                 replay_s=draw(st.one_of(st.just(0.0), f(0.0, 2.0))),
+                 load_s=draw(f(0.0, 60.0)),
+                 restart_s=draw(f(0.0, 120.0)),
+                 group_commit=draw(st.integers(1, 20)))
+
+
+def brute_force(c: Costs, mtbf: float, budget: int | None):
+    """Every (mode, interval) allowed, scored by the model: the best fitting goodput (of all
+    when nothing fits anywhere, as the planner falls back)."""
+    scored = []
+    for mode in (SNAPSHOTS, DELTAS):
+        if mode == DELTAS and c.delta_overhead_s is None:
+            continue
+        k = c.step_s + ((c.delta_overhead_s or 0.0) if mode == DELTAS else 0.0)
+        lo = max(1, math.ceil(c.snapshot_persist_s / k - 1e-12))
+        for n in range(lo, max(lo, MAX) + 1):
+            scored.append(evaluate(c, mode, n, mtbf, budget))
+    fitting = [o for o in scored if o.fits]
+    return max(o.goodput for o in (fitting or scored)), bool(fitting)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(c=costs(), mtbf=st.floats(30.0, 1e7),
+       budget=st.one_of(st.none(), st.integers(10 ** 6, 10 ** 12)))
+def test_planner_matches_brute_force(c, mtbf, budget):
+    p = plan(c, mtbf, budget, max_interval=MAX)
+    best, any_fits = brute_force(c, mtbf, budget)
+    assert p.goodput >= best - 1e-9 * max(1.0, best)
+    assert p.chosen.fits == any_fits
+    assert 0.0 <= p.goodput <= 1.0
+    assert p.chosen is p.options[0]
+    assert p.chosen.goodput == max(o.goodput for o in p.options if o.fits or not any_fits)
+    for o in p.options:  # every interval within its bounds, every mode at its best
+        b = bounds(c, o.mode, budget, MAX)
+        if b is not None:
+            assert b[0] <= o.interval <= b[1]
+    if c.delta_overhead_s is None:
+        assert p.mode == SNAPSHOTS and p.base_every is None and "replayed" in str(p)
+    assert p.snapshot_every == (p.chosen.interval if p.mode == SNAPSHOTS else None)
+    assert p.base_every == (p.chosen.interval if p.mode == DELTAS else None)
+    assert p.mtbf_source in str(p)
+
+
+def test_young_daly_when_the_stall_is_small():
+    """stall << MTBF and nothing else: N*step ~ sqrt(2*C*MTBF)."""
+    c = Costs(step_s=0.1, snapshot_stall_s=0.5)
+    for mtbf in (3600.0, 86400.0):
+        n = plan(c, mtbf).snapshot_every
+        assert n is not None
+        assert n * 0.1 == pytest.approx(math.sqrt(2 * 0.5 * mtbf), rel=0.02)
+
+
+def test_persist_bounds_the_interval_from_below():
+    c = Costs(step_s=0.1, snapshot_stall_s=1e-4, snapshot_persist_s=3.0)  # YD alone: ~0.8 s
+    p = plan(c, 3600.0)
+    assert p.snapshot_every == 30  # 30 steps cover one persist: snapshots never queue
+
+
+def test_deltas_win_when_failures_are_frequent_and_deltas_cheap():
+    c = Costs(step_s=1.0, snapshot_stall_s=5.0, snapshot_persist_s=20.0, delta_overhead_s=0.01,
+              replay_s=0.05, load_s=1.0)
+    p = plan(c, 600.0)
+    assert p.mode == DELTAS and p.base_every and p.goodputs()[DELTAS] > p.goodputs()[SNAPSHOTS]
+    assert "snapshot every" in str(p)  # the alternative is explained
+    # and snapshots win when the step overhead of deltas dominates
+    q = plan(Costs(step_s=0.4, snapshot_stall_s=0.016, delta_overhead_s=0.04, replay_s=0.1), 86400.0)
+    assert q.mode == SNAPSHOTS
+
+
+def test_disk_budget_sets_retention_and_may_exclude_a_mode():
+    c = Costs(step_s=0.5, snapshot_stall_s=0.02, snapshot_bytes=1000, delta_overhead_s=0.0,
+              delta_bytes=100, replay_s=0.0)
+    p = plan(c, 3600.0, 10_000)
+    # (retention + 1) * unit <= budget, retention >= 1
+    unit = 1000 if p.mode == SNAPSHOTS else 1000 + (p.chosen.interval - 1) * 100
+    assert p.retention is not None and p.retention >= 1 and (p.retention + 1) * unit <= 10_000
+    tiny = plan(c, 3600.0, 1500)  # not even two snapshots: chosen anyway, marked
+    assert not tiny.chosen.fits and "disk budget" in str(tiny)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "1h", None, True])
+def test_bad_mtbf_is_refused(bad):
+    with pytest.raises(ValueError, match="mtbf_s"):
+        plan(Costs(step_s=0.1, snapshot_stall_s=0.01), bad)
+
+
+def test_bad_costs_and_arguments_are_refused():
+    with pytest.raises(ValueError, match="step_s"):
+        plan(Costs(step_s=0.0, snapshot_stall_s=0.01), 60.0)
+    with pytest.raises(ValueError, match="snapshot_stall_s"):
+        plan(Costs(step_s=1.0, snapshot_stall_s=-1.0), 60.0)
+    with pytest.raises(ValueError, match="disk_budget"):
+        plan(Costs(step_s=1.0, snapshot_stall_s=0.0), 60.0, disk_budget=0)
+    with pytest.raises(ValueError, match="modes"):
+        plan(Costs(step_s=1.0, snapshot_stall_s=0.0), 60.0, modes=("weekly",))
+    with pytest.raises(ValueError, match="no mode left"):
+        plan(Costs(step_s=1.0, snapshot_stall_s=0.0), 60.0, modes=(DELTAS,))
+
+
+def test_fixed_interval():
+    p = plan(Costs(step_s=1.0, snapshot_stall_s=0.1), 3600.0, modes=(SNAPSHOTS,), interval=7)
+    assert p.snapshot_every == 7 and len(p.options) == 1
