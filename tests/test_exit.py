@@ -154,6 +154,7 @@ def summary(results: list[tuple[int, str, list[int | str], str]]) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300 + 60 * _runs())  # ~45 s of jobs per run on 2 cores
 def test_jobs_exit_normally_in_every_ending(tmp_path):
     """CKPTSTORE_EXIT_RUNS (default 1: ~90 s on 2 cores) 2-rank jobs per ending, and an eighth as
     many (at least one) 4-rank ones: every rank exits with its ending's status (before the fix, ``open`` and
