@@ -373,10 +373,15 @@ class _Compactor:
             self.append(rec.RecordType.TREE, [tree_payload])
             self.trees.add(t.root)
 
-    def copy_checkpoint(self, iteration: int, progress: Callable[[int], None] | None) -> None:
-        engine = self.engine
+    def copy_checkpoint(self, iteration: int, progress: Callable[[int], None] | None,
+                        src: Engine | None = None) -> None:
+        """Copy committed ``iteration`` of ``src`` (default: the store gc compacts; another
+        store for :func:`copy_checkpoints`)."""
+        engine = self.engine if src is None else src
         entry = engine.index.get_commit(iteration)
-        assert entry is not None
+        if entry is None:
+            raise DamagedCheckpointError(f"gc aborted, nothing changed: iteration {iteration} "
+                                         f"is not committed in {engine.layout.root}")
         c = entry.commit
         mloc = Loc(c.manifest_seq, c.manifest_offset, c.manifest_length)
         try:
@@ -493,3 +498,41 @@ def collect(engine: WriterEngine, *, keep_last: int | None = None, keep_every: i
     return GcReport(keep, removed, bytes_before, bytes_after, time.perf_counter() - t0,
                     added=p.added, policy=str(pol), rebased=p.rebased,
                     rebase_skipped=_skipped(rebase))
+
+
+def copy_checkpoints(dest: WriterEngine, sources: Sequence[tuple[Engine, Sequence[int]]],
+                     progress: Callable[[int], None] | None = None) -> None:
+    """Compact the committed checkpoints of other stores into ``dest`` with :func:`collect`'s own
+    steps (temp segments above ``dest``'s live ones, each chunk verified while copied, the
+    marker, :meth:`WriterEngine.install_compaction`): afterwards ``dest`` holds exactly
+    ``sources``' iterations (each ``(engine, iterations)``, copied in this order; iterations must
+    strictly increase over all of them) and nothing it held before. The gc of multi-rank job
+    stores (ckptstore/multirank/job_gc.py) rewrites each rank's kept iterations of several
+    streams into a new one with it. A damaged source checkpoint raises DamagedCheckpointError
+    before anything is installed. The caller holds ``dest``'s lock with no transaction open."""
+    order = [it for _, its in sources for it in its]
+    if any(b <= a for a, b in zip(order, order[1:])):
+        raise ValueError(f"copy_checkpoints: iterations do not increase: {order}")
+    live = dest.log.refresh_segments()
+    watermark = live[-1] if live else 0
+    for tmp in dest.layout.list_gc_temps():
+        dest.file_ops.unlink(tmp)
+    compactor = _Compactor(dest, watermark + 1)
+    try:
+        for src, its in sources:
+            for it in its:
+                compactor.copy_checkpoint(it, progress, src)
+        compactor.new_segment(supersedes=watermark)
+        assert compactor.writer is not None
+        compactor.writer.sync()
+        compactor.writer.close()
+        compactor.writer = None
+    except BaseException:
+        compactor.abort()
+        raise
+    *copies, marker = compactor.temps
+    try:
+        dest.install_compaction(copies, marker)
+    except BaseException:
+        compactor.abort()
+        raise

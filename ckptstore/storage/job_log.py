@@ -37,7 +37,17 @@ from .layout import QUARANTINE_DIR, STORE_FILE
 
 GLOBAL_DIR = "global"
 STREAMS_DIR = "streams"
+#: suffix of what a job-store gc builds (a global log, a stream) before it renames it into place
+GC_TMP = ".gc-tmp"
+#: where a job-store gc moves the old streams it deletes
+GC_TRASH_DIR = "gc-trash"
 _EPOCH_LOG_RE = re.compile(r"^(\d{10})\.log$")
+#: a global log's file name (epoch)
+EPOCH_LOG_RE = _EPOCH_LOG_RE
+#: a rank stream's directory name (epoch, rank)
+STREAM_RE = re.compile(r"^(\d{10})-(\d{5})$")
+#: a job-store gc's temp files and directories in global/ and streams/ (the epoch it claimed)
+GC_TMP_RE = re.compile(r"^(\d{10})(?:\.log|-\d{5})\.gc-tmp$")
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,22 @@ class JobLayout:
         if not 0 < epoch < 10**10 or not 0 <= rank < 10**5:
             raise ValueError(f"stream of epoch {epoch}, rank {rank} out of range")
         return os.path.join(self.streams_dir, f"{epoch:010d}-{rank:05d}")
+
+    def gc_log_path(self, epoch: int) -> str:
+        """Where a job-store gc builds epoch ``epoch``'s global log before renaming it over the
+        claimed (empty) log: the gc commit point (format §22.7). Not a global log's name."""
+        return self.epoch_log_path(epoch) + GC_TMP
+
+    def gc_stream_dir(self, epoch: int, rank: int) -> str:
+        """Where a job-store gc builds rank ``rank``'s stream of epoch ``epoch`` before renaming
+        it into place. Not a stream's name: readers, fsck and later jobs ignore it."""
+        return self.stream_dir(epoch, rank) + GC_TMP
+
+    @property
+    def gc_trash_dir(self) -> str:
+        """Where a job-store gc moves the streams it deletes (one rename each), then deletes
+        them: nothing reads it, so a crash never leaves half a stream under ``streams/``."""
+        return os.path.join(self.root, GC_TRASH_DIR)
 
     @property
     def quarantine_dir(self) -> str:
@@ -310,6 +336,19 @@ def read_job_view(layout: JobLayout, store_id: bytes) -> JobView:
 
 
 # ---- writing ------------------------------------------------------------------------------------
+def claim_next_epoch(layout: JobLayout, ops: FileOps, after: int) -> "EpochLog":
+    """Claim the lowest free epoch above ``after`` (the highest claimed one a view read):
+    :meth:`EpochLog.claim`, moving up past numbers another job claimed first."""
+    number = after
+    for _ in range(64):
+        number += 1
+        try:
+            return EpochLog.claim(layout, ops, number)
+        except FileExistsError:
+            continue
+    raise CkptStoreError(f"{layout.root}: could not claim a writer epoch after {number}")
+
+
 class EpochLog:
     """The global log of the epoch this job claimed (written by the job's coordinator only)."""
 
@@ -345,6 +384,18 @@ class EpochLog:
         except BaseException:
             log.close()
             raise
+        return log
+
+    @classmethod
+    def staged(cls, layout: JobLayout, ops: FileOps, number: int) -> "EpochLog":
+        """A new, empty log of epoch ``number`` at its gc name (:meth:`JobLayout.gc_log_path`):
+        a job-store gc writes its EPOCH and GLOBAL_COMMIT records there, then renames it over the
+        claimed log (format §22.7). An older file of that name is replaced."""
+        path = layout.gc_log_path(number)
+        if os.path.exists(path):
+            ops.unlink(path)
+        log = cls(layout, ops, number, ops.open_append(path, create=True))
+        log.path = path
         return log
 
     def write_epoch(self, epoch: Epoch) -> None:
