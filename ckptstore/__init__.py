@@ -93,8 +93,9 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  #
             raise RemoteUnsupportedError(f"{_os.fspath(path)}: the remote tier supports "
                                          "single-writer stores only, not multi-rank job stores")
         if options.get("retention") is not None:
-            raise RetentionError(f"{_os.fspath(path)}: retention (gc) is not supported on "
-                                 "multi-rank job stores yet")
+            raise RetentionError(f"{_os.fspath(path)}: automatic retention is not supported on "
+                                 "multi-rank job stores yet; gc them offline while no job "
+                                 "writes: ckptstore.open(path, \"r\").gc(...) or `ckptstore gc`")
         return JobStore(path, mode, **options)
     return Store(path, mode, **options)
 

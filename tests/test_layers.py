@@ -260,12 +260,14 @@ def test_exactly_one_function_writes_commit_records():
 
 def test_exactly_one_function_writes_global_commit_records():
     """A multi-rank store's GLOBAL_COMMIT records are appended by one method
-    (storage/job_log.py EpochLog.append_commits), which only the coordinator's committer calls."""
+    (storage/job_log.py EpochLog.append_commits), which only the coordinator's committer calls,
+    and a job-store gc writing its new epoch's log before renaming it into place (format §22.7)."""
     writers = _sites(lambda n: _member(n, "JobRecordType", "GLOBAL_COMMIT"))
     callers = _sites(lambda n: isinstance(n, ast.Attribute) and n.attr == "append_commits")
     appenders = {w for w in writers if w != ("storage/job_log.py", "scan_epoch_log")}
     assert appenders == {("storage/job_log.py", "EpochLog.append_commits")}, appenders
-    assert callers == {("multirank/committer.py", "GlobalCommitter._decide")}, callers
+    assert callers == {("multirank/committer.py", "GlobalCommitter._decide"),
+                       ("multirank/job_gc.py", "write_generation_log")}, callers
 
 
 def test_one_object_owns_the_writer_lock():

@@ -576,6 +576,6 @@ def test_cli_gc_errors(trained, tmp_path, capsys, monkeypatch):
         {k: v for k, v in before.items() if not k.startswith(("LOCK", "index"))}
     import ckptstore.cli as cli
 
-    monkeypatch.setattr(cli, "is_job_store", lambda p: True)  # job stores: refused, dry run too
-    assert main(["gc", path, "--keep-last", "1", "--dry-run"]) == 2
+    monkeypatch.setattr(cli, "is_job_store", lambda p: True)  # job stores: no follower bases
+    assert main(["gc", path, "--keep-last", "1", "--dry-run", "--follower-bases"]) == 2
     assert "not supported" in capsys.readouterr().err

@@ -17,7 +17,8 @@ from typing import Callable
 from ..errors import CkptStoreError, DamagedCheckpointError, StoreNotFoundError
 from ..ops.fsck import FsckReport, check, quarantine_note
 from ..replay.shards import layout_problems
-from ..storage.job_log import JobLayout, read_job_header, read_job_view, tail_is_suspicious
+from ..storage.job_log import (GC_TMP_RE, GC_TRASH_DIR, JobLayout, read_job_header, read_job_view,
+                               tail_is_suspicious)
 from .job_store import JobStore
 
 _STREAM_RE = re.compile(r"^(\d{10})-(\d{5})$")
@@ -74,6 +75,10 @@ def check_job(path: str | os.PathLike, *, repair: bool = False,
                                 "stopped while claiming the store): ignored")
             continue
         rest = scan.size - scan.valid_end
+        if view.chain and n < view.chain[-1] and n not in view.chain:
+            report.notes.append(f"global log of epoch {n} is off the chain (superseded by a "
+                                "job-store gc or a newer job): nothing in it is visible; the "
+                                "next gc deletes it and its streams")
         if n in adopter:  # an older job's log: only what the newer one adopted counts
             newer = view.logs[adopter[n]].epoch
             assert newer is not None
@@ -109,6 +114,16 @@ def check_job(path: str | os.PathLike, *, repair: bool = False,
         names = sorted(os.listdir(layout.streams_dir))
     except FileNotFoundError:
         names = []
+    try:
+        in_global = sorted(os.listdir(layout.global_dir))
+    except FileNotFoundError:
+        in_global = []
+    leftovers = [n for n in names + in_global if GC_TMP_RE.match(n)]
+    if os.path.isdir(layout.gc_trash_dir):
+        leftovers.append(GC_TRASH_DIR)
+    if leftovers:
+        report.notes.append(f"leftovers of an interrupted job-store gc, never read (the next gc "
+                            f"deletes them): {', '.join(leftovers)}")
     for name in names:
         m = _STREAM_RE.match(name)
         if m is None:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from ..errors import (CkptStoreError, DamagedCheckpointError, FormatError, NotFoundError,
                       RankMismatchError, ReadOnlyStoreError, StoreClosedError, StoreFeaturesError,
-                      StoreNotFoundError)
+                      StoreLockedError, StoreNotFoundError)
 from ..engine.engine import DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE
 from ..engine.writer_engine import WriterEngine, check_features
 from ..format.delta import REPLAY_KEY
@@ -42,8 +42,9 @@ from ..replay.partition import merge_parts, partition_of
 from ..replay.shards import assemble_parts, shards_of
 from ..storage.fileops import FileOps
 from ..storage.layout import Layout
-from ..storage.job_log import (EpochLog, JobLayout, JobView, create_job_store, quarantine_tail,
-                               read_job_header, read_job_view, tail_is_suspicious)
+from ..storage.job_log import (EpochLog, JobLayout, JobView, claim_next_epoch, create_job_store,
+                               quarantine_tail, read_job_header, read_job_view,
+                               tail_is_suspicious)
 from ..storage.store_file import read_store_header
 from ..store import CheckpointInfo, SaveStats, Store, select_keys
 from .committer import GlobalCommitter
@@ -204,16 +205,8 @@ class JobStore:
                              segment_size or DEFAULT_SEGMENT_SIZE)
         header = read_job_header(self.layout)
         view = read_job_view(self.layout, header.store_id)
-        number = view.highest_claimed
-        for _ in range(64):
-            number += 1
-            try:
-                log = EpochLog.claim(self.layout, self._ops, number)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise CkptStoreError(f"{self.path}: could not claim a writer epoch after {number}")
+        log = claim_next_epoch(self.layout, self._ops, view.highest_claimed)
+        number = log.number
         try:
             # what this epoch continues is read after the claim is durable: an older job's
             # coordinator that commits after this point sees the claim and reports its commit
@@ -626,6 +619,51 @@ class JobStore:
 
     def base_of(self, iteration: int, *, rank: int | None = None) -> int:
         return self.stream(iteration, rank).base_of(iteration)
+
+    # ---- maintenance ------------------------------------------------------------------------
+    def gc(self, keep_last: int | None = None, keep_every: int | None = None,
+           progress: Callable[[int], None] | None = None, *, policy: Any = None,
+           dry_run: bool = False, now_ns: int | None = None) -> Any:
+        """gc of the job store (:mod:`ckptstore.multirank.job_gc`, format-spec/format.md §22.7):
+        the policy (the union of ``KeepLast(keep_last)``, ``KeepEvery(keep_every)`` and
+        ``policy``) selects among the job's iterations; kept: those, the latest, and every
+        iteration a kept delta needs on any rank; each is kept or removed on every rank
+        together. Runs offline: on a store opened with mode "r" while no job writes it
+        (StoreLockedError on a writer, or when a job on this machine holds the store; a writer
+        elsewhere is fenced by the epoch gc claims). ``dry_run``: the plan and an estimate,
+        nothing written (``report.why`` says why each iteration beyond the policy is kept).
+        Returns a :class:`~ckptstore.multirank.job_gc.JobGcReport`; RetentionError (nothing
+        removed) when the policy selects nothing."""
+        from ..ops.gc import gc_policy
+        from .job_gc import collect_job, dry_run_job
+
+        self._check()
+        pol = gc_policy(keep_last, keep_every, policy)
+        if self._own is not None:
+            raise StoreLockedError(
+                f"{self.path}: gc of a job store runs offline; close this job (every rank) and "
+                "run ckptstore.open(path, \"r\").gc(...) or `ckptstore gc`")
+        self.refresh()
+        if dry_run:
+            return dry_run_job(self, pol, now_ns)
+        try:
+            return collect_job(self.path, pol, lambda p: JobStore(p, "r"), file_ops=self._ops,
+                               now_ns=now_ns, progress=progress)
+        finally:
+            self._reopen_view()
+
+    def _reopen_view(self) -> None:
+        """Readers: drop the streams read so far and read the global logs again (after a gc
+        the old epochs' streams are gone)."""
+        for s in self._readers.values():
+            try:
+                s.close()
+            except CkptStoreError:
+                pass
+        self._readers.clear()
+        view = read_job_view(self.layout, self.header.store_id)
+        with self._view_lock:
+            self._view = view
 
     def bisect(self, predicate: Any, start: int | None = None, end: int | None = None, *,
                rank: int | None = None) -> Any:
