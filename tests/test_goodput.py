@@ -129,7 +129,7 @@ def test_young_daly_interval_matches_closed_form(costs):
     assert goodput.young_daly_every(0.001, 1.0, 10.0) == 1
     mtbf = 3600.0 / goodput.llama3_rate_per_hour(16384)
     st = goodput.make_strategy("torch.save", costs, mtbf)
-    c = 0.814 - 0.412   # torch.save's stall: its max step over the plain step (README, bench_async)
+    c = 0.814 - 0.412   # torch.save's stall: its max step over the plain step (docs/performance.md, bench_async)
     assert st.stall_s == pytest.approx(c)
     assert st.every == round(math.sqrt(2 * c * mtbf) / 0.412)
 
@@ -257,7 +257,7 @@ def test_runs_are_deterministic_given_a_seed(costs, tmp_path):
 def test_cost_file_cites_a_source_for_every_figure():
     doc = json.loads(goodput.DEFAULT_COSTS.read_text())
     for name, fig in doc["figures"].items():
-        assert "README Performance" in fig["source"] and "2026-" in fig["source"], name
+        assert "docs/performance.md" in fig["source"] and "2026-" in fig["source"], name
 
 
 def test_costs_from_bench_core_json(tmp_path, costs):
@@ -291,7 +291,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert goodput.main(["--traces", str(traces), "--hours", "2", "--runs", "2", "--gpus", "4096",
                          *plot]) == 0
     out = capsys.readouterr().out
-    assert "figures used" in out and "step_plain_s = 0.412 s" in out and "README Performance" in out
+    assert "figures used" in out and "step_plain_s = 0.412 s" in out and "docs/performance.md" in out
     assert "| scenario" in out and "| goodput |" in out
     for scenario in ("Poisson, LLaMA 3 rate x 4096 GPUs", "trace spot", "trace gpus"):
         for strategy in goodput.STRATEGIES:

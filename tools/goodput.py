@@ -4,7 +4,7 @@
 For each failure scenario (public preemption traces, a Poisson failure model) and each strategy the
 tool simulates a job of fixed useful work and reports goodput (useful training time / wall time),
 the work lost per failure and the time to resume. Costs are measured ones, read from a JSON cost
-file (default ``tools/goodput_costs.json``, every figure copied from README "Performance" with its
+file (default ``tools/goodput_costs.json``, every figure copied from docs/performance.md with its
 source); the tool prints the figures it used and how it derived each strategy's costs from them,
 then one Markdown table (a row per scenario and strategy) and, with ``--plot``, a PNG.
 
