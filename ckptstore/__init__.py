@@ -12,7 +12,8 @@ from .errors import (BisectError, BisectPredicateError, CheckpointAbortedError, 
                      IterationOrderError, JobStreamError, NotFoundError, ReadOnlyStoreError,
                      ReplayDivergenceError, StoreClosedError, StoreIOError, StoreLockedError,
                      StoreNotFoundError, UnsupportedTypeError, UnsupportedVersionError,
-                     CheckpointPolicyError, CommitOutcomeUnknownError, GlobalCommitAbortedError,
+                     CheckpointPolicyError, CheckpointPlanError, UnreplayableOptimizerError,
+                     CommitOutcomeUnknownError, GlobalCommitAbortedError,
                      RankFailureError, RankMismatchError, RetentionError, StaleWriterError,
                      StoreFeaturesError,
                      TargetMismatchError, DCPError, ExportError, ImportSkippedWarning,
@@ -114,4 +115,5 @@ __all__ = [
 ]
 __all__ += ["RemoteError", "RemoteIntegrityError", "RemoteConflictError", "RemoteUnsupportedError"]
 __all__ += ["FollowerError", "FollowerMismatchError", "FollowerWarning"]
+__all__ += ["CheckpointPlanError", "UnreplayableOptimizerError"]
 __all__ += ["ShardCoverageError", "ShardMismatchError", "ShardDamagedError", "ShardLayoutError"]

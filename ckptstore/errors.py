@@ -322,6 +322,18 @@ class CheckpointPolicyError(CkptStoreError):
     ``__cause__`` is the last failure."""
 
 
+class CheckpointPlanError(CkptStoreError, ValueError):
+    """A Checkpointer's checkpoint plan cannot be what was asked (ckptstore/torch/plan.py): an
+    unknown ``policy``, an ``mtbf_s``, ``disk_budget`` or ``snapshot_every`` out of range. The
+    message names the argument; it is raised before anything is written."""
+
+
+class UnreplayableOptimizerError(CheckpointPlanError, TypeError):
+    """``policy="every-iteration"`` with an optimizer whose step replay does not know (Lion,
+    8-bit Adam, a custom one): deltas of it could not be replayed. Other policies checkpoint
+    such an optimizer with snapshots. (A TypeError too, as the Checkpointer raised before.)"""
+
+
 class RetentionError(CkptStoreError, ValueError):
     """A retention policy cannot be applied: it selects none of the committed iterations (it
     would delete every iteration: a meta key no checkpoint holds, an age or iteration bound past

@@ -4,6 +4,7 @@ corruption and lossy codecs (format-spec/deltas.md)."""
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import time
 import warnings
@@ -797,3 +798,179 @@ def test_replay_range_early_exit_and_errors_stop_the_feed(tmp_path, assert_same)
                 seen.append(it)
         assert seen == [9, 10, 11]  # the states before the damaged delta, then its error
         assert not _feed_threads()
+
+
+# ---- checkpoint policies (issue 30.3: ckptstore/torch/plan.py) -------------------------------
+class SignMomentum(torch.optim.Optimizer):
+    """A custom optimizer replay does not know (Lion-like: a sign step and a momentum state)."""
+
+    def __init__(self, params, lr=1e-2, beta=0.9):
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                p.add_(torch.sign(m * g["beta"] + p.grad), alpha=-g["lr"])
+                m.mul_(g["beta"]).add_(p.grad, alpha=1 - g["beta"])
+
+
+def _small(opt_cls=SignMomentum, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return model, opt_cls(model.parameters(), lr=1e-2, **kw)
+
+
+def _one_step(model, ck, opt, it):
+    x, y = batch(it)
+    torch.nn.functional.mse_loss(model(x) + 1e-3 * torch.randn(6, 4), y).backward()  # uses the RNG
+    out = ck.step(it, meta={"it": it})
+    opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_unreplayable_optimizer_is_checkpointed_by_snapshots(tmp_path, assert_same, caplog,
+                                                             asynchronous):
+    """A custom optimizer: no TypeError, one WARNING saying why deltas are off, snapshots every
+    ``snapshot_every``; restore() is bit-exact (model, optimizer state, RNG) from the newest
+    snapshot, and from an older one."""
+    model, opt = _small()
+    store = ckptstore.open(tmp_path / "s")
+    with caplog.at_level("WARNING", logger="ckptstore"):
+        ck = Checkpointer(store, model, opt, snapshot_every=4, asynchronous=asynchronous)
+    warned = [r for r in caplog.records if "not replayable" in r.getMessage()]
+    assert len(warned) == 1 and "snapshots" in warned[0].getMessage() and ck.mode == "snapshots"
+    assert ck.restore() == 0
+    saved, rng = {}, {}
+    for it in range(1, 11):
+        out = _one_step(model, ck, opt, it)
+        assert (out is None) == (it % 4 != 0)
+        saved[it] = live_state(model, opt, None)
+        rng[it] = torch.get_rng_state()
+    store.flush()
+    assert store.iterations() == [0, 4, 8] and store.kind(8) == "snapshot"
+    assert store.meta(8) == {"it": 8}
+    for target in (4, None):
+        model2, opt2 = _small()
+        ck2 = Checkpointer(store, model2, opt2, policy="snapshots", snapshot_every=4,
+                           asynchronous=asynchronous)
+        got = ck2.restore(target)
+        assert got == (8 if target is None else 4)
+        assert_same(saved[got], live_state(model2, opt2, None))
+        assert torch.equal(torch.get_rng_state(), rng[got])
+        ck2.close()
+    # training goes on after a restore of the newest: the next snapshot at 12
+    for it in range(9, 13):
+        _one_step(model2, ck2, opt2, it)
+    store.flush()
+    assert store.iterations()[-1] == 12
+    ck.close()
+    store.close()
+
+
+def test_every_iteration_refuses_an_unreplayable_optimizer(tmp_path):
+    model, opt = _small()
+    store = ckptstore.open(tmp_path / "s")
+    with pytest.raises(ckptstore.UnreplayableOptimizerError, match="policy") as e:
+        Checkpointer(store, model, opt, policy="every-iteration")
+    assert isinstance(e.value, TypeError) and isinstance(e.value, ckptstore.CheckpointPlanError)
+    assert "SignMomentum" in str(e.value) and store.iterations() == []
+    store.close()
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    ({"policy": "weekly"}, "policy"), ({"policy": "Auto"}, "policy"),
+    ({"mtbf_s": 0}, "mtbf_s"), ({"mtbf_s": -3.0}, "mtbf_s"), ({"mtbf_s": float("nan")}, "mtbf_s"),
+    ({"mtbf_s": float("inf")}, "mtbf_s"), ({"mtbf_s": "24h"}, "mtbf_s"), ({"mtbf_s": True}, "mtbf_s"),
+    ({"disk_budget": 0}, "disk_budget"), ({"disk_budget": 1.5e9}, "disk_budget"),
+    ({"policy": "snapshots", "snapshot_every": 0}, "snapshot_every"),
+    ({"policy": "every-iteration", "snapshot_every": 5}, "snapshot_every"),
+    ({"policy": "auto", "measure_steps": 0}, "measure_steps"),
+])
+def test_bad_policy_arguments_are_refused_before_anything_is_written(tmp_path, kwargs, argument):
+    model, opt = _small(torch.optim.SGD)
+    store = ckptstore.open(tmp_path / "s")
+    with pytest.raises(ckptstore.CheckpointPlanError, match=argument) as e:
+        Checkpointer(store, model, opt, **kwargs)
+    assert isinstance(e.value, ValueError)
+    assert store.iterations() == [] and store.running_pipeline is None
+    store.close()
+
+
+def test_auto_plans_from_measured_costs(tmp_path):
+    """policy="auto": deltas, a snapshot, plain steps, then a plan with its numbers; the failure
+    rate is said to be assumed when none is given, and given when it is."""
+    model, opt = _small(torch.optim.SGD, momentum=0.9)
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=3)
+    assert ck.plan() is None and ck.mode == "deltas"
+    ck.restore()
+    for it in range(1, 16):
+        _one_step(model, ck, opt, it)
+    p = ck.plan()
+    assert p is not None and p.mode in ("snapshots", "deltas") and ck.mode == p.mode
+    assert set(p.goodputs()) == {"snapshots", "deltas"} and 0 <= p.goodput <= 1
+    assert p.costs.step_s > 0 and p.costs.delta_overhead_s is not None
+    assert p.mtbf_source.startswith("assumed") and "24" in str(p) and "mtbf_s" in str(p)
+    ck.replan(mtbf_s=600.0)
+    _one_step(model, ck, opt, 16)
+    assert ck.plan().mtbf_s == 600.0 and ck.plan().mtbf_source == "given"
+    store.flush()
+    assert store.iterations()[:4] == [0, 1, 2, 3]  # the measured deltas stay committed
+    ck.close()
+    store.close()
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_switching_plans_loses_nothing_committed(tmp_path, assert_same, caplog, monkeypatch,
+                                                 asynchronous):
+    """deltas -> snapshots -> deltas -> snapshots (the planner forced to one mode at a time):
+    every iteration committed before a switch is still committed after it, and every committed
+    iteration loads bit for bit as the live state was; each plan change is logged (INFO)."""
+    from ckptstore.torch import checkpointer as ckmod
+    real, want = ckmod.make_plan, ["deltas"]
+    monkeypatch.setattr(ckmod, "make_plan", lambda *a, **kw: real(*a, **{**kw, "modes": (want[0],)}))
+    model, opt = _small(torch.optim.Adam)
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2, snapshot_every=3,
+                      group_commit=2, asynchronous=asynchronous)
+    saved = {0: live_state(model, opt, None)}
+    ck.restore()
+    committed: list[int] = []
+    with caplog.at_level("INFO", logger="ckptstore"):
+        for it in range(1, 31):
+            if it in (12, 19, 25):
+                store.flush()
+                committed = store.iterations()
+                want[0] = {12: "snapshots", 19: "deltas", 25: "snapshots"}[it]
+                ck.replan()
+            _one_step(model, ck, opt, it)
+            saved[it] = live_state(model, opt, None)
+            if it in (12, 19, 25):
+                assert ck.mode == want[0]
+                store.flush()
+                assert set(committed) <= set(store.iterations())
+    store.flush()
+    its = store.iterations()
+    plans = [r for r in caplog.records if r.levelname == "INFO" and "checkpoint plan" in r.getMessage()]
+    assert len(plans) >= 4
+    first = int(re.search(r"from iteration (\d+) on", plans[0].getMessage()).group(1))
+    # deltas 1-2, a snapshot at 3 (measured), plain steps, planned deltas from ``first`` (a base
+    # of first - 1 before them), snapshots from 12 every 3, deltas again from 19 (the snapshot
+    # at 18 is their base), snapshots from 25
+    assert its == [0, 1, 2, 3, *range(first - 1, 13), 15, *range(18, 26), 28]
+    for it in its:
+        st = store.load(it)
+        assert_same(saved[it]["model"], st["model"], f"iteration {it}")
+        assert_same(saved[it]["optimizer"], st["optimizer"], f"iteration {it}")
+    model2, opt2 = _small(torch.optim.Adam)
+    ck2 = Checkpointer(store, model2, opt2, policy="auto", asynchronous=asynchronous)
+    assert ck2.restore() == its[-1]
+    assert_same(saved[its[-1]], live_state(model2, opt2, None))
+    ck.close()
+    ck2.close()
+    store.close()

@@ -124,5 +124,5 @@ def test_bad_costs_and_arguments_are_refused():
 
 
 def test_fixed_interval():
-    p = plan(Costs(step_s=1.0, snapshot_stall_s=0.1), 3600.0, modes=(SNAPSHOTS,), interval=7)
+    p = plan(Costs(step_s=1.0, snapshot_stall_s=0.1), 3600.0, modes=(SNAPSHOTS,), fixed={SNAPSHOTS: 7})
     assert p.snapshot_every == 7 and len(p.options) == 1

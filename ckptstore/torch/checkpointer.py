@@ -28,10 +28,19 @@ was not captured or changed since (checked by the gradient tensor's identity and
 in-place changes such as ``clip_grad_norm_`` are seen and recopied; writes through ``.data`` or
 numpy aliases are not, and the recorded fingerprints then make replay fail loudly). Under
 DistributedDataParallel, :func:`ddp_comm_hook` captures the all-reduced buckets instead.
+
+What to write is the ``policy`` (:mod:`ckptstore.torch.plan` holds the model): "every-iteration"
+(a delta every iteration, above), "snapshots" (an asynchronous snapshot every ``snapshot_every``
+iterations, nothing in between: any optimizer, no replay) or "auto" (costs measured over the
+first steps, then whichever of the two the goodput model prefers for the failure rate, re-planned
+when the costs drift). The default: "every-iteration" for an optimizer replay knows, else
+"snapshots".
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import random
 import threading
 import time
@@ -43,7 +52,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CkptStoreError, DeltaChainError, NotFoundError, RankFailureError
+from ..errors import (CheckpointPlanError, CkptStoreError, DeltaChainError, NotFoundError,
+                      RankFailureError, UnreplayableOptimizerError)
 from ..multirank.job_store import JobStore
 from ..engine.engine import DEFAULT_CHUNK_SIZE
 from ..format.image import BLOCK as IMAGE_BLOCK, ChunkImage
@@ -56,6 +66,7 @@ from ..replay.partition import Partition, split_state
 from ..replay.shards import is_dtensor, local, localize
 from .dp_restore import can_load_in_parallel, load_in_parallel
 from .failure_policy import CheckpointerStats, FailurePolicy
+from .plan import DEFAULT_MTBF_S, DELTAS, SNAPSHOTS, CostMeter, Plan, drifted, plan as make_plan
 from .sharded import check_meshes, copy_into_live, load_sharded, replicas_of
 from ..replay.replayer import fingerprint, fingerprint_digest
 
@@ -123,6 +134,42 @@ class _Step:
     #: the host arena holding the captured gradients (owned until the record is submitted)
     arena: Any = None
     pipe: Any = None
+    #: a step of the snapshots mode (writes a snapshot when due, else nothing)
+    snap: bool = False
+
+
+#: the Checkpointer's policies (what it writes; :mod:`ckptstore.torch.plan`)
+POLICIES = ("auto", "every-iteration", "snapshots")
+log = logging.getLogger("ckptstore")
+
+
+def _replayable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether replay knows ``optimizer``'s step: one of torch.optim's, not a subclass."""
+    name = type(optimizer).__name__
+    return name in OPTIMIZER_NAMES and type(optimizer) is getattr(torch.optim, name, None)
+
+
+def _check_policy_args(policy: str | None, snapshot_every: int | None, mtbf_s: float | None,
+                       disk_budget: int | None, measure_steps: int) -> None:
+    """CheckpointPlanError naming the first bad argument (before anything is written)."""
+    if policy is not None and policy not in POLICIES:
+        raise CheckpointPlanError(f"policy must be one of {', '.join(map(repr, POLICIES))} "
+                                  f"(or None: the default), not {policy!r}")
+    if mtbf_s is not None and (isinstance(mtbf_s, bool) or not isinstance(mtbf_s, (int, float))
+                               or not math.isfinite(mtbf_s) or mtbf_s <= 0):
+        raise CheckpointPlanError(f"mtbf_s must be a finite number of seconds > 0 or None, "
+                                  f"not {mtbf_s!r}")
+    if disk_budget is not None and (type(disk_budget) is not int or disk_budget <= 0):
+        raise CheckpointPlanError(f"disk_budget must be a positive int (bytes) or None, "
+                                  f"not {disk_budget!r}")
+    if snapshot_every is not None and (type(snapshot_every) is not int or snapshot_every < 1):
+        raise CheckpointPlanError(f"snapshot_every must be a positive int or None, "
+                                  f"not {snapshot_every!r}")
+    if snapshot_every is not None and policy == "every-iteration":
+        raise CheckpointPlanError('snapshot_every: policy="every-iteration" writes no periodic '
+                                  'snapshots (use policy="snapshots" or "auto")')
+    if type(measure_steps) is not int or measure_steps < 1:
+        raise CheckpointPlanError(f"measure_steps must be a positive int, not {measure_steps!r}")
 
 
 def _json_defaults(defaults: dict) -> dict:
@@ -192,6 +239,25 @@ class Checkpointer:
     and counted, until ``max_failures`` in a row or no durable checkpoint for ``max_lag_s``
     seconds (:mod:`ckptstore.torch.failure_policy`; :meth:`health` says how it is going,
     :meth:`stats` says it beside the store's per-checkpoint statistics).
+
+    ``policy``: what to write (:mod:`ckptstore.torch.plan`). "every-iteration": the delta records
+    above. "snapshots": an asynchronous snapshot (``store.save_async``; ``store.save`` when not
+    ``asynchronous``) every ``snapshot_every`` iterations (None: the planner's interval, chosen
+    after ``measure_steps`` steps measured its costs; until then only the first snapshot), nothing
+    in between (a step's ``meta`` is stored only when it snapshots; ``step`` returns None then).
+    "auto": ``measure_steps`` delta steps, one snapshot, ``measure_steps`` plain steps, then the
+    plan with the better expected goodput (:meth:`plan` says which and why; logged, logger
+    "ckptstore", INFO, whenever it changes); costs keep being measured and a drift of more than
+    30% re-plans. In the deltas mode of "auto" the base interval is the plan's. None (default):
+    "every-iteration" when replay knows the optimizer, else "snapshots" (logged once, WARNING).
+    An optimizer replay does not know (Lion, 8-bit Adam, a custom one) is always checkpointed by
+    snapshots; ``policy="every-iteration"`` with one raises UnreplayableOptimizerError.
+    ``mtbf_s``: the mean time between failures (seconds) the plan assumes; None: learned from a
+    job store's restarts (its epochs) when it has any, else 24 h, and the plan says so.
+    ``disk_budget``: bytes the checkpoints may take: the plan keeps each interval within it and
+    says how many checkpoints to keep (``plan().retention``; not applied by the Checkpointer).
+    Bad values raise CheckpointPlanError (a ValueError) naming the argument, before anything is
+    written.
     """
 
     def __init__(self, store, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -200,11 +266,22 @@ class Checkpointer:
                  fingerprint_every: int = 10, target_recovery_s: float = 30.0,
                  asynchronous: bool = True, capture: str = "hooks",
                  partition: bool | None = None, on_failure: str = "raise",
-                 max_failures: int = 3, max_lag_s: float | None = 3600.0) -> None:
-        if type(optimizer).__name__ not in OPTIMIZER_NAMES or \
-                type(optimizer) is not getattr(torch.optim, type(optimizer).__name__):
-            raise TypeError(f"optimizer {type(optimizer).__qualname__} is not replayable; supported: "
-                            f"{', '.join('torch.optim.' + n for n in OPTIMIZER_NAMES)}")
+                 max_failures: int = 3, max_lag_s: float | None = 3600.0,
+                 policy: str | None = None, snapshot_every: int | None = None,
+                 mtbf_s: float | None = None, disk_budget: int | None = None,
+                 measure_steps: int = 8) -> None:
+        _check_policy_args(policy, snapshot_every, mtbf_s, disk_budget, measure_steps)
+        replayable = _replayable(optimizer)
+        if not replayable:
+            why = (f"optimizer {type(optimizer).__qualname__} is not replayable; supported: "
+                   f"{', '.join('torch.optim.' + n for n in OPTIMIZER_NAMES)}")
+            if policy == "every-iteration":
+                raise UnreplayableOptimizerError(
+                    f'policy="every-iteration": {why} (policy="snapshots" or "auto" checkpoints '
+                    f"it with snapshots)")
+            log.warning("Checkpointer: %s: deltas are off, checkpoints are snapshots", why)
+        if policy is None:
+            policy = "every-iteration" if replayable else "snapshots"
         if base_every == "follower":
             base_every = None  # the same: the follower writes the periodic bases
         if base_every is not None and base_every != "auto" and \
@@ -219,6 +296,12 @@ class Checkpointer:
         if capture not in ("hooks", "step"):
             raise ValueError('capture must be "hooks" or "step"')
         job = isinstance(store, JobStore)
+        if job and (store.world_size or 1) > 1 and (
+                policy == "auto" or (policy == "snapshots" and snapshot_every is None)):
+            raise CheckpointPlanError(
+                f"policy={policy!r}: on a multi-rank job store every rank must write the same "
+                "checkpoints, and costs measured on each rank could plan differently: pass "
+                'policy="snapshots" with snapshot_every=N, or "every-iteration"')
         self.policy = FailurePolicy(on_failure, max_failures=max_failures, max_lag_s=max_lag_s)
         self.store = store
         self.model = model
@@ -305,7 +388,30 @@ class Checkpointer:
         self._hooks: list[Any] = []
         #: a step begun with before_step() and not yet ended with after_step()
         self._open: _Step | None = None
-        self._capture_grads = self.asynchronous and not self.codec.lossy
+        # ---- the checkpoint policy (ckptstore/torch/plan.py) ------------------------------------
+        self.checkpoint_policy = policy
+        self.replayable = replayable
+        self.snapshot_every = snapshot_every
+        self.mtbf_s = mtbf_s
+        self.disk_budget = disk_budget
+        self.measure_steps = measure_steps
+        self.meter = CostMeter()
+        self._plan: Plan | None = None
+        self._mtbf: tuple[float, str] | None = None  # (seconds, where it comes from), once known
+        #: what the steps write now: DELTAS or SNAPSHOTS
+        self._mode = DELTAS if policy == "every-iteration" or (policy == "auto" and replayable) \
+            else SNAPSHOTS
+        #: "deltas" (measuring delta steps), "plain" (measuring steps that write nothing), "planned"
+        self._phase = "planned" if policy == "every-iteration" else \
+            ("deltas" if self._mode == DELTAS else "plain")
+        self._measure_snapshot = False  # the plain phase asked for the snapshot it measures
+        self._since_check = 0  # steps since costs were last compared with the plan's
+        self._replan_next = False  # replan() asked for a plan at the next step
+        #: the last step: (iteration, its start, what it wrote: "plain" | "delta" | "base")
+        self._prev: tuple[int, float, str] | None = None
+        self._t_step = 0.0
+        self._wrote = "plain"
+        self._capture_grads = self.asynchronous and not self.codec.lossy and policy != "snapshots"
         if self._capture_grads:
             self.store.pipeline  # noqa: B018 - start it now: hooks need its pool
             if capture == "hooks":
@@ -345,12 +451,20 @@ class Checkpointer:
             fut = self.store.save_async(iteration, state, meta=meta)
             fut.add_done_callback(self._cost_callback("_base_cost", 0.0))
             fut.add_done_callback(self._durable_callback)
+            fut.add_done_callback(self._observe_snapshot)
+            self._wrote = "base"
             self._last = self._base = iteration
             self._group_n = 0  # the base commits every pending delta
             self._force_base = False
             return fut
         stats = self.store.save(iteration, state, meta=meta)
         self._ema("_base_cost", time.perf_counter() - t0)
+        self._wrote = "base"
+        # synchronous: the whole save stalls training and it is durable when it returns
+        self.meter.add("stall", time.perf_counter() - t0)
+        self.meter.add("persist", 0.0)
+        self.meter.add("snapshot_bytes", stats.written_bytes)
+        self.meter.add("load", stats.seconds)
         self._last = self._base = iteration
         self._force_base = False
         self.policy.succeeded()
@@ -468,7 +582,8 @@ class Checkpointer:
     def _hook(self, i: int):
         def on_grad(p: torch.Tensor) -> None:
             g = local(p.grad)
-            if self._ddp or g is None or not self._owned[i] or not self._capturable(i, g):
+            if self._ddp or g is None or not self._owned[i] or self._mode != DELTAS or \
+                    not self._capturable(i, g):
                 return
             self._slot(i, self._ensure_arena()).copy_(g)
             self._captured[i] = (weakref.ref(g), g._version)
@@ -479,7 +594,7 @@ class Checkpointer:
         """Copy an all-reduced DDP bucket (``flat``: the bucket's gradients of ``params``, in
         order) into the gradient slots (called by :func:`ddp_comm_hook`)."""
         self._ddp = True
-        if not self._capture_grads:
+        if not self._capture_grads or self._mode != DELTAS:
             return
         if sum(p.numel() for p in params) != flat.numel() or flat.device.type != "cpu":
             return  # an unexpected layout: the step copies p.grad instead
@@ -636,6 +751,7 @@ class Checkpointer:
         self.store.flush() if self.store.pending() or self.store.running_pipeline is not None else None
         self._captured = [None] * len(self._params)
         self._resync = False
+        self._prev = None  # (no step-time sample across a restore)
         its = self.store.iterations()
         if not its:
             if iteration not in (None, 0) or state is not None:
@@ -678,6 +794,9 @@ class Checkpointer:
     def interval(self) -> int | None:
         """The current base interval (fixed, or chosen from measured costs for "auto"); None with
         ``base_every=None`` (no periodic bases: a follower writes them)."""
+        if self.checkpoint_policy == "auto" and self._plan is not None and \
+                self._plan.base_every is not None:
+            return self._plan.base_every  # (the deltas mode of policy="auto")
         if self.base_every is None:
             return None
         if self.base_every != "auto":
@@ -705,15 +824,18 @@ class Checkpointer:
         the step, so continue with ``iteration + 1``, whose step first writes a base snapshot of
         the live state (the chain restarts) when records were lost."""
         self._refuse_open_step(f"step({iteration})")
+        self._tick(iteration)
         st = self._begin(iteration, own_grads=False)
         if not st.recorded:
             self._apply_step()  # the "retry" policy trains on without a record
-            return self._end(st, meta)
+            return self._tock(st, self._end(st, meta))
         try:
+            t0 = time.perf_counter()
             self._apply_step()
+            self.meter.add("optimizer", time.perf_counter() - t0)
         except BaseException as e:
             return self._failed(st, e)
-        return self._end(st, meta)
+        return self._tock(st, self._end(st, meta))
 
     def before_step(self, iteration: int) -> None:
         """First half of :meth:`step`, for a training loop that applies the optimizer step itself
@@ -743,6 +865,7 @@ class Checkpointer:
         One step at a time: :meth:`step`, :meth:`before_step` and :meth:`restore` raise
         DeltaChainError while a step is open; :meth:`close` drops an open step."""
         self._refuse_open_step(f"before_step({iteration})")
+        self._tick(iteration)
         self._open = self._begin(iteration, own_grads=True)
 
     def after_step(self, meta: dict | None = None):
@@ -752,7 +875,213 @@ class Checkpointer:
         st, self._open = self._open, None
         if st is None:
             raise DeltaChainError("Checkpointer.after_step() without before_step()")
-        return self._end(st, meta)
+        return self._tock(st, self._end(st, meta))
+
+    # ---- the checkpoint policy ---------------------------------------------------------------
+    def plan(self) -> Plan | None:
+        """The current checkpoint plan (:class:`ckptstore.torch.plan.Plan`: the mode, its interval,
+        the expected goodput of each mode compared, bytes per hour, retention, the costs and the
+        failure rate it assumed; ``str()`` explains it), or None: policy "every-iteration" (no
+        planner), or the costs are still being measured (the first ``2 * measure_steps`` steps)."""
+        return self._plan
+
+    @property
+    def mode(self) -> str:
+        """What the steps write now: "deltas" or "snapshots"."""
+        return self._mode
+
+    def replan(self, mtbf_s: float | None = None) -> None:
+        """Plan again at the next step, from the costs measured so far (it does when they drift
+        by itself), e.g. with a new failure rate ``mtbf_s`` (None: keep the current one).
+        CheckpointPlanError for a bad ``mtbf_s``, or with policy "every-iteration"."""
+        if self.checkpoint_policy == "every-iteration":
+            raise CheckpointPlanError('replan: policy="every-iteration" has no plan')
+        _check_policy_args(self.checkpoint_policy, self.snapshot_every, mtbf_s, self.disk_budget,
+                           self.measure_steps)
+        if mtbf_s is not None:
+            self.mtbf_s = mtbf_s
+        if self._phase == "planned":
+            self._replan_next = True
+
+    def _tick(self, iteration: int) -> None:
+        """A step's start: the previous step's wall time (to this start) becomes a cost sample
+        under what it wrote (a step that snapshotted is no sample); then the policy moves on,
+        which may switch the mode before this step."""
+        now = time.perf_counter()
+        prev, self._prev = self._prev, None
+        if prev is not None and prev[0] == iteration - 1 and prev[2] != "base":
+            self.meter.add(prev[2], now - prev[1])
+        self._t_step = now
+        self._wrote = "plain"
+        if self.checkpoint_policy != "every-iteration":
+            self._advance(iteration)
+
+    def _tock(self, st: _Step, out: Any) -> Any:
+        """A step that ended (it may have written nothing): remembered for the next sample."""
+        self._prev = (st.iteration, self._t_step, self._wrote if st.recorded else "base")
+        return out
+
+    def _advance(self, iteration: int) -> None:
+        """The policy's phases: measure ``measure_steps`` delta steps (policy "auto" with an
+        optimizer replay knows), then one snapshot and ``measure_steps`` steps that write nothing,
+        then plan; once planned, compare the costs with the plan's every 16 steps and re-plan
+        when one drifted (:func:`ckptstore.torch.plan.drifted`)."""
+        m = self.meter
+        self._since_check += 1
+        if self._phase == "deltas":
+            if m.count("delta") >= self.measure_steps or self._since_check > 4 * self.measure_steps:
+                self._phase = "plain"
+                self._measure_snapshot = True  # (the switch snapshots this step)
+                self._switch(SNAPSHOTS, iteration)
+        elif self._phase == "plain":
+            if m.count("plain") >= self.measure_steps or self._since_check > 4 * self.measure_steps:
+                if m.count("stall"):
+                    self._replan(iteration)
+                elif not self._measure_snapshot and self.snapshot_every is None:
+                    # nothing snapshotted yet (a store restored from), and no interval that
+                    # will: one snapshot to measure
+                    self._measure_snapshot = self._force_base = True
+        elif self._since_check >= 16 or self._replan_next:
+            if self._replan_next:
+                self._replan_next = False
+                self._replan(iteration)
+                return
+            self._since_check = 0
+            costs = self._costs()
+            if costs is not None and (self._plan is None or drifted(self._plan.costs, costs)):
+                self._replan(iteration)
+
+    def _costs(self):
+        return self.meter.costs(self.replayable and self.checkpoint_policy == "auto",
+                                self.group_commit)
+
+    def _replan(self, iteration: int) -> None:
+        """Plan from the measured costs; a changed plan is logged (INFO) and, when its mode
+        differs, applied from this step on."""
+        costs = self._costs()
+        if costs is None:
+            return
+        mtbf, source = self._failure_rate()
+        modes = (SNAPSHOTS, DELTAS) if self.checkpoint_policy == "auto" else (SNAPSHOTS,)
+        fixed = {SNAPSHOTS: self.snapshot_every} if self.snapshot_every else None
+        new = make_plan(costs, mtbf, self.disk_budget, modes=modes, fixed=fixed,
+                        mtbf_source=source)
+        old, self._plan = self._plan, new
+        self._phase, self._since_check = "planned", 0
+        if old is None or (old.mode, old.chosen.interval) != (new.mode, new.chosen.interval):
+            log.info("Checkpointer %s, from iteration %d on: %s", self.store.path, iteration, new)
+            if new.mode != self._mode:
+                self._switch(new.mode, iteration)
+
+    def _failure_rate(self) -> tuple[float, str]:
+        """(MTBF seconds, where it comes from): ``mtbf_s`` when given; else learned from a job
+        store's epochs (each new epoch is the job opened again: a restart) over the time since
+        its oldest commit still held; else :data:`~ckptstore.torch.plan.DEFAULT_MTBF_S`,
+        assumed."""
+        if self.mtbf_s is not None:
+            return float(self.mtbf_s), "given"
+        if self._mtbf is None:
+            self._mtbf = (DEFAULT_MTBF_S, "assumed: the 24 h default, no failure history to "
+                                          "learn from; pass mtbf_s=")
+            store = self.store
+            if isinstance(store, JobStore):
+                first: dict[int, int] = {}
+                for it in store.iterations():
+                    g = store.global_commit(it)
+                    first[g.epoch] = min(first.get(g.epoch, g.created_ns), g.created_ns)
+                restarts = len(set(first) | {store.epoch}) - 1
+                span = (time.time_ns() - min(first.values())) / 1e9 if first else 0.0
+                if restarts >= 1 and span > 0:
+                    self._mtbf = (span / restarts, f"learned: {restarts} restart(s) of the job "
+                                                   f"store in {span / 3600:.2f} h")
+        return self._mtbf
+
+    def _switch(self, mode: str, iteration: int) -> None:
+        """Write ``mode`` from step ``iteration`` on. To snapshots: this step snapshots (which
+        commits the pending deltas). To deltas: every save in flight is made durable first,
+        then the delta path restarts its chain at the live state (a base of ``iteration - 1``
+        unless the store's newest iteration is that). Nothing committed is lost either way."""
+        if mode == SNAPSHOTS:
+            pipe = self.store.running_pipeline
+            if pipe is not None:
+                self._release_captures(pipe)  # captured for a delta this step will not write
+            self._captured = [None] * len(self._params)
+            self._force_base = True
+        else:
+            try:
+                self.store.flush()
+            except BaseException as e:
+                self._policy_failed(e, iteration)  # raises unless the policy keeps training
+            self._resync = True
+        self._mode = mode
+
+    def _observe_snapshot(self, fut) -> None:
+        """A snapshot's AsyncStats, once it is durable: stall, persist, bytes, write time."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        st = fut.result()
+        self.meter.add("stall", getattr(st, "stall_s", 0.0))
+        self.meter.add("persist", getattr(st, "persist_s", 0.0))
+        self.meter.add("snapshot_bytes", getattr(st, "written_bytes", 0) or
+                       getattr(st, "snapshot_bytes", 0))
+        self.meter.add("load", getattr(st, "write_s", 0.0))
+
+    def _observe_delta(self, fut) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        st = fut.result()
+        self.meter.add("delta_bytes", getattr(st, "written_bytes", 0) or
+                       getattr(st, "snapshot_bytes", 0))
+        self.meter.add("delta_write", getattr(st, "write_s", 0.0))
+
+    def _snap_begin(self, iteration: int) -> _Step:
+        """A step of the snapshots mode, before ``optimizer.step()``: an earlier background
+        failure is reported (the failed snapshot is written again at this step when the policy
+        keeps training), the first step finds where the store ends, ``iteration`` is checked."""
+        pipe = None
+        try:
+            if self.asynchronous:
+                pipe = self.store.pipeline
+                pipe.check()
+            else:
+                self.store.check()
+        except BaseException as e:
+            self._force_base = True
+            self._policy_failed(e, iteration)  # raises unless the policy keeps training
+            pipe = self.store.running_pipeline if self.asynchronous else None
+        if self._last is None:
+            try:
+                latest = self.store.latest()
+                if latest is None:
+                    self.save_base(iteration - 1)  # an empty store: the live state first
+                else:
+                    self._continue_chain(latest)
+            except BaseException as e:
+                self._policy_failed(e, iteration)
+                return _Step(iteration, recorded=False, snap=True)
+        self._check_follows(iteration, pipe.tail() if pipe is not None else self.store.tail())
+        return _Step(iteration, True, snap=True)
+
+    def _snap_end(self, st: _Step, meta: dict | None):
+        """A step of the snapshots mode, after ``optimizer.step()``: a snapshot of the live
+        state when due (the interval, or one forced), else nothing (returns None)."""
+        iteration = st.iteration
+        self._last = iteration
+        if not st.recorded:
+            self._force_base = True
+            return None
+        every = self.snapshot_every or (self._plan.snapshot_every if self._plan else None)
+        since = iteration - (self._base if self._base is not None else iteration)
+        if not (self._force_base or (every is not None and since >= every)):
+            return None
+        try:
+            out = self.save_base(iteration, meta)
+        except BaseException as e:
+            self._force_base = True
+            self._policy_failed(e, iteration)  # raises unless the policy keeps training
+            return None
+        self.last_stats = out
+        return out
 
     def _refuse_open_step(self, what: str) -> None:
         if self._open is not None:
@@ -768,6 +1097,8 @@ class Checkpointer:
         """What a step does before ``optimizer.step()``: resynchronise with the store after a
         failure, check ``iteration``, take RNG states, hyperparameters and gradients.
         ``own_grads``: the gradient payloads must not alias the live gradients."""
+        if self._mode == SNAPSHOTS:
+            return self._snap_begin(iteration)
         if self.asynchronous:
             return self._begin_async(iteration, own_grads)
         try:
@@ -807,6 +1138,8 @@ class Checkpointer:
     def _end(self, st: _Step, meta: dict | None):
         """What a step does after ``optimizer.step()`` and ``scheduler.step()``: write the record
         of ``st.iteration`` (a base when due, else a delta)."""
+        if st.snap:
+            return self._snap_end(st, meta)
         iteration = st.iteration
         if not st.recorded:
             # the "retry" policy's step when the store could not take a record: training went
@@ -824,6 +1157,9 @@ class Checkpointer:
                 record = self._delta_record(iteration, st.grads, st.hyper, st.rng, st.err)
                 stats = self.store.save_delta(iteration, record, meta, durable=False)
                 self._last = iteration
+                self._wrote = "delta"
+                self.meter.add("delta_bytes", stats.written_bytes)
+                self.meter.add("delta_write", stats.seconds)
                 if len(self.store.pending()) >= self.group_commit or (
                         self.group_seconds is not None and
                         self.store.pending_age() >= self.group_seconds):
@@ -965,6 +1301,8 @@ class Checkpointer:
                                   owned=[owned] if owned is not None else None)
                 fut.add_done_callback(self._cost_callback("_delta_cost", time.perf_counter() - st.t0))
                 fut.add_done_callback(self._durable_callback)
+                fut.add_done_callback(self._observe_delta)
+                self._wrote = "delta"
         except BaseException as e:
             return self._failed(st, e)
         self.last_stats = fut

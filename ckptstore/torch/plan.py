@@ -46,6 +46,7 @@ Everything here is plain arithmetic on floats: no torch, no I/O; :func:`plan` is
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 #: the failure rate assumed when none is given and the store's history teaches none
@@ -280,22 +281,23 @@ def best_interval(costs: Costs, mode: str, mtbf_s: float, lo: int, hi: int) -> i
 
 
 def plan(costs: Costs, mtbf_s: float, disk_budget: int | None = None, *,
-         modes: tuple[str, ...] = MODES, interval: int | None = None,
+         modes: tuple[str, ...] = MODES, fixed: dict[str, int] | None = None,
          mtbf_source: str = "given", max_interval: int = 100_000) -> Plan:
     """The best plan for ``costs`` under failures every ``mtbf_s`` seconds on average.
 
     ``modes``: the modes to consider (deltas are left out when ``costs.delta_overhead_s`` is
-    None); ``interval``: fix the interval of every mode instead of choosing it (an explicit
-    ``snapshot_every``); ``disk_budget``: bytes the checkpoints may take (None: unbounded).
+    None); ``fixed``: ``{mode: interval}`` for a mode whose interval is given instead of chosen
+    (an explicit ``snapshot_every``); ``disk_budget``: bytes the checkpoints may take (None: unbounded).
     Invariants: ``plan.chosen`` has the highest goodput of the options that fit (of all options
     when none fits), and each option's interval is the best within its :func:`bounds` (or the
-    fixed ``interval``). Raises ValueError for a bad argument."""
+    ``fixed`` one). Raises ValueError for a bad argument."""
     costs.check()
     _check_number("mtbf_s", mtbf_s, positive=True)
     if disk_budget is not None and (type(disk_budget) is not int or disk_budget <= 0):
         raise ValueError(f"disk_budget must be a positive int (bytes) or None, not {disk_budget!r}")
-    if interval is not None and (type(interval) is not int or interval < 1):
-        raise ValueError(f"interval must be a positive int or None, not {interval!r}")
+    for mode, n in (fixed or {}).items():
+        if mode not in MODES or type(n) is not int or n < 1:
+            raise ValueError(f"fixed must map modes to positive ints, not {fixed!r}")
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise ValueError(f"modes must be some of {MODES}, not {modes!r}")
@@ -305,8 +307,8 @@ def plan(costs: Costs, mtbf_s: float, disk_budget: int | None = None, *,
         if mode == DELTAS and costs.delta_overhead_s is None:
             notes.append("deltas are off: the optimizer cannot be replayed")
             continue
-        if interval is not None:
-            options.append(evaluate(costs, mode, interval, mtbf_s, disk_budget))
+        if fixed and mode in fixed:
+            options.append(evaluate(costs, mode, fixed[mode], mtbf_s, disk_budget))
             continue
         bound = bounds(costs, mode, disk_budget, max_interval)
         if bound is None:  # nothing fits: the best interval regardless, marked as not fitting
@@ -322,3 +324,65 @@ def plan(costs: Costs, mtbf_s: float, disk_budget: int | None = None, *,
     rest = sorted((o for o in options if o is not chosen), key=lambda o: -o.goodput)
     return Plan(chosen, (chosen, *rest), float(mtbf_s), mtbf_source, costs, disk_budget,
                 tuple(notes))
+
+
+class CostMeter:
+    """The costs :func:`plan` needs, measured online by a Checkpointer: fed numbers, no I/O.
+
+    Each cost is the median of its last ``window`` samples (a step slowed by an evaluation pass
+    or a neighbour's burst moves a median little). Step samples are the wall time from one
+    step's start to the next one's, by what the first step wrote: ``"plain"`` (nothing),
+    ``"delta"``; a step that wrote a snapshot is not a sample (its stall is measured apart).
+    Invariant: :meth:`costs` is None until at least one plain step and one snapshot were seen."""
+
+    def __init__(self, window: int = 32) -> None:
+        self._s: dict[str, deque[float]] = {k: deque(maxlen=window) for k in (
+            "plain", "delta", "stall", "persist", "snapshot_bytes", "load", "delta_bytes",
+            "delta_write", "optimizer")}
+
+    def add(self, kind: str, value: float) -> None:
+        """One sample of ``kind`` (a key of the window: "plain", "delta", "stall", "persist",
+        "snapshot_bytes", "load", "delta_bytes", "delta_write", "optimizer")."""
+        self._s[kind].append(float(value))
+
+    def count(self, kind: str) -> int:
+        return len(self._s[kind])
+
+    def median(self, kind: str) -> float | None:
+        v = sorted(self._s[kind])
+        if not v:
+            return None
+        m = len(v) // 2
+        return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
+
+    def costs(self, replayable: bool, group_commit: int = 1) -> Costs | None:
+        """The current estimate (see :class:`Costs`), or None before enough samples. The delta
+        overhead is the delta step's median minus the plain step's (None when deltas are off or
+        none were measured); replaying a delta is estimated as an optimizer step plus reading
+        the delta (about its write); loading a base as writing one."""
+        plain, stall = self.median("plain"), self.median("stall")
+        if plain is None or stall is None or plain <= 0:
+            return None
+        delta = self.median("delta")
+        overhead = max(0.0, delta - plain) if replayable and delta is not None else None
+        med = self.median
+        return Costs(step_s=plain, snapshot_stall_s=stall,
+                     snapshot_persist_s=med("persist") or 0.0,
+                     snapshot_bytes=int(med("snapshot_bytes") or 0),
+                     delta_overhead_s=overhead, delta_bytes=int(med("delta_bytes") or 0),
+                     replay_s=(med("optimizer") or 0.0) + (med("delta_write") or 0.0),
+                     load_s=med("load") or 0.0, group_commit=group_commit)
+
+
+def drifted(old: Costs, new: Costs, tolerance: float = 0.3, floor_s: float = 2e-3) -> bool:
+    """Whether a cost the plan depends on moved by more than ``tolerance`` (relative) and more
+    than ``floor_s`` seconds (timer noise on tiny costs is no drift); deltas becoming measurable
+    or not counts as drift."""
+    if (old.delta_overhead_s is None) != (new.delta_overhead_s is None):
+        return True
+    pairs = [(old.step_s, new.step_s), (old.snapshot_stall_s, new.snapshot_stall_s),
+             (old.snapshot_persist_s, new.snapshot_persist_s), (old.replay_s, new.replay_s)]
+    if old.delta_overhead_s is not None and new.delta_overhead_s is not None:
+        pairs.append((old.delta_overhead_s, new.delta_overhead_s))
+    return any(abs(b - a) > floor_s and abs(b - a) > tolerance * max(abs(a), 1e-12)
+               for a, b in pairs)
