@@ -468,32 +468,14 @@ def collect(engine: WriterEngine, *, keep_last: int | None = None, keep_every: i
         return GcReport(keep, removed, bytes_before, bytes_before, time.perf_counter() - t0,
                         compacted=False, added=p.added, policy=str(pol),
                         rebase_skipped=_skipped(rebase))
-    watermark = live[-1]
-    # Temp files of an earlier gc that failed in this process (its abort could not delete them)
-    # would collide with this gc's names; they are never replayed, so delete them first.
-    for tmp in layout.list_gc_temps():
-        engine.file_ops.unlink(tmp)
-    compactor = _Compactor(engine, watermark + 1)
-    try:
+    def copy(compactor: _Compactor) -> None:
         for it in keep:
             if it in rebased and rebase is not None:
                 compactor.copy_rebased(it, rebase, progress)
             else:
                 compactor.copy_checkpoint(it, progress)
-        compactor.new_segment(supersedes=watermark)  # the record-less marker segment
-        assert compactor.writer is not None
-        compactor.writer.sync()
-        compactor.writer.close()
-        compactor.writer = None
-    except BaseException:
-        compactor.abort()
-        raise
-    *copies, marker = compactor.temps
-    try:
-        engine.install_compaction(copies, marker)
-    except BaseException:
-        compactor.abort()
-        raise
+
+    _compact(engine, live[-1], copy)
     bytes_after = sum(os.path.getsize(layout.segment_path(s)) for s in engine.log.refresh_segments())
     return GcReport(keep, removed, bytes_before, bytes_after, time.perf_counter() - t0,
                     added=p.added, policy=str(pol), rebased=p.rebased,
@@ -514,15 +496,28 @@ def copy_checkpoints(dest: WriterEngine, sources: Sequence[tuple[Engine, Sequenc
     if any(b <= a for a, b in zip(order, order[1:])):
         raise ValueError(f"copy_checkpoints: iterations do not increase: {order}")
     live = dest.log.refresh_segments()
-    watermark = live[-1] if live else 0
-    for tmp in dest.layout.list_gc_temps():
-        dest.file_ops.unlink(tmp)
-    compactor = _Compactor(dest, watermark + 1)
-    try:
+
+    def copy(compactor: _Compactor) -> None:
         for src, its in sources:
             for it in its:
                 compactor.copy_checkpoint(it, progress, src)
-        compactor.new_segment(supersedes=watermark)
+
+    _compact(dest, live[-1] if live else 0, copy)
+
+
+def _compact(engine: WriterEngine, watermark: int, copy: Callable[["_Compactor"], None]) -> None:
+    """The compaction both gc paths share: ``copy`` writes the kept checkpoints into temp
+    segments above ``watermark`` (the newest live segment), then the record-less marker segment
+    that supersedes every live one, synced, then :meth:`WriterEngine.install_compaction` (its
+    commit point). Any failure before the install deletes the temps (the live log is untouched)."""
+    # Temp files of an earlier gc that failed in this process (its abort could not delete them)
+    # would collide with this gc's names; they are never replayed, so delete them first.
+    for tmp in engine.layout.list_gc_temps():
+        engine.file_ops.unlink(tmp)
+    compactor = _Compactor(engine, watermark + 1)
+    try:
+        copy(compactor)
+        compactor.new_segment(supersedes=watermark)  # the record-less marker segment
         assert compactor.writer is not None
         compactor.writer.sync()
         compactor.writer.close()
@@ -532,7 +527,7 @@ def copy_checkpoints(dest: WriterEngine, sources: Sequence[tuple[Engine, Sequenc
         raise
     *copies, marker = compactor.temps
     try:
-        dest.install_compaction(copies, marker)
+        engine.install_compaction(copies, marker)
     except BaseException:
         compactor.abort()
         raise
