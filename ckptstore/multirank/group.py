@@ -64,7 +64,7 @@ def _create_backend(store: Any, rank: int, size: int, timeout: datetime.timedelt
 
 def _register_backend() -> None:
     with _register_lock:
-        if BACKEND.upper() not in dist.Backend._plugins:
+        if not hasattr(dist.Backend, BACKEND.upper()):  # register_backend sets the attribute
             dist.Backend.register_backend(BACKEND, _create_backend, devices=["cpu"])
 
 
