@@ -679,9 +679,10 @@ def reopen_in_process(rank, world, path, times):
 
 
 def test_a_job_store_reopened_in_the_same_processes(tmp_path):
-    """The store's gloo group is kept for the next open over the same ranks: made again after
-    a destroy, torch would give it the destroyed group's name, whose rendezvous keys are still
-    in the default store, and 4 ranks hung at the second open."""
+    """A job store closed and opened again in the same 4 processes: each open makes a new gloo
+    group and each close destroys it; torch would give the new group the destroyed one's name,
+    whose rendezvous keys are still in the default store (4 ranks hung at the second open), so
+    RankGroup's backend reads its keys under a fresh generation (multirank/group.py)."""
     res = ok(run_ranks(4, MOD, "reopen_in_process", str(tmp_path / "job"), str(tmp_path / "w"),
                        deadline=120, times=3))
     assert res == [[[1], [1], [1], [1, 2]]] * 4, res
