@@ -78,9 +78,11 @@ class StoreCallback(TrainerCallback):
 
     Refused at ``on_train_begin`` (ValueError): more than one process (``args.world_size > 1``),
     ``fp16`` (its GradScaler skips steps whose gradients overflow; the record would say the step
-    was applied), an optimizer the Checkpointer cannot replay (TypeError; the Trainer's default
-    ``adamw_torch_fused`` and ``adamw_torch`` are torch.optim.AdamW), and a store holding iterations
-    at or after the Trainer's starting step without :meth:`resume_from`.
+    was applied), and a store holding iterations at or after the Trainer's starting step without
+    :meth:`resume_from`. An optimizer the Checkpointer cannot replay gets async snapshots instead
+    of deltas (the Checkpointer's default ``policy``; ``policy="every-iteration"`` refuses it with
+    UnreplayableOptimizerError); the Trainer's default ``adamw_torch_fused`` and ``adamw_torch``
+    are torch.optim.AdamW, which it replays.
     """
 
     def __init__(self, store: str | os.PathLike | Store, **checkpointer_options: Any) -> None:
