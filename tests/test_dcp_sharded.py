@@ -630,9 +630,10 @@ def test_a_damaged_shard_is_reported_naming_the_rank_and_the_tensor(jobs, tmp_pa
 ], ids=["rank1-writing-shards", "rank1-local-commit-durable", "coordinator-at-global-commit"])
 def test_sigkill_of_a_rank_during_a_sharded_commit(tmp_path, victim, kill, after_vote,
                                                    assert_same):
-    """Nothing of the iteration becomes visible, the survivor fails within the commit timeout
-    with a typed error (CommitOutcomeUnknownError once it had voted), fsck is clean, and the
-    next job (a new epoch) saves the same iteration and loads it whole at any world size."""
+    """Nothing of the iteration becomes visible, the survivor fails at once (DCP's own
+    collective over the dead rank raises: ckptstore runs no round during a DCP save, format
+    §22.6, so the error is torch's, not a commit round's), fsck is clean, and the next job (a new
+    epoch) saves the same iteration and loads it whole at any world size."""
     timeout = 5.0
     path, expected = str(tmp_path / "job"), str(tmp_path / "expected")
     res = run_ranks(2, MOD, "kill_in_commit", path, str(tmp_path / "w"), deadline=120,
@@ -640,8 +641,7 @@ def test_sigkill_of_a_rank_during_a_sharded_commit(tmp_path, victim, kill, after
     assert "died" in res[victim], res
     survivor = res[1 - victim]["ok"]
     assert survivor["error"] is not None and survivor["iterations"] == [1], survivor
-    want = "CommitOutcomeUnknownError" if after_vote else "RankFailureError"
-    assert want in survivor["typed"] and survivor["s"] < timeout + 10, survivor
+    assert survivor["s"] < timeout + 10, survivor  # (after_vote: no longer a different error)
     with ckptstore.open(path, "r") as reader:
         assert reader.iterations() == [1]
         with pytest.raises(NotFoundError):
