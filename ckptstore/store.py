@@ -29,8 +29,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .errors import (CkptStoreError, JobStreamError, NotFoundError, ReadOnlyStoreError,
-                     RetentionError, StoreClosedError)
+from .errors import (CkptStoreError, NotFoundError, ReadOnlyStoreError, RetentionError,
+                     StoreClosedError)
 from .errors import RemoteUnsupportedError
 from .format.commit import KIND_DELTA, KIND_NAMES
 from .format.header import StoreHeader
@@ -673,7 +673,9 @@ class Store:
         written). On a writer it first commits what is pending, as gc does, so it reports what
         gc would do now."""
         pol = gc_policy(keep_last, keep_every, policy)
-        self._refuse_job_part("gc")
+        # a rank's stream (also the job writer's own, which JobStore.stream hands out) lies
+        # under <job>/streams/: JobStreamError
+        refuse_job_part(self.path, "gc")
         rebase = self._rebaser() if follower_bases else None
         try:
             if dry_run and self._writer is None:
@@ -696,17 +698,6 @@ class Store:
         finally:
             if rebase is not None:
                 rebase.close()
-
-    def _refuse_job_part(self, action: str) -> None:
-        """JobStreamError when this store is a rank's stream of a job store: the job store's own
-        (its writer hands its stream out through ``JobStore.stream``) or one opened on its
-        path."""
-        if self._commit_round is not None:
-            raise JobStreamError(f"{self.path} is this rank's stream of a multi-rank job store: "
-                                 f"{action} of one rank's stream alone would damage every "
-                                 "iteration of the job", os.path.dirname(os.path.dirname(
-                                     os.path.abspath(self.path))))
-        refuse_job_part(self.path, action)
 
     def _rebaser(self) -> FollowerRebaser:
         return FollowerRebaser(self, lambda path: Store(path, "r"))
