@@ -61,7 +61,8 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  #
     append on a file system that refuses O_DIRECT go through ordinary writes; the bytes and their
     durability points are the same either way), ``retention`` and ``retention_every`` (writers:
     a retention policy applied by an automatic gc after every ``retention_every``-th base
-    snapshot this writer commits; see :meth:`Store.set_retention`), ``features`` (writers,
+    snapshot this writer commits; see :meth:`Store.set_retention`, and for a job store
+    :meth:`JobStore.set_retention`: the job's own collective gc), ``features`` (writers,
     default "current": a store created now gets every format feature this release writes,
     today FRAMING_CHECKS, format-spec/format.md §4; "compatible": a store created now gets none,
     so ckptstore releases from before those features can read it, e.g. followers or remote
@@ -93,10 +94,6 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  #
         if options.get("remote") is not None:
             raise RemoteUnsupportedError(f"{_os.fspath(path)}: the remote tier supports "
                                          "single-writer stores only, not multi-rank job stores")
-        if options.get("retention") is not None:
-            raise RetentionError(f"{_os.fspath(path)}: automatic retention is not supported on "
-                                 "multi-rank job stores yet; gc them offline while no job "
-                                 "writes: ckptstore.open(path, \"r\").gc(...) or `ckptstore gc`")
         return JobStore(path, mode, **options)
     return Store(path, mode, **options)
 

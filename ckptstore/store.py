@@ -717,8 +717,8 @@ class Store:
 
         Never raises into the save: a failure (RetentionError when the policy selects nothing,
         an I/O error, damage) is logged (logger ``ckptstore``, WARNING) and kept in
-        :attr:`last_retention`; nothing is removed then. Multi-rank job stores are refused
-        (RetentionError), as gc is."""
+        :attr:`last_retention`; nothing is removed then. A rank's stream of a job store is
+        refused (RetentionError): its retention is the job's (:meth:`JobStore.set_retention`)."""
         _check_every(every)
         if policy is not None:
             _check_retention(policy, self.path, self.mode, self._commit_round)
@@ -790,8 +790,8 @@ def _check_retention(policy: Any, path: str, mode: str, commit_round: Any) -> No
     if mode != "a":
         raise ReadOnlyStoreError(f'store {path} is open read-only (mode="r"): no retention')
     if commit_round is not None:
-        raise RetentionError(f"{path}: retention (gc) is not supported on multi-rank job "
-                             "stores yet")
+        raise RetentionError(f"{path}: a rank's stream of a multi-rank job store: retention "
+                             "is the job's (JobStore.set_retention, collective on every rank)")
 
 
 def _check_every(every: Any) -> None:

@@ -414,7 +414,7 @@ def _ddp_model():
 
 
 def ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commit=2,
-              partition=None, asynchronous=True, comm_hook=False):
+              partition=None, asynchronous=True, comm_hook=False, retention=None):
     """DDP training with a Checkpointer on the job store: restore (or start), train, and save the
     live model and optimizer state after every step for the test to compare."""
     import torch.distributed as dist
@@ -426,7 +426,7 @@ def ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commi
     ddp = DDP(model)
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
     ck = Checkpointer(store, model, opt, sched, base_every=base_every, group_commit=group_commit,
-                      partition=partition, asynchronous=asynchronous)
+                      partition=partition, asynchronous=asynchronous, retention=retention)
     if comm_hook:
         ddp.register_comm_hook(None, ddp_comm_hook(ck))
     start = ck.restore()

@@ -505,8 +505,13 @@ def test_retention_option_errors(tmp_path):
     ckptstore.open(tmp_path / "c", "a").close()
     with pytest.raises(ReadOnlyStoreError):
         ckptstore.open(tmp_path / "c", "r", retention=KeepLast(1))
-    with pytest.raises(RetentionError, match="job stores"):
-        ckptstore.open(tmp_path / "d", "a", process_group=object(), retention=KeepLast(1))
+    # a job store checks its retention options before it touches the process group
+    with pytest.raises(TypeError):
+        ckptstore.open(tmp_path / "d", "a", process_group=object(), retention="last 3")
+    with pytest.raises(ValueError, match="retention_every"):
+        ckptstore.open(tmp_path / "d", "a", process_group=object(), retention=KeepLast(1),
+                       retention_every=0)
+    assert not os.path.exists(tmp_path / "d")
     # the lock was released by the failed opens
     with ckptstore.open(tmp_path / "a", "a") as s:
         with pytest.raises(ValueError):

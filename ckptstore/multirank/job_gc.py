@@ -30,7 +30,9 @@ leftovers the next gc deletes; after 5 the new state, plus old files the next gc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import os
 import shutil
 import time
@@ -38,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..engine.writer_engine import WriterEngine
-from ..errors import (CkptStoreError, DamagedCheckpointError, StaleWriterError, StoreLockedError)
+from ..errors import (CkptStoreError, DamagedCheckpointError, FormatError, StaleWriterError,
+                      StoreLockedError)
 from ..format import records as rec
 from ..format.commit import KIND_NAMES
 from ..format.job import Epoch, GlobalCommit, RankCommit
@@ -87,6 +90,25 @@ class JobGcReport:
     @property
     def compacted(self) -> bool:
         return self.epoch is not None
+
+
+def report_to_json(report: JobGcReport) -> bytes:
+    """``report`` as JSON (how rank 0 tells the other ranks what the job's gc did: no pickle)."""
+    d = dataclasses.asdict(report)
+    d["why"] = [[it, text] for it, text in report.why.items()]
+    return json.dumps(d).encode()
+
+
+def report_from_json(data: bytes) -> JobGcReport:
+    """The :class:`JobGcReport` :func:`report_to_json` wrote; FormatError when it is not one."""
+    try:
+        d = json.loads(data)
+        d["why"] = {int(it): str(text) for it, text in d["why"]}
+        d["added"] = tuple(d["added"])
+        d["unchanged"] = tuple(d["unchanged"])
+        return JobGcReport(**d)
+    except (ValueError, TypeError, KeyError) as e:
+        raise FormatError(f"a job gc report that does not decode: {e}") from None
 
 
 @dataclass
@@ -140,7 +162,8 @@ def plan_job_gc(reader: JobStore, policy: Policy, now_ns: int | None = None) -> 
     layouts: dict[tuple[int, int], list[tuple[int, str]]] = {}
     for e, e_its in by_epoch.items():
         for r in range(w):
-            engine = reader.stream(e_its[0], rank=r).engine
+            # the newest iteration: a stream read before it was committed is refreshed
+            engine = reader.stream(e_its[-1], rank=r).engine
             layouts[(e, r)] = engine.read(functools.partial(_layout, engine))
 
     def closure(key: tuple[int, int], keep: list[int]) -> frozenset[int]:
@@ -237,8 +260,8 @@ def dry_run_job(reader: JobStore, policy: Policy, now_ns: int | None = None) -> 
     after += head + len(plan.named) * (rec.OVERHEAD + 40 + 112 * plan.world_size)
     for r, sources in plan.copies.items():
         for e, its in sources:
-            first = next(i for i in reader.view.commits if reader.view.commits[i].epoch == e)
-            engine = reader.stream(first, rank=r).engine
+            newest = max(i for i in reader.view.commits if reader.view.commits[i].epoch == e)
+            engine = reader.stream(newest, rank=r).engine
             after += engine.read(functools.partial(estimate_bytes_after, engine, its))
     return JobGcReport(plan.kept, plan.removed, before, after, time.perf_counter() - t0,
                        dry_run=True, estimated=True, policy=str(policy), added=plan.added,
@@ -289,7 +312,8 @@ def _build_streams(layout: JobLayout, ops: FileOps, reader: JobStore, plan: JobG
         sources = [(reader.stream(first_of[e], rank=r).engine, its) for e, its in plan.copies[r]]
         dest = WriterEngine(staging, chunk_size=header.chunk_size,
                             segment_size=header.segment_size, file_ops=ops,
-                            features=_features(layout, plan.copies[r][0][0], r), job_stream=True)
+                            features=_features(layout, plan.copies[r][0][0], r), job_stream=True,
+                            direct_io=False)  # (no O_DIRECT staging buffer to allocate: one copy)
         try:
             with dest.locked():
                 try:
@@ -324,9 +348,12 @@ def _undo(layout: JobLayout, ops: FileOps, new: int, world_size: int) -> None:
         pass
 
 
-def delete_old(layout: JobLayout, ops: FileOps, new: int, keep_epochs: set[int]) -> int:
+def delete_old(layout: JobLayout, ops: FileOps, new: int, keep_epochs: set[int],
+               remove_trash: bool = True) -> int:
     """Step 6: every stream and global log of an epoch below ``new`` that its chain does not hold,
-    and every gc leftover below it. Returns the number of streams deleted."""
+    and every gc leftover below it. Returns the number of streams deleted. ``remove_trash``
+    False: the last part, deleting ``gc-trash/``, is left to the caller (what it holds is off
+    every chain, readers ignore it, and the next gc deletes it in any case)."""
     trash = layout.gc_trash_dir
     moved = 0
     for name in _stream_names(layout):
@@ -357,7 +384,7 @@ def delete_old(layout: JobLayout, ops: FileOps, new: int, keep_epochs: set[int])
         unlinked = True
     if unlinked:
         ops.fsync_dir(layout.global_dir)
-    if os.path.isdir(trash):
+    if remove_trash and os.path.isdir(trash):
         shutil.rmtree(trash)
     return moved
 
@@ -376,13 +403,16 @@ def write_generation_log(layout: JobLayout, ops: FileOps, epoch: Epoch,
 
 
 def collect_job(path: str | os.PathLike, policy: Policy,
-                open_reader: Callable[[str], "JobStore"], *, file_ops: FileOps | None = None, now_ns: int | None = None,
-                progress: Callable[[int], None] | None = None) -> JobGcReport:
+                open_reader: Callable[[str], "JobStore"], *, file_ops: FileOps | None = None,
+                now_ns: int | None = None, progress: Callable[[int], None] | None = None,
+                remove_trash: bool = True) -> JobGcReport:
     """Apply ``policy`` to the job store at ``path`` and compact it (module docstring). Raises
     RetentionError (the policy selects nothing), StoreLockedError (a job writes it),
     StaleWriterError (a job opened it while gc ran: before the commit point nothing changed;
     after it nothing old was deleted) or DamagedCheckpointError (a kept iteration cannot be
-    copied: nothing changed). ``open_reader(path)``: a JobStore reader of ``path`` (mode "r")."""
+    copied: nothing changed). ``open_reader(path)``: a JobStore reader of ``path`` (mode "r").
+    ``remove_trash``: see :func:`delete_old` (a job's own gc deletes ``gc-trash/`` in the
+    background, so that training waits only for steps 1-6's renames)."""
     t0 = time.perf_counter()
     path = os.fspath(path)
     ops = file_ops or FileOps()
@@ -429,7 +459,7 @@ def collect_job(path: str | os.PathLike, policy: Policy,
         raise StaleWriterError(f"{path}: gc committed epoch {new}, but a job claimed epoch "
                                f"{newer} meanwhile (it adopted either the old state or this "
                                "one): nothing old was deleted; run gc again once no job writes")
-    deleted = delete_old(layout, ops, new, plan.keep_epochs)
+    deleted = delete_old(layout, ops, new, plan.keep_epochs, remove_trash)
     return JobGcReport(plan.kept, plan.removed, before, job_bytes(layout),
                        time.perf_counter() - t0, policy=str(policy), added=plan.added,
                        why=dict(plan.why), unchanged=tuple(plan.unchanged), epoch=new,

@@ -23,10 +23,13 @@ checking that the stream's local COMMIT is the one the global commit recorded.
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
 from ..errors import (CkptStoreError, DamagedCheckpointError, FormatError, NotFoundError,
@@ -47,15 +50,52 @@ from ..storage.job_log import (EpochLog, JobLayout, JobView, claim_next_epoch, c
                                tail_is_suspicious)
 from ..storage.store_file import read_store_header
 from ..store import CheckpointInfo, SaveStats, Store, select_keys
+from ..ops.retention import Policy
 from .committer import GlobalCommitter
 from .group import RankGroup
 from .prepared import PreparedCommits
+from .rank_errors import describe, rebuild
 
 T = TypeVar("T")
+log = logging.getLogger("ckptstore")
 
 #: default bound on how long a rank waits for the others in a commit round (seconds)
 DEFAULT_COMMIT_TIMEOUT = 300.0
 _OPENED = struct.Struct("<QQB")  # epoch, adopted latest + 1 (0: none), ok
+
+
+@dataclass(frozen=True)
+class JobRetentionRun:
+    """One automatic retention run of a job (:meth:`JobStore.set_retention`): ``after`` is the
+    base snapshot saved right after it (None: a save that failed on this rank); ``report`` the gc's
+    (:class:`~ckptstore.multirank.job_gc.JobGcReport`), or ``error`` why it failed (nothing
+    removed then; the job store stays consistent, as after any failed gc)."""
+
+    after: int | None
+    report: Any
+    error: BaseException | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _StreamOptions:
+    """What a writer opens each of its streams with (at open, and after each of its gcs)."""
+
+    chunk_size: int | None
+    segment_size: int | None
+    evict_written: bool
+    direct_io: bool | str
+    host_budget: int | None
+    max_inflight: int | None
+    features: str
+
+
+def _check_retention_args(policy: Any, every: Any) -> None:
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"retention must be a retention policy (ckptstore.ops.retention), "
+                        f"not {policy!r}")
+    if type(every) is not int or every < 1:
+        raise ValueError(f"retention_every must be an int >= 1 (bases between runs), not {every!r}")
 
 
 class JobStore:
@@ -67,7 +107,8 @@ class JobStore:
                  load_threads: int = 2, evict_written: bool = True,
                  direct_io: bool | str = "deltas",
                  host_budget: int | None = None, max_inflight: int | None = None,
-                 features: str = "current") -> None:
+                 features: str = "current", retention: Policy | None = None,
+                 retention_every: int = 1) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         check_features(features)
@@ -91,11 +132,25 @@ class JobStore:
         self.epoch: int | None = None
         #: this process's rank (None: a reader opened without a process group)
         self.rank: int | None = None
+        #: automatic retention (set_retention): (policy, every), bases counted, the latest run
+        self._retention: tuple[Policy, int] | None = None
+        self._bases = 0
+        self._last_retention: JobRetentionRun | None = None
+        #: rank 0: the thread deleting the last gc's gc-trash/ (None: none running)
+        self._trash: threading.Thread | None = None
+        if retention is not None or retention_every != 1:
+            _check_retention_args(retention, retention_every)
         if mode == "a":
             if process_group is None:
                 raise ValueError("writing a multi-rank store needs process_group=...")
-            self._open_writer(process_group, commit_timeout, chunk_size, segment_size,
-                              evict_written, direct_io, host_budget, max_inflight, features)
+            self._stream_options = _StreamOptions(chunk_size, segment_size, evict_written,
+                                                  direct_io, host_budget, max_inflight, features)
+            self._open_writer(process_group, commit_timeout)
+            if retention is not None:
+                self._retention = (retention, retention_every)
+        elif retention is not None:
+            raise ReadOnlyStoreError(f'store {self.path} is open read-only (mode="r"): no '
+                                     "retention")
         else:
             if not os.path.exists(self.layout.store_file):
                 raise StoreNotFoundError(f"no store at {self.path}")
@@ -106,65 +161,71 @@ class JobStore:
             self._view = read_job_view(self.layout, self.header.store_id)
 
     # ---- opening ------------------------------------------------------------------------------
-    def _open_writer(self, process_group: Any, timeout: float, chunk_size: int | None,
-                     segment_size: int | None, evict_written: bool, direct_io: bool | str,
-                     host_budget: int | None, max_inflight: int | None,
-                     features: str) -> None:
+    def _open_writer(self, process_group: Any, timeout: float) -> None:
         group = self._group = RankGroup(process_group, timeout, label=self.path)
         self.rank = group.rank
         try:
-            if group.rank == 0:
-                try:
-                    epoch, adopted = self._claim(group.world_size, chunk_size, segment_size)
-                    msg = _OPENED.pack(epoch, 0 if adopted is None else adopted + 1, 1)
-                except Exception as e:  # every rank learns of it (none waits for a broadcast)
-                    group.broadcast(_OPENED.pack(0, 0, 0) + f"{type(e).__name__}: {e}".encode(),
-                                    "the store's open")
-                    raise
-                group.broadcast(msg, "the store's open")
-            else:
-                msg = group.broadcast(None, "the store's open")
-                if msg[_OPENED.size - 1] != 1:
-                    raise CkptStoreError(f"{self.path}: rank 0 could not open the store for "
-                                         f"writing: {msg[_OPENED.size:].decode(errors='replace')}")
-            epoch, adopted_plus, _ = _OPENED.unpack_from(msg)
-            self.epoch = epoch
-            committer = GlobalCommitter(group, epoch, self._epoch_log, self.path)
-            committer.adopted_latest = adopted_plus - 1 if adopted_plus else None
-            committer.on_commit = self.learn
-            self._committer = committer
-            error = b""
-            own_error: BaseException | None = None
-            try:
-                self.header = read_job_header(self.layout)
-                features = self._stream_features(epoch, features)
-                self._own = Store(self.layout.stream_dir(epoch, group.rank), "a",
-                                  chunk_size=chunk_size or self.header.chunk_size,
-                                  segment_size=segment_size or self.header.segment_size,
-                                  file_ops=self._ops, load_threads=self._load_threads,
-                                  evict_written=evict_written, direct_io=direct_io,
-                                  host_budget=host_budget, features=features,
-                                  max_inflight=max_inflight, commit_round=committer.around)
-            except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
-                error = f"rank {group.rank}: {type(e).__name__}: {e}".encode()
-                own_error = e
-            ids = group.all_gather(error or self.header.store_id, "the streams' open")
-            failed = [m.decode(errors="replace") for m in ids if len(m) != 16]
-            if failed:
-                message = f"{self.path}: a rank could not open its stream: " + "; ".join(failed)
-                if isinstance(own_error, StoreFeaturesError):
-                    raise StoreFeaturesError(message) from own_error
-                raise CkptStoreError(message)
-            if any(m != ids[0] for m in ids):
-                raise RankMismatchError(f"{self.path}: the ranks see different stores (store ids "
-                                        f"{[m.hex() for m in ids]}): is the directory shared?")
-            assert self._own is not None and isinstance(self._own.engine, WriterEngine)
-            self._own.engine.commit_hook = committer.hook
-            with self._view_lock:
-                self._view = read_job_view(self.layout, self.header.store_id)
+            self._start_epoch(group)
         except BaseException:
             self._release()
             raise
+
+    def _start_epoch(self, group: RankGroup) -> None:
+        """Steps 2-4 of opening (module docstring) over ``group``: claim a new writer epoch,
+        open this rank's stream for it, install the committer. Also how a writer goes on after
+        its own gc (:meth:`_collect_while_writing`). Collective."""
+        opts = self._stream_options
+        chunk_size, segment_size = opts.chunk_size, opts.segment_size
+        if group.rank == 0:
+            try:
+                epoch, adopted = self._claim(group.world_size, chunk_size, segment_size)
+                msg = _OPENED.pack(epoch, 0 if adopted is None else adopted + 1, 1)
+            except Exception as e:  # every rank learns of it (none waits for a broadcast)
+                group.broadcast(_OPENED.pack(0, 0, 0) + f"{type(e).__name__}: {e}".encode(),
+                                "the store's open")
+                raise
+            group.broadcast(msg, "the store's open")
+        else:
+            msg = group.broadcast(None, "the store's open")
+            if msg[_OPENED.size - 1] != 1:
+                raise CkptStoreError(f"{self.path}: rank 0 could not open the store for "
+                                     f"writing: {msg[_OPENED.size:].decode(errors='replace')}")
+        epoch, adopted_plus, _ = _OPENED.unpack_from(msg)
+        self.epoch = epoch
+        committer = GlobalCommitter(group, epoch, self._epoch_log, self.path)
+        committer.adopted_latest = adopted_plus - 1 if adopted_plus else None
+        committer.on_commit = self.learn
+        self._committer = committer
+        error = b""
+        own_error: BaseException | None = None
+        try:
+            self.header = read_job_header(self.layout)
+            features = self._stream_features(epoch, opts.features)
+            self._own = Store(self.layout.stream_dir(epoch, group.rank), "a",
+                              chunk_size=chunk_size or self.header.chunk_size,
+                              segment_size=segment_size or self.header.segment_size,
+                              file_ops=self._ops, load_threads=self._load_threads,
+                              evict_written=opts.evict_written, direct_io=opts.direct_io,
+                              host_budget=opts.host_budget, features=features,
+                              max_inflight=opts.max_inflight,
+                              commit_round=committer.around)
+        except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
+            error = f"rank {group.rank}: {type(e).__name__}: {e}".encode()
+            own_error = e
+        ids = group.all_gather(error or self.header.store_id, "the streams' open")
+        failed = [m.decode(errors="replace") for m in ids if len(m) != 16]
+        if failed:
+            message = f"{self.path}: a rank could not open its stream: " + "; ".join(failed)
+            if isinstance(own_error, StoreFeaturesError):
+                raise StoreFeaturesError(message) from own_error
+            raise CkptStoreError(message)
+        if any(m != ids[0] for m in ids):
+            raise RankMismatchError(f"{self.path}: the ranks see different stores (store ids "
+                                    f"{[m.hex() for m in ids]}): is the directory shared?")
+        assert self._own is not None and isinstance(self._own.engine, WriterEngine)
+        self._own.engine.commit_hook = committer.hook
+        with self._view_lock:
+            self._view = read_job_view(self.layout, self.header.store_id)
 
     def _stream_features(self, epoch: int, requested: str) -> str:
         """The ``features`` of the stream this rank creates for ``epoch``: those of the job's
@@ -302,6 +363,7 @@ class JobStore:
             err = e
         finally:
             self._closed = True
+            self._join_trash()
             self._release()
         if err is not None:
             raise err
@@ -344,9 +406,11 @@ class JobStore:
     def save(self, iteration: int, state: Any, meta: dict | None = None) -> SaveStats:
         """Every rank saves its own ``state`` as the checkpoint of ``iteration``; it is committed
         on every rank or on none. Pending deltas are committed first (a round of their own)."""
-        own, _ = self._writer()
+        self._writer()
         if self._async():
             return self.save_async(iteration, state, meta).result().save
+        self._before_base(iteration)
+        own, _ = self._writer()
         self._round(own.flush)
         return self._round(lambda: own.save(iteration, state, meta))
 
@@ -358,9 +422,11 @@ class JobStore:
         only what ``save`` raises before any round (a closed or read-only store), or ValueError
         while the async pipeline runs (its persister runs this rank's rounds); the caller raises
         ``error``."""
-        own, committer = self._writer()
+        self._writer()
         if self._async():
             raise ValueError("fail_save() while the async pipeline runs this rank's rounds")
+        self._before_base(None)  # (the other ranks' save runs it first)
+        own, committer = self._writer()
 
         def fail() -> None:
             raise error
@@ -411,6 +477,8 @@ class JobStore:
     def save_async(self, iteration: int, state: Any, meta: dict | None = None) -> Any:
         """:meth:`ckptstore.Store.save_async` on every rank: the future resolves once the
         iteration is committed globally (its round runs in the background)."""
+        self._writer()
+        self._before_base(iteration)
         return self._pipe().submit("snapshot", iteration, state, meta)
 
     def save_delta_async(self, iteration: int, record: Any, meta: dict | None = None, *,
@@ -628,9 +696,12 @@ class JobStore:
         the policy (the union of ``KeepLast(keep_last)``, ``KeepEvery(keep_every)`` and
         ``policy``) selects among the job's iterations; kept: those, the latest, and every
         iteration a kept delta needs on any rank; each is kept or removed on every rank
-        together. Runs offline: on a store opened with mode "r" while no job writes it
-        (StoreLockedError on a writer, or when a job on this machine holds the store; a writer
-        elsewhere is fenced by the epoch gc claims). ``dry_run``: the plan and an estimate,
+        together. Either offline: on a store opened with mode "r" while no job writes it
+        (StoreLockedError when a job on this machine holds the store; a writer elsewhere is
+        fenced by the epoch gc claims); or by the job itself: on a writer, gc is collective
+        (every rank calls it with the same policy, between saves; see
+        :meth:`_collect_while_writing`) and the job goes on writing afterwards, in a new epoch.
+        ``dry_run``: the plan and an estimate (local, on any rank),
         nothing written (``report.why`` says why each iteration beyond the policy is kept).
         Returns a :class:`~ckptstore.multirank.job_gc.JobGcReport`; RetentionError (nothing
         removed) when the policy selects nothing."""
@@ -640,9 +711,9 @@ class JobStore:
         self._check()
         pol = gc_policy(keep_last, keep_every, policy)
         if self._own is not None:
-            raise StoreLockedError(
-                f"{self.path}: gc of a job store runs offline; close this job (every rank) and "
-                "run ckptstore.open(path, \"r\").gc(...) or `ckptstore gc`")
+            if dry_run:
+                return dry_run_job(self, pol, now_ns)
+            return self._collect_while_writing(pol, now_ns, progress)
         self.refresh()
         if dry_run:
             return dry_run_job(self, pol, now_ns)
@@ -652,15 +723,186 @@ class JobStore:
         finally:
             self._reopen_view()
 
-    def _reopen_view(self) -> None:
-        """Readers: drop the streams read so far and read the global logs again (after a gc
-        the old epochs' streams are gone)."""
+    def _collect_while_writing(self, policy: Policy, now_ns: int | None,
+                               progress: Callable[[int], None] | None) -> Any:
+        """The job's own gc (collective: every rank, the same policy, between saves). In order:
+
+        1. every rank commits what it has pending (one round);
+        2. rank 0 plans (:func:`~ckptstore.multirank.job_gc.plan_job_gc`, over its view) and
+           tells the others whether the gc runs; when the plan removes nothing, or fails
+           (RetentionError: the policy selects nothing), nothing more happens: the job writes on
+           in its epoch, every rank returns that report or raises that error;
+        3. every rank closes its stream, rank 0 its epoch's log (the rank group stays), and the
+           ranks tell each other (a gather): from here no stream of the job is open for writing
+           on any rank, so rank 0's gc finds no LOCK held by the job;
+        4. rank 0 runs the offline protocol (:func:`~ckptstore.multirank.job_gc.collect_job`,
+           format §22.7: its crash guarantees are those of any job-store gc) and broadcasts its
+           report (JSON) or its error (one line, rebuilt typed on the other ranks:
+           :mod:`~ckptstore.multirank.rank_errors`). The other ranks wait up to the group's
+           ``commit_timeout`` for it;
+        5. every rank starts a new writer epoch as a job open does (:meth:`_start_epoch`): it
+           adopts the gc's epoch (or, when the gc failed before its commit point, the old
+           state). Its streams are new: as after any open, each rank's next checkpoint must be
+           a snapshot (automatic retention runs right before one).
+
+        Returns the gc's :class:`~ckptstore.multirank.job_gc.JobGcReport` on every rank; raises
+        the gc's error on every rank (after step 5: the store stays writable), or what a round,
+        a collective or step 5 raise (a dead rank: the store is then broken, as after a failed
+        open)."""
+        from .job_gc import (JobGcReport, collect_job, job_bytes, plan_job_gc, report_from_json,
+                             report_to_json)
+
+        own, committer = self._writer()
+        if committer.broken is not None:
+            raise committer.broken
+        group = self._group
+        assert group is not None
+        if self._async():
+            self._pipe().flush()
+        else:
+            self._round(own.flush)
+        if group.rank == 0:
+            t0 = time.perf_counter()
+            try:
+                plan = plan_job_gc(self, policy, now_ns)
+                size = job_bytes(self.layout)
+                skip = None if plan is not None and plan.removed else JobGcReport(
+                    plan.kept if plan else [], [], size, size, time.perf_counter() - t0,
+                    policy=str(policy), added=plan.added if plan else (),
+                    why=dict(plan.why) if plan else {},
+                    unchanged=tuple(plan.unchanged) if plan else (),
+                    world_size=plan.world_size if plan else None)
+                group.broadcast(b"\x02" if skip is None else b"\x01" + report_to_json(skip),
+                                "the job's gc plan")
+            except Exception as e:  # noqa: BLE001 - every rank raises it
+                group.broadcast(b"\x00" + describe(e).encode(), "the job's gc plan")
+                raise
+        else:
+            msg = group.broadcast(None, "the job's gc plan")
+            if msg[:1] == b"\x00":
+                raise rebuild(0, msg[1:].decode(errors="replace"))
+            skip = report_from_json(msg[1:]) if msg[:1] == b"\x01" else None
+        if skip is not None:
+            return skip
+        self._join_trash()  # the previous gc's (rank 0)
+        own.close()  # nothing pending: no round
+        self._own = None
+        self._committer = None
+        self._prepared = None
+        if self._epoch_log is not None:
+            self._epoch_log.close()
+            self._epoch_log = None
+        self._close_readers()
+        group.all_gather(b"", "the job's gc (every stream closed)")
+        outcome: BaseException | None = None
+        if group.rank == 0:
+            try:
+                report = collect_job(self.path, policy, lambda p: JobStore(p, "r"),
+                                     file_ops=self._ops, now_ns=now_ns, progress=progress,
+                                     remove_trash=False)
+                self._empty_trash()
+                group.broadcast(b"\x01" + report_to_json(report), "the job's gc")
+            except Exception as e:  # noqa: BLE001 - every rank raises it, after step 5
+                outcome = e
+                group.broadcast(b"\x00" + describe(e).encode(), "the job's gc")
+        else:
+            msg = group.broadcast(None, "the job's gc")
+            if msg[:1] == b"\x01":
+                report = report_from_json(msg[1:])
+            else:
+                outcome = rebuild(0, msg[1:].decode(errors="replace"))
+        self._start_epoch(group)
+        if outcome is not None:
+            raise outcome
+        return report
+
+    # ---- automatic retention ------------------------------------------------------------------
+    def set_retention(self, policy: Policy | None, every: int = 1) -> None:
+        """Apply ``policy`` automatically (collective: every rank makes the same call): the job
+        runs its gc (:meth:`_collect_while_writing`) after every ``every``-th base snapshot it
+        saves (counted from this call; ``None`` turns it off).
+
+        When: right before the next base snapshot is saved (``save``/``save_async``), which
+        every rank does at the same iteration and which begins the new epoch's streams (each
+        must begin with a snapshot). The call commits what is pending, the gc runs when the
+        policy removes something, then the base is saved. Training stalls for the gc (unlike a
+        single store's, which runs in its persister: a job's gc closes every rank's stream): it
+        copies every kept checkpoint, so raise ``every`` to amortise it.
+
+        Never raises into the save: a failed gc (RetentionError when the policy selects
+        nothing, a StaleWriterError, damage) is logged (logger ``ckptstore``, WARNING) and kept
+        in :attr:`last_retention`; the job writes on. Only what breaks the job itself (a dead
+        rank) is raised, as any save would."""
+        _check_retention_args(policy, every)
+        self._writer()
+        self._retention = None if policy is None else (policy, every)
+        self._bases = 0
+
+    @property
+    def retention(self) -> Policy | None:
+        """The automatic retention policy (None: off)."""
+        return None if self._retention is None else self._retention[0]
+
+    @property
+    def last_retention(self) -> "JobRetentionRun | None":
+        """The latest automatic retention run of this writer, or None."""
+        return self._last_retention
+
+    def _before_base(self, iteration: int | None) -> None:
+        """A base snapshot of ``iteration`` is about to be saved (on every rank): run the
+        retention due after the ``every``-th base before it (:meth:`set_retention`), then count
+        it."""
+        ret = self._retention
+        if ret is None:
+            return
+        due = self._bases > 0 and self._bases % ret[1] == 0
+        self._bases += 1
+        if not due:
+            return
+        t0 = time.perf_counter()
+        report: Any = None
+        error: BaseException | None = None
+        try:
+            report = self._collect_while_writing(ret[0], None, None)
+        except Exception as e:  # noqa: BLE001 - kept and logged, unless the job itself broke
+            if self._own is None or self._committer is None or self._committer.broken:
+                raise
+            error = e
+            log.warning("ckptstore: automatic retention before base %s of job store %s failed, "
+                        "nothing removed: %s", iteration, self.path, e)
+        self._last_retention = JobRetentionRun(iteration, report, error,
+                                               time.perf_counter() - t0)
+        if report is not None and report.removed:
+            log.info("ckptstore: retention before base %s removed %d iterations of job store "
+                     "%s", iteration, len(report.removed), self.path)
+
+    def _empty_trash(self) -> None:
+        """Delete ``gc-trash/`` (what the job's gc moved off every chain) in a thread, while the
+        job trains on; joined before the next gc and at close."""
+        trash = self.layout.gc_trash_dir
+        if os.path.isdir(trash):
+            self._trash = threading.Thread(target=shutil.rmtree, args=(trash,),
+                                           kwargs={"ignore_errors": True},
+                                           name="ckptstore-gc-trash")
+            self._trash.start()
+
+    def _join_trash(self) -> None:
+        if self._trash is not None:
+            self._trash.join()
+            self._trash = None
+
+    def _close_readers(self) -> None:
         for s in self._readers.values():
             try:
                 s.close()
             except CkptStoreError:
                 pass
         self._readers.clear()
+
+    def _reopen_view(self) -> None:
+        """Readers: drop the streams read so far and read the global logs again (after a gc
+        the old epochs' streams are gone)."""
+        self._close_readers()
         view = read_job_view(self.layout, self.header.store_id)
         with self._view_lock:
             self._view = view

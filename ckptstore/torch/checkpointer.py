@@ -59,6 +59,7 @@ from ..engine.engine import DEFAULT_CHUNK_SIZE
 from ..format.image import BLOCK as IMAGE_BLOCK, ChunkImage
 from ..format.manifest import INLINE_MAX
 from ..ops.pipeline import ALIGN
+from ..ops.retention import Policy
 from ..tensors import ImageTensor
 from ..replay.gradcodecs import parse_codec
 from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
@@ -256,6 +257,11 @@ class Checkpointer:
     job store's restarts (its epochs) when it has any, else 24 h, and the plan says so.
     ``disk_budget``: bytes the checkpoints may take: the plan keeps each interval within it and
     says how many checkpoints to keep (``plan().retention``; not applied by the Checkpointer).
+    ``retention``: a retention policy (:mod:`ckptstore.ops.retention`, e.g.
+    ``KeepLast(50) | KeepEvery(500)``) the store applies after every ``retention_every``-th
+    base this Checkpointer writes (:meth:`ckptstore.Store.set_retention`; on a job store
+    :meth:`ckptstore.JobStore.set_retention`, the job's collective gc), so that a run's disk use
+    stays bounded: what it keeps loads bit for bit, delta chains included.
     Bad values raise CheckpointPlanError (a ValueError) naming the argument, before anything is
     written.
     """
@@ -269,8 +275,12 @@ class Checkpointer:
                  max_failures: int = 3, max_lag_s: float | None = 3600.0,
                  policy: str | None = None, snapshot_every: int | None = None,
                  mtbf_s: float | None = None, disk_budget: int | None = None,
-                 measure_steps: int = 8) -> None:
+                 measure_steps: int = 8, retention: Policy | None = None,
+                 retention_every: int = 1) -> None:
         _check_policy_args(policy, snapshot_every, mtbf_s, disk_budget, measure_steps)
+        if retention is not None:
+            # before anything is written; on a job store every rank sets the same (collective)
+            store.set_retention(retention, retention_every)
         replayable = _replayable(optimizer)
         if not replayable:
             why = (f"optimizer {type(optimizer).__qualname__} is not replayable; supported: "

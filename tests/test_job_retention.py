@@ -1,0 +1,260 @@
+"""A job's own gc and automatic retention on multi-rank job stores (issue 31, part 2).
+
+``JobStore.gc`` on a writer is collective: every rank closes its stream, rank 0 runs the offline
+protocol (format-spec/format.md §22.7), every rank starts a new epoch and writes on
+(``JobStore._collect_while_writing``). ``set_retention`` / ``retention=`` (and the Checkpointer's
+``retention=``) run it after every ``every``-th base. Real 2-rank gloo jobs (tests/_ranks.py):
+every kept iteration loads bit-exact on every rank and at world size 1, removed ones are gone,
+the job's disk use stays bounded, fsck is clean; a rank SIGKILLed inside the job's gc leaves the
+old or the new state, the other rank gets a typed error, and a new job resumes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.errors import RetentionError
+from ckptstore.ops.retention import KeepBest, KeepEvery, KeepLast
+from ckptstore.storage.fileops import FileOps
+from ckptstore.storage.job_log import JobLayout
+
+from _ranks import run_ranks
+from conftest import _same
+from test_job_gc import _delta, check_records, fsck_clean, records
+from test_multirank import _ddp_check, ok, rank_state
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
+                                or not torch.distributed.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+MOD = __name__
+
+
+def _pg():
+    import torch.distributed as dist
+
+    return dist.group.WORLD
+
+
+def _job_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path)
+               for n in names)
+
+
+def _write(s, it: int, rank: int, base_every: int, asynchronous: bool) -> None:
+    meta = {"loss": 1.0 / (it + 1)}
+    if it % base_every == 0:
+        if asynchronous:
+            s.save_async(it, rank_state(it, rank), meta=meta)
+        else:
+            s.save(it, rank_state(it, rank), meta=meta)
+    elif asynchronous:
+        s.save_delta_async(it, _delta(it, rank), meta=meta)
+    else:
+        s.save_delta(it, _delta(it, rank), meta=meta)
+
+
+# ---- scenarios (run on every rank) ------------------------------------------------------------
+def retained_job(rank, world, path, count, base_every, keep_last, every, asynchronous):
+    """Iterations 0..count-1 (a snapshot every ``base_every``, deltas between) with automatic
+    retention; the job's size after every base."""
+    sizes, runs = [], []
+    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=60.0,
+                        retention=KeepLast(keep_last), retention_every=every) as s:
+        assert s.retention == KeepLast(keep_last)
+        for it in range(count):
+            _write(s, it, rank, base_every, asynchronous)
+            if it % base_every == base_every - 1:
+                s.flush()
+                sizes.append(_job_bytes(path))
+                run = s.last_retention
+                if run is not None and (not runs or runs[-1][0] != run.after):
+                    assert run.error is None, run.error
+                    runs.append([run.after, run.report.removed])
+        epochs = s.epoch
+        its = s.iterations()
+    return {"sizes": sizes, "runs": runs, "iterations": its, "epoch": epochs}
+
+
+def gc_mid_job(rank, world, path, asynchronous):
+    """The job's own gc (collective), between saves; then the job writes on."""
+    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=60.0) as s:
+        for it in range(12):
+            _write(s, it, rank, 4, asynchronous)
+        s.flush()  # (a dry run is local: it plans over what is committed)
+        dry = s.gc(keep_last=2, dry_run=True)
+        rep = s.gc(keep_last=2)
+        assert rep.kept == dry.kept and rep.removed == dry.removed, (rep, dry)
+        assert s.iterations() == rep.kept
+        for it in range(12, 18):
+            _write(s, it, rank, 4, asynchronous)
+        s.flush()
+        # a policy that selects nothing: every rank gets RetentionError, nothing is removed, the
+        # job writes on
+        errors = []
+        try:
+            s.gc(policy=KeepBest(1, "no.such.metric"))
+        except RetentionError as e:
+            errors.append(type(e).__name__)
+        _write(s, 18, rank, 4, asynchronous)
+        s.flush()
+        return {"kept": rep.kept, "removed": rep.removed, "why": {str(k): v for k, v in
+                                                                 rep.why.items()},
+                "errors": errors, "iterations": s.iterations()}
+
+
+class _KillAt(FileOps):
+    """SIGKILLs this process at the ``nth`` operation of kind ``kind`` once armed."""
+
+    def __init__(self, kind: str, nth: int) -> None:
+        self.kind, self.nth, self.seen, self.armed = kind, nth, 0, False
+
+    def _step(self, what: str) -> None:
+        if self.armed and what == self.kind:
+            self.seen += 1
+            if self.seen == self.nth:
+                os.kill(os.getpid(), 9)
+
+    def _rename(self, src, dst):
+        self._step("rename")
+        return super()._rename(src, dst)
+
+    def _fsync_dir(self, fd):
+        self._step("fsync_dir")
+        return super()._fsync_dir(fd)
+
+    def _unlink(self, path):
+        self._step("unlink")
+        return super()._unlink(path)
+
+
+def killed_in_gc(rank, world, path, kind, nth):
+    """Rank 0 is SIGKILLed at its ``nth`` ``kind`` operation of the job's gc; rank 1 reports the
+    typed error it gets."""
+    ops = _KillAt(kind, nth)
+    s = ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0, file_ops=ops)
+    start = s.latest() + 1  # a new epoch's streams begin with a snapshot
+    s.save(start, rank_state(start, rank))
+    for it in range(start + 1, start + 3):
+        s.save_delta(it, _delta(it, rank), meta={"loss": 1.0})
+    s.flush()
+    ops.armed = rank == 0
+    try:
+        s.gc(keep_last=2)
+    except ckptstore.CkptStoreError as e:
+        return {"error": type(e).__name__, "rank_failure": isinstance(e, ckptstore.RankFailureError)}
+    return {"error": None}
+
+
+def resume(rank, world, path):
+    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=60.0) as s:
+        it = s.latest() + 1
+        s.save(it, rank_state(it, rank))
+        return s.iterations()
+
+
+def checkpointer_job(rank, world, path, iterations, live_dir):
+    from test_multirank import ddp_train
+
+    return ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commit=2,
+                     retention=KeepLast(3))
+
+
+# ---- tests ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_gc_by_the_job_itself(tmp_path, asynchronous):
+    path = str(tmp_path / "job")
+    res = ok(run_ranks(2, MOD, "gc_mid_job", path, str(tmp_path / "w"), deadline=180,
+                       asynchronous=asynchronous))
+    assert res[0] == res[1]
+    r0 = res[0]
+    assert r0["kept"] == [8, 9, 10, 11] and r0["removed"] == list(range(8))
+    assert "chain" in r0["why"]["8"] and "chain" in r0["why"]["9"]
+    assert r0["errors"] == ["RetentionError"]
+    assert r0["iterations"] == r0["kept"] + list(range(12, 19))
+    with ckptstore.open(path, "r") as r:
+        assert r.iterations() == r0["iterations"]
+        for it in r.iterations():
+            for k in range(2):
+                want = rank_state(it, k) if r.kind(it) == "snapshot" else _delta(it, k)
+                got = r.load(it, rank=k) if r.kind(it) == "snapshot" else r.load_record(it, rank=k)
+                _same(want, got, f"iteration {it} rank {k}")
+    assert fsck_clean(path)
+    # a job at world size 1 resumes from it
+    assert ok(run_ranks(1, MOD, "resume", path, str(tmp_path / "w1"), deadline=120))[0][-1] == 19
+
+
+def test_automatic_retention_bounds_the_job(tmp_path):
+    """KeepLast(3) after every base of a 2-rank job with deltas: the store's size levels off,
+    the last iterations and what their chains need are kept, everything kept loads."""
+    path = str(tmp_path / "job")
+    res = ok(run_ranks(2, MOD, "retained_job", path, str(tmp_path / "w"), deadline=240,
+                       count=60, base_every=5, keep_last=3, every=1, asynchronous=True))
+    r0 = res[0]
+    assert res[1]["runs"] == r0["runs"] and res[1]["iterations"] == r0["iterations"]
+    assert len(r0["runs"]) >= 8 and all(removed for _, removed in r0["runs"][1:])
+    assert r0["iterations"][-1] == 59 and len(r0["iterations"]) <= 10, r0["iterations"]
+    sizes = r0["sizes"]
+    assert max(sizes[len(sizes) // 2:]) <= 1.5 * max(sizes[:len(sizes) // 2]), sizes
+    ref = {it: [rank_state(it, k) if it % 5 == 0 else _delta(it, k) for k in range(2)]
+           for it in r0["iterations"]}
+    check_records(path, ref, r0["iterations"])
+    layout = JobLayout(path)
+    assert len(layout.list_epochs()) <= 3, layout.list_epochs()
+    assert fsck_clean(path)
+
+
+def test_checkpointer_retention_on_a_job(tmp_path):
+    """The Checkpointer's ``retention=`` on a 2-rank DDP job: bounded, and every kept iteration
+    (replayed per rank, parts merged) equals the live state."""
+    path, live = str(tmp_path / "job"), str(tmp_path / "live")
+    os.makedirs(live)
+    ok(run_ranks(2, MOD, "checkpointer_job", path, str(tmp_path / "w"), deadline=240,
+                 iterations=22, live_dir=live))
+    with ckptstore.open(path, "r") as r:
+        its = r.iterations()
+    assert its[-1] == 22 and 1 not in its and len(its) < 15, its
+    _ddp_check(path, live, its)
+    assert fsck_clean(path)
+
+
+def _kill_trial(tmp_path, kind: str, nth: int) -> tuple:
+    path = str(tmp_path / f"job-{kind}-{nth}")
+    ok(run_ranks(2, "test_job_gc", "save_chains", path, str(tmp_path / "w0"), deadline=180,
+                 start=0, count=10, base_every=4))
+    ref = records(path)
+    res = run_ranks(2, MOD, "killed_in_gc", path, str(tmp_path / "w1"), deadline=120,
+                    kind=kind, nth=nth)
+    assert res[0] == {"died": -9}, res
+    assert res[1]["ok"]["rank_failure"], res  # a typed error naming the dead rank, not a hang
+    with ckptstore.open(path, "r") as r:
+        shown = r.iterations()
+    old, new = list(range(13)), [10, 11, 12]
+    assert shown in (old, new), shown
+    ref[10] = [rank_state(10, k) for k in range(2)]
+    ref.update({it: [_delta(it, k) for k in range(2)] for it in (11, 12)})
+    check_records(path, ref, shown)
+    assert fsck_clean(path)
+    assert ok(run_ranks(2, MOD, "resume", path, str(tmp_path / "w2"), deadline=120))[0][-1] == 13
+    with ckptstore.open(path, "r") as r:  # the next gc finishes the work, no leftovers
+        r.gc(keep_last=1)
+    layout = JobLayout(path)
+    assert not os.path.exists(layout.gc_trash_dir) and len(layout.list_epochs()) == 1
+    assert fsck_clean(path)
+    return tuple(shown)
+
+
+def test_rank_killed_in_the_jobs_gc(tmp_path):
+    """SIGKILL of rank 0 just before the gc's commit point (the rename of its global log)."""
+    assert _kill_trial(tmp_path, "rename", 3) == tuple(range(13))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,nth", [("rename", 1), ("rename", 3), ("fsync_dir", 2),
+                                      ("fsync_dir", 3), ("unlink", 1)])
+def test_rank_killed_in_the_jobs_gc_everywhere(tmp_path, kind, nth):
+    _kill_trial(tmp_path, kind, nth)
