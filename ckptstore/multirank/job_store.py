@@ -29,8 +29,10 @@ import shutil
 import struct
 import threading
 import time
+import dataclasses
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from ..errors import (CkptStoreError, DamagedCheckpointError, FormatError, NotFoundError,
                       RankMismatchError, ReadOnlyStoreError, StoreClosedError, StoreFeaturesError,
@@ -75,6 +77,31 @@ class JobRetentionRun:
     report: Any
     error: BaseException | None
     seconds: float
+
+
+class _RankRecords:
+    """One rank's checkpoints of a job store as a :class:`~ckptstore.replay.replayer.
+    RecordSource` (what replay reads), each iteration from the stream its global commit names
+    (a delta chain never crosses streams, so each chain is read from one)."""
+
+    def __init__(self, job: "JobStore", rank: int) -> None:
+        self.job, self.rank, self.mode = job, rank, job.mode
+
+    def base_of(self, iteration: int) -> int:
+        return self.job.base_of(iteration, rank=self.rank)
+
+    def kind(self, iteration: int) -> str:
+        return self.job.kind(iteration)
+
+    def load(self, iteration: int) -> Any:
+        return self.job.stream(iteration, self.rank).load(iteration)
+
+    def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
+                    into: Callable[[Any], Any] | None = None) -> Any:
+        return self.job.stream(iteration, self.rank).load_record(iteration, keys, into=into)
+
+    def consistent_reads(self) -> AbstractContextManager[Any]:
+        return nullcontext()  # (each stream read is one index view; a job's view is its logs')
 
 
 @dataclass(frozen=True)
@@ -635,21 +662,91 @@ class JobStore:
         if rank is not None:
             return self.stream(iteration, rank).load(iteration, keys)
         g = self.global_commit(iteration)
+        return self._combine(g, lambda r: self.stream(iteration, r).load(iteration), keys)
+
+    def _combine(self, g: GlobalCommit, part: Callable[[int], Any],
+                 keys: Sequence[Any] | None) -> Any:
+        """The job's state at ``g.iteration`` from its ranks' states (``part(r)``: rank r's,
+        asked for only when needed): merged data-parallel parts, assembled sharded parts, or
+        this process's rank's state (:meth:`load`; shared by :meth:`replay`)."""
+        iteration = g.iteration
         mine = self.rank if self.rank is not None and self.rank < g.world_size else None
-        first = self.stream(iteration, mine if mine is not None else 0).load(iteration)
+        first = part(mine if mine is not None else 0)
         section = partition_of(first)
         if section is None and shards_of(first) is not None:
             # sharded (FSDP2) parts: every tensor assembled from every rank's shards
-            parts = [first if r == (mine or 0) else self.stream(iteration, r).load(iteration)
-                     for r in range(g.world_size)]
+            parts = [first if r == (mine or 0) else part(r) for r in range(g.world_size)]
             return select_keys(assemble_parts(parts, mine or 0), keys, iteration)
         if section is None:
             if mine is None and g.world_size > 1:
                 self._rank(None, g)  # raises: which rank's state?
             return select_keys(first, keys, iteration)
-        parts = [first if r == (mine or 0) else self.stream(iteration, r).load(iteration)
-                 for r in range(g.world_size)]
+        parts = [first if r == (mine or 0) else part(r) for r in range(g.world_size)]
         return select_keys(merge_parts(parts, mine or 0), keys, iteration)
+
+    def replay(self, start: int, stop: int, *, rank: int | None = None
+               ) -> Iterator[tuple[int, Any]]:
+        """Yield ``(iteration, state)`` for every iteration in ``start..stop`` (inclusive), as
+        :meth:`ckptstore.Store.replay` does: each rank's part is replayed incrementally within
+        its stream (:func:`ckptstore.replay.replay_range`, one per rank, in step), and each
+        iteration's parts are combined as :meth:`load` combines them (with ``rank``: that rank's
+        part only). The range may cross epochs and changes of world size."""
+        from ..replay import replay_range
+
+        if stop < start:
+            return
+        its = [it for it in self.iterations() if start <= it <= stop]
+        if not its or its[0] != start or its[-1] != stop:
+            missing = start if not its or its[0] != start else stop
+            raise NotFoundError(f"iteration {missing} is not committed in {self.path}")
+        runs: list[list[int]] = []  # consecutive iterations of one world size
+        for it in its:
+            w = self.global_commit(it).world_size
+            if runs and self.global_commit(runs[-1][0]).world_size == w:
+                runs[-1].append(it)
+            else:
+                runs.append([it])
+        for run in runs:
+            g0 = self.global_commit(run[0])
+            ranks = [self._rank(rank, g0)] if rank is not None else list(range(g0.world_size))
+            gens = [replay_range(_RankRecords(self, r), run[0], run[-1]) for r in ranks]
+            try:
+                for items in zip(*gens):
+                    it = items[0][0]
+                    if rank is not None:
+                        yield it, items[0][1]
+                    else:
+                        parts = {r: state for r, (_, state) in zip(ranks, items)}
+                        yield it, self._combine(self.global_commit(it), parts.__getitem__, None)
+            finally:
+                for gen in gens:
+                    gen.close()
+
+    def manifest(self, iteration: int, *, rank: int | None = None) -> Any:
+        """The decoded, verified manifest of ``rank``'s record of ``iteration`` (default: this
+        process's rank; a reader of a 1-rank job: rank 0)."""
+        return self.stream(iteration, rank).manifest(iteration)
+
+    def diff(self, a: int, b: int, *, rank: int | None = None) -> list[Any]:
+        """:meth:`ckptstore.Store.diff` of what ``rank`` stored at ``a`` and ``b`` (each in its
+        own stream). Without ``rank`` on a job of several ranks (a reader): every rank's, each
+        path prefixed ``rank<r>/``; ValueError when ``a`` and ``b`` have different world sizes
+        (pass ``rank=``)."""
+        from ..ops.diff import diff_manifests
+
+        ga, gb = self.global_commit(a), self.global_commit(b)
+        if rank is not None or self.rank is not None or ga.world_size == gb.world_size == 1:
+            sa, sb = self.stream(a, rank), self.stream(b, rank)
+            return diff_manifests(sa.manifest(a), sb.manifest(b), sa.engine.tree_of,
+                                  sb.engine.tree_of)
+        if ga.world_size != gb.world_size:
+            raise ValueError(f"iterations {a} and {b} of {self.path} were written at world "
+                             f"sizes {ga.world_size} and {gb.world_size}: pass rank=")
+        out = []
+        for r in range(ga.world_size):
+            for d in self.diff(a, b, rank=r):
+                out.append(dataclasses.replace(d, path=f"rank{r}/{d.path}"))
+        return out
 
     def shard_sections(self, iteration: int) -> list[dict] | None:
         """Every rank's ``shards`` section (rank order) when ``iteration`` holds sharded
@@ -686,6 +783,12 @@ class JobStore:
         return self.stream(iteration, rank).meta(iteration)
 
     def base_of(self, iteration: int, *, rank: int | None = None) -> int:
+        """The base snapshot ``iteration`` replays from. Every rank saves its bases at the same
+        iterations (saves are collective, and each epoch's streams begin with one), so without
+        ``rank`` any rank answers: this process's when it took part, else rank 0."""
+        if rank is None:
+            g = self.global_commit(iteration)
+            rank = self.rank if self.rank is not None and self.rank < g.world_size else 0
         return self.stream(iteration, rank).base_of(iteration)
 
     # ---- maintenance ------------------------------------------------------------------------
@@ -911,12 +1014,13 @@ class JobStore:
                rank: int | None = None) -> Any:
         """:meth:`ckptstore.Store.bisect` over the job's global commits. States are those
         :meth:`load` returns (with ``rank``: that rank's part); meta conditions read ``rank``'s
-        meta (default: this process's rank, else rank 0). A job store has no ``replay``: each
-        iteration of the one interval walked is loaded on its own (:mod:`ckptstore.ops.bisect`)."""
+        meta (default: this process's rank, else rank 0). The one interval walked is replayed
+        (:meth:`replay`, with ``rank``; :mod:`ckptstore.ops.bisect`)."""
         from ..ops.bisect import bisect
 
         meta_rank = rank if rank is not None else (self.rank or 0)
         return bisect(self, predicate, start, end,
                       meta=lambda it: self.meta(it, rank=meta_rank),
-                      load=lambda it: self.load(it, rank=rank))
+                      load=lambda it: self.load(it, rank=rank),
+                      replay=lambda lo, hi: self.replay(lo, hi, rank=rank))
 

@@ -32,8 +32,8 @@ Invariants:
   (the last base where it does not hold, the first where it does). Only that interval's deltas
   are then reconstructed, by one sequential :meth:`ckptstore.Store.replay` that stops at the
   first hit (replay is sequential anyway: the state at t needs t - 1). A linear scan would
-  reconstruct one state per iteration of the range. Stores without ``replay`` (a multi-rank
-  :class:`ckptstore.JobStore`) load each iteration of that interval on its own.
+  reconstruct one state per iteration of the range (a multi-rank :class:`ckptstore.JobStore`
+  replays each rank's part in step and combines them as its ``load`` does).
 * **Meta conditions read manifests only** (``store.meta``): a binary search over every
   iteration of the range, with no tensor loaded. An iteration whose meta lacks the key is
   skipped (the base a Checkpointer writes at its first ``restore()`` has no meta); a key that no
@@ -219,19 +219,23 @@ def _import_function(module: str, name: str, text: str) -> Callable[[Any], Any]:
 # ---- the search --------------------------------------------------------------------------------
 def bisect(source: BisectSource, predicate: Predicate, start: int | None = None,
            end: int | None = None, *, meta: Callable[[int], Any] | None = None,
-           load: Callable[[int], Any] | None = None) -> BisectResult:
+           load: Callable[[int], Any] | None = None,
+           replay: Callable[[int, int], Iterator[tuple[int, Any]]] | None = None
+           ) -> BisectResult:
     """The first iteration in ``start..end`` (inclusive; defaults: the first and the last
     committed iteration) where ``predicate`` holds, assuming that once it holds it holds at every
     later iteration (see the module docstring for the conditions, the invariants and the
-    errors). ``meta`` / ``load``: how to read an iteration's meta / state (default
-    ``source.meta`` / ``source.load``; a job store passes its rank)."""
+    errors). ``meta`` / ``load`` / ``replay``: how to read an iteration's meta / state / a range
+    of states (default ``source.meta`` / ``source.load`` / ``source.replay`` when it has one; a
+    job store passes its rank)."""
     t0 = time.perf_counter()
     cond = parse_condition(predicate)
     its = _range(source, start, end)
     if cond.kind == "meta":
         out = _bisect_meta(cond, its, meta or source.meta)
     else:
-        out = _bisect_states(source, cond, its, load or source.load)
+        out = _bisect_states(source, cond, its, load or source.load,
+                             replay or getattr(source, "replay", None))
     return BisectResult(condition=cond.text, start=its[0] if start is None else start,
                         end=its[-1] if end is None else end,
                         seconds=time.perf_counter() - t0, **out)
@@ -257,7 +261,9 @@ def _range(source: BisectSource, start: int | None, end: int | None) -> list[int
 
 
 def _bisect_states(source: BisectSource, cond: Condition, its: list[int],
-                   load: Callable[[int], Any]) -> dict[str, Any]:
+                   load: Callable[[int], Any],
+                   replay: Callable[[int, int], Iterator[tuple[int, Any]]] | None
+                   ) -> dict[str, Any]:
     loaded = replayed = 0
     findings: dict[int, tuple[TensorFinding, ...]] = {}
 
@@ -293,7 +299,6 @@ def _bisect_states(source: BisectSource, cond: Condition, its: list[int],
     walk = [it for it in its if (after is None or it > after) and (first is None or it < first)]
     hit = None
     if walk:
-        replay = getattr(source, "replay", None)
         if replay is not None:
             loaded += 1  # the base the replay starts from
             states: Iterator[tuple[int, Any]] = replay(walk[0], walk[-1])

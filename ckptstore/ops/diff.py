@@ -22,10 +22,11 @@ class TensorDiff:
     bytes_changed: int
 
 
-def diff_manifests(ma: Manifest, mb: Manifest, tree_of: Callable[[TensorEntry], Tree]
-                   ) -> list[TensorDiff]:
+def diff_manifests(ma: Manifest, mb: Manifest, tree_of: Callable[[TensorEntry], Tree],
+                   tree_of_b: Callable[[TensorEntry], Tree] | None = None) -> list[TensorDiff]:
     """Compare the tensors of two checkpoints by Merkle roots, then chunk addresses
-    (``tree_of`` reads a tensor's verified tree).
+    (``tree_of`` reads a tensor's verified tree; ``tree_of_b`` those of ``mb`` when they are
+    in another store, e.g. another stream of a job store).
 
     Tensors are matched by their structured path (typed keys: ``{"a/b": x}`` is not
     ``{"a": {"b": x}}``, the key ``1`` is not ``"1"``). ``TensorDiff.path`` is the usual
@@ -48,15 +49,16 @@ def diff_manifests(ma: Manifest, mb: Manifest, tree_of: Callable[[TensorEntry], 
             out.append(TensorDiff(path, "unchanged", ea.nbytes, eb.nbytes, 0))
         else:
             out.append(TensorDiff(path, "changed", ea.nbytes, eb.nbytes,
-                                  _changed_bytes(ea, eb, tree_of)))
+                                  _changed_bytes(ea, eb, tree_of, tree_of_b or tree_of)))
     return out
 
 
-def _changed_bytes(ea: TensorEntry, eb: TensorEntry, tree_of: Callable[[TensorEntry], Tree]) -> int:
+def _changed_bytes(ea: TensorEntry, eb: TensorEntry, tree_of: Callable[[TensorEntry], Tree],
+                   tree_of_b: Callable[[TensorEntry], Tree]) -> int:
     if ea.inline is not None or eb.inline is not None or ea.nbytes != eb.nbytes:
         return eb.nbytes
     try:
-        tree_a, tree_b = tree_of(ea), tree_of(eb)
+        tree_a, tree_b = tree_of(ea), tree_of_b(eb)
     except (FormatError, OSError):
         return eb.nbytes
     if tree_a.chunk_size != tree_b.chunk_size:

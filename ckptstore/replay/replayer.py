@@ -21,7 +21,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Protocol, Sequence
 
 import xxhash
 
@@ -655,7 +655,8 @@ def _record(store: RecordSource, it: int, into: Any = None,
     return store.load_record(it, into=into) if load is None else load(it, into)
 
 
-def replay_range(store: RecordSource, start: int, stop: int) -> Iterator[tuple[int, dict]]:
+def replay_range(store: RecordSource, start: int, stop: int
+                 ) -> Generator[tuple[int, dict], None, None]:
     """Yield (iteration, state) for start..stop inclusive. Each state is an independent copy.
     A base snapshot met on the way restarts the engine from it (no replay needed past it).
 
