@@ -995,12 +995,8 @@ class Checkpointer:
                                           "learn from; pass mtbf_s=")
             store = self.store
             if isinstance(store, JobStore):
-                first: dict[int, int] = {}
-                for it in store.iterations():
-                    g = store.global_commit(it)
-                    first[g.epoch] = min(first.get(g.epoch, g.created_ns), g.created_ns)
-                restarts = len(set(first) | {store.epoch}) - 1
-                span = (time.time_ns() - min(first.values())) / 1e9 if first else 0.0
+                restarts, since_ns = job_restarts(store.view)
+                span = (time.time_ns() - since_ns) / 1e9 if since_ns else 0.0
                 if restarts >= 1 and span > 0:
                     self._mtbf = (span / restarts, f"learned: {restarts} restart(s) of the job "
                                                    f"store in {span / 3600:.2f} h")
@@ -1324,6 +1320,30 @@ class Checkpointer:
             arena, self._arena = self._arena, None
         if arena is not None:
             pipe.pool.release(arena)
+
+
+def job_restarts(view: Any) -> tuple[int, int]:
+    """(restarts, since when in ns) a job store's global logs show: each epoch on the chain is one
+    open of the job, except the first one counted, an epoch written by gc (a *generation*: its
+    commits were copied, so its first commit is older than its EPOCH record) and the epoch the
+    job opened right after its own gc (``JobStore.gc`` on a writer, automatic retention). A gc
+    deletes the epochs it replaces, so restarts are known only since the newest generation:
+    ``since`` is its EPOCH's time (else the oldest commit's; 0: nothing committed). A job that
+    restarted right after an offline gc is not counted either: the count errs low."""
+    chain = list(view.chain)
+
+    def generation(e: int) -> bool:
+        scan = view.logs.get(e)
+        return bool(scan is not None and scan.epoch is not None and scan.commits and
+                    scan.commits[0][0].created_ns < scan.epoch.created_ns)
+
+    start = max((i for i, e in enumerate(chain) if generation(e)), default=None)
+    if start is not None:
+        opens = chain[start + 2:]  # (start + 1: the job's own epoch after its gc)
+        scan = view.logs[chain[start]]
+        return len(opens), scan.epoch.created_ns
+    since = min((g.created_ns for g in view.commits.values()), default=0)
+    return max(0, len(chain) - 1), since
 
 
 def _same_bits(slot: Any, g: torch.Tensor) -> bool:
