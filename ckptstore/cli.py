@@ -74,7 +74,7 @@ def _latest(store: Any, path: str) -> int:
 def _show_dcp(store: Any, iteration: int, path: str) -> int:
     """show of a DCP checkpoint: its sharded layout (ckptstore.dcp.layout). Exit 1 when a
     tensor's shards do not tile it."""
-    from .dcp import layout
+    from .integrations.dcp import layout
 
     lay = layout(store, iteration)
     rank = lay.metadata_rank
@@ -158,7 +158,7 @@ def _show_sharded(store: JobStore, iteration: int, sections: list[dict]) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from .dcp import is_dcp
+    from .integrations.dcp import is_dcp
 
     with _open(args.path) as opened:
         it = args.iteration if args.iteration is not None else _latest(opened, args.path)
@@ -223,7 +223,7 @@ def _restore_args(args: argparse.Namespace) -> tuple[int, str] | None:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from .dcp import is_dcp, load_full_state_dict
+    from .integrations.dcp import is_dcp, load_full_state_dict
 
     parsed = _restore_args(args)
     if parsed is None:
@@ -241,7 +241,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
             total = store.info(args.iteration).logical_bytes
             with progress("restore", total) as tick:
                 state = store.load(args.iteration, keys=args.keys or None, progress=tick)
-    from .interop import write_state
+    from .integrations.interop import write_state
 
     # torch, safetensors or a DCP directory, written under a temporary name and renamed into place
     write_state(state, args.out, args.format, iteration=args.iteration)
@@ -258,7 +258,7 @@ def _import_usage(msg: str) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     """Import a checkpoint of another tool (ckptstore/interop.py): the source is read and checked
     before the store is opened, so a bad source leaves no trace (not even a new empty store)."""
-    from .interop import import_checkpoint, import_dir, load_source, scan_dir
+    from .integrations.interop import import_checkpoint, import_dir, load_source, scan_dir
 
     if is_job_store(args.path):  # its iterations are committed by every rank of a job together
         return _import_usage(f"{args.path} is a multi-rank job store; import into a "

@@ -38,10 +38,14 @@ LAYERS = [
     ("ckptstore.torch", 8, "torch"),
     ("ckptstore", 9, "api"),
     ("ckptstore.demo", 10, "demo"),
-    # framework integrations: clients of the public API; nothing in the package imports them
-    # (importing ckptstore must not import transformers or lightning)
-    ("ckptstore.hf", 10, "hf"),
-    ("ckptstore.lightning", 10, "lightning"),
+    # framework integrations and interchange: clients of the public API; nothing in the package
+    # but the CLI imports them (importing ckptstore must not import transformers or lightning).
+    # ckptstore.dcp, .hf, .lightning and .interop are their documented import paths, re-exporting
+    ("ckptstore.integrations", 10, "integrations"),
+    ("ckptstore.dcp", 10, "integrations"),
+    ("ckptstore.hf", 10, "integrations"),
+    ("ckptstore.lightning", 10, "integrations"),
+    ("ckptstore.interop", 10, "integrations"),
     ("ckptstore.cli", 11, "cli"),
 ]
 
