@@ -256,7 +256,7 @@ def _import_usage(msg: str) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    """Import a checkpoint of another tool (ckptstore/interop.py): the source is read and checked
+    """Import a checkpoint of another tool (ckptstore.interop): the source is read and checked
     before the store is opened, so a bad source leaves no trace (not even a new empty store)."""
     from .integrations.interop import import_checkpoint, import_dir, load_source, scan_dir
 

@@ -3,7 +3,7 @@
 Every byte returned was checked: the manifest against the commit's digest, each tree against its
 root, each chunk against its address (raw chunks are read straight into the destination array and
 verified in place; nothing is copied twice). :func:`read_ranges` reads byte ranges of stored
-tensors, touching only the chunks that overlap them (ckptstore/dcp.py's partial reads).
+tensors, touching only the chunks that overlap them (ckptstore.dcp's partial reads).
 """
 
 from __future__ import annotations

@@ -1,99 +1,26 @@
-"""Import checkpoints written by other tools into a store, and export iterations to their formats.
-
-    import ckptstore
-    from ckptstore.interop import export_checkpoint, import_checkpoint, import_dir
-
-    with ckptstore.open("runs/gpt", mode="a") as store:
-        import_checkpoint(store, 100, "old/step_100.pt")            # a torch.save file
-        import_checkpoint(store, None, "hf-run/checkpoint-500")      # iteration 500, from the name
-        report = import_dir(store, "old-run/")                       # every checkpoint in it
-        report.logical_bytes, report.written_bytes                   # what dedup saved
-        export_checkpoint(store, 500, "out/dcp-500", "dcp")           # also "torch", "safetensors"
-
-**Sources** (the kind is detected from the files, or given as ``kind=``):
-
-* ``"torch"``: a file written by ``torch.save``, read with ``torch.load(path, weights_only=True)``
-  and nothing else. A file that needs more (a pickled class, a numpy array, ``TrainingArguments``)
-  raises :class:`~ckptstore.errors.ImportSourceError` naming the file and what torch refused;
-  there is no fallback to full unpickling.
-* ``"safetensors"``: a ``.safetensors`` file (``safetensors.torch.load_file``); the state is its
-  flat ``{name: tensor}`` dict and its string metadata is kept in the meta.
-* ``"dcp"``: a ``torch.distributed.checkpoint`` directory (``FileSystemWriter`` layout:
-  ``.metadata`` and ``*.distcp`` files), read in this one process by DCP's own reader into plain
-  CPU tensors and nested like DCP's own ``dcp_to_torch_save`` does (DCP's flattening map; dict
-  keys come back as DCP saved them, as strings). Every file the metadata names is checked to be
-  there and long enough before anything is read. **Trust:** DCP's ``.metadata`` is a pickle,
-  loaded by DCP itself (``FileSystemReader.read_metadata``): importing a DCP directory trusts that
-  file exactly as ``dcp.load`` does, so import only directories you would ``dcp.load``. Its
-  tensors are read by DCP with ``torch.load(weights_only=True)``, and its non-tensor items
-  (``BYTE_IO``: learning rates, step counters, param lists), which DCP's default planner unpickles
-  fully, are read here with ``torch.load(weights_only=True)`` too (refused: ImportSourceError).
-  Once imported, nothing ckptstore reads from its own store is pickled.
-* ``"hf"``: a Hugging Face ``Trainer`` ``checkpoint-N/`` directory: the model
-  (``model.safetensors``; or ``model-0000x-of-0000y.safetensors`` shards with
-  ``model.safetensors.index.json``; or ``pytorch_model.bin``, or its shards with
-  ``pytorch_model.bin.index.json``, weights_only), ``optimizer.pt`` and ``scheduler.pt``
-  (weights_only), ``rng_state.pth`` / ``rng_state_K.pth`` (weights_only; a file that does not
-  load that way, e.g. one holding numpy's RNG state, is skipped with an
-  :class:`~ckptstore.errors.ImportSkippedWarning` naming it), ``trainer_state.json`` and
-  ``config.json`` (stored as JSON-like state). The state is ``{"model": {...}, "optimizer": ...,
-  "scheduler": ..., "rng_state": ..., "trainer_state": {...}, "config": {...}}`` (what the
-  directory has); the iteration defaults to N. ``training_args.bin`` (a pickle of
-  ``TrainingArguments``) is never read; it and other files (tokenizer, ...) are listed as skipped.
-
-The meta of an imported iteration is the caller's ``meta`` plus ``meta["import"]``: the source's
-kind and absolute path, the string metadata of the safetensors files read (``"metadata"``; for
-``"hf"`` keyed by file name), the files skipped (``"skipped"``: file and why);
-for ``"hf"`` also ``global_step``, ``epoch`` and ``log``, the numbers ``trainer_state.json``
-logged at the checkpoint's step (so ``gc --keep-best N --metric import.log.loss`` works on an
-imported run).
-
-**Nothing is lost.** An import is one :meth:`~ckptstore.Store.save`: the source is read and
-checked completely first (a value the store cannot hold raises ImportSourceError naming the file
-and the path in the state), then written and committed atomically; any failure leaves the store
-as it was. Iterations must increase (:class:`~ckptstore.errors.IterationOrderError`, checked before
-the source is read). :func:`import_dir` checks every entry it will import (kind, name, order,
-required files) before the first save; each import is then its own commit, so a failure while
-reading a later source (a file torch refuses) leaves the earlier ones committed and intact.
-
-**Export** (:func:`write_state`, :func:`export_checkpoint`, ``ckptstore restore --format``):
-``"torch"`` (``torch.save`` of the state as loaded), ``"safetensors"`` (tensors flattened to
-``a/b/c`` names, other values as JSON in the metadata key ``ckptstore.values``), ``"dcp"`` (a DCP
-directory written by ``dcp.save(..., no_dist=True)``; numpy arrays become torch tensors, DCP turns
-int dict keys into strings). Every format is written under a temporary name beside the target
-and renamed into place, so the target is either complete or absent; a DCP target must not exist
-or be an empty directory.
-"""
+"""What a checkpoint of another tool is, and reading it: detecting a path's kind (``torch``,
+``safetensors``, ``dcp``, ``hf``), reading a source into a state the store can hold and checking it
+(:func:`load_source`), and scanning a directory of them (:func:`scan_dir`). Reads files only;
+nothing is written."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import struct
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from ..errors import (ExportError, ImportSkippedWarning, ImportSourceError, IterationOrderError,
-                     UnsupportedTypeError)
-from ..format.state import flatten
-from ..store import SaveStats, Store
-from ..tensors import leaf_hook
-
-__all__ = ["KINDS", "EXPORT_FORMATS", "LoadedSource", "ImportResult", "DirImportReport",
-           "detect_kind", "iteration_from_name", "load_source", "import_checkpoint", "scan_dir",
-           "import_dir", "flat_tensors", "write_state", "export_checkpoint"]
+from ...errors import ImportSkippedWarning, ImportSourceError, UnsupportedTypeError
+from ...format.state import flatten
+from ...tensors import leaf_hook
 
 #: Source kinds :func:`load_source` reads.
 KINDS = ("torch", "safetensors", "dcp", "hf")
-#: Formats :func:`write_state` writes.
-EXPORT_FORMATS = ("torch", "safetensors", "dcp")
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 _HF_NAME = re.compile(r"checkpoint-(\d+)")
@@ -113,8 +40,6 @@ _TORCH_ADVICE = ("Weights only load failed", "(1) In PyTorch", "(2) Alternativel
 _SAFETENSORS_MAX_HEADER = 100_000_000
 
 
-# ---- results -------------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class LoadedSource:
     """A source read into memory and checked, ready to save: ``state`` holds only what the store
@@ -130,48 +55,6 @@ class LoadedSource:
     def iteration_hint(self) -> int | None:
         """The iteration its name implies (``checkpoint-500`` -> 500), or None."""
         return iteration_from_name(self.path)
-
-
-@dataclass(frozen=True)
-class ImportResult:
-    """One committed import: the source, its kind and what the save did (``stats``)."""
-
-    iteration: int
-    source: str
-    kind: str
-    stats: SaveStats
-    skipped: tuple[tuple[str, str], ...] = ()
-
-
-@dataclass(frozen=True)
-class DirImportReport:
-    """What :func:`import_dir` did: the imports in iteration order and the directory entries it
-    left out (entry, why). ``logical_bytes`` is the state the imports hold, ``written_bytes``
-    what they wrote: the difference is what dedup (and compression) saved."""
-
-    directory: str
-    imported: tuple[ImportResult, ...]
-    skipped: tuple[tuple[str, str], ...]
-    seconds: float
-
-    @property
-    def logical_bytes(self) -> int:
-        return sum(r.stats.logical_bytes for r in self.imported)
-
-    @property
-    def written_bytes(self) -> int:
-        return sum(r.stats.written_bytes for r in self.imported)
-
-    @property
-    def dedup_bytes(self) -> int:
-        """Tensor bytes found already stored (earlier iterations, or twice in one) and not
-        written again."""
-        return sum(r.stats.dedup_bytes for r in self.imported)
-
-    @property
-    def saved_bytes(self) -> int:
-        """``logical_bytes - written_bytes`` (never below 0)."""
-        return max(0, self.logical_bytes - self.written_bytes)
 
 
 # ---- what a path is ------------------------------------------------------------------------------
@@ -241,7 +124,7 @@ def detect_kind(path: str | os.PathLike) -> str:
 
 # ---- reading sources -----------------------------------------------------------------------------
 
-def _refusal(e: BaseException) -> str:
+def refusal(e: BaseException) -> str:
     """What torch (or another reader) refused, in one line."""
     lines = [line.strip() for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
     reasons = [line.split(":", 1)[1].split(" Please use", 1)[0].strip() for line in lines
@@ -260,7 +143,7 @@ def _torch_load(path: str) -> Any:
         raise ImportSourceError(f"{path}: cannot be read: {e.strerror or e}") from e
     except Exception as e:  # noqa: BLE001 - whatever torch refuses becomes one typed error
         raise ImportSourceError(
-            f"{path}: torch.load(weights_only=True) refused it ({_refusal(e)}); ckptstore loads "
+            f"{path}: torch.load(weights_only=True) refused it ({refusal(e)}); ckptstore loads "
             "torch.save files only that way, never with full unpickling: re-save it with plain "
             "tensors and containers") from e
 
@@ -276,7 +159,7 @@ def _safetensors_load(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str
     except OSError as e:
         raise ImportSourceError(f"{path}: cannot be read: {e.strerror or e}") from e
     except Exception as e:  # noqa: BLE001 - SafetensorError and friends
-        raise ImportSourceError(f"{path}: not a readable safetensors file ({_refusal(e)})") from e
+        raise ImportSourceError(f"{path}: not a readable safetensors file ({refusal(e)})") from e
     return tensors, dict(metadata)
 
 
@@ -303,7 +186,8 @@ def _read_safetensors(path: str) -> tuple[Any, dict, list[tuple[str, str]]]:
 
 def _dcp_metadata(path: str) -> Any:
     """DCP's metadata of the directory, after checking that every file it names is there and
-    holds the bytes it names. Reading ``.metadata`` unpickles it, as DCP does (module docstring)."""
+    holds the bytes it names. Reading ``.metadata`` unpickles it, as DCP does (package
+    docstring)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
@@ -312,7 +196,7 @@ def _dcp_metadata(path: str) -> Any:
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - DCP's reader raises what its unpickler raises
-        raise ImportSourceError(f"{path}/.metadata: DCP cannot read it ({_refusal(e)})") from e
+        raise ImportSourceError(f"{path}/.metadata: DCP cannot read it ({refusal(e)})") from e
     storage = getattr(metadata, "storage_data", None)
     entries = getattr(metadata, "state_dict_metadata", None)
     if not isinstance(storage, dict) or not isinstance(entries, dict):
@@ -326,7 +210,7 @@ def _dcp_metadata(path: str) -> Any:
             unstored.append(fqn)
     if unstored:
         raise ImportSourceError(f"{path}: DCP metadata names items stored in no file: "
-                                f"{_some(unstored)}")
+                                f"{some_of(unstored)}")
     root = os.path.realpath(path)
     missing: set[str] = set()
     short: set[str] = set()
@@ -348,14 +232,14 @@ def _dcp_metadata(path: str) -> Any:
         elif sizes[rel] < offset + length:
             short.add(rel)
     if missing:
-        raise ImportSourceError(f"{path}: DCP checkpoint files missing: {_some(sorted(missing))}")
+        raise ImportSourceError(f"{path}: DCP checkpoint files missing: {some_of(sorted(missing))}")
     if short:
         raise ImportSourceError(f"{path}: DCP checkpoint files shorter than the metadata says "
-                                f"(truncated): {_some(sorted(short))}")
+                                f"(truncated): {some_of(sorted(short))}")
     return metadata
 
 
-def _some(names: list[str], n: int = 8) -> str:
+def some_of(names: list[str], n: int = 8) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
@@ -409,7 +293,7 @@ def _read_dcp(path: str) -> tuple[Any, dict, list[tuple[str, str]]]:
             except Exception as e:  # noqa: BLE001 - reported as the import's error
                 self.refused = ImportSourceError(
                     f"{path}: DCP item {fqn!r}: torch.load(weights_only=True) refused it "
-                    f"({_refusal(e)}); ckptstore never unpickles more than that")
+                    f"({refusal(e)}); ckptstore never unpickles more than that")
                 raise self.refused from e
 
     flat: dict[str, Any] = {}
@@ -425,7 +309,7 @@ def _read_dcp(path: str) -> tuple[Any, dict, list[tuple[str, str]]]:
         # failures in CheckpointException (a BaseException)
         if planner.refused is not None:
             raise planner.refused from e
-        raise ImportSourceError(f"{path}: DCP cannot read the checkpoint ({_refusal(e)})") from e
+        raise ImportSourceError(f"{path}: DCP cannot read the checkpoint ({refusal(e)})") from e
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     state: dict = {}
     for fqn, value in flat.items():
@@ -451,10 +335,10 @@ def _hf_sharded(path: str, index_name: str, load: Callable[[str], dict]) -> dict
     bad = [f for f in files if os.path.basename(f) != f or f in ("", ".", "..")]
     if bad:
         raise ImportSourceError(f"{index_path}: names shard files outside the directory: "
-                                f"{_some(bad)}")
+                                f"{some_of(bad)}")
     missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     if missing:
-        raise ImportSourceError(f"{path}: model shards missing: {_some(missing)}")
+        raise ImportSourceError(f"{path}: model shards missing: {some_of(missing)}")
     loaded = {f: load(os.path.join(path, f)) for f in files}
     for f, tensors in loaded.items():
         if not isinstance(tensors, dict):
@@ -564,7 +448,7 @@ def _rng_problem(file: str, state: dict, key: str) -> str | None:
         value = _torch_load(file)
     except ImportSourceError as e:
         cause = e.__cause__
-        return (f"torch.load(weights_only=True) refused it ({_refusal(cause)})"
+        return (f"torch.load(weights_only=True) refused it ({refusal(cause)})"
                 if cause is not None else str(e))
     try:
         flatten(value, leaf_hook)
@@ -595,7 +479,7 @@ def _check_kind(p: str, kind: str | None) -> str:
 def load_source(source: str | os.PathLike, kind: str | None = None) -> LoadedSource:
     """Read the checkpoint at ``source`` (of ``kind``, detected when None) into memory and check
     that the store can hold all of it. Touches no store. ImportSourceError for anything it
-    cannot read or hold (module docstring)."""
+    cannot read or hold (package docstring)."""
     p = os.fspath(source)
     kind = _check_kind(p, kind)
     state, info, skipped = _READERS[kind](p)
@@ -609,48 +493,7 @@ def load_source(source: str | os.PathLike, kind: str | None = None) -> LoadedSou
     return LoadedSource(p, kind, state, info, tuple(skipped))
 
 
-# ---- importing -----------------------------------------------------------------------------------
-
-def _writer(store: Any) -> Store:
-    if not isinstance(store, Store):
-        raise TypeError(f"import needs a ckptstore.Store opened with mode \"a\", not {store!r}")
-    return store
-
-
-def _check_order(store: Store, iteration: int, source: str) -> None:
-    if type(iteration) is not int or not 0 <= iteration < 1 << 63:
-        raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
-    tail = store.tail()
-    if tail is not None and iteration <= tail:
-        raise IterationOrderError(f"cannot import {source} as iteration {iteration}: not after "
-                                  f"the latest iteration {tail} of {store.path} (nothing written)")
-
-
-def import_checkpoint(store: Store, iteration: int | None, source: str | os.PathLike | LoadedSource,
-                      *, meta: dict | None = None, kind: str | None = None,
-                      progress: Callable[[int], None] | None = None) -> ImportResult:
-    """Import one checkpoint as ``iteration`` of ``store`` (a writer), committed atomically.
-
-    ``source``: a path (read with :func:`load_source`, ``kind`` detected when None) or a
-    :class:`LoadedSource` already read. ``iteration`` None: the one its name implies
-    (``checkpoint-500`` -> 500; ImportSourceError when the name holds no number). ``meta``: a
-    dict of JSON-like values stored with it, plus ``meta["import"]`` (module docstring).
-    Raises ImportSourceError, IterationOrderError (before reading the source) or what
-    :meth:`Store.save` raises; the store is unchanged on any failure."""
-    st = _writer(store)
-    path = source.path if isinstance(source, LoadedSource) else os.fspath(source)
-    if iteration is None:
-        iteration = iteration_from_name(path)
-        if iteration is None:
-            raise ImportSourceError(f"{path}: no iteration given and none in its name")
-    _check_order(st, iteration, path)
-    if meta is not None and type(meta) is not dict:
-        raise UnsupportedTypeError(f"meta must be a dict, not {type(meta).__name__}")
-    loaded = source if isinstance(source, LoadedSource) else load_source(path, kind)
-    stats = st.save(iteration, loaded.state, meta={**(meta or {}), "import": loaded.info},
-                    progress=progress)
-    return ImportResult(iteration, loaded.path, loaded.kind, stats, loaded.skipped)
-
+# ---- a directory of checkpoints -----------------------------------------------------------------
 
 def _cheap_check(path: str, kind: str) -> None:
     """What can be checked without reading tensors: headers, DCP files, HF model files."""
@@ -662,7 +505,7 @@ def _cheap_check(path: str, kind: str) -> None:
                 pass
         except Exception as e:  # noqa: BLE001
             raise ImportSourceError(f"{path}: not a readable safetensors file "
-                                    f"({_refusal(e)})") from e
+                                    f"({refusal(e)})") from e
     elif kind == "dcp":
         _dcp_metadata(path)
     elif kind == "hf":
@@ -677,7 +520,7 @@ def _cheap_check(path: str, kind: str) -> None:
                 missing = sorted({str(f) for f in wm.values()
                                   if type(f) is not str or f not in names})
                 if missing:
-                    raise ImportSourceError(f"{path}: model shards missing: {_some(missing)}")
+                    raise ImportSourceError(f"{path}: model shards missing: {some_of(missing)}")
 
 
 def scan_dir(directory: str | os.PathLike
@@ -727,145 +570,3 @@ def scan_dir(directory: str | os.PathLike
     for _, p, kind in found:
         _cheap_check(p, kind)
     return found, skipped
-
-
-def import_dir(store: Store, directory: str | os.PathLike, *, meta: dict | None = None,
-               on_import: Callable[[ImportResult], None] | None = None,
-               progress: Callable[[int], None] | None = None) -> DirImportReport:
-    """Import every checkpoint :func:`scan_dir` finds in ``directory``, in increasing iteration
-    order, one commit each; tensors unchanged from an earlier iteration (or already in the store)
-    are stored once. Everything is checked first (kinds, names, duplicate iterations, order
-    against the store, DCP and model files): a problem there raises before anything is written.
-    ``on_import`` is called after each commit. ImportSourceError when nothing is found."""
-    st = _writer(store)
-    d = os.fspath(directory)
-    t0 = time.perf_counter()
-    found, skipped = scan_dir(d)
-    if not found:
-        raise ImportSourceError(f"{d}: no recognised checkpoint (checkpoint-N directories, DCP "
-                                "directories, torch.save or safetensors files with a number in "
-                                "the name)" + (f"; left out: {_some([s[0] for s in skipped])}"
-                                               if skipped else ""))
-    _check_order(st, found[0][0], found[0][1])
-    done: list[ImportResult] = []
-    for it, p, kind in found:
-        r = import_checkpoint(st, it, p, meta=meta, kind=kind, progress=progress)
-        done.append(r)
-        if on_import is not None:
-            on_import(r)
-    return DirImportReport(d, tuple(done), tuple(skipped), time.perf_counter() - t0)
-
-
-# ---- exporting -----------------------------------------------------------------------------------
-
-def flat_tensors(state: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a nested state into ``{path: tensor}`` and ``{path: JSON-able value}`` (paths
-    ``a/b/0``), for safetensors."""
-    tensors: dict[str, Any] = {}
-    other: dict[str, Any] = {}
-    items = state.items() if isinstance(state, dict) else enumerate(state) \
-        if isinstance(state, (list, tuple)) else None
-    if items is None:
-        if isinstance(state, torch.Tensor):
-            tensors[prefix] = state.detach().contiguous()
-        elif isinstance(state, np.ndarray):
-            tensors[prefix] = torch.from_numpy(np.ascontiguousarray(state))
-        else:
-            other[prefix] = state if not isinstance(state, bytes) else state.hex()
-        return tensors, other
-    for k, v in items:
-        t, o = flat_tensors(v, f"{prefix}/{k}" if prefix else str(k))
-        tensors.update(t)
-        other.update(o)
-    return tensors, other
-
-
-def _numpy_to_torch(state: Any) -> Any:
-    """The state with every numpy array as a torch tensor (DCP pickles anything else)."""
-    if isinstance(state, np.ndarray):
-        a = state if state.dtype.isnative else state.astype(state.dtype.newbyteorder("="))
-        return torch.from_numpy(np.ascontiguousarray(a))
-    if isinstance(state, dict):
-        out = type(state)((k, _numpy_to_torch(v)) for k, v in state.items())
-        if hasattr(state, "_metadata"):
-            out._metadata = state._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(state, list):
-        return [_numpy_to_torch(v) for v in state]
-    if isinstance(state, tuple):
-        return tuple(_numpy_to_torch(v) for v in state)
-    return state
-
-
-def _write_dcp(state: Any, target: str) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    if not isinstance(state, dict):
-        raise ExportError(f"DCP needs a dict at the top of the state, not {type(state).__name__}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP's notice that it runs in a single process
-        dcp.save(_numpy_to_torch(state), checkpoint_id=target, no_dist=True)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.unlink(path)
-
-
-def write_state(state: Any, out: str | os.PathLike, fmt: str, *,
-                iteration: int | None = None) -> None:
-    """Write a loaded state to ``out`` as ``fmt`` (one of :data:`EXPORT_FORMATS`), under a
-    temporary name renamed into place (module docstring). ExportError for an unknown format, a
-    DCP target that exists and is not an empty directory, or a state the format cannot hold."""
-    if fmt not in EXPORT_FORMATS:
-        raise ExportError(f"unknown export format {fmt!r} (one of {', '.join(EXPORT_FORMATS)})")
-    target = os.fspath(out)
-    if fmt == "dcp" and os.path.lexists(target) and not (
-            os.path.isdir(target) and not os.path.islink(target) and not os.listdir(target)):
-        raise ExportError(f"{target}: exists; a DCP export needs a new or empty directory")
-    tmp = os.path.join(os.path.dirname(os.path.abspath(target)),
-                       f".{os.path.basename(os.path.abspath(target))}.tmp-{os.getpid()}")
-    _remove(tmp)
-    try:
-        if fmt == "torch":
-            torch.save(state, tmp)
-        elif fmt == "safetensors":
-            from safetensors.torch import save_file
-
-            tensors, other = flat_tensors(state)
-            metadata = {"ckptstore.values": json.dumps(other, default=repr)}
-            if iteration is not None:
-                metadata["ckptstore.iteration"] = str(iteration)
-            try:
-                save_file(tensors, tmp, metadata=metadata)
-            except (ValueError, RuntimeError) as e:
-                raise ExportError(f"{target}: safetensors cannot hold this state ({e})") from e
-        else:
-            from torch.distributed.checkpoint import CheckpointException
-
-            try:
-                _write_dcp(state, tmp)
-            except (ExportError, OSError):
-                raise
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps its
-                # writers' failures in CheckpointException (a BaseException)
-                raise ExportError(f"{target}: DCP cannot write this state ({_refusal(e)})") from e
-            if os.path.isdir(target):
-                os.rmdir(target)  # empty (checked above): the rename puts the export there
-        os.replace(tmp, target)
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
-def export_checkpoint(store: Any, iteration: int, out: str | os.PathLike, fmt: str, *,
-                      keys: list | None = None,
-                      progress: Callable[[int], None] | None = None) -> None:
-    """Write committed ``iteration`` of ``store`` (a delta iteration is reconstructed by
-    :meth:`Store.load`) to ``out`` as ``fmt``; ``keys``: only these top-level keys."""
-    if fmt not in EXPORT_FORMATS:
-        raise ExportError(f"unknown export format {fmt!r} (one of {', '.join(EXPORT_FORMATS)})")
-    state = store.load(iteration, keys=keys, progress=progress)
-    write_state(state, out, fmt, iteration=iteration)
