@@ -37,7 +37,6 @@ LAYERS = [
     ("ckptstore.multirank", 7, "multirank"),
     ("ckptstore.torch", 8, "torch"),
     ("ckptstore", 9, "api"),
-    ("ckptstore.demo", 10, "demo"),
     # framework integrations and interchange: clients of the public API; nothing in the package
     # but the CLI imports them (importing ckptstore must not import transformers or lightning).
     # ckptstore.dcp, .hf, .lightning and .interop are their documented import paths, re-exporting
