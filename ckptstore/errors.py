@@ -342,7 +342,7 @@ class RetentionError(CkptStoreError, ValueError):
 
 
 class ImportSourceError(CkptStoreError, ValueError):
-    """A checkpoint written by another tool cannot be imported (ckptstore/interop.py): an
+    """A checkpoint written by another tool cannot be imported (ckptstore.interop): an
     unknown source kind, a torch.save file that ``torch.load(weights_only=True)`` refuses (the
     message names the file and what torch refused; nothing is ever unpickled beyond that), a DCP
     directory with missing or truncated files, a Hugging Face checkpoint without a model file, a
@@ -350,7 +350,7 @@ class ImportSourceError(CkptStoreError, ValueError):
 
 
 class ExportError(CkptStoreError, ValueError):
-    """An iteration cannot be written in the requested format (ckptstore/interop.py): an unknown
+    """An iteration cannot be written in the requested format (ckptstore.interop): an unknown
     format, a target that already exists where it may not, a state the format cannot hold.
     Nothing is left at the target."""
 

@@ -36,7 +36,7 @@ from .format.commit import KIND_DELTA, KIND_NAMES
 from .format.header import StoreHeader
 from .format.manifest import Manifest
 from .format.state import flatten, unflatten
-from .inplace import copy_into
+from .tensors.inplace import copy_into
 from .engine.engine import Engine
 from .engine.reader_engine import ReaderEngine
 from .engine.write_path import SaveStats, flatten_meta
@@ -552,7 +552,7 @@ class Store:
         whose path holds a tensor there is read straight into that tensor's memory (a snapshot)
         or copied into it (a replayed delta), and the returned state holds the caller's tensor.
         Paths it lacks are allocated. A dtype or shape mismatch raises
-        TargetMismatchError before any target is written (:mod:`ckptstore.inplace`).
+        TargetMismatchError before any target is written (:mod:`ckptstore.tensors.inplace`).
 
         A delta iteration is reconstructed: its chain's base snapshot, then every delta after it
         replayed (:mod:`ckptstore.replay`; DeltaChainError, ReplayDivergenceError); when a

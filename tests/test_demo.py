@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ckptstore.demo import run_demo
+from ckptstore.cli.demo import run_demo
 
 
 def test_demo_runs_and_everything_checks_out(tmp_path, capsys):

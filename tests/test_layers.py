@@ -3,10 +3,12 @@
 Layers, lowest first (README "Layout"); a module may import only from its own layer or below, and
 two packages of one layer (ops/ and replay/) do not import each other:
 
-    errors <- format/ <- tensors <- storage/ <- engine/ <- ops/, replay/, remote/ <- store <- multirank/
-    <- torch/ <- ckptstore/__init__ (the public API) <- demo <- cli
+    errors <- format/ <- tensors/ <- storage/ <- engine/ <- ops/, replay/, remote/ <- store <- multirank/
+    <- torch/ <- ckptstore/__init__, follow (the public API) <- integrations/ <- cli/
 
-(the demo and the CLI are clients of the public API, ``ckptstore.open`` and ``ckptstore.torch``).
+(the integrations and the CLI, with its demo, are clients of the public API, ``ckptstore.open``
+and ``ckptstore.torch``; ``ckptstore.dcp``, ``.hf``, ``.lightning`` and ``.interop``, their
+documented import paths, re-export ``integrations/`` and sit at its layer).
 
 An upward reference is allowed only for type hints, under ``if TYPE_CHECKING:``.
 """
@@ -27,7 +29,6 @@ LAYERS = [
     ("ckptstore.errors", 0, "errors"),
     ("ckptstore.format", 1, "format"),
     ("ckptstore.tensors", 2, "tensors"),
-    ("ckptstore.inplace", 2, "tensors"),
     ("ckptstore.storage", 3, "storage"),
     ("ckptstore.engine", 4, "engine"),
     ("ckptstore.ops", 5, "ops"),
@@ -37,11 +38,14 @@ LAYERS = [
     ("ckptstore.multirank", 7, "multirank"),
     ("ckptstore.torch", 8, "torch"),
     ("ckptstore", 9, "api"),
-    ("ckptstore.demo", 10, "demo"),
-    # framework integrations: clients of the public API; nothing in the package imports them
-    # (importing ckptstore must not import transformers or lightning)
-    ("ckptstore.hf", 10, "hf"),
-    ("ckptstore.lightning", 10, "lightning"),
+    # framework integrations and interchange: clients of the public API; nothing in the package
+    # but the CLI imports them (importing ckptstore must not import transformers or lightning).
+    # ckptstore.dcp, .hf, .lightning and .interop are their documented import paths, re-exporting
+    ("ckptstore.integrations", 10, "integrations"),
+    ("ckptstore.dcp", 10, "integrations"),
+    ("ckptstore.hf", 10, "integrations"),
+    ("ckptstore.lightning", 10, "integrations"),
+    ("ckptstore.interop", 10, "integrations"),
     ("ckptstore.cli", 11, "cli"),
 ]
 

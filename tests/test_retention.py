@@ -17,7 +17,8 @@ from hypothesis import given, settings, strategies as st
 import ckptstore
 from ckptstore import (AnyOf, KeepBest, KeepEvery, KeepLast, KeepNewerThan, KeepSinceIteration,
                        NotFoundError, ReadOnlyStoreError, RetentionError)
-from ckptstore.cli import _ranges, main
+from ckptstore.cli import main
+from ckptstore.cli.maintenance import _ranges
 from ckptstore.ops.fsck import check
 from ckptstore.ops.retention import (Checkpoint, chain_closure, metric_value, parse_duration,
                                      plan_retention, policy_from_options)
@@ -579,7 +580,7 @@ def test_cli_gc_errors(trained, tmp_path, capsys, monkeypatch):
     after = tree_state(Path(path))  # (the writer's open made its LOCK file and used the index)
     assert {k: v for k, v in after.items() if not k.startswith(("LOCK", "index"))} == \
         {k: v for k, v in before.items() if not k.startswith(("LOCK", "index"))}
-    import ckptstore.cli as cli
+    import ckptstore.cli.maintenance as cli
 
     monkeypatch.setattr(cli, "is_job_store", lambda p: True)  # job stores: no follower bases
     assert main(["gc", path, "--keep-last", "1", "--dry-run", "--follower-bases"]) == 2

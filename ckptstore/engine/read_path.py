@@ -3,7 +3,7 @@
 Every byte returned was checked: the manifest against the commit's digest, each tree against its
 root, each chunk against its address (raw chunks are read straight into the destination array and
 verified in place; nothing is copied twice). :func:`read_ranges` reads byte ranges of stored
-tensors, touching only the chunks that overlap them (ckptstore/dcp.py's partial reads).
+tensors, touching only the chunks that overlap them (ckptstore.dcp's partial reads).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..storage.index import ChunkRef, CommitEntry, Index
 from ..storage.log import Log
 from ..storage.memory import MIN_BYTES as HUGE_MIN_BYTES, advise_huge_buffer
 from ..storage.segments import Loc
-from ..inplace import destinations
+from ..tensors.inplace import destinations
 from ..tensors import allocate, finish, into_view
 
 _HEAD = rec.HEADER_SIZE + CHUNK_HEADER_SIZE
@@ -139,7 +139,7 @@ class StateReader:
         tensor (contiguous, CPU, of the entry's dtype and shape) to read that tensor's bytes into
         instead of a fresh allocation (verified in place like any other); None allocates.
         ``target``: a state-shaped structure whose tensors receive the stored tensors at the same
-        paths (:mod:`ckptstore.inplace`; checked before anything is read)."""
+        paths (:mod:`ckptstore.tensors.inplace`; checked before anything is read)."""
         manifest = read_manifest(self.log, entry)
         skeleton = manifest.state
         if keys is not None:

@@ -42,7 +42,7 @@ from ..engine.writer_engine import WriterEngine, check_features
 from ..format.delta import REPLAY_KEY
 from ..format.header import feature_names
 from ..format.job import Epoch, GlobalCommit
-from ..inplace import copy_into
+from ..tensors.inplace import copy_into
 from ..replay.partition import merge_parts, partition_of
 from ..replay.shards import assemble_parts, shards_of
 from ..storage.fileops import FileOps

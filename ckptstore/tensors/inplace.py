@@ -26,10 +26,10 @@ from typing import Any, Iterator
 
 import torch
 
-from .errors import TargetMismatchError
-from .format.manifest import TensorEntry
-from .format.state import Path, format_path
-from .tensors import TORCH_DTYPES
+from ..errors import TargetMismatchError
+from ..format.manifest import TensorEntry
+from ..format.state import Path, format_path
+from .leaves import TORCH_DTYPES
 
 _MISSING = object()
 

@@ -272,7 +272,7 @@ def run_demo(path: str, iterations: int = 240, crash_at: int = 137) -> int:
     os.makedirs(path)
     store_path, log_path = os.path.join(path, "store"), os.path.join(path, "train.jsonl")
     def trainer(crash: int) -> list[str]:
-        return [sys.executable, "-m", "ckptstore.demo", store_path, str(iterations), str(crash),
+        return [sys.executable, "-m", "ckptstore.cli.demo", store_path, str(iterations), str(crash),
                 log_path]
 
     t_start = time.perf_counter()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from .store import Store
+from ..store import Store
 
 
 class StoreRef:

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CkptStoreError, FormatError, UnsupportedTypeError
-from .format.image import BLOCK, DATA_OFFSET, ChunkImage
-from .format.manifest import TensorEntry
-from .format.state import Path, format_path, path_name
+from ..errors import CkptStoreError, FormatError, UnsupportedTypeError
+from ..format.image import BLOCK, DATA_OFFSET, ChunkImage
+from ..format.manifest import TensorEntry
+from ..format.state import Path, format_path, path_name
 
 _QUANTIZED = {"qint8", "qint32", "quint8", "quint4x2", "quint2x4"}
 TORCH_DTYPES: dict[str, torch.dtype] = {

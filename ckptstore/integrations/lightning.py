@@ -1,0 +1,331 @@
+"""Lightning checkpoints in a ckptstore store: a ``CheckpointIO`` plugin.
+
+    from ckptstore.lightning import StoreCheckpointIO
+
+    io = StoreCheckpointIO("runs/lit", retention_every=4)
+    trainer = Trainer(plugins=[io], callbacks=[ModelCheckpoint(dirpath="ckpts", save_top_k=2, ...)])
+    trainer.fit(model, ckpt_path=io.latest_path())     # None on an empty store: from scratch
+
+**A Lightning checkpoint is one iteration of the store: its ``global_step``.** The path Lightning
+passes (``ckpts/epoch=0-step=100.ckpt``) is only a name: it is recorded in the iteration's meta,
+``{"lightning": {"name": ..., "epoch": ..., "global_step": ...}}``, and nothing is written at that
+path. The checkpoint dict is saved as it is (``state_dict``, ``optimizer_states``,
+``lr_schedulers``, ``loops``, ``callbacks``, ``hyper_parameters``, ...) with
+:meth:`ckptstore.Store.save`: durable when ``save_checkpoint`` returns, deduplicated against the
+checkpoints before it, loaded bit-exact. Values other than tensors must be JSON-like (None, bool,
+int, float, str, bytes, and lists, tuples and str/int-keyed dicts of them): anything else raises
+:class:`~ckptstore.errors.UnsupportedTypeError` naming its key (``state['hyper_parameters']['act']``)
+before anything is written. Nothing is pickled, nothing is unpickled.
+
+A second save at the step the store's newest iteration already holds (``save_last=True`` right
+after the top-k save, a second ``ModelCheckpoint``) makes its name another name of that iteration:
+its content is the first save's (the two differ only where the callbacks' states changed in
+between, e.g. ``ModelCheckpoint.last_model_path`` on the very first save). A save at a step below
+the newest iteration (training resumed from an older checkpoint) raises
+:class:`~ckptstore.errors.IterationOrderError`: iterations only increase.
+
+**Removals become retention.** ``remove_checkpoint`` (``ModelCheckpoint``'s top-k, a superseded
+``last.ckpt``) forgets the name; an iteration no name points to any more is dropped by the next
+gc run with :meth:`StoreCheckpointIO.retention_policy`: :meth:`StoreCheckpointIO.gc`, or
+automatically after every ``retention_every``-th save (the store's automatic retention,
+:meth:`ckptstore.Store.set_retention`, compacting only when something is removable). The names
+live in ``lightning.json`` in the store's directory (rewritten atomically: temporary file, fsync,
+rename, directory fsync); its ``seen`` is the newest iteration it accounts for, and every
+iteration after ``seen`` is kept and named from its meta, so a crash between a save's commit and
+the file's update never loses a checkpoint. The store's newest iteration is always kept, as by
+any gc. ``ckptstore gc`` from the command line does not read ``lightning.json``.
+
+``lightning`` is imported by this module, never by ``import ckptstore``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from ..errors import IterationOrderError, NotFoundError, StoreNotFoundError, UnsupportedTypeError
+from ..ops.gc import GcReport
+from ..ops.retention import Checkpoint, Policy
+from ..store import Store
+from .store_ref import StoreRef
+
+try:
+    from lightning.fabric.plugins import CheckpointIO
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("ckptstore.lightning needs lightning: pip install 'ckptstore[lightning]'") from e
+
+__all__ = ["StoreCheckpointIO", "NamedCheckpoints", "META_KEY", "NAMES_FILE"]
+
+#: the key of this plugin's entry in each iteration's meta
+META_KEY = "lightning"
+#: the names file in the store's directory
+NAMES_FILE = "lightning.json"
+_FORMAT = "ckptstore.lightning"
+
+
+class NamedCheckpoints(Policy):
+    """The retention policy of a :class:`StoreCheckpointIO`: keep every iteration a checkpoint
+    name points to, and every iteration after the newest one the names account for. Reads the
+    plugin's names when a gc asks (after later saves and removals too)."""
+
+    def __init__(self, io: StoreCheckpointIO) -> None:
+        self._io = io
+
+    def select(self, checkpoints: Sequence[Checkpoint], now_ns: int) -> frozenset[int]:
+        named, seen = self._io.named_iterations(), self._io.seen
+        keep = frozenset(c[0] for c in checkpoints if c[0] in named or c[0] > seen)
+        if not keep and checkpoints:
+            keep = frozenset({max(c[0] for c in checkpoints)})  # (gc keeps the newest anyway)
+        return keep
+
+    def __str__(self) -> str:
+        return "the checkpoints Lightning has not removed"
+
+
+class StoreCheckpointIO(CheckpointIO):
+    """Lightning's ``CheckpointIO`` over a ckptstore store (see the module's documentation).
+
+    ``store``: a path (opened with ``ckptstore.open(path, "a")`` when first needed, closed at
+    ``teardown``) or an open writable :class:`~ckptstore.Store` (left open).
+    ``retention_every``: run the store's automatic retention with :meth:`retention_policy`
+    after every that many saves (None: only when :meth:`gc` is called).
+    One process writes (Lightning saves on global rank 0 only); other ranks never open the
+    store unless they load."""
+
+    def __init__(self, store: str | os.PathLike | Store, *, retention_every: int | None = None) -> None:
+        self._ref = StoreRef(store, "StoreCheckpointIO")
+        self._path = self._ref.path
+        if retention_every is not None and (type(retention_every) is not int or retention_every < 1):
+            raise ValueError(f"retention_every must be an int >= 1 or None, not {retention_every!r}")
+        self.retention_every = retention_every
+        self._names: dict[str, int] | None = None  # name -> iteration (None: not read yet)
+        #: the newest iteration the names account for (-1: none)
+        self.seen = -1
+        self._policy = NamedCheckpoints(self)
+
+    # ---- the store and the names --------------------------------------------------------------
+    def _writer(self) -> Store:
+        """The store, opened for writing if needed, with the names read."""
+        if self._ref.store is None:
+            self._names = None  # (re)opened: read the names again
+        store = self._ref.writer()
+        if self._names is None:
+            self._names, self.seen = _scan_names(store, self.names_path)
+        if self.retention_every is not None and store.retention is not self._policy:
+            store.set_retention(self._policy, every=self.retention_every)
+        return store
+
+    @property
+    def store(self) -> Store | None:
+        """The store while it is open (None before the first use of a path, and after teardown)."""
+        return self._ref.store
+
+    @contextmanager
+    def _view(self) -> Iterator[tuple[Any, dict[str, int]]]:
+        """(store, names) for a read: the plugin's writer when it holds one, else a reader opened
+        for the call (None and no names when there is no store yet)."""
+        if self.store is not None:
+            self._writer()
+            assert self._names is not None
+            yield self.store, self._names
+            return
+        import ckptstore
+        try:
+            reader = ckptstore.open(self._path, mode="r")
+        except StoreNotFoundError:
+            yield None, {}
+            return
+        try:
+            yield reader, _scan_names(reader, self.names_path)[0]
+        finally:
+            reader.close()
+
+    @property
+    def names_path(self) -> str:
+        return os.path.join(self._path, NAMES_FILE)
+
+    def _write_names(self) -> None:
+        assert self._names is not None
+        doc = {"format": _FORMAT, "v": 1, "seen": self.seen, "names": self._names}
+        tmp = self.names_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.names_path)
+        fd = os.open(self._path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def named_iterations(self) -> frozenset[int]:
+        """The iterations some checkpoint name points to (as this plugin's writer knows them)."""
+        return frozenset((self._names or {}).values())
+
+    def names(self) -> dict[str, int]:
+        """Checkpoint name -> iteration, for every checkpoint not removed."""
+        with self._view() as (_, names):
+            return dict(names)
+
+    def latest_path(self) -> str | None:
+        """A name of the newest checkpoint not removed (to resume: ``fit(ckpt_path=...)``;
+        ``last.ckpt``'s name when it points there), or None when there is none."""
+        names = self.names()
+        if not names:
+            return None
+        newest = max(names.values())
+        at = sorted(n for n, it in names.items() if it == newest)
+        return next((n for n in at if os.path.basename(n).startswith("last")), at[0])
+
+    # ---- CheckpointIO -------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("StoreCheckpointIO.save_checkpoint takes no storage_options "
+                            f"(got {storage_options!r})")
+        name = _name(path)
+        step = checkpoint.get("global_step")
+        if type(step) is not int or step < 0:
+            raise TypeError(f"Lightning checkpoint {name}: global_step must be an int >= 0, "
+                            f"not {step!r}")
+        store = self._writer()
+        names = self._names
+        assert names is not None
+        latest = store.latest()
+        if latest is not None and step <= latest:
+            if step < latest:
+                raise IterationOrderError(
+                    f"Lightning checkpoint {name} is of global step {step}, below the newest "
+                    f"iteration of {store.path} ({latest}): iterations only increase (training "
+                    "resumed from an older checkpoint needs another store)")
+            names[name] = step  # another name of the newest iteration
+            self._write_names()
+            return
+        meta = {META_KEY: {"name": name, "global_step": step,
+                           "epoch": checkpoint.get("epoch") if type(checkpoint.get("epoch")) is int
+                           else None}}
+        try:
+            store.save(step, checkpoint, meta=meta)
+        except UnsupportedTypeError as e:
+            raise UnsupportedTypeError(
+                f"Lightning checkpoint {name}: {e} (values other than tensors, e.g. "
+                "hyper_parameters, must be JSON-like: None, bool, int, float, str, bytes, lists, "
+                "tuples and dicts of them)") from e
+        names[name] = step
+        self.seen = step
+        self._write_names()
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None
+                        ) -> dict[str, Any]:
+        """The checkpoint saved as ``path`` (``weights_only`` changes nothing: nothing is
+        unpickled). ``map_location``: None (CPU tensors), a device or device string, or a dict
+        mapping "cpu" to one. NotFoundError for a name never saved or removed."""
+        name = _name(path)
+        with self._view() as (store, names):
+            if name not in names:
+                raise NotFoundError(f"no Lightning checkpoint named {name} in {self._path} "
+                                    f"(it has {sorted(names)})")
+            state = store.load(names[name])
+        device = _device(map_location)
+        if device is not None:
+            state = _to(state, device)
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Forget the name; its iteration is dropped by the next gc unless another name points
+        to it (see :meth:`retention_policy`). A name not saved is ignored."""
+        name = _name(path)
+        self._writer()
+        assert self._names is not None
+        if self._names.pop(name, None) is not None:
+            self._write_names()
+
+    def teardown(self) -> None:
+        """Close the store if this plugin opened it (it is opened again when needed)."""
+        if self._ref.owned and self._ref.store is not None:
+            self._names = None
+        self._ref.close()
+
+    # ---- retention ----------------------------------------------------------------------------
+    def retention_policy(self) -> Policy:
+        """The policy keeping what Lightning has not removed (also for ``store.gc(policy=...)``,
+        alone or combined with ``|``)."""
+        return self._policy
+
+    def gc(self) -> GcReport:
+        """Drop the iterations no checkpoint name points to now (a gc of the store with
+        :meth:`retention_policy`; compacts, so it costs about the bytes kept)."""
+        return self._writer().gc(policy=self._policy)
+
+
+def _name(path: Any) -> str:
+    s = os.fspath(path)
+    if not isinstance(s, str):
+        s = os.fsdecode(s)
+    return s if "://" in s else os.path.abspath(s)
+
+
+def _scan_names(store: Any, names_path: str) -> tuple[dict[str, int], int]:
+    """(name -> iteration, seen): ``lightning.json``'s names of iterations still in the store,
+    then the meta names of every iteration after its ``seen`` (a later save of a name wins);
+    ``seen`` becomes the newest iteration. A missing or unreadable file counts as empty (every
+    iteration then keeps its meta name: removals are forgotten, nothing is lost)."""
+    names: dict[str, int] = {}
+    seen = -1
+    try:
+        with open(names_path, encoding="utf-8") as f:
+            doc = json.load(f)
+        if isinstance(doc, dict) and doc.get("format") == _FORMAT and doc.get("v") == 1:
+            names = {str(k): v for k, v in doc["names"].items() if type(v) is int}
+            seen = int(doc["seen"])
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        names, seen = {}, -1
+    its = store.iterations()
+    present = set(its)
+    names = {k: v for k, v in names.items() if v in present}
+    for it in its:
+        if it > seen:
+            name = _meta_name(store.meta(it))
+            if name is not None:
+                names[name] = it
+    return names, (its[-1] if its else seen)
+
+
+def _meta_name(meta: Any) -> str | None:
+    entry = meta.get(META_KEY) if isinstance(meta, dict) else None
+    name = entry.get("name") if isinstance(entry, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _device(map_location: Any) -> torch.device | None:
+    if map_location is None:
+        return None
+    if isinstance(map_location, dict):
+        target = map_location.get("cpu")
+        return None if target is None else torch.device(target)
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    raise TypeError(f"StoreCheckpointIO.load_checkpoint: map_location {map_location!r} is not "
+                    "supported (None, a device, a device string, or a dict mapping 'cpu')")
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        out = type(value)()
+        out.update((k, _to(v, device)) for k, v in value.items())
+        if hasattr(value, "_metadata"):  # a state_dict's module versions
+            out._metadata = value._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    return value
