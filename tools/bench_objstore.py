@@ -212,7 +212,8 @@ def main() -> None:
                 w = wall[c][op]
                 print(f"{op:12s} {c:8s} {statistics.median(w):10.2f} s {min(w):6.2f}-"
                       f"{max(w):6.2f} s {rate(op, statistics.median(w)):>13s} "
-                      f"{statistics.median(cpu[c][op]):9.2f} s {statistics.median(srv[c][op]):7.2f} s")
+                      f"{statistics.median(cpu[c][op]):9.2f} s "
+                      f"{statistics.median(srv[c][op]):7.2f} s")
         # (the client's own distributions, then what it pulls in besides)
         sizes = {"obstore": (["obstore"], ["typing-extensions"]),
                  "boto3": (["boto3", "botocore", "s3transfer"],

@@ -11,15 +11,16 @@ Either is an optional dependency, imported only when a remote is used.
 Why obstore by default: it does every request the layout needs (conditional create through
 ``If-None-Match: *``, multipart uploads from an iterator of parts with bounded memory and the
 pacing between parts, range GETs, listing, batch deletes, the service's error codes), in one
-16 MB wheel with no dependencies (boto3 + botocore + s3transfer: 25 MB, with their dependencies
-27 MB; botocore's tight pins are what made pip backtrack beside s3fs, issue 32), its
-import and client take ~40 ms against boto3's ~500 ms, and its requests run in Rust with the GIL
-released, so the lazy reader's concurrent range GETs overlap: against the same moto server
-(tools/bench_objstore.py, docs/remote.md) lazy loads and range reads are 1.6-1.8x faster at a
-third of the client CPU, pushes and pulls as fast (moto's own CPU dominates those). What it
-lacks: listing (and so aborting) the multipart uploads a killed process left; with boto3
-installed too that one request goes through boto3 (:mod:`.s3_obstore`). boto3 stays selectable
-(``client="boto3"``; it also reads ``~/.aws`` profiles) and tested.
+16 MB wheel with no dependencies (boto3 + botocore + s3transfer: 25 MB, 27 MB with their
+dependencies; botocore's tight pins are what made pip backtrack beside s3fs, issue 32); its
+import and client take ~40 ms against boto3's ~0.4-0.8 s; its requests run in Rust with the GIL
+released, so the lazy reader's concurrent range GETs overlap. Against the same moto server
+(tools/bench_objstore.py, docs/remote.md) pulls and lazy loads were ~1.7x faster, small range
+GETs 1.8x, pushes 1.2x, with a fifth of boto3's client CPU on range reads (moto's own CPU is most
+of the wall time). What it lacks: listing (and so aborting) the multipart uploads a killed
+process left; with boto3 installed too that one request goes through boto3
+(:mod:`.s3_obstore`). boto3 stays selectable (``client="boto3"``; it also reads ``~/.aws``
+profiles) and tested.
 
 Every failure leaves here as a :class:`~ckptstore.errors.RemoteError` (or a subclass) naming the
 operation, the object's URL and the service's code (``NoSuchBucket``, ``NoSuchKey``,
