@@ -267,6 +267,47 @@ def test_client_contract(server, url, client, monkeypatch):
         ObjectStore(url, server.options(client="s3fs"))
 
 
+@pytest.mark.skipif(INSTALLED != ["obstore", "boto3"], reason="needs both clients")
+def test_a_child_forked_after_obstore_ran_gets_boto3(server, url, tmp_path):
+    """obstore's Rust runtime does not survive fork (a child's requests hang, and can stall the
+    parent's): in a child forked after obstore ran, the default client is boto3, and obstore is
+    refused with a typed error instead of hanging; the parent's client goes on working."""
+    opts = server.options()
+    script = f"""
+import os, signal, sys
+from ckptstore.errors import RemoteUnsupportedError
+from ckptstore.remote.client import ObjectStore
+st = ObjectStore({url!r}, {opts!r})
+assert st.kind == "obstore"
+st.put("a", b"1")
+pid = os.fork()
+if pid == 0:
+    signal.alarm(20)
+    code = 0
+    try:
+        child = ObjectStore({url!r}, {opts!r})
+        assert child.kind == "boto3" and child.get("a") == b"1", child.kind
+        for request in (lambda: ObjectStore({url!r}, dict({opts!r}, client="obstore")),
+                        lambda: st.get("a")):
+            try:
+                request()
+                code = 3
+            except RemoteUnsupportedError as e:
+                assert "fork" in str(e), e
+    except BaseException as e:
+        print("child:", repr(e), flush=True)
+        code = 2
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+assert st.get("a") == b"1" and st.kind == "obstore"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "CKPTSTORE_REMOTE_CLIENT": ""})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
 # ---- push / pull -------------------------------------------------------------------------------
 @pytest.fixture(params=INSTALLED)
 def client(request) -> str:

@@ -5,8 +5,9 @@ needs, and nothing else), and two implementations of it: :class:`~.s3_obstore.Ob
 on obstore (the Python binding of the Rust ``object_store`` crate) and
 :class:`~.s3_boto3.Boto3Store` on boto3. ``ObjectStore(url, options)`` returns the one the
 ``client`` option names (``"obstore"`` or ``"boto3"``; default: the environment variable
-``CKPTSTORE_REMOTE_CLIENT``, else :data:`DEFAULT_CLIENT` when it is installed, else the other).
-Either is an optional dependency, imported only when a remote is used.
+``CKPTSTORE_REMOTE_CLIENT``, else :data:`DEFAULT_CLIENT` when it is installed, else the other;
+boto3 first in a process forked from one that had used obstore, which is not fork-safe). Either
+is an optional dependency, imported only when a remote is used.
 
 Why obstore by default: it does every request the layout needs (conditional create through
 ``If-None-Match: *``, multipart uploads from an iterator of parts with bounded memory and the
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import threading
 import time
 import importlib
@@ -153,10 +155,15 @@ def client_name(options: dict | None) -> str:
         if name not in CLIENTS:
             raise ValueError(f"remote option client={name!r}: expected one of {sorted(CLIENTS)}")
         return str(name)
-    for name in (DEFAULT_CLIENT, *sorted(set(CLIENTS) - {DEFAULT_CLIENT})):
+    order = [DEFAULT_CLIENT, *sorted(set(CLIENTS) - {DEFAULT_CLIENT})]
+    ob = sys.modules.get("ckptstore.remote.s3_obstore")
+    if ob is not None and ob.forked_after_use():
+        order.remove("obstore")  # a child forked after obstore ran here: boto3 if installed
+        order.append("obstore")
+    for name in order:
         if importlib.util.find_spec(name) is not None:
             return name
-    return DEFAULT_CLIENT  # neither installed: its import error names the extra to install
+    return order[0]  # none installed: its import error names the extra to install
 
 
 def client_options(options: dict) -> dict:

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from ..errors import CkptStoreError, RemoteError
+from ..errors import CkptStoreError, RemoteError, RemoteUnsupportedError
 from .client import ObjectStore, Pacer, RemoteURL, client_options
 
 if TYPE_CHECKING:
@@ -44,6 +44,14 @@ REQUEST_TIMEOUT = timedelta(hours=1)
 
 log = logging.getLogger("ckptstore")
 _told_abort = False  # the note that dead multipart uploads stay: once per process
+#: the process that started obstore's Rust runtime (its threads do not survive a fork: a forked
+#: child's requests would hang, and could stall the parent's; such a child is refused instead)
+runtime_pid: int | None = None
+
+
+def forked_after_use() -> bool:
+    """Whether this process was forked from one that had used obstore."""
+    return runtime_pid is not None and runtime_pid != os.getpid()
 
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
 _MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
@@ -89,7 +97,9 @@ class ObstoreStore(ObjectStore):
     kind = "obstore"
 
     def __init__(self, url: str | RemoteURL, options: dict | None = None) -> None:
+        global runtime_pid
         super().__init__(url, options)
+        self._check_fork()
         try:
             import obstore
             import obstore.exceptions
@@ -105,6 +115,16 @@ class ObstoreStore(ObjectStore):
         except (self._exc.BaseError, ValueError) as e:
             raise RemoteError("configure client", str(self.where), str(e).split("\n")[0],
                               code="InvalidConfiguration", errno_=errno.EINVAL) from e
+        if runtime_pid is None:
+            runtime_pid = os.getpid()
+
+    def _check_fork(self) -> None:
+        if forked_after_use():
+            raise RemoteUnsupportedError(
+                f"remote {self.where}: obstore cannot be used in a process forked from one that "
+                f"used it (its Rust runtime's threads do not survive fork; requests would hang): "
+                f"use the remote option client='boto3' here, or start the process with the "
+                f"'spawn' or 'forkserver' method")
 
     # ---- errors ---------------------------------------------------------------------------
     def _code(self, e: BaseException) -> tuple[str, str]:
@@ -132,6 +152,7 @@ class ObstoreStore(ObjectStore):
     @contextmanager
     def errors(self, operation: str, name: str = "") -> Iterator[None]:
         """Turn obstore's errors raised inside the block into RemoteError naming the object."""
+        self._check_fork()
         try:
             yield
         except (RemoteError, CkptStoreError):
@@ -142,6 +163,9 @@ class ObstoreStore(ObjectStore):
                 raise RemoteError(operation, self.where.url(name), msg, code=code,
                                   errno_=errno.ECONNREFUSED) from e
             raise self.error(operation, name, msg, code) from e
+        except OSError as e:  # a socket error obstore did not wrap
+            raise RemoteError(operation, self.where.url(name), str(e), code="Unreachable",
+                              errno_=e.errno or errno.ECONNREFUSED) from e
 
     # ---- requests -------------------------------------------------------------------------
     def check_bucket(self) -> None:
