@@ -13,11 +13,19 @@ remote reads (``ckptstore.open("s3://...", "r")``): bytes fetched per load, bit-
 and delta chains, a changed extent named, an absent, missing, damaged, stale or foreign index
 object, objects collected under a reader, the service going away under one.
 
-Needs the ``remote-test`` extra (``pip install -e '.[remote-test]'``: boto3, moto[server]).
+Both S3 clients (ckptstore/remote/client.py: obstore, the default, and boto3) are tested: every
+request of the client interface against the server for each installed client
+(``test_client_contract``), and the push/pull/lazy round trip for each; the rest of the module
+runs with the default client, or with the one ``CKPTSTORE_REMOTE_CLIENT`` names
+(``CKPTSTORE_REMOTE_CLIENT=boto3 python -m pytest tests/test_remote.py``).
+
+Needs the ``remote-test`` extra (``pip install -e '.[remote-test]'``: obstore, moto[server], which
+brings boto3: the tests change objects behind the client's back with it).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import shutil
@@ -44,10 +52,12 @@ from ckptstore import (RemoteConflictError, RemoteError, RemoteIntegrityError,  
 from ckptstore.cli import main as cli  # noqa: E402
 from ckptstore.ops.fsck import check  # noqa: E402
 from ckptstore.remote import newest_head, pull, push, verify_remote  # noqa: E402
-from ckptstore.remote.client import ObjectStore  # noqa: E402
+from ckptstore.remote.client import CLIENTS, Cancelled, ObjectStore, Pacer  # noqa: E402
 from ckptstore.torch import Checkpointer  # noqa: E402
 
 MiB = 1 << 20
+#: the clients installed here (each test parametrized with ``client`` runs once per client)
+INSTALLED = [c for c in CLIENTS if importlib.util.find_spec(c) is not None]
 
 
 def _free_port() -> int:
@@ -157,9 +167,155 @@ def _checkpointer_run(path, n, remote=None, remote_options=None, **ck):
     return store, c
 
 
+# ---- the client interface, per client -----------------------------------------------------------
+def test_client_contract(server, url, client, monkeypatch):
+    """Every request of ckptstore/remote/client.py's interface, against the server, for each
+    installed client: the same answers and the same typed errors from both."""
+    import errno
+    import threading
+
+    from ckptstore.errors import StoreIOError
+
+    opts = server.options(client=client)
+    store = ObjectStore(url, opts)
+    assert store.kind == client
+    s3, bucket, prefix = server.s3(), url.split("/")[2], url.split("/", 3)[3]
+    store.check_bucket()
+    # conditional create (If-None-Match: *): the second one writes nothing
+    assert store.put("heads/1", b"one", if_absent=True)
+    assert not store.put("heads/1", b"two", if_absent=True)
+    assert store.get("heads/1") == b"one" and store.conditional_writes
+    assert store.put("heads/1", b"two") and store.get("heads/1") == b"two"  # plain: overwrites
+    store.put("meta", b"m", metadata={"xxh3-128": "ab" * 16})
+    meta = s3.head_object(Bucket=bucket, Key=f"{prefix}/meta")["Metadata"]
+    assert meta == {"xxh3-128": "ab" * 16}
+    assert store.size("heads/1") == 3 and store.size("nope") is None
+    # a multipart upload: each part read once, in order, counted as sent
+    data = os.urandom(12 * MiB)
+    reads, sent = [], []
+
+    def read(off: int, n: int) -> bytes:
+        reads.append((off, n))
+        return data[off:off + n]
+
+    store.put_range("segments/big", read, len(data), 5 * MiB, Pacer(None),
+                    metadata={"xxh3-128": "cd" * 16}, sent=sent.append)
+    assert reads == [(0, 5 * MiB), (5 * MiB, 5 * MiB), (10 * MiB, 2 * MiB)]
+    assert sum(sent) == len(data)
+    h = s3.head_object(Bucket=bucket, Key=f"{prefix}/segments/big")
+    assert h["ETag"].endswith('-3"') and h["Metadata"] == {"xxh3-128": "cd" * 16}
+    store.put_range("segments/small", read, 100, 5 * MiB, Pacer(None))  # fits a part: one PUT
+    assert store.get("segments/small") == data[:100]
+    # range GETs and streams
+    assert store.get("segments/big", 5 * MiB - 3, 10) == data[5 * MiB - 3:5 * MiB + 7]
+    assert store.get("segments/big", len(data) - 4, 100) == data[-4:]  # fewer: the object ends
+    with pytest.raises(RemoteError) as e:
+        store.get("segments/big", len(data) + 10, 5)
+    assert e.value.code == "InvalidRange"
+    blocks = list(store.stream("segments/big", MiB, 100, 3 * MiB))
+    assert all(len(b) <= MiB for b in blocks) and b"".join(blocks) == data[100:100 + 3 * MiB]
+    assert b"".join(store.stream("segments/big", 4 * MiB)) == data
+    assert b"".join(store.stream("segments/big", 4 * MiB, 7 * MiB)) == data[7 * MiB:]
+    with pytest.raises(RemoteError) as e:
+        store.get("nope")
+    assert e.value.code in ("NoSuchKey", "404") and e.value.errno == errno.ENOENT
+    assert f"{url}/nope" in str(e.value)
+    assert store.list_objects() == {"heads/1": 3, "meta": 1, "segments/big": len(data),
+                                    "segments/small": 100}
+    assert store.list_objects("segments/") == {"segments/big": len(data), "segments/small": 100}
+    # an upload stopped by its owner (Cancelled) or by a local read error is aborted, and the
+    # exception comes out unchanged
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(Cancelled):
+        store.put_range("segments/cancelled", read, len(data), 5 * MiB, Pacer(1.0, stop))
+
+    def failing(off: int, n: int) -> bytes:
+        if off:
+            raise StoreIOError("read", "/local/segment", OSError(errno.EIO, "bad sector"))
+        return data[:n]
+
+    with pytest.raises(StoreIOError, match="bad sector"):
+        store.put_range("segments/failed", failing, len(data), 5 * MiB, Pacer(None))
+    assert not s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads")
+    assert store.size("segments/cancelled") is None and store.size("segments/failed") is None
+    # the multipart upload of a process that died: abort_uploads finds and aborts it
+    s3.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/segments/dead")
+    assert store.abort_uploads() == 1
+    assert not s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads")
+    if client == "obstore":  # without boto3 it cannot list them (s3_obstore.py's docstring)
+        monkeypatch.setitem(sys.modules, "boto3", None)
+        assert store.abort_uploads() == 0
+        monkeypatch.undo()
+    store.delete(["heads/1", "segments/absent"])
+    assert set(store.list_objects()) == {"meta", "segments/big", "segments/small"}
+    # a missing bucket, an endpoint that does not answer: typed
+    gone = ObjectStore("s3://no-such-bucket-here/x", opts)
+    for request in (gone.check_bucket, gone.list_objects, lambda: gone.put("a", b"1"),
+                    lambda: gone.get("a")):
+        with pytest.raises(RemoteError) as e:
+            request()
+        assert e.value.code == "NoSuchBucket" and e.value.errno == errno.ENOENT, e.value
+    down = ObjectStore(url, server.options(client=client, endpoint_url=f"http://127.0.0.1:"
+                                           f"{_free_port()}", max_attempts=1, connect_timeout=1))
+    for request in (down.check_bucket, down.list_objects, lambda: down.get("meta", 0, 10),
+                    lambda: down.put("a", b"1", if_absent=True), lambda: down.size("meta")):
+        with pytest.raises(RemoteError) as e:
+            request()
+        assert e.value.code == "Unreachable" and e.value.errno == errno.ECONNREFUSED, e.value
+    with pytest.raises(ValueError, match="client"):
+        ObjectStore(url, server.options(client="s3fs"))
+
+
+@pytest.mark.skipif(INSTALLED != ["obstore", "boto3"], reason="needs both clients")
+def test_a_child_forked_after_obstore_ran_gets_boto3(server, url, tmp_path):
+    """obstore's Rust runtime does not survive fork (a child's requests hang, and can stall the
+    parent's): in a child forked after obstore ran, the default client is boto3, and obstore is
+    refused with a typed error instead of hanging; the parent's client goes on working."""
+    opts = server.options()
+    script = f"""
+import os, signal, sys
+from ckptstore.errors import RemoteUnsupportedError
+from ckptstore.remote.client import ObjectStore
+st = ObjectStore({url!r}, {opts!r})
+assert st.kind == "obstore"
+st.put("a", b"1")
+pid = os.fork()
+if pid == 0:
+    signal.alarm(20)
+    code = 0
+    try:
+        child = ObjectStore({url!r}, {opts!r})
+        assert child.kind == "boto3" and child.get("a") == b"1", child.kind
+        for request in (lambda: ObjectStore({url!r}, dict({opts!r}, client="obstore")),
+                        lambda: st.get("a")):
+            try:
+                request()
+                code = 3
+            except RemoteUnsupportedError as e:
+                assert "fork" in str(e), e
+    except BaseException as e:
+        print("child:", repr(e), flush=True)
+        code = 2
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+assert st.get("a") == b"1" and st.kind == "obstore"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "CKPTSTORE_REMOTE_CLIENT": ""})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
 # ---- push / pull -------------------------------------------------------------------------------
+@pytest.fixture(params=INSTALLED)
+def client(request) -> str:
+    return request.param
+
+
 def test_push_pull_round_trip_bit_exact_and_restore_from_the_server_alone(server, url, tmp_path,
-                                                                           assert_same):
+                                                                           assert_same, client):
     src = tmp_path / "src"
     # a Checkpointer delta chain (bases every 4, deltas in between), then plain snapshots
     store, _ = _checkpointer_run(src, 12, base_every=4, group_commit=2)
@@ -169,7 +325,8 @@ def test_push_pull_round_trip_bit_exact_and_restore_from_the_server_alone(server
             s.save(i, _state(i, big=6 * MiB if i == 14 else 0), meta={"loss": 1.0 / (i + 1)})
     expected = _all_states(src)
     assert list(expected) == list(range(0, 16))
-    opts = server.options(part_size=5 * MiB)  # the 6 MiB tensor's extent goes as a multipart
+    # the 6 MiB tensor's extent goes as a multipart
+    opts = server.options(part_size=5 * MiB, client=client)
 
     r = push(src, url, opts)
     assert r.head.recoverable == 15 and r.head.count == len(expected)
@@ -433,7 +590,7 @@ def test_missing_bucket_is_typed_and_loses_nothing(server, tmp_path):
         pull(gone, tmp_path / "dest", server.options())
 
 
-def test_wrong_credentials_are_typed(tmp_path):
+def test_wrong_credentials_are_typed(tmp_path, client):
     srv = MotoServer(str(tmp_path), env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})  # checks keys
     srv.start()
     try:
@@ -441,7 +598,7 @@ def test_wrong_credentials_are_typed(tmp_path):
         with ckptstore.open(path, "a") as s:
             s.save(0, _state(0))
         url = "s3://secured/run"
-        bad = srv.options(key="AKIAWRONGWRONGWRONG0", secret="nope")
+        bad = srv.options(key="AKIAWRONGWRONGWRONG0", secret="nope", client=client)
         with pytest.raises(RemoteError) as e:
             push(path, url, bad)
         assert e.value.code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied")

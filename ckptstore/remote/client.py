@@ -1,47 +1,67 @@
-"""The object-store client of the remote tier: S3 and S3-compatible services, through boto3.
+"""The object-store client of the remote tier: S3 and S3-compatible services.
 
-Why boto3 (the official AWS SDK, maintained by AWS, released weekly): it speaks to every
-S3-compatible service (AWS, MinIO, Ceph RGW, Cloudflare R2, GCS interop, moto) and it is
-synchronous, which fits the uploader's one background thread. Above all it exposes exactly the
-primitives the remote layout (format-spec/remote.md) relies on, one request each, with no layer
-in between: multipart uploads part by part (so memory is bounded by one part and the bandwidth
-pacing sits between parts), conditional writes (``IfNoneMatch="*"``: a HEAD generation is
-written at most once), range GETs, batch deletes, and typed service error codes (NoSuchBucket,
-InvalidAccessKeyId, PreconditionFailed, ...) that map one-to-one onto our typed errors. s3fs is
-an fsspec file system on aiobotocore (the same botocore underneath) whose async event loop and
-file-like writes hide the multipart and conditional-write control this needs; obstore is fast but
-younger. The client is an optional dependency (``pip install 'ckptstore[remote]'``), imported
-only when a remote is used.
+One interface, :class:`ObjectStore` (the requests the remote layout of format-spec/remote.md
+needs, and nothing else), and two implementations of it: :class:`~.s3_obstore.ObstoreStore`
+on obstore (the Python binding of the Rust ``object_store`` crate) and
+:class:`~.s3_boto3.Boto3Store` on boto3. ``ObjectStore(url, options)`` returns the one the
+``client`` option names (``"obstore"`` or ``"boto3"``; default: the environment variable
+``CKPTSTORE_REMOTE_CLIENT``, else :data:`DEFAULT_CLIENT` when it is installed, else the other;
+boto3 first in a process forked from one that had used obstore, which is not fork-safe). Either
+is an optional dependency, imported only when a remote is used.
+
+Why obstore by default: it does every request the layout needs (conditional create through
+``If-None-Match: *``, multipart uploads from an iterator of parts with bounded memory and the
+pacing between parts, range GETs, listing, batch deletes, the service's error codes), in one
+16 MB wheel with no dependencies (boto3 + botocore + s3transfer: 25 MB, 27 MB with their
+dependencies; botocore's tight pins are what made pip backtrack beside s3fs, issue 32); its
+import and client take ~40 ms against boto3's ~0.4-0.8 s; its requests run in Rust with the GIL
+released, so the lazy reader's concurrent range GETs overlap. Against the same moto server
+(tools/bench_objstore.py, docs/remote.md) pulls and lazy loads were ~1.7x faster, small range
+GETs 1.8x, pushes 1.2x, with a fifth of boto3's client CPU on range reads (moto's own CPU is most
+of the wall time). What it lacks: listing (and so aborting) the multipart uploads a killed
+process left; with boto3 installed too that one request goes through boto3
+(:mod:`.s3_obstore`). boto3 stays selectable (``client="boto3"``; it also reads ``~/.aws``
+profiles) and tested.
 
 Every failure leaves here as a :class:`~ckptstore.errors.RemoteError` (or a subclass) naming the
-operation, the object's URL and the service's code; nothing else of botocore escapes.
+operation, the object's URL and the service's code (``NoSuchBucket``, ``NoSuchKey``,
+``InvalidAccessKeyId``, ``AccessDenied``, ``InvalidRange``, ``Unreachable``, ...), the same
+codes from both clients; nothing of either client's own exceptions escapes.
 
 Options (``storage_options`` / ``remote_options``, the same keys as s3fs where they exist, so one
-dict serves both): ``endpoint_url``, ``region_name`` (or ``region``), ``key`` / ``secret`` /
-``token`` (or ``aws_access_key_id`` / ``aws_secret_access_key`` / ``aws_session_token``; default:
-boto3's usual chain, environment variables included), ``client_kwargs`` (a dict merged into these,
-as s3fs takes it), ``connect_timeout`` (s, default 5), ``read_timeout`` (s, default 60),
-``max_attempts`` (botocore's own retries per request, default 3), ``addressing_style`` ("path"
-by default with an ``endpoint_url``, else boto3's default).
+dict serves both): ``client`` (above), ``endpoint_url``, ``region_name`` (or ``region``),
+``key`` / ``secret`` / ``token`` (or ``aws_access_key_id`` / ``aws_secret_access_key`` /
+``aws_session_token``; default: the client's usual chain, environment variables included),
+``client_kwargs`` (a dict merged into these, as s3fs takes it), ``connect_timeout`` (s, default
+5), ``read_timeout`` (s without a byte read, default 60), ``max_attempts`` (tries per request,
+retries included, default 3), ``addressing_style`` ("path" or "virtual"; default: path style
+with an ``endpoint_url``, else the client's own default), ``anon`` (unsigned requests).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import sys
 import threading
 import time
-from contextlib import contextmanager
+import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from ..errors import CkptStoreError, RemoteError, RemoteUnsupportedError
+from ..errors import RemoteError, RemoteUnsupportedError
 
 #: The smallest part S3 accepts in a multipart upload (every part but the last).
 MIN_PART_SIZE = 5 << 20
+#: The client ``ObjectStore(...)`` picks when neither the options nor the environment name one.
+DEFAULT_CLIENT = "obstore"
+#: The implementations: client name -> (module, class).
+CLIENTS = {"obstore": ("ckptstore.remote.s3_obstore", "ObstoreStore"),
+           "boto3": ("ckptstore.remote.s3_boto3", "Boto3Store")}
 #: Client options (the rest of an options dict belongs to the uploader).
-CLIENT_KEYS = frozenset({"endpoint_url", "region_name", "region", "key", "secret", "token",
-                         "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
+CLIENT_KEYS = frozenset({"client", "endpoint_url", "region_name", "region", "key", "secret",
+                         "token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
                          "client_kwargs", "connect_timeout", "read_timeout", "max_attempts",
                          "addressing_style", "anon"})
 
@@ -126,248 +146,110 @@ class Pacer:
                 time.sleep(delay)
 
 
-def _client_config(options: dict) -> tuple[dict, dict]:
-    """(boto3 client kwargs, botocore Config kwargs) from an options dict."""
-    opts = dict(options)
+
+
+def client_name(options: dict | None) -> str:
+    """The client an options dict selects (see the module's docstring)."""
+    name = (options or {}).get("client") or os.environ.get("CKPTSTORE_REMOTE_CLIENT") or ""
+    if name:
+        if name not in CLIENTS:
+            raise ValueError(f"remote option client={name!r}: expected one of {sorted(CLIENTS)}")
+        return str(name)
+    order = [DEFAULT_CLIENT, *sorted(set(CLIENTS) - {DEFAULT_CLIENT})]
+    ob = sys.modules.get("ckptstore.remote.s3_obstore")
+    if ob is not None and ob.forked_after_use():
+        order.remove("obstore")  # a child forked after obstore ran here: boto3 if installed
+        order.append("obstore")
+    for name in order:
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return order[0]  # none installed: its import error names the extra to install
+
+
+def client_options(options: dict) -> dict:
+    """One flat dict of an options dict's client keys (``client_kwargs`` merged in)."""
+    opts = {k: v for k, v in options.items() if k in CLIENT_KEYS}
     opts.update(opts.pop("client_kwargs", None) or {})
-    kw: dict[str, Any] = {}
-    for ours, theirs in (("endpoint_url", "endpoint_url"), ("region_name", "region_name"),
-                         ("region", "region_name"), ("key", "aws_access_key_id"),
-                         ("secret", "aws_secret_access_key"), ("token", "aws_session_token"),
-                         ("aws_access_key_id", "aws_access_key_id"),
-                         ("aws_secret_access_key", "aws_secret_access_key"),
-                         ("aws_session_token", "aws_session_token")):
-        if opts.get(ours) is not None:
-            kw[theirs] = opts[ours]
-    cfg: dict[str, Any] = {
-        "connect_timeout": float(opts.get("connect_timeout", 5)),
-        "read_timeout": float(opts.get("read_timeout", 60)),
-        "retries": {"max_attempts": int(opts.get("max_attempts", 3)), "mode": "standard"},
-    }
-    style = opts.get("addressing_style", "path" if kw.get("endpoint_url") else None)
-    if style is not None:
-        cfg["s3"] = {"addressing_style": style}
-    if not kw.get("region_name"):
-        kw["region_name"] = os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    return kw, cfg
+    return opts
 
 
 class ObjectStore:
-    """The objects of one store under ``s3://bucket/prefix`` (thread-safe: boto3 clients are)."""
+    """The objects of one store under ``s3://bucket/prefix`` (thread-safe).
+
+    ``ObjectStore(url, options)`` returns an instance of the implementation the options select
+    (:func:`client_name`); the methods below are what the remote tier asks of it, each one or a
+    few requests, every failure a :class:`~ckptstore.errors.RemoteError`."""
+
+    #: the client's name ("obstore", "boto3")
+    kind = ""
+
+    def __new__(cls, url: str | RemoteURL, options: dict | None = None) -> "ObjectStore":
+        if cls is ObjectStore:
+            name = client_name(options)
+            module, cls_name = CLIENTS[name]
+            cls = getattr(importlib.import_module(module), cls_name)
+        return super().__new__(cls)
 
     def __init__(self, url: str | RemoteURL, options: dict | None = None) -> None:
         self.where = url if isinstance(url, RemoteURL) else parse_url(url)
-        try:
-            import boto3
-            import botocore.config
-            import botocore.exceptions
-        except ImportError as e:
-            raise RemoteUnsupportedError(
-                f"remote {self.where}: the S3 client is not installed (pip install "
-                f"'ckptstore[remote]'): {e}") from e
-        self._boto_errors = botocore.exceptions
-        kw, cfg = _client_config({k: v for k, v in (options or {}).items() if k in CLIENT_KEYS})
-        if (options or {}).get("anon"):
-            from botocore import UNSIGNED
-
-            cfg["signature_version"] = UNSIGNED
         #: the service honours If-None-Match on PUT (cleared when it answers NotImplemented)
         self.conditional_writes = True
-        session = boto3.session.Session()
-        self.client = session.client("s3", config=botocore.config.Config(**cfg), **kw)
 
-    # ---- errors ---------------------------------------------------------------------------
-    @contextmanager
-    def errors(self, operation: str, name: str = "") -> Iterator[None]:
-        """Turn botocore's errors raised inside the block into RemoteError naming the object."""
-        try:
-            yield
-        except RemoteError:
-            raise
-        except self._boto_errors.ClientError as e:
-            err = e.response.get("Error", {}) if isinstance(e.response, dict) else {}
-            code = str(err.get("Code") or e.response.get("ResponseMetadata", {})
-                       .get("HTTPStatusCode", ""))
-            msg = str(err.get("Message") or code or e)
-            raise RemoteError(operation, self.where.url(name), msg, code=code,
-                              errno_=_ERRNO.get(code, errno.EIO)) from e
-        except self._boto_errors.NoCredentialsError as e:
-            raise RemoteError(operation, self.where.url(name), str(e), code="NoCredentials",
-                              errno_=errno.EACCES) from e
-        except (self._boto_errors.EndpointConnectionError,
-                self._boto_errors.ConnectionClosedError,
-                self._boto_errors.ConnectTimeoutError, self._boto_errors.ReadTimeoutError) as e:
-            raise RemoteError(operation, self.where.url(name), str(e), code="Unreachable",
-                              errno_=errno.ECONNREFUSED) from e
-        except self._boto_errors.BotoCoreError as e:
-            raise RemoteError(operation, self.where.url(name), str(e),
-                              code=type(e).__name__) from e
-        except OSError as e:  # a socket error botocore did not wrap
-            if isinstance(e, CkptStoreError):
-                raise  # a local error (reading the segment being uploaded): not the remote's
-            raise RemoteError(operation, self.where.url(name), str(e), code="Unreachable",
-                              errno_=e.errno or errno.EIO) from e
+    def _not_installed(self, e: ImportError) -> RemoteUnsupportedError:
+        return RemoteUnsupportedError(
+            f"remote {self.where}: the S3 client {self.kind} is not installed (pip install "
+            f"'ckptstore[remote]', or the remote option client= naming one that is): {e}")
+
+    def error(self, operation: str, name: str, message: str, code: str) -> RemoteError:
+        """The typed error of a service answer ``code`` (errno from it)."""
+        return RemoteError(operation, self.where.url(name), message, code=code,
+                           errno_=_ERRNO.get(code, errno.EIO))
 
     # ---- requests -------------------------------------------------------------------------
     def check_bucket(self) -> None:
         """RemoteError (NoSuchBucket, AccessDenied, InvalidAccessKeyId, Unreachable) unless the
         bucket exists and these credentials reach it."""
-        with self.errors("open bucket"):
-            try:
-                self.client.head_bucket(Bucket=self.where.bucket)
-            except self._boto_errors.ClientError as e:
-                code = str(e.response.get("Error", {}).get("Code", ""))
-                if code in ("404", "NoSuchBucket", "NotFound"):
-                    raise RemoteError("open bucket", str(self.where),
-                                      f"bucket {self.where.bucket!r} does not exist",
-                                      code="NoSuchBucket", errno_=errno.ENOENT) from e
-                if code in ("403", "AccessDenied"):  # HEAD has no body: ask for the real reason
-                    self.client.list_objects_v2(Bucket=self.where.bucket, MaxKeys=1)
-                raise
+        raise NotImplementedError
 
     def put(self, name: str, data: bytes, *, if_absent: bool = False,
             metadata: dict[str, str] | None = None) -> bool:
         """Write ``name`` whole. With ``if_absent`` the write is conditional (If-None-Match: *):
         returns False, writing nothing, when the object exists already."""
-        extra: dict[str, Any] = {"Metadata": metadata} if metadata else {}
-        if if_absent and self.conditional_writes:
-            extra["IfNoneMatch"] = "*"
-        with self.errors("put", name):
-            try:
-                self.client.put_object(Bucket=self.where.bucket, Key=self.where.key(name),
-                                       Body=data, **extra)
-            except self._boto_errors.ClientError as e:
-                code = str(e.response.get("Error", {}).get("Code", ""))
-                if if_absent and code in ("PreconditionFailed", "412",
-                                          "ConditionalRequestConflict"):
-                    return False
-                if "IfNoneMatch" in extra and code in ("NotImplemented", "501"):
-                    # a service without conditional writes: the highest valid HEAD generation
-                    # still wins for one writer (format-spec/remote.md R3)
-                    self.conditional_writes = False
-                    return self.put(name, data, if_absent=if_absent, metadata=metadata)
-                raise
-        return True
+        raise NotImplementedError
 
     def put_range(self, name: str, read: Callable[[int, int], bytes], length: int,
                   part_size: int, pacer: Pacer, metadata: dict[str, str] | None = None,
                   sent: Callable[[int], None] | None = None) -> None:
-        """Write ``name`` from ``length`` bytes that ``read(offset, n)`` returns, at most
-        ``part_size`` bytes in memory at a time: one PUT when it fits in a part, else a
-        multipart upload (aborted when a part fails). ``pacer`` spaces the parts out."""
-        if length <= part_size:
-            data = read(0, length)
-            pacer.take(len(data))
-            self.put(name, data, metadata=metadata)
-            if sent is not None:
-                sent(len(data))
-            return
-        key = self.where.key(name)
-        with self.errors("create multipart upload", name):
-            upload = self.client.create_multipart_upload(
-                Bucket=self.where.bucket, Key=key, **({"Metadata": metadata} if metadata else {}))
-        upload_id = upload["UploadId"]
-        try:
-            parts = []
-            for number, off in enumerate(range(0, length, part_size), start=1):
-                data = read(off, min(part_size, length - off))
-                pacer.take(len(data))
-                with self.errors(f"upload part {number}", name):
-                    r = self.client.upload_part(Bucket=self.where.bucket, Key=key,
-                                                UploadId=upload_id, PartNumber=number, Body=data)
-                parts.append({"PartNumber": number, "ETag": r["ETag"]})
-                if sent is not None:
-                    sent(len(data))
-                del data
-            with self.errors("complete multipart upload", name):
-                self.client.complete_multipart_upload(
-                    Bucket=self.where.bucket, Key=key, UploadId=upload_id,
-                    MultipartUpload={"Parts": parts})
-        except BaseException:
-            try:
-                self.client.abort_multipart_upload(Bucket=self.where.bucket, Key=key,
-                                                   UploadId=upload_id)
-            except Exception:  # noqa: BLE001 - the first failure is what matters
-                pass
-            raise
+        """Write ``name`` from ``length`` bytes that ``read(offset, n)`` returns, a bounded
+        number of ``part_size`` parts in memory at a time: one PUT when it fits in a part, else
+        a multipart upload (aborted when a part fails). ``pacer`` spaces the parts out;
+        ``sent(n)`` is told of each part sent."""
+        raise NotImplementedError
 
     def size(self, name: str) -> int | None:
         """The length of ``name``, or None when it does not exist."""
-        with self.errors("head", name):
-            try:
-                r = self.client.head_object(Bucket=self.where.bucket, Key=self.where.key(name))
-            except self._boto_errors.ClientError as e:
-                if str(e.response.get("Error", {}).get("Code", "")) in ("404", "NoSuchKey",
-                                                                          "NotFound"):
-                    return None
-                raise
-        return int(r["ContentLength"])
+        raise NotImplementedError
 
     def get(self, name: str, start: int = 0, length: int | None = None) -> bytes:
         """The bytes of ``name`` (a range of them with ``start``/``length``: at most ``length``
-        bytes, fewer where the object ends first)."""
+        bytes, fewer where the object ends first; InvalidRange when ``start`` is past its
+        end)."""
         return b"".join(self.stream(name, 8 << 20, start, length))
 
     def stream(self, name: str, block: int, start: int = 0,
                length: int | None = None) -> Iterator[bytes]:
         """The bytes of ``name`` (or of a range) in blocks of at most ``block`` bytes."""
-        extra: dict[str, Any] = {}
-        if start or length is not None:
-            end = "" if length is None else str(start + length - 1)
-            extra["Range"] = f"bytes={start}-{end}"
-        with self.errors("get", name):
-            r = self.client.get_object(Bucket=self.where.bucket, Key=self.where.key(name),
-                                       **extra)
-            body = r["Body"]
-            try:
-                while True:
-                    chunk = body.read(block)
-                    if not chunk:
-                        break
-                    yield chunk
-            finally:
-                body.close()
+        raise NotImplementedError
 
     def list_objects(self, under: str = "") -> dict[str, int]:
-        """name -> size of every object whose name starts with ``under``."""
-        out: dict[str, int] = {}
-        prefix = self.where.key(under) if under else (self.where.prefix + "/" if
-                                                      self.where.prefix else "")
-        with self.errors("list", under):
-            pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.where.bucket, Prefix=prefix)
-            for page in pages:
-                for obj in page.get("Contents", ()):
-                    out[self.where.name_of(obj["Key"])] = int(obj["Size"])
-        return out
+        """name -> size of every object below ``under`` ("" or a name ending in "/")."""
+        raise NotImplementedError
 
     def delete(self, names: list[str]) -> None:
         """Delete ``names`` (absent ones are fine), 1000 per request."""
-        for i in range(0, len(names), 1000):
-            batch = names[i:i + 1000]
-            with self.errors("delete", batch[0]):
-                r = self.client.delete_objects(Bucket=self.where.bucket, Delete={
-                    "Objects": [{"Key": self.where.key(n)} for n in batch], "Quiet": True})
-            failed = r.get("Errors") or []
-            if failed:
-                f = failed[0]
-                raise RemoteError("delete", self.where.url(self.where.name_of(f.get("Key", ""))),
-                                  str(f.get("Message", "")), code=str(f.get("Code", "")))
+        raise NotImplementedError
 
     def abort_uploads(self) -> int:
         """Abort the multipart uploads left under the prefix by a process that died mid-upload
         (their parts are invisible but billed). Returns how many."""
-        prefix = self.where.prefix + "/" if self.where.prefix else ""
-        n = 0
-        with self.errors("list multipart uploads"):
-            pages = self.client.get_paginator("list_multipart_uploads").paginate(
-                Bucket=self.where.bucket, Prefix=prefix)
-            for page in pages:
-                for u in page.get("Uploads", ()) or ():
-                    try:
-                        self.client.abort_multipart_upload(
-                            Bucket=self.where.bucket, Key=u["Key"], UploadId=u["UploadId"])
-                        n += 1
-                    except self._boto_errors.ClientError:
-                        pass  # finished or aborted meanwhile
-        return n
+        raise NotImplementedError

@@ -75,7 +75,7 @@ class RemoteOptions:
     bandwidth: float | None = None
     #: at most one HEAD per this many seconds while commits keep coming
     head_interval: float = 10.0
-    #: multipart part size, and the most bytes of a segment held in memory (>= 5 MiB)
+    #: multipart part size (>= 5 MiB); an upload holds a few parts in memory at most
     part_size: int = 8 << 20
     #: extents end on multiples of this many bytes of their segment (the largest object)
     max_object: int = 64 << 20
