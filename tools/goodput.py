@@ -604,23 +604,39 @@ class E2ECosts:
     inflight: int
 
 
-def e2e_costs(doc: dict, strategy: str) -> E2ECosts:
-    """Pool the jobs of ``strategy`` in a bench_goodput JSON into :class:`E2ECosts`."""
+def e2e_costs(doc: dict, strategy: str, job: dict | None = None) -> E2ECosts:
+    """Pool the jobs of ``strategy`` in a bench_goodput JSON into :class:`E2ECosts` (medians);
+    with ``job``, that job's own figures instead wherever it has them (a job without failures
+    has no load or restart of its own: the pooled ones)."""
     jobs = [j for j in doc["jobs"] if j["strategy"] == strategy]
     if not jobs:
         raise ValueError(f"no job of strategy {strategy!r} in the e2e file")
     args = doc["args"]
     deltas = strategy in ("ckpt-deltas", "ckpt-topk")
     base_every = int(args["base_every"]) if deltas else 0
-    loads = [(d, s) for j in jobs for d, s in j["loads"]]
-    load, replay = fit_replay(loads, base_every) if deltas else (_median(s for _, s in loads), 0.0)
-    restart = _median(j["resume_s_per_failure"] - j["load_s"] for j in jobs if j["failures"])
+    own = [job] if job is not None else jobs
+
+    def pooled_or_own(fn, pick):
+        v = fn([j for j in own if pick(j)])
+        return v if not math.isnan(v) or job is None else fn([j for j in jobs if pick(j)])
+
+    def fit(js):
+        loads = [(d, s) for j in js for d, s in j["loads"]]
+        if not loads:
+            return math.nan, math.nan
+        return fit_replay(loads, base_every) if deltas else (_median(s for _, s in loads), 0.0)
+
+    load, replay = fit(own)
+    if math.isnan(load):
+        load, replay = fit(jobs)
+    restart = pooled_or_own(lambda js: _median(j["resume_s_per_failure"] - j["load_s"] for j in js),
+                            lambda j: j["failures"])
+    stall = pooled_or_own(lambda js: _median(j["stall_s"] for j in js), lambda j: j["checkpoints"])
     inflight = E2E_INFLIGHT.get(strategy, 1) or int(args["inflight"])
-    return E2ECosts(strategy, _median(j["step_s"] / j["step_plain_s"] for j in jobs),
-                    max(0.0, _median(j["stall_s"] for j in jobs if j["checkpoints"])) if any(
-                        j["checkpoints"] for j in jobs) else 0.0,
-                    max(0.0, _median(j["persist_s"] for j in jobs)),
-                    0.0 if math.isnan(load) else load, replay,
+    return E2ECosts(strategy, _median(j["step_s"] / j["step_plain_s"] for j in own),
+                    0.0 if math.isnan(stall) else max(0.0, stall),
+                    max(0.0, _median(j["persist_s"] for j in own)),
+                    0.0 if math.isnan(load) else load, 0.0 if math.isnan(replay) else replay,
                     0.0 if math.isnan(restart) else max(0.0, restart), base_every, inflight)
 
 
@@ -661,8 +677,16 @@ def calibrate_e2e(doc: dict, trace_dir: str | os.PathLike | None = None) -> list
                              f"differs from the one the job recorded")
         st = e2e_strategy(costs[j["strategy"]], j)
         r = simulate(st, j["iterations"], j["step_plain_s"], sc.failure_times(seed, j["repeat"]))
+        own = simulate(e2e_strategy(e2e_costs(doc, j["strategy"], j), j), j["iterations"],
+                       j["step_plain_s"], sc.failure_times(seed, j["repeat"]))
+        # where in its checkpoint interval a failure lands is a draw of its own (uniform over
+        # W = every x step + stall, sd W / sqrt(12)); the e2e run made one draw per failure, the
+        # simulation another: the goodputs differ by about this much from that alone
+        w = st.every * st.step_s + st.stall_s
+        phase = math.sqrt(2 * max(1, j["failures"])) * w / math.sqrt(12) / (j["wall_s"] or math.inf)
         out.append({"scenario": j["scenario"], "strategy": j["strategy"], "repeat": j["repeat"],
-                    "e2e": j["goodput"], "sim": r.goodput, "e2e_failures": j["failures"],
+                    "e2e": j["goodput"], "sim": r.goodput, "sim_own": own.goodput, "phase_sd": phase,
+                    "e2e_failures": j["failures"],
                     "sim_failures": r.failures, "e2e_lost_s": j["lost_s_per_failure"],
                     "sim_lost_s": r.lost_per_failure_s, "e2e_resume_s": j["resume_s_per_failure"],
                     "sim_resume_s": r.resume_per_failure_s, "strategy_costs": st})
@@ -679,20 +703,29 @@ def e2e_report(doc: dict, rows: list[dict]) -> str:
     for (sc, st), rs in groups.items():
         e2e = sum(r["e2e"] for r in rs) / len(rs)
         sim = sum(r["sim"] for r in rs) / len(rs)
-        table.append([sc, st, f"{e2e:.3f}", f"{sim:.3f}", f"{sim - e2e:+.3f}",
+        own = sum(r["sim_own"] for r in rs) / len(rs)
+        phase = math.sqrt(sum(r["phase_sd"] ** 2 for r in rs)) / len(rs)
+        table.append([sc, st, f"{e2e:.3f}", f"{sim:.3f}", f"{sim - e2e:+.3f}", f"{own:.3f}",
+                      f"{own - e2e:+.3f}", f"{phase:.3f}",
                       f"{sum(r['e2e_failures'] for r in rs)}/{sum(r['sim_failures'] for r in rs)}",
                       f"{sum(r['e2e_lost_s'] for r in rs) / len(rs):.2f}/"
                       f"{sum(r['sim_lost_s'] for r in rs) / len(rs):.2f}",
                       f"{sum(r['e2e_resume_s'] for r in rs) / len(rs):.2f}/"
                       f"{sum(r['sim_resume_s'] for r in rs) / len(rs):.2f}"])
     errs = [abs(float(t[4])) for t in table]
+    errs_own = [abs(float(t[6])) for t in table]
     lines = [f"simulator vs bench_goodput ({doc.get('date', '?')}, {doc.get('machine', '?')}): the "
-             f"same jobs, failure schedules and plain steps; costs pooled per strategy "
-             f"(medians over its jobs)", "",
-             format_table(["scenario", "strategy", "e2e goodput", "sim goodput", "sim - e2e",
-                           "failures e2e/sim", "lost s e2e/sim", "resume s e2e/sim"], table), "",
-             f"|sim - e2e|: mean {sum(errs) / len(errs):.3f}, max {max(errs):.3f}; within 0.01: "
-             f"{sum(e <= 0.01 for e in errs)} of {len(errs)}", "", "costs per strategy:"]
+             f"same jobs, failure schedules and plain steps, means over repeats; 'sim': costs "
+             f"pooled per strategy (medians over its jobs), 'own': each job's own costs; 'phase "
+             f"sd': how far apart the two would be from where failures land in a checkpoint "
+             f"interval alone (sd of the difference of two uniform draws per failure)", "",
+             format_table(["scenario", "strategy", "e2e goodput", "sim", "sim - e2e", "own",
+                           "own - e2e", "phase sd", "failures e2e/sim", "lost s e2e/sim", "resume s e2e/sim"],
+                          table), "",
+             f"|sim - e2e|: mean {sum(errs) / len(errs):.3f}, max {max(errs):.3f}, within 0.01: "
+             f"{sum(e <= 0.01 for e in errs)} of {len(errs)}; |own - e2e|: mean "
+             f"{sum(errs_own) / len(errs_own):.3f}, max {max(errs_own):.3f}, within 0.01: "
+             f"{sum(e <= 0.01 for e in errs_own)} of {len(errs_own)}", "", "pooled costs per strategy:"]
     seen = set()
     for r in rows:
         c = e2e_costs(doc, r["strategy"])
