@@ -156,6 +156,7 @@ def test_peer_checkpoint_restores_the_exact_state(tmp_path, kind):
 
 
 # ---- one tiny job, killed and restored for real --------------------------------------------------
+@pytest.mark.slow  # a zygote imports torch, DCP and ckptstore: 5-20 s on the shared 2-core VM
 def test_a_killed_job_resumes_from_a_verified_checkpoint(tmp_path):
     z = bg.Zygote(bg.child_env(1), tmp_path, TINY)
     try:
@@ -188,6 +189,7 @@ def test_simulator_replays_an_e2e_job_on_its_schedule(tmp_path):
            "checkpoints": 20, "persist_s": 0.0, "loads": [(10, 0.2)], "load_s": 0.2,
            "resume_s_per_failure": 0.3, "failures": sim.failures, "plans": [],
            "goodput": sim.goodput - 0.002, "lost_s_per_failure": sim.lost_per_failure_s,
+           "wall_s": sim.wall_s,
            "schedule_s": [next(times) for _ in range(sim.failures)]}
     doc = {"args": {"trace_dir": str(tmp_path), "traces": [], "trace_mtbf": 10.0,
                     "poisson_mtbf": [6.0], "seed": 0, "base_every": 30, "inflight": 4},

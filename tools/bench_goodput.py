@@ -33,22 +33,28 @@ kept), and Poisson failures at each MTBF of ``--poisson-mtbf``. Failure times co
 tools/goodput.py's scenarios (same seeds), so the simulator can replay the exact same schedule.
 
 Measurement. ``I = round(--work-s / plain step)`` iterations (the plain step from a calibration
-child at the start). The job's clock starts when the first child begins training (after its
-imports, model build and the initial checkpoint of an empty store); the wall time ends when
-iteration ``I`` completes (no final checkpoint). Per round (``--repeats``) every strategy runs
-against the same failure schedule per scenario, in an order rotated per round, and one plain child
-(no checkpoints, no failures) measures the plain step in the same round:
+child at the start, which also measures the stalls Young/Daly needs). The job's clock starts when
+the first child begins training (after the model build and the initial checkpoint of an empty
+store); the wall time ends when iteration ``I`` completes (no final checkpoint). Every strategy
+runs against the same failure schedule per scenario and round (``--repeats``), in an order rotated
+per scenario and round; a plain child (no checkpoints, no failures) of ``I/4`` iterations runs
+before the first job and after each one, and a job's plain step is the mean of its two
+neighbours' mean steps (each without its first step, a fresh process' warm-up): the machine's load
+drifts within minutes. Per job:
 
-* goodput = ``I x plain step / wall``, plain step the median of the round's plain run;
+* goodput = ``I x plain step / wall``;
 * work lost per failure = the failure time minus when training went on after the checkpoint the
   next process restored (a failure while resuming loses nothing more and counts);
-* resume = failure to training again: restart (process start, imports, model build) + load;
+* resume = failure to training again: the kill, a new process (a fork of a zygote that imported
+  everything once, see :class:`Zygote`; ``--cold`` starts a fresh interpreter instead), the model
+  build and the strategy's restore (``load``);
 * bytes written = the children's ``wchar`` (/proc/PID/io: every byte passed to write calls);
 * the simulator's inputs (step, stall, persist, load, replay, restart), see tools/goodput.py
   ``--from-e2e``.
 
-Verification: the plain run records an xxh3 hash of the parameters at every iteration (outside
-its timed step). Every restore reports the hash of what it restored, which must equal the plain
+Verification: a full plain run first records an xxh3 hash of the parameters at every iteration
+(outside its timed step); every later plain child must reproduce them (determinism across
+processes). Every restore reports the hash of what it restored, which must equal the plain
 run's at the restored iteration, and every job's final hash must equal the plain run's at ``I``
 (deterministic training: batches are seeded by iteration). ckpt-topk restores are lossy by
 design: reported, not failed. A mismatch anywhere else fails the benchmark.
@@ -927,8 +933,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 8 s of work, one Poisson scenario, one repeat (~2-3 min)")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
-    p.add_argument("--work-s", type=float, default=15.0,
-                   help="useful work per job in seconds of plain training (default 15)")
+    p.add_argument("--work-s", type=float, default=10.0,
+                   help="useful work per job in seconds of plain training (default 10: the "
+                        "default run takes about 30 min on the 2-core VM)")
     p.add_argument("--repeats", type=int, default=2, help="rounds over every scenario and strategy")
     p.add_argument("--trace-mtbf", type=float, default=10.0,
                    help="compress the traces in time to this MTBF, seconds (default 10)")
@@ -1012,7 +1019,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if bad:
                 raise RuntimeError(f"training is not deterministic across processes (iterations "
                                    f"{bad[:5]}): nothing to verify restores against")
-            step = statistics.fmean(dt for _, dt, _ in pr.steps)
+            # without its first step: a fresh process' warm-up (the jobs pay theirs, after every
+            # start, as part of resuming; it is no part of the plain step)
+            step = statistics.fmean(dt for _, dt, _ in pr.steps[1:])
             plains.append({"label": label, "iterations": its, "step_plain_s": step,
                            "step_plain_median_s": statistics.median(dt for _, dt, _ in pr.steps)})
             return pr

@@ -697,7 +697,9 @@ def e2e_report(doc: dict, rows: list[dict]) -> str:
     """The calibration table: per scenario and strategy, mean e2e and simulated goodput over the
     repeats and their difference, then the costs used per strategy."""
     groups: dict[tuple[str, str], list[dict]] = {}
-    for r in rows:
+    order = {s: k for k, s in enumerate(doc.get("args", {}).get("strategies", []))}
+    scen = {s: k for k, s in enumerate(dict.fromkeys(r["scenario"] for r in rows))}
+    for r in sorted(rows, key=lambda r: (scen[r["scenario"]], order.get(r["strategy"], 99))):
         groups.setdefault((r["scenario"], r["strategy"]), []).append(r)
     table = []
     for (sc, st), rs in groups.items():
