@@ -123,6 +123,12 @@ def test_bad_costs_and_arguments_are_refused():
         plan(Costs(step_s=1.0, snapshot_stall_s=0.0), 60.0, modes=(DELTAS,))
 
 
+def test_short_and_long_mtbfs_print_in_readable_units():
+    c = Costs(step_s=0.1, snapshot_stall_s=0.01)
+    assert "MTBF 5.0 s (given)" in str(plan(c, 5.0))  # not "0.00 h"
+    assert "MTBF 3.00 h (given)" in str(plan(c, 3 * 3600.0))
+
+
 def test_fixed_interval():
     p = plan(Costs(step_s=1.0, snapshot_stall_s=0.1), 3600.0, modes=(SNAPSHOTS,), fixed={SNAPSHOTS: 7})
     assert p.snapshot_every == 7 and len(p.options) == 1

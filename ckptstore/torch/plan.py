@@ -182,7 +182,7 @@ class Plan:
         lines.append(f"  costs: step {1e3 * c.step_s:.1f} ms; snapshot stall {1e3 * c.snapshot_stall_s:.1f} ms, "
                      f"persist {c.snapshot_persist_s:.2f} s ({_size(c.snapshot_bytes)}), load "
                      f"{c.load_s:.2f} s; {delta}")
-        lines.append(f"  failures: MTBF {self.mtbf_s / 3600:.2f} h ({self.mtbf_source})")
+        lines.append(f"  failures: MTBF {_duration(self.mtbf_s)} ({self.mtbf_source})")
         disk = f"  disk: {_size(self.chosen.bytes_per_hour)}/h"
         if self.disk_budget is not None:
             disk += (f"; the budget of {_size(self.disk_budget)} keeps the newest "
@@ -190,6 +190,12 @@ class Plan:
         lines.append(disk)
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _duration(s: float) -> str:
+    """Seconds as ``"12.0 s"`` below a tenth of an hour (short MTBFs printed in hours read
+    "0.00 h"), else as hours."""
+    return f"{s:.1f} s" if s < 360 else f"{s / 3600:.2f} h"
 
 
 def _size(n: float) -> str:
