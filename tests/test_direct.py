@@ -473,6 +473,11 @@ def test_the_writer_thread_exits_when_idle_and_comes_back(dio_dir: Path, monkeyp
     def writers() -> int:
         return sum(t.name == "ckptstore-direct-write" for t in threading.enumerate())
 
+    # other buffers' writer threads (earlier tests in this process) exit within their idle wait
+    # (<= the 5 s default): wait for them, so that the count below is this buffer's alone
+    deadline = time.monotonic() + 8
+    while writers() and time.monotonic() < deadline:
+        time.sleep(0.05)
     before = writers()
     path, ref_path = dio_dir / "d.seg", dio_dir / "b.seg"
     w = SegmentWriter.create(str(path), 1, b"s" * 16, FileOps(), stage=StagingBuffer(64 << 10),

@@ -45,7 +45,6 @@ import os
 import sys
 import threading
 import time
-import importlib
 import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -166,6 +165,14 @@ def client_name(options: dict | None) -> str:
     return order[0]  # none installed: its import error names the extra to install
 
 
+def _implementation(name: str) -> "type[ObjectStore]":
+    """The class of client ``name`` (a key of :data:`CLIENTS`, as :func:`client_name` checks),
+    imported by the name the table gives (the implementations import this module)."""
+    module, cls_name = CLIENTS[name]
+    cls: type[ObjectStore] = getattr(importlib.import_module(module), cls_name)
+    return cls
+
+
 def client_options(options: dict) -> dict:
     """One flat dict of an options dict's client keys (``client_kwargs`` merged in)."""
     opts = {k: v for k, v in options.items() if k in CLIENT_KEYS}
@@ -185,9 +192,7 @@ class ObjectStore:
 
     def __new__(cls, url: str | RemoteURL, options: dict | None = None) -> "ObjectStore":
         if cls is ObjectStore:
-            name = client_name(options)
-            module, cls_name = CLIENTS[name]
-            cls = getattr(importlib.import_module(module), cls_name)
+            cls = _implementation(client_name(options))
         return super().__new__(cls)
 
     def __init__(self, url: str | RemoteURL, options: dict | None = None) -> None:
