@@ -20,11 +20,12 @@ import ckptstore
 from ckptstore.errors import RetentionError
 from ckptstore.ops.retention import KeepBest, KeepEvery, KeepLast
 from ckptstore.storage.fileops import FileOps
+from ckptstore.multirank.job_gc import job_bytes
 from ckptstore.storage.job_log import JobLayout
 
 from _ranks import run_ranks
 from conftest import _same
-from test_job_gc import _delta, check_records, fsck_clean, records
+from test_job_gc import _delta, _pg, check_records, fsck_clean, records
 from test_multirank import _ddp_check, ok, rank_state
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
@@ -34,15 +35,9 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
 MOD = __name__
 
 
-def _pg():
-    import torch.distributed as dist
-
-    return dist.group.WORLD
-
-
 def _job_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path)
-               for n in names)
+    # (job_bytes skips files that vanish while it walks: rank 0 empties gc-trash/ in a thread)
+    return job_bytes(JobLayout(path))
 
 
 def _write(s, it: int, rank: int, base_every: int, asynchronous: bool) -> None:

@@ -40,7 +40,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import ckptstore  # noqa: E402
+from ckptstore.multirank.job_gc import job_bytes  # noqa: E402
 from ckptstore.ops.retention import KeepEvery, KeepLast  # noqa: E402
+from ckptstore.storage.job_log import JobLayout  # noqa: E402
 
 
 def state_digest(state: Any) -> str:
@@ -65,8 +67,8 @@ def state_digest(state: Any) -> str:
 
 
 def _job_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path)
-               for n in names)
+    # (job_bytes skips files that vanish while it walks: rank 0 empties gc-trash/ in a thread)
+    return job_bytes(JobLayout(path))
 
 
 def _model(dim: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
