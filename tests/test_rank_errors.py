@@ -55,7 +55,13 @@ def disk_full_on_rank_0(rank, world, path, policy, asynchronous):
         g = torch.Generator().manual_seed(1000 * rank + it)
         x, y = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
         try:
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            try:
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+            except RuntimeError as e:
+                # rank 0 left first (async: its step reported the failure before this rank's
+                # step did): the all-reduce failed in the comm hook, whose typed error DDP
+                # re-raises as RuntimeError; ck.peer_failure gives it back, as users are told
+                raise ck.peer_failure(e)
             ck.step(it)
         except ckptstore.CkptStoreError as e:
             cause = e.__cause__

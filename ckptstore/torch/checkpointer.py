@@ -387,6 +387,7 @@ class Checkpointer:
         self._group_n = 0
         self._group_t0 = 0.0
         self._lock = threading.Lock()
+        self._peer_error: CkptStoreError | None = None  # (peer_failure: counted once)
         self._arena = None  # host arena of this iteration's gradient slots (pipeline pool)
         self._captured: list[Any] = [None] * len(self._params)
         self._layout_slots(getattr(store, "chunk_size", None) or DEFAULT_CHUNK_SIZE)
@@ -500,7 +501,12 @@ class Checkpointer:
         naming this rank and ``cause``. A job store is marked broken with it, so
         ``store.check()`` reports it and close() runs no round that the dead rank would never
         join. (DDP re-raises a hook's error as RuntimeError with this error's type and message
-        in its text: torch's reducer keeps no Python type.)"""
+        in its text: torch's reducer keeps no Python type. A training loop that wants the type
+        back calls this method again with the RuntimeError of ``loss.backward()``: it returns
+        the same error.)
+
+        The store's error keeps its own ``__cause__`` (the failing rank's error); a new
+        RankFailureError has ``cause``. The first call counts the failure in :meth:`health`."""
         error: CkptStoreError | None = None
         try:
             self.store.check()
@@ -513,6 +519,11 @@ class Checkpointer:
                 f"{store.path}: the gradient all-reduce of ckptstore's DDP comm hook failed on "
                 f"rank {rank}: another rank of the job died or stopped answering "
                 f"({type(cause).__name__}: {cause})")
+            error.__cause__ = cause
+        with self._lock:
+            first, self._peer_error = self._peer_error is None, error
+        if first:
+            self.policy.count(error, self._last + 1 if self._last is not None else 0)
         if isinstance(store, JobStore):
             store.mark_broken(error)
         return error
@@ -1380,7 +1391,7 @@ def ddp_comm_hook(checkpointer: Checkpointer | None = None):
             try:
                 out = f.value()[0]
             except Exception as e:  # noqa: BLE001 - re-raised as ckptstore's typed error
-                raise checkpointer.peer_failure(e) from e
+                raise checkpointer.peer_failure(e)  # (its __cause__ is the root cause)
             checkpointer.capture_bucket(params, out)
             return out
         return fut.then(done)

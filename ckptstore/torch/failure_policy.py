@@ -107,17 +107,23 @@ class FailurePolicy:
             self._last_durable = time.monotonic()
             self._health.failures_in_a_row = 0
 
-    def failed(self, error: BaseException, iteration: int) -> None:
-        """A checkpoint failed; returns to keep training, raises to stop (the error itself under
-        "raise" or for a failure the policy does not cover, else CheckpointPolicyError)."""
+    def count(self, error: BaseException, iteration: int) -> int:
+        """Count a failure in :meth:`health` (no verdict: a failure training cannot go on
+        from, such as a peer's, is counted here alone); returns the failures in a row."""
         with self._lock:
             h = self._health
             h.failures_total += 1
             h.failures_in_a_row += 1
             h.last_error = f"{type(error).__name__}: {error}"
             h.history = (h.history + [f"iteration {iteration}: {h.last_error}"])[-20:]
+            return h.failures_in_a_row
+
+    def failed(self, error: BaseException, iteration: int) -> None:
+        """A checkpoint failed; returns to keep training, raises to stop (the error itself under
+        "raise" or for a failure the policy does not cover, else CheckpointPolicyError)."""
+        row = self.count(error, iteration)
+        with self._lock:
             lag = time.monotonic() - self._last_durable
-            row = h.failures_in_a_row
         if self.mode == "raise" or not isinstance(error, RETRYABLE):
             raise error
         if row >= self.max_failures or (self.max_lag_s is not None and lag > self.max_lag_s):
