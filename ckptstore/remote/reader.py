@@ -63,7 +63,7 @@ from .client import ObjectStore, parse_url
 from .head import (SEGMENTS_DIR, STORE_OBJECT, Extent, Head, IndexRef, SegmentEntry, digest,
                    encode_head)
 from .replicate import split_options
-from .restore import PullResult, check_store_object, pull_head, PullStats, newest_head, pull
+from .restore import PullResult, check_store_object, pull_head, PullStats, newest_head, pull_store
 
 log = logging.getLogger("ckptstore")
 
@@ -736,12 +736,12 @@ def open_remote(url: str, mode: str, options: dict[str, Any]
         threads = int(rest.get("load_threads", 2))
         if cache is not None:
             path = os.fspath(cache)
-            engine = PulledReaderEngine(path, pull(url, path, storage), load_threads=threads,
+            engine = PulledReaderEngine(path, pull_store(url, path, storage), load_threads=threads,
                                         use_index=use_index)
         else:
             tmp = tempfile.mkdtemp(prefix="ckptstore-pull-")
             try:
-                pulled = pull(url, tmp, storage)
+                pulled = pull_store(url, tmp, storage)
                 engine = PulledReaderEngine(tmp, pulled, load_threads=threads,
                                             use_index=use_index,
                                             cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
