@@ -78,7 +78,8 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  #
     the HEAD and its index object at open, then only the byte ranges a load needs (range GETs,
     a bounded block cache; ``store.remote_read_stats()``); ``cache_dir=DIR`` or ``lazy=False``
     pull the whole HEAD into a local directory first. A multi-rank job store is pushed with
-    :func:`ckptstore.remote.push` (``ckptstore push``; no background uploader yet) and opened from
+    :func:`ckptstore.remote.push` (``ckptstore push``), uploaded while it trains with ``remote=``
+    beside ``process_group=`` (each rank its own stream, rank 0 the job HEADs), and opened from
     its URL as a :class:`JobStore` reader pulled whole (``cache_dir=DIR``, else a temporary
     directory).
     """
@@ -99,10 +100,6 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  #
             engine.close()
             raise
     if options.get("process_group") is not None or (mode == "r" and is_job_store(_os.fspath(path))):
-        if options.get("remote") is not None:
-            raise RemoteUnsupportedError(f"{_os.fspath(path)}: multi-rank job stores have no "
-                                         "background uploader yet (remote=); push the job store "
-                                         "instead (ckptstore.remote.push, ckptstore push)")
         return JobStore(path, mode, **options)
     return Store(path, mode, **options)
 

@@ -404,11 +404,9 @@ class RemoteConflictError(RemoteError):
 
 
 class RemoteUnsupportedError(CkptStoreError, ValueError):
-    """A remote tier was asked of something it does not support: a multi-rank job store's
-    background uploader (``remote=`` with ``process_group=``; push a job store instead), a URL
-    scheme other than ``s3://``, a
-    remote store opened for writing (``mode="a"`` on a URL), or a missing client library
-    (``pip install 'ckptstore[remote]'``)."""
+    """A remote tier was asked of something it does not support: a URL scheme other than
+    ``s3://``, a remote store opened for writing (``mode="a"`` on a URL), or a missing client
+    library (``pip install 'ckptstore[remote]'``)."""
 
 
 class FollowerError(CkptStoreError):

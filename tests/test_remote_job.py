@@ -58,6 +58,18 @@ def save_job(rank, world, path, start, stop, push_at=None, url=None, opts=None):
         return {"iterations": s.iterations(), "pushed": pushed}
 
 
+def train_with_remote(rank, world, path, url, opts, start, stop):
+    """Save ``start..stop-1`` as :func:`save_job` does, with the background remote tier on."""
+    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=60.0, remote=url,
+                        remote_options=opts) as s:
+        for it in range(start, stop):
+            if it % 3 == 2:
+                s.save_delta(it, {"g": torch.full((7,), float(it + 10 * rank))})
+            else:
+                s.save(it, rank_state(it, rank))
+        return s.iterations()
+
+
 def _expected(it: int, rank: int):
     return {"g": torch.full((7,), float(it + 10 * rank))} if it % 3 == 2 else rank_state(it, rank)
 
@@ -284,3 +296,24 @@ def test_damaged_job_objects_are_named_and_never_written_locally(server, url, tm
     with pytest.raises(RemoteIntegrityError, match="rank 1's stream HEAD") as e:
         pull(url, tmp_path / "b", opts)
     assert not os.path.exists(tmp_path / "b" / "STORE")
+
+
+# ---- background upload while the job trains ------------------------------------------------------
+def test_ranks_upload_their_streams_while_the_job_trains(server, url, tmp_path):
+    """remote= on a job store: each rank's uploader sends its own stream, rank 0 writes job HEADs
+    for what the stream HEADs cover and, at close, the final one. A second job (a new epoch)
+    continues the remote copy; the pull holds both jobs' iterations bit-exact."""
+    opts = server.options(head_interval=0.2)
+    path = str(tmp_path / "job")
+    ok(run_ranks(2, MOD, "train_with_remote", path, str(tmp_path / "w1"), url=url, opts=opts,
+                 start=0, stop=5))
+    head = newest_job_head(ObjectStore(url, opts))
+    assert head.latest == 4 and head.epoch == 1
+    ok(run_ranks(2, MOD, "train_with_remote", path, str(tmp_path / "w2"), url=url, opts=opts,
+                 start=6, stop=9))  # (a new stream starts with a snapshot)
+    head2 = newest_job_head(ObjectStore(url, opts))
+    assert head2.latest == 8 and head2.epoch == 2 and head2.generation > head.generation
+    restored = str(tmp_path / "restored")
+    pull(url, restored, opts)
+    _check_job(restored, [0, 1, 2, 3, 4, 6, 7, 8])
+    assert push(path, url, opts).head.generation == head2.generation  # nothing left to send

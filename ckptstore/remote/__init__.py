@@ -15,8 +15,8 @@ outlives the machine (format-spec/remote.md).
 Multi-rank job stores (format-spec/remote.md §8): :func:`push` and :func:`pull` of a job store go
 through :func:`push_job` and :func:`pull_job` (each rank's stream is copied as a single store, the
 global logs as extents, a job HEAD names a consistent cut); ``ckptstore.open("s3://...", "r")``
-of a job pulls it whole and opens a JobStore reader. A job's ranks have no background uploader
-yet (``remote=`` with ``process_group=``: RemoteUnsupportedError).
+of a job pulls it whole and opens a JobStore reader; ``remote=`` with ``process_group=``
+uploads while the job trains (:mod:`ckptstore.remote.job_uploader`).
 
 Layers: above the engine (it reads a live engine's committed state under its lock), beside ops/.
 """

@@ -36,7 +36,7 @@ from typing import Callable
 
 from ..engine.reader_engine import ReaderEngine
 from ..errors import (DamagedCheckpointError, RemoteConflictError, RemoteError,
-                      RemoteIntegrityError)
+                      RemoteIntegrityError, StoreNotFoundError)
 from ..format import records as rec
 from ..format.job import EPOCH_SIZE, GlobalCommit
 from ..storage.fileops import io_errors
@@ -47,7 +47,8 @@ from .head import STORE_OBJECT, Extent, Head, digest
 from .job_head import (GLOBAL_DIR, JOB_HEADS_DIR, JobHead, LogEntry, StreamRef, encode_job_head,
                        job_head_name, list_job_heads, log_extent_name, read_job_head,
                        stream_store)
-from .replicate import (Replicator, RemoteOptions, SyncStats, capture, split_options)
+from .replicate import Replicator, RemoteOptions, SyncStats, capture, split_options
+from .restore import newest_head
 
 log = logging.getLogger("ckptstore")
 
@@ -95,6 +96,9 @@ class JobReplicator:
         #: log extents listed remotely -> size
         self.objects: dict[str, int] = {}
         self.generation = 0
+        #: the epoch whose streams their own ranks upload (a live job's, job_uploader.py):
+        #: their newest remote HEADs are read instead of synced from the local files
+        self.live_epoch: int | None = None
 
     def all_stats(self) -> SyncStats:
         """Everything sent since this replicator was created (streams included)."""
@@ -200,6 +204,9 @@ class JobReplicator:
         positions: dict[tuple[int, int], tuple[int, int]] = {}
         for key in sorted(need):
             head, raw = self._sync_stream(path, layout, key, frozenset(pins.get(key, ())))
+            if head is None:
+                positions[key] = (0, 0)  # a live rank's uploader wrote none yet: cut before it
+                continue
             refs.append(StreamRef(key[0], key[1], head.generation, digest(raw)))
             positions[key] = head.position or (0, 0)
         current = view.chain[-1] if view.chain else 0
@@ -238,9 +245,9 @@ class JobReplicator:
         return out
 
     def _sync_stream(self, path: str, layout: JobLayout, key: tuple[int, int],
-                     pinned: frozenset[int]) -> tuple[Head, bytes]:
-        """Sync one rank's stream with the single store's replicator; its HEAD and the HEAD
-        object's bytes."""
+                     pinned: frozenset[int]) -> tuple[Head | None, bytes]:
+        """Sync one rank's stream with the single store's replicator (or, for the live epoch,
+        read the HEAD its rank's uploader wrote); its HEAD and the HEAD object's bytes."""
         epoch, rank = key
         where = layout.stream_dir(epoch, rank)
         if not os.path.exists(os.path.join(where, STORE_FILE)):
@@ -252,7 +259,9 @@ class JobReplicator:
             rep = self.streams[key] = Replicator(
                 stream_store(self.root, epoch, rank, self.client_options), self.opts,
                 progress=self.progress)
-        rep.pinned = pinned
+        rep.pins = lambda: pinned
+        if epoch == self.live_epoch:
+            return self._observe(rep)
         engine = ReaderEngine(where)
         try:
             for _ in range(5):
@@ -268,6 +277,16 @@ class JobReplicator:
             engine.close()
         raise RemoteError("push", str(rep.store.where), f"the segments of {where} kept changing "
                           "under the upload")
+
+    @staticmethod
+    def _observe(rep: Replicator) -> tuple[Head | None, bytes]:
+        """The newest valid HEAD a live rank's own uploader wrote of its stream (None: none
+        yet), and the object's bytes."""
+        try:
+            head = newest_head(rep.store)
+        except StoreNotFoundError:
+            return None, b""
+        return head, rep.store.get(head.name)
 
     def _sync_log(self, layout: JobLayout, epoch: int, length: int) -> LogEntry:
         """The extents of the first ``length`` bytes of ``epoch``'s global log, uploading what

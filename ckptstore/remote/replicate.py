@@ -341,9 +341,9 @@ class Replicator:
         #: extents of remote HEADs whose digest was found to match the local file, likewise
         self._checked: dict[tuple[int, tuple[int, int]], set[Extent]] = {}
         self._store_checked = False
-        #: HEAD generations kept besides the newest ``keep_heads`` (a job HEAD names them:
-        #: format-spec/remote.md §8); set by the job's uploader before a sync
-        self.pinned: frozenset[int] = frozenset()
+        #: HEAD generations kept besides the newest ``keep_heads``: the ones a kept job HEAD
+        #: pins (format-spec/remote.md §8, J4); asked at each load and remote gc
+        self.pins: Callable[[], frozenset[int]] = frozenset
 
     def reset(self) -> None:
         """Forget what is known of the remote (after a failure: the service may have lost or
@@ -373,7 +373,7 @@ class Replicator:
             valid += 1
             if valid >= self.opts.keep_heads:
                 break
-        for g in sorted(self.pinned & set(gens)):
+        for g in sorted(self.pins() & set(gens)):
             if self.heads[g] is None:
                 try:
                     self.heads[g] = read_head(self.store, g)
@@ -627,8 +627,8 @@ class Replicator:
         ones too), then every object no remaining HEAD names."""
         gens = sorted(self.heads, reverse=True)
         keep = [g for g in gens if self.heads[g] is not None][:self.opts.keep_heads]
-        keep += [g for g in gens
-                 if g in self.pinned and g not in keep and self.heads[g] is not None]
+        pinned = self.pins() if len(gens) > len(keep) else frozenset()
+        keep += [g for g in gens if g in pinned and g not in keep and self.heads[g] is not None]
         drop = [g for g in gens if g not in keep]
         if drop:
             self.store.delete([head_name(g) for g in drop])
