@@ -43,16 +43,21 @@ MOD = __name__
 
 
 # ---- scenarios (run on every rank) ------------------------------------------------------------
+def _save(s, it: int, rank: int) -> None:
+    """Iteration ``it`` of rank ``rank``: a delta every third iteration, else a snapshot."""
+    if it % 3 == 2:
+        s.save_delta(it, {"g": torch.full((7,), float(it + 10 * rank))})
+    else:
+        s.save(it, rank_state(it, rank))
+
+
 def save_job(rank, world, path, start, stop, push_at=None, url=None, opts=None):
     """Save snapshots ``start..stop-1`` (deltas in between every other one); rank 0 pushes the
     live job after iteration ``push_at`` (the others wait in the next round)."""
     pushed = None
     with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=60.0) as s:
         for it in range(start, stop):
-            if it % 3 == 2:
-                s.save_delta(it, {"g": torch.full((7,), float(it + 10 * rank))})
-            else:
-                s.save(it, rank_state(it, rank))
+            _save(s, it, rank)
             if it == push_at and rank == 0:
                 pushed = push(path, url, opts).head.latest
         return {"iterations": s.iterations(), "pushed": pushed}
@@ -63,11 +68,24 @@ def train_with_remote(rank, world, path, url, opts, start, stop):
     with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=60.0, remote=url,
                         remote_options=opts) as s:
         for it in range(start, stop):
-            if it % 3 == 2:
-                s.save_delta(it, {"g": torch.full((7,), float(it + 10 * rank))})
-            else:
-                s.save(it, rank_state(it, rank))
+            _save(s, it, rank)
         return s.iterations()
+
+
+def train_killed(rank, world, path, url, opts, victim, nth):
+    """Snapshots with the remote tier on until rank ``victim`` is SIGKILLed at its ``nth`` file
+    operation; returns the iterations committed locally (the survivors)."""
+    from _crashkit import KillOps
+
+    ops = KillOps("any", nth) if rank == victim else None
+    s = ckptstore.open(path, "a", process_group=_pg(), commit_timeout=10.0, remote=url,
+                       remote_options=opts, file_ops=ops)
+    try:
+        for it in range(100):
+            _save(s, it, rank)
+    except ckptstore.CkptStoreError:
+        pass
+    return s.iterations()
 
 
 def _expected(it: int, rank: int):
@@ -146,7 +164,7 @@ def test_open_url_of_a_job_and_the_cli(server, url, tmp_path, capsys, monkeypatc
     _check_job(str(tmp_path / "pulled"), [0, 1, 2, 3])
 
 
-# ---- incremental, no regress, conflicts -----------------------------------------------------------
+# ---- incremental, no regress, conflicts ---------------------------------------------------------
 def test_incremental_repush_sends_only_new_streams_and_never_regresses(server, url, tmp_path):
     opts = server.options()
     path = _job(tmp_path)
@@ -317,3 +335,23 @@ def test_ranks_upload_their_streams_while_the_job_trains(server, url, tmp_path):
     pull(url, restored, opts)
     _check_job(restored, [0, 1, 2, 3, 4, 6, 7, 8])
     assert push(path, url, opts).head.generation == head2.generation  # nothing left to send
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_while_uploading_leaves_a_restorable_remote_copy(server, url, tmp_path,
+                                                                      victim):
+    """SIGKILL one rank (rank 0 writes the job HEADs) while the job trains with the remote tier:
+    the newest job HEAD restores bit-exact, and names no iteration the job did not commit."""
+    opts = server.options(head_interval=0.1)
+    path = str(tmp_path / "job")
+    res = run_ranks(2, MOD, "train_killed", path, str(tmp_path / "w"), url=url, opts=opts,
+                    victim=victim, nth=400, deadline=150)
+    assert "died" in res[victim], res
+    with ckptstore.open(path, "r") as job:
+        committed = job.iterations()
+    assert len(committed) >= 2, committed  # killed mid-run, not before it began
+    head = newest_job_head(ObjectStore(url, opts))
+    assert head.latest is not None and head.latest <= committed[-1]
+    restored = str(tmp_path / "restored")
+    pull(url, restored, opts)
+    _check_job(restored, list(range(head.latest + 1)))

@@ -401,8 +401,8 @@ class JobStore:
                     own.close()  # its pipeline's last flush is the last round
                 else:
                     self._round(own.flush)
-            if self._remote is not None and self._group is not None:
-                self._remote.finish(self._own, self._group, self._group.rank)
+                if self._remote is not None and self._group is not None:
+                    self._remote.finish(own, self._group, self._group.rank)
         except BaseException as e:  # noqa: BLE001 - raised after the files are released
             err = e
         finally:
