@@ -80,8 +80,8 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  #
     pull the whole HEAD into a local directory first. A multi-rank job store is pushed with
     :func:`ckptstore.remote.push` (``ckptstore push``), uploaded while it trains with ``remote=``
     beside ``process_group=`` (each rank its own stream, rank 0 the job HEADs), and opened from
-    its URL as a :class:`JobStore` reader pulled whole (``cache_dir=DIR``, else a temporary
-    directory).
+    its URL as a :class:`JobStore` reader: lazily (a rank's stream is read with range GETs only
+    when a load needs it), or pulled whole with ``cache_dir=DIR`` or ``lazy=False``.
     """
     if isinstance(path, str) and "://" in path:
         # a remote copy (format-spec/remote.md): read lazily with range GETs (or pulled into

@@ -355,3 +355,28 @@ def test_a_rank_killed_while_uploading_leaves_a_restorable_remote_copy(server, u
     restored = str(tmp_path / "restored")
     pull(url, restored, opts)
     _check_job(restored, list(range(head.latest + 1)))
+
+
+# ---- lazy reads of one rank's part ---------------------------------------------------------------
+def test_lazy_open_of_a_job_reads_only_the_part_it_loads(server, url, tmp_path):
+    """open("s3://job", "r") reads a rank's stream only when a load needs it: with every object
+    of rank 0's stream deleted, rank 1's part still loads bit-exact (range GETs, a few objects),
+    and rank 0's raises RemoteStreamMissingError naming rank 0."""
+    opts = server.options()
+    path = _job(tmp_path)
+    push(path, url, opts)
+    bucket, prefix = url.split("/")[2], url.split("/", 3)[3]
+    s3 = server.s3()
+    gone = [o["Key"] for o in s3.list_objects_v2(
+        Bucket=bucket, Prefix=f"{prefix}/streams/0000000001-00000/")["Contents"]]
+    s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in gone]})
+    with ckptstore.open(url, "r", storage_options=opts) as job:
+        assert job.iterations() == [0, 1, 2, 3]
+        for it in (3, 0):
+            assert same(rank_state(it, 1), job.load(it, rank=1))
+        assert same(_expected(2, 1), job.load_record(2, rank=1))
+        stats = job.stream(3, rank=1).remote_read_stats()
+        assert stats.mode == "ranges" and stats.index == "used"  # range GETs, not a pull
+        with pytest.raises(RemoteStreamMissingError) as e:
+            job.load(3, rank=0)
+        assert e.value.rank == 0 and "0000000001-00000" in e.value.url

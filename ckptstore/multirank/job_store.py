@@ -137,7 +137,8 @@ class JobStore:
                  host_budget: int | None = None, max_inflight: int | None = None,
                  features: str = "current", retention: Policy | None = None,
                  retention_every: int = 1, remote: str | None = None,
-                 remote_options: dict | None = None) -> None:
+                 remote_options: dict | None = None,
+                 _streams: Callable[[int, int], Store] | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         check_features(features)
@@ -150,8 +151,10 @@ class JobStore:
         #: the view is extended by the thread that commits (the async persister) and read by any
         self._view_lock = threading.Lock()
         self._view: JobView
-        #: readers of rank streams, by (epoch, rank)
+        #: readers of rank streams, by (epoch, rank); _streams: opens one (a remote job's lazy
+        #: reader, ckptstore/remote/job_pull.py; None: the stream directory under path)
         self._readers: dict[tuple[int, int], Store] = {}
+        self._stream_source = _streams
         self._own: Store | None = None
         self._group: RankGroup | None = None
         self._committer: GlobalCommitter | None = None
@@ -647,6 +650,8 @@ class JobStore:
         if self._own is not None and (epoch, rank) == (self.epoch, self.rank):
             return self._own
         store = self._readers.get((epoch, rank))
+        if store is None and self._stream_source is not None:
+            store = self._readers[(epoch, rank)] = self._stream_source(epoch, rank)
         if store is None:
             if not os.path.isdir(where):
                 raise DamagedCheckpointError(f"{self.path}: rank {rank}'s stream {where} "

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import logging
 
 from ..errors import FormatError, RemoteIntegrityError, StoreNotFoundError
-from .client import ObjectStore, RemoteURL
+from .client import ObjectStore, RemoteURL, parse_url
 from .head import (Extent, checked_hex16, checked_int, checked_opt_int, seal_json,
                    unseal_json)
 from .replicate import fetch_sealed
@@ -68,6 +68,12 @@ def stream_prefix(epoch: int, rank: int) -> str:
     if not 0 < epoch < 10**10 or not 0 <= rank < 10**5:
         raise ValueError(f"stream of epoch {epoch}, rank {rank} out of range")
     return f"{STREAMS_DIR}{epoch:010d}-{rank:05d}"
+
+
+def stream_url(url: str, epoch: int, rank: int) -> str:
+    """The URL of rank ``rank``'s stream copy of ``epoch`` under the job's ``url``."""
+    where = parse_url(url)
+    return str(RemoteURL(where.bucket, where.key(stream_prefix(epoch, rank))))
 
 
 def stream_store(root: ObjectStore, epoch: int, rank: int, options: dict) -> ObjectStore:

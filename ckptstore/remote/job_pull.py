@@ -17,6 +17,10 @@ and a job of any world size continues it (``ckptstore.open(DIR, "a", process_gro
 epoch adopts the pulled global logs; the Checkpointer's elastic restore re-partitions the state).
 An object the job HEAD names that is missing raises RemoteStreamMissingError (rank, epoch and the
 object's URL) for a stream's, RemoteIntegrityError for the job's own.
+
+:func:`open_remote_job` (``ckptstore.open("s3://...", "r")`` of a job) reads lazily instead: the
+job's STORE and global logs into a private directory, and each rank's stream only when a load
+needs it, as the single store's lazy remote reader of the pinned stream HEAD.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import (FormatError, RemoteConflictError, RemoteError, RemoteIntegrityError,
-                      RemoteStreamMissingError, RemoteUnsupportedError, StoreNotFoundError)
+from ..errors import (DamagedCheckpointError, FormatError, RemoteConflictError, RemoteError,
+                      RemoteIntegrityError, RemoteStreamMissingError, RemoteUnsupportedError,
+                      StoreNotFoundError)
 from ..format.header import decode_store_header
 from ..format.job import JOB_FORMAT_VERSION
 from ..storage.fileops import FileOps, io_errors
@@ -38,7 +43,8 @@ from ..storage.job_log import STREAM_RE, JobLayout, refuse_job_part
 from .client import ObjectStore, parse_url
 from .head import STORE_OBJECT, digest
 from .job_head import (JobHead, LogEntry, StreamRef, is_remote_job, log_extent_name,
-                       newest_job_head, stream_store)
+                       newest_job_head, stream_store, stream_url)
+from .reader import READER_KEYS, open_lazy
 from .replicate import fetch_head, split_options
 from .restore import PullStats, pull_head
 
@@ -215,10 +221,14 @@ def _pull_stream(root: ObjectStore, client_opts: dict, ref: StreamRef, layout: J
 
 # ---- open("s3://...") of a job ----------------------------------------------------------------
 def open_remote_job(url: str, mode: str, options: dict[str, Any]) -> Any:
-    """``ckptstore.open(url, "r", storage_options=..., cache_dir=...)`` of a remote job store:
-    the job HEAD pulled into ``cache_dir`` (kept: the next open pulls only what is new) or into a
-    temporary directory (removed when the JobStore is dropped), opened as a JobStore reader.
-    StoreNotFoundError when ``url`` holds no job store either."""
+    """``ckptstore.open(url, "r", storage_options=..., cache_dir=..., lazy=...)`` of a remote job
+    store, a JobStore reader. By default lazy: the newest valid job HEAD, the job's STORE and
+    global logs go into a temporary directory, and a rank's stream is opened only when a load
+    needs it, as a lazy remote reader of the stream HEAD the job HEAD pins (range GETs,
+    ckptstore/remote/reader.py): loading one rank's part reads only that rank's objects. With
+    ``cache_dir`` the cut is pulled there (kept: the next open pulls only what is new), with
+    ``lazy=False`` into a temporary directory. Temporary directories go when the JobStore is
+    dropped. StoreNotFoundError when ``url`` holds no job store either."""
     from ..multirank.job_store import JobStore
 
     if mode != "r":
@@ -227,24 +237,80 @@ def open_remote_job(url: str, mode: str, options: dict[str, Any]) -> Any:
     rest = dict(options)
     storage = dict(rest.pop("storage_options", None) or {})
     cache = rest.pop("cache_dir", None)
-    rest.pop("lazy", None)  # a job is pulled whole (lazy reads of one rank's part: not yet)
+    lazy = rest.pop("lazy", True)
     for k in ("remote", "remote_options", "process_group"):
         if rest.get(k) is not None:
             raise RemoteUnsupportedError(f"{url}: option {k!r} does not apply to a remote reader")
         rest.pop(k, None)
     parse_url(url)
-    client_opts, _ = split_options(storage)
-    if not is_remote_job(ObjectStore(url, client_opts)):
+    client_opts, _ = split_options({k: v for k, v in storage.items() if k not in READER_KEYS})
+    root = ObjectStore(url, client_opts)
+    if not is_remote_job(root):
         raise StoreNotFoundError(f"no ckptstore store at {url} (no HEAD and no job HEAD)")
     if cache is not None:
-        pull_job(url, os.fspath(cache), storage)
+        pull_job(url, os.fspath(cache), client_opts)
         return JobStore(os.fspath(cache), "r", **rest)
     tmp = tempfile.mkdtemp(prefix="ckptstore-pull-")
     try:
-        pull_job(url, tmp, storage)
-        job = JobStore(tmp, "r", **rest)
+        if lazy:
+            head = newest_job_head(root)
+            _fetch_metadata(root, head, tmp)
+            job = JobStore(tmp, "r", _streams=_lazy_streams(url, root, head, storage), **rest)
+        else:
+            pull_job(url, tmp, client_opts)
+            job = JobStore(tmp, "r", **rest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     weakref.finalize(job, shutil.rmtree, tmp, ignore_errors=True)
     return job
+
+
+def _fetch_metadata(root: ObjectStore, head: JobHead, path: str) -> None:
+    """The job's STORE and global logs of ``head`` into the private directory ``path``."""
+    layout = JobLayout(path)
+    store_bytes = root.get(STORE_OBJECT, 0, 65)
+    _check_store_object(root, head, store_bytes)
+    stats = PullStats()
+    for d in (layout.global_dir, layout.streams_dir):
+        os.makedirs(d, exist_ok=True)
+    for lg in head.logs:
+        with open(layout.epoch_log_path(lg.epoch), "wb") as f:
+            f.write(_fetch_log(root, lg, stats, None))
+    with open(layout.store_file, "wb") as f:
+        f.write(store_bytes)
+
+
+def _lazy_streams(url: str, root: ObjectStore, head: JobHead,
+                  storage: dict[str, Any]) -> Callable[[int, int], Any]:
+    """Opens rank streams of ``head`` as lazy remote readers of their pinned HEADs."""
+    from ..store import Store  # (store.py imports the remote tier)
+
+    client_opts = {k: v for k, v in storage.items() if k not in READER_KEYS}
+
+    def open_stream(epoch: int, rank: int) -> Store:
+        ref = head.stream(epoch, rank)
+        if ref is None:
+            raise DamagedCheckpointError(f"{url}: rank {rank}'s stream of epoch {epoch} is not in "
+                                         f"the remote copy (job HEAD generation "
+                                         f"{head.generation})")
+        store = stream_store(root, epoch, rank, client_opts)
+        try:
+            h, raw = fetch_head(store, ref.generation)
+        except RemoteError as e:
+            if e.code not in _MISSING:
+                raise
+            raise RemoteStreamMissingError(
+                "open", e.url, f"rank {rank}'s stream (epoch {epoch}, {store.where}) is named by "
+                "the job HEAD but its HEAD object is missing", rank=rank, epoch=epoch,
+                code=e.code) from e
+        if digest(raw) != ref.digest:
+            raise RemoteIntegrityError("check", store.where.url(h.name), f"rank {rank}'s stream "
+                                       "HEAD differs from the one the job HEAD pins")
+        engine = open_lazy(stream_url(url, epoch, rank), storage, head=h)
+        try:
+            return Store(engine.path, "r", _engine=engine)
+        except BaseException:
+            engine.close()
+            raise
+    return open_stream

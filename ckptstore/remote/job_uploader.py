@@ -26,19 +26,13 @@ import time
 from typing import Any
 
 from ..errors import RemoteError
-from .client import ObjectStore, RemoteURL, parse_url
-from .job_head import JobHead, list_job_heads, read_job_head, stream_prefix
+from .client import ObjectStore, parse_url
+from .job_head import JobHead, list_job_heads, read_job_head, stream_url
 from .job_push import JobReplicator
 from .head import head_name
 from .replicate import split_options
 
 log = logging.getLogger("ckptstore")
-
-
-def stream_url(url: str, epoch: int, rank: int) -> str:
-    """The URL of rank ``rank``'s stream copy of ``epoch`` under the job's ``url``."""
-    where = parse_url(url)
-    return str(RemoteURL(where.bucket, where.key(stream_prefix(epoch, rank))))
 
 
 def stream_pins(root: ObjectStore, keep_heads: int, epoch: int, rank: int) -> frozenset[int]:

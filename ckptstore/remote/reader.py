@@ -650,10 +650,10 @@ def _fetch_index(reader: PieceReader, ref: IndexRef, index_dir: str) -> str:
 
 
 def open_lazy(url: str, storage: dict[str, Any], *, load_threads: int = 8,
-              use_index: bool = True) -> RemoteReaderEngine:
+              use_index: bool = True, head: Head | None = None) -> RemoteReaderEngine:
     """A :class:`RemoteReaderEngine` of the newest valid HEAD at ``url`` (see the module
-    docstring). ``storage``: the client's options and the reader's (``block_size``,
-    ``cache_size``)."""
+    docstring), or of ``head`` (a job HEAD's pinned stream HEAD). ``storage``: the client's
+    options and the reader's (``block_size``, ``cache_size``)."""
     opts = dict(storage)
     block = int(opts.pop("block_size", DEFAULT_BLOCK))
     cache = int(opts.pop("cache_size", DEFAULT_CACHE))
@@ -661,7 +661,7 @@ def open_lazy(url: str, storage: dict[str, Any], *, load_threads: int = 8,
     store = ObjectStore(url, client_opts)
     tmp = tempfile.mkdtemp(prefix="ckptstore-remote-")
     try:
-        head = newest_head(store)
+        head = newest_head(store) if head is None else head
         for _ in range(5):
             reader = PieceReader(store, head, block, cache)
             reader.count(len(encode_head(head)), 2)  # the LIST of heads/ and the HEAD itself
