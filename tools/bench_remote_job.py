@@ -180,7 +180,8 @@ def main() -> int:
         print(f"\nstep (median, first 2 left out): local {step['local'] * 1e3:.0f} ms, remote "
               f"{step['remote'] * 1e3:.0f} ms (ratio {step['remote'] / step['local']:.2f})")
         print(f"upload lag, committed -> in a job HEAD: median "
-              f"{statistics.median(all_lags):.2f} s, max {max(all_lags):.2f} s over {len(all_lags)} iterations")
+              f"{statistics.median(all_lags):.2f} s, max {max(all_lags):.2f} s over "
+              f"{len(all_lags)} iterations")
         for x in rows["remote"]:
             lx = lags(x)
             half = len(lx) // 2
@@ -193,7 +194,8 @@ def main() -> int:
                   f"{statistics.median(y['close_s'] for y in rows['local']):.2f} s); final job "
                   f"HEAD iteration {x['final']} of {args.iters}; remote bytes "
                   f"{x['remote_bytes'] / 2**20:.1f} MiB "
-                  f"({x['remote_bytes'] / args.iters / 2**20:.2f} MiB per iteration, the base included; remote gc keeps 2 HEADs)")
+                  f"({x['remote_bytes'] / args.iters / 2**20:.2f} MiB per iteration, the base "
+                  "included)")
     finally:
         proc.kill()
         proc.wait()

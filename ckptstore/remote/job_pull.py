@@ -33,20 +33,18 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import (DamagedCheckpointError, FormatError, RemoteConflictError, RemoteError,
-                      RemoteIntegrityError, RemoteStreamMissingError, RemoteUnsupportedError,
+from ..errors import (DamagedCheckpointError, RemoteConflictError, RemoteError,
+                      RemoteIntegrityError, RemoteStreamMissingError,
                       StoreNotFoundError)
-from ..format.header import decode_store_header
-from ..format.job import JOB_FORMAT_VERSION
 from ..storage.fileops import FileOps, io_errors
 from ..storage.job_log import STREAM_RE, JobLayout, refuse_job_part
-from .client import ObjectStore, parse_url
+from .client import ObjectStore
 from .head import STORE_OBJECT, digest
 from .job_head import (JobHead, LogEntry, StreamRef, is_remote_job, log_extent_name,
                        newest_job_head, stream_store, stream_url)
-from .reader import READER_KEYS, open_lazy
+from .reader import READER_KEYS, open_lazy, reader_options
 from .replicate import fetch_head, split_options
-from .restore import PullStats, pull_head
+from .restore import PullStats, check_store_object, pull_head
 
 _MISSING = ("NoSuchKey", "404")
 
@@ -102,7 +100,7 @@ def _pull_cut(root: ObjectStore, client_opts: dict, head: JobHead, path: str, st
     ops = FileOps()
     layout = JobLayout(path)
     store_bytes = root.get(STORE_OBJECT, 0, 65)  # 1.
-    _check_store_object(root, head, store_bytes)
+    check_store_object(root, head, store_bytes)
     fresh = not os.path.exists(layout.store_file)
     if not fresh:
         with io_errors("read", layout.store_file), open(layout.store_file, "rb") as f:
@@ -128,21 +126,6 @@ def _pull_cut(root: ObjectStore, client_opts: dict, head: JobHead, path: str, st
     if fresh:
         ops.write_file_atomic(layout.store_file, store_bytes)
         ops.fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def _check_store_object(root: ObjectStore, head: JobHead, data: bytes) -> None:
-    url = root.where.url(STORE_OBJECT)
-    if digest(data) != head.store_digest:
-        raise RemoteIntegrityError("check", url, f"digest mismatch: job HEAD generation "
-                                   f"{head.generation} says {head.store_digest.hex()}, the object "
-                                   f"holds {digest(data).hex()}")
-    try:
-        h = decode_store_header(data, (JOB_FORMAT_VERSION,))
-    except FormatError as e:
-        raise RemoteIntegrityError("check", url, str(e)) from e
-    if h.store_id != head.store_id:
-        raise RemoteIntegrityError("check", url, f"store_id {h.store_id.hex()} differs from the "
-                                   f"job HEAD's {head.store_id.hex()}")
 
 
 def _fetch_log(root: ObjectStore, lg: LogEntry, stats: PullStats,
@@ -231,18 +214,7 @@ def open_remote_job(url: str, mode: str, options: dict[str, Any]) -> Any:
     dropped. StoreNotFoundError when ``url`` holds no job store either."""
     from ..multirank.job_store import JobStore
 
-    if mode != "r":
-        raise RemoteUnsupportedError(f"{url}: a remote store opens read-only (mode=\"r\"); to "
-                                     "write, pull it and open the local copy")
-    rest = dict(options)
-    storage = dict(rest.pop("storage_options", None) or {})
-    cache = rest.pop("cache_dir", None)
-    lazy = rest.pop("lazy", True)
-    for k in ("remote", "remote_options", "process_group"):
-        if rest.get(k) is not None:
-            raise RemoteUnsupportedError(f"{url}: option {k!r} does not apply to a remote reader")
-        rest.pop(k, None)
-    parse_url(url)
+    storage, cache, lazy, rest = reader_options(url, mode, options)
     client_opts, _ = split_options({k: v for k, v in storage.items() if k not in READER_KEYS})
     root = ObjectStore(url, client_opts)
     if not is_remote_job(root):
@@ -270,7 +242,7 @@ def _fetch_metadata(root: ObjectStore, head: JobHead, path: str) -> None:
     """The job's STORE and global logs of ``head`` into the private directory ``path``."""
     layout = JobLayout(path)
     store_bytes = root.get(STORE_OBJECT, 0, 65)
-    _check_store_object(root, head, store_bytes)
+    check_store_object(root, head, store_bytes)
     stats = PullStats()
     for d in (layout.global_dir, layout.streams_dir):
         os.makedirs(d, exist_ok=True)

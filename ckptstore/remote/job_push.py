@@ -47,6 +47,7 @@ from .head import STORE_OBJECT, Extent, Head, digest
 from .job_head import (GLOBAL_DIR, JOB_HEADS_DIR, JobHead, LogEntry, StreamRef, encode_job_head,
                        job_head_name, list_job_heads, log_extent_name, read_job_head,
                        stream_store)
+from .generations import collect, put_next_generation
 from .replicate import Replicator, RemoteOptions, SyncStats, capture, split_options
 from .restore import newest_head
 
@@ -328,42 +329,23 @@ class JobReplicator:
 
     def _write_head(self, new: JobHead, path: str) -> None:
         """The remote commit point: a conditional create of the next generation (H2)."""
-        for _ in range(5):
-            gen = self.generation + 1
-            h = replace(new, generation=gen)
-            ok = self.root.put(job_head_name(gen), encode_job_head(h), if_absent=True)
-            self.generation = gen
-            if ok:
-                self.heads[gen] = h
-                self.head = h
-                self.stats.heads_written += 1
-                return
+        def reread() -> int:
             self.load()
             self._check(new.store_id, new.position, path)
-        raise RemoteConflictError("write job HEAD", self.root.where.url(JOB_HEADS_DIR),
-                                  "another writer keeps taking the next job HEAD generation")
+            return self.generation
+
+        gen = put_next_generation(self.root, job_head_name,
+                                  lambda g: encode_job_head(replace(new, generation=g)),
+                                  self.generation, reread)
+        self.generation = gen
+        self.head = self.heads[gen] = replace(new, generation=gen)
+        self.stats.heads_written += 1
 
     def _collect(self) -> None:
         """Delete job HEADs older than the newest ``keep_heads`` valid ones, then every log
-        extent no remaining job HEAD names."""
-        gens = sorted(self.heads, reverse=True)
-        keep = [g for g in gens if self.heads[g] is not None][:self.opts.keep_heads]
-        drop = [g for g in gens if g not in keep]
-        if drop:
-            self.root.delete([job_head_name(g) for g in drop])
-            for g in drop:
-                del self.heads[g]
-        named: set[str] = set()
-        for g in keep:
-            h = self.heads[g]
-            assert h is not None
-            named |= h.objects()
-        stale = sorted(n for n in self.objects if n not in named)
-        if stale:
-            self.root.delete(stale)
-            for n in stale:
-                del self.objects[n]
-            self.stats.deleted_objects += len(stale)
+        extent no remaining job HEAD names (J4)."""
+        self.stats.deleted_objects += collect(self.root, self.heads, self.opts.keep_heads,
+                                              frozenset, job_head_name, self.objects)
 
 
 def push_job(path: str | os.PathLike, url: str, options: dict | None = None, *,

@@ -706,6 +706,26 @@ def open_lazy(url: str, storage: dict[str, Any], *, load_threads: int = 8,
     return engine
 
 
+def reader_options(url: str, mode: str, options: dict[str, Any]
+                   ) -> tuple[dict[str, Any], Any, bool, dict[str, Any]]:
+    """(storage options, cache_dir, lazy, the rest) of ``ckptstore.open(url, mode, ...)``'s
+    options for a remote reader (a store's or a job's); RemoteUnsupportedError for a mode or an
+    option a remote reader does not take, or a URL it cannot read."""
+    if mode != "r":
+        raise RemoteUnsupportedError(f"{url}: a remote store opens read-only (mode=\"r\"); to "
+                                     "write, open a local path with remote=URL")
+    rest = dict(options)
+    storage = dict(rest.pop("storage_options", None) or {})
+    cache = rest.pop("cache_dir", None)
+    lazy = bool(rest.pop("lazy", True))
+    for k in ("remote", "remote_options", "process_group"):
+        if rest.get(k) is not None:
+            raise RemoteUnsupportedError(f"{url}: option {k!r} does not apply to a remote reader")
+        rest.pop(k, None)
+    parse_url(url)
+    return storage, cache, lazy, rest
+
+
 def open_remote(url: str, mode: str, options: dict[str, Any]
                 ) -> tuple[ReaderEngine, dict[str, Any]]:
     """What ``ckptstore.open(url, "r", storage_options=..., cache_dir=..., lazy=...)`` reads:
@@ -713,18 +733,7 @@ def open_remote(url: str, mode: str, options: dict[str, Any]
     lazy (range GETs, see the module docstring); with ``cache_dir`` the HEAD is pulled into that
     directory (kept: the next open pulls only what is new), with ``lazy=False`` into a temporary
     one (removed when the store is closed or dropped)."""
-    if mode != "r":
-        raise RemoteUnsupportedError(f"{url}: a remote store opens read-only (mode=\"r\"); to "
-                                     "write, open a local path with remote=URL")
-    rest = dict(options)
-    storage = dict(rest.pop("storage_options", None) or {})
-    cache = rest.pop("cache_dir", None)
-    lazy = rest.pop("lazy", True)
-    for k in ("remote", "remote_options", "process_group"):
-        if rest.get(k) is not None:
-            raise RemoteUnsupportedError(f"{url}: option {k!r} does not apply to a remote reader")
-        rest.pop(k, None)
-    parse_url(url)
+    storage, cache, lazy, rest = reader_options(url, mode, options)
     use_index = bool(rest.get("use_index", True))
     engine: ReaderEngine
     if cache is None and lazy:

@@ -55,7 +55,8 @@ from ..storage.index import unseal
 from ..storage.job_log import is_job_store, refuse_job_part
 from ..storage.segments import SEGMENT_HEADER_RECORD_SIZE
 from .client import CLIENT_KEYS, MIN_PART_SIZE, ObjectStore, Pacer
-from .head import (HEADS_DIR, INDEX_DIR, MAX_HEAD_BYTES, SEGMENTS_DIR, STORE_OBJECT, Extent,
+from .generations import collect, put_next_generation
+from .head import (INDEX_DIR, MAX_HEAD_BYTES, SEGMENTS_DIR, STORE_OBJECT, Extent,
                    Head, IndexRef, SegmentEntry, decode_head, digest, encode_head,
                    head_generation, head_name)
 
@@ -607,44 +608,23 @@ class Replicator:
         """The remote commit point: a conditional create of the next generation. Losing the
         race to another writer re-reads the remote and retries above it, unless that writer's
         HEAD conflicts with ours."""
-        for _ in range(5):
-            gen = self.generation + 1
-            h = replace(new, generation=gen)
-            ok = self.store.put(head_name(gen), encode_head(h), if_absent=True)
-            self.generation = gen
-            if ok:
-                self.heads[gen] = h
-                self.head = h
-                self.stats.heads_written += 1
-                return
+        def reread() -> int:
             self.load()
             self.check_compatible(snap)
-        raise RemoteConflictError("write HEAD", self.store.where.url(HEADS_DIR),
-                                  "another writer keeps taking the next HEAD generation")
+            return self.generation
+
+        gen = put_next_generation(self.store, head_name,
+                                  lambda g: encode_head(replace(new, generation=g)),
+                                  self.generation, reread)
+        self.generation = gen
+        self.head = self.heads[gen] = replace(new, generation=gen)
+        self.stats.heads_written += 1
 
     def _collect(self) -> None:
         """Remote gc: delete HEADs older than the newest ``keep_heads`` valid ones (invalid
         ones too), then every object no remaining HEAD names."""
-        gens = sorted(self.heads, reverse=True)
-        keep = [g for g in gens if self.heads[g] is not None][:self.opts.keep_heads]
-        pinned = self.pins() if len(gens) > len(keep) else frozenset()
-        keep += [g for g in gens if g in pinned and g not in keep and self.heads[g] is not None]
-        drop = [g for g in gens if g not in keep]
-        if drop:
-            self.store.delete([head_name(g) for g in drop])
-            for g in drop:
-                del self.heads[g]
-        named: set[str] = set()
-        for g in keep:
-            h = self.heads[g]
-            assert h is not None
-            named |= h.objects()
-        stale = sorted(n for n in self.objects if n not in named)
-        if stale:
-            self.store.delete(stale)
-            for n in stale:
-                del self.objects[n]
-            self.stats.deleted_objects += len(stale)
+        self.stats.deleted_objects += collect(self.store, self.heads, self.opts.keep_heads,
+                                              self.pins, head_name, self.objects)
 
 
 # ---- push --------------------------------------------------------------------------------------

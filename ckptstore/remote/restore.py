@@ -35,6 +35,7 @@ from ..engine.reader_engine import ReaderEngine
 from ..errors import (FormatError, RemoteConflictError, RemoteError, RemoteIntegrityError,
                       RemoteUnsupportedError, StoreLockedError, StoreNotFoundError)
 from ..format.header import decode_store_header
+from ..format.job import JOB_FORMAT_VERSION
 from ..storage.fileops import FileOps, io_errors
 from ..storage.job_log import refuse_job_part
 from ..storage.layout import Layout
@@ -45,6 +46,7 @@ from .head import (INDEX_DIR, SEGMENTS_DIR, STORE_OBJECT, Extent, Head, SegmentE
 from .replicate import list_heads, pos_key, read_head, split_options
 
 if TYPE_CHECKING:
+    from .job_head import JobHead
     from .job_pull import JobPullResult
 
 log = logging.getLogger("ckptstore")
@@ -191,8 +193,9 @@ def pull_head(store: ObjectStore, head: Head, path: str, stats: PullStats,
         ops.fsync_dir(path)
 
 
-def check_store_object(store: ObjectStore, head: Head, data: bytes) -> None:
-    """RemoteIntegrityError unless ``data`` (the STORE object) is the one ``head`` names."""
+def check_store_object(store: ObjectStore, head: "Head | JobHead", data: bytes) -> None:
+    """RemoteIntegrityError unless ``data`` (the STORE object) is the one ``head`` (a store's
+    HEAD, or a job HEAD: then a STORE of format version 2) names."""
     url = store.where.url(STORE_OBJECT)
     got = xxhash.xxh3_128_digest(data)
     if got != head.store_digest:
@@ -200,7 +203,8 @@ def check_store_object(store: ObjectStore, head: Head, data: bytes) -> None:
                                    f"{head.generation} says {head.store_digest.hex()}, the object "
                                    f"holds {got.hex()}")
     try:
-        h = decode_store_header(data)
+        h = (decode_store_header(data) if isinstance(head, Head) else
+             decode_store_header(data, (JOB_FORMAT_VERSION,)))
     except FormatError as e:
         raise RemoteIntegrityError("check", url, str(e)) from e
     if h.store_id != head.store_id:
