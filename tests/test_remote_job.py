@@ -7,8 +7,10 @@ and loaded bit-exact at world size 1 (no group) and resumed at 1 and 4 ranks (el
 the new streams' bytes, no new job HEAD for an unchanged job); no regress (an older local copy
 never moves the remote back); a pull into a copy that a job wrote to since is refused; a job HEAD
 that names a stream whose objects are missing (RemoteStreamMissingError naming rank and object);
-and the push SIGKILLed between two streams' HEADs, before and after the job HEAD: the remote
-still restores the previous cut bit-exact, and a re-push completes.
+the push SIGKILLed between two streams' HEADs, before and after the job HEAD: the remote
+still restores the previous cut bit-exact, and a re-push completes; damaged job objects and the
+job HEAD codec; the background tier (``remote=`` beside ``process_group=``) over two jobs, and a
+rank SIGKILLed while it uploads; lazy reads of one rank's part.
 """
 
 from __future__ import annotations
@@ -380,3 +382,45 @@ def test_lazy_open_of_a_job_reads_only_the_part_it_loads(server, url, tmp_path):
         with pytest.raises(RemoteStreamMissingError) as e:
             job.load(3, rank=0)
         assert e.value.rank == 0 and "0000000001-00000" in e.value.url
+
+
+def test_job_head_codec_round_trips_and_refuses_malformed_heads():
+    """The job HEAD codec (format-spec/remote.md §8.1): bytes out and back, and each shape the
+    spec refuses raises FormatError (ChecksumMismatch for a failed check line)."""
+    import json
+
+    from ckptstore import ChecksumMismatch, FormatError, UnsupportedVersionError
+    from ckptstore.remote.head import Extent, seal_json
+    from ckptstore.remote.job_head import (JobHead, LogEntry, StreamRef, decode_job_head,
+                                           encode_job_head)
+
+    d = bytes(range(16))
+    head = JobHead(generation=3, store_id=d, store_digest=d, epoch=2, end=300, latest=9, count=4,
+                   streams=(StreamRef(1, 0, 5, d), StreamRef(2, 1, 1, d)),
+                   logs=(LogEntry(1, 200, (Extent(1, 0, 200, d),)),
+                         LogEntry(2, 300, (Extent(2, 0, 100, d), Extent(2, 100, 200, d)))),
+                   created_ns=7)
+    data = encode_job_head(head)
+    assert decode_job_head(data, 3) == head
+    with pytest.raises(FormatError, match="differs from its name"):
+        decode_job_head(data, 4)
+    with pytest.raises(ChecksumMismatch):
+        decode_job_head(data.replace(b'"latest":9', b'"latest":8'), 3)
+    body = json.loads(data.split(b"\n")[0])
+
+    def bad(**change):
+        return seal_json({**body, **change})
+    with pytest.raises(UnsupportedVersionError):
+        decode_job_head(bad(v=2), 3)
+    for change, match in [
+            ({"streams": [[2, 1, 1, d.hex()], [1, 0, 5, d.hex()]]}, "out of order"),
+            ({"streams": [[1, 0, 0, d.hex()]]}, "generation"),
+            ({"logs": [[1, 200, [[0, 100, d.hex()], [150, 50, d.hex()]]],
+                       body["logs"][1]]}, "not consecutive"),
+            ({"logs": [[1, 200, [[0, 100, d.hex()]]], body["logs"][1]]}, "cover"),
+            ({"end": 299}, "current epoch"),
+            ({"epoch": 1, "end": 200}, "current epoch"),
+            ({"store": "XY"}, "hex"),
+            ({"logs": "no"}, "must be a list")]:
+        with pytest.raises(FormatError, match=match):
+            decode_job_head(bad(**change), 3)
