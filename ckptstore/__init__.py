@@ -19,7 +19,7 @@ from .errors import (BisectError, BisectPredicateError, CheckpointAbortedError, 
                      TargetMismatchError, DCPError, ExportError, ImportSkippedWarning,
                      ImportSourceError)
 from .errors import (RemoteConflictError, RemoteError, RemoteIntegrityError,
-                     RemoteUnsupportedError)
+                     RemoteStreamMissingError, RemoteUnsupportedError)
 from .errors import FollowerError, FollowerMismatchError, FollowerWarning
 from .errors import ShardCoverageError, ShardDamagedError, ShardLayoutError, ShardMismatchError
 import os as _os
@@ -71,29 +71,35 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  #
     a multi-rank store's ranks create new streams at every open, with the features of its first
     streams, or ``features`` for a new store).
 
-    Remote tier (single-writer stores; format-spec/remote.md): ``remote="s3://bucket/run"`` and
+    Remote tier (format-spec/remote.md): ``remote="s3://bucket/run"`` and
     ``remote_options={...}`` (writers: endpoint and credentials, ``bandwidth``, ``head_interval``,
     ...; see :mod:`ckptstore.remote`) upload every commit in the background; a URL as ``path``
     with ``mode="r"`` (``storage_options={...}``) reads the newest remote HEAD lazily: STORE,
     the HEAD and its index object at open, then only the byte ranges a load needs (range GETs,
     a bounded block cache; ``store.remote_read_stats()``); ``cache_dir=DIR`` or ``lazy=False``
-    pull the whole HEAD into a local directory first.
+    pull the whole HEAD into a local directory first. A multi-rank job store is pushed with
+    :func:`ckptstore.remote.push` (``ckptstore push``), uploaded while it trains with ``remote=``
+    beside ``process_group=`` (each rank its own stream, rank 0 the job HEADs), and opened from
+    its URL as a :class:`JobStore` reader: lazily (a rank's stream is read with range GETs only
+    when a load needs it), or pulled whole with ``cache_dir=DIR`` or ``lazy=False``.
     """
     if isinstance(path, str) and "://" in path:
         # a remote copy (format-spec/remote.md): read lazily with range GETs (or pulled into
         # cache_dir / a temporary directory with lazy=False), see ckptstore/remote/reader.py
         from .remote.reader import open_remote
 
-        engine, rest = open_remote(path, mode, options)
+        try:
+            engine, rest = open_remote(path, mode, options)
+        except StoreNotFoundError:
+            from .remote.job_pull import open_remote_job  # a job store's copy (pulled whole)
+
+            return open_remote_job(path, mode, options)
         try:
             return Store(engine.path, "r", _engine=engine, **rest)
         except BaseException:
             engine.close()
             raise
     if options.get("process_group") is not None or (mode == "r" and is_job_store(_os.fspath(path))):
-        if options.get("remote") is not None:
-            raise RemoteUnsupportedError(f"{_os.fspath(path)}: the remote tier supports "
-                                         "single-writer stores only, not multi-rank job stores")
         return JobStore(path, mode, **options)
     return Store(path, mode, **options)
 
@@ -110,7 +116,8 @@ __all__ = [
     "ImportSourceError", "ExportError", "ImportSkippedWarning",
     "Policy", "KeepLast", "KeepEvery", "KeepBest", "KeepNewerThan", "KeepSinceIteration", "AnyOf",
 ]
-__all__ += ["RemoteError", "RemoteIntegrityError", "RemoteConflictError", "RemoteUnsupportedError"]
+__all__ += ["RemoteError", "RemoteIntegrityError", "RemoteConflictError", "RemoteUnsupportedError",
+            "RemoteStreamMissingError"]
 __all__ += ["FollowerError", "FollowerMismatchError", "FollowerWarning"]
 __all__ += ["CheckpointPlanError", "UnreplayableOptimizerError"]
 __all__ += ["ShardCoverageError", "ShardMismatchError", "ShardDamagedError", "ShardLayoutError"]

@@ -385,6 +385,18 @@ class RemoteIntegrityError(RemoteError):
     message names the object; nothing wrong is ever written locally."""
 
 
+class RemoteStreamMissingError(RemoteIntegrityError):
+    """A remote job store's HEAD names a rank's stream whose objects are missing (its HEAD or an
+    extent: deleted behind our back, or a lifecycle rule). ``rank`` and ``epoch`` say whose
+    stream, ``url`` which object (format-spec/remote.md §8); nothing local was changed."""
+
+    def __init__(self, operation: str, url: str, message: str, *, rank: int, epoch: int,
+                 code: str = "") -> None:
+        self.rank = rank
+        self.epoch = epoch
+        super().__init__(operation, url, message, code=code)
+
+
 class RemoteConflictError(RemoteError):
     """The remote prefix holds another store (another store_id), or a history this store cannot
     continue: the remote copy is newer than the local one or diverged from it, or another writer
@@ -392,10 +404,9 @@ class RemoteConflictError(RemoteError):
 
 
 class RemoteUnsupportedError(CkptStoreError, ValueError):
-    """A remote tier was asked of something it does not support: a multi-rank job store (only
-    single-writer stores have a remote tier so far), a URL scheme other than ``s3://``, a
-    remote store opened for writing (``mode="a"`` on a URL), or a missing client library
-    (``pip install 'ckptstore[remote]'``)."""
+    """A remote tier was asked of something it does not support: a URL scheme other than
+    ``s3://``, a remote store opened for writing (``mode="a"`` on a URL), or a missing client
+    library (``pip install 'ckptstore[remote]'``)."""
 
 
 class FollowerError(CkptStoreError):

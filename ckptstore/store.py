@@ -459,6 +459,11 @@ class Store:
         return self.engine.recoverable_latest()
 
     # ---- the remote tier (remote="s3://...", ckptstore/remote/) -------------------------------
+    @property
+    def uploader(self) -> Uploader | None:
+        """The background uploader (None: opened without ``remote=``)."""
+        return self._remote
+
     def _remote_tier(self) -> Uploader:
         if self._remote is None:
             raise RemoteUnsupportedError(f"{self.path} was opened without remote=")

@@ -53,6 +53,7 @@ from ..storage.job_log import (EpochLog, JobLayout, JobView, claim_next_epoch, c
 from ..storage.store_file import read_store_header
 from ..store import CheckpointInfo, SaveStats, Store, select_keys
 from ..ops.retention import Policy
+from ..remote.job_uploader import JobRemote
 from .committer import GlobalCommitter
 from .group import RankGroup
 from .prepared import PreparedCommits
@@ -135,7 +136,9 @@ class JobStore:
                  direct_io: bool | str = "deltas",
                  host_budget: int | None = None, max_inflight: int | None = None,
                  features: str = "current", retention: Policy | None = None,
-                 retention_every: int = 1) -> None:
+                 retention_every: int = 1, remote: str | None = None,
+                 remote_options: dict | None = None,
+                 _streams: Callable[[int, int], Store] | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         check_features(features)
@@ -148,8 +151,10 @@ class JobStore:
         #: the view is extended by the thread that commits (the async persister) and read by any
         self._view_lock = threading.Lock()
         self._view: JobView
-        #: readers of rank streams, by (epoch, rank)
+        #: readers of rank streams, by (epoch, rank); _streams: opens one (a remote job's lazy
+        #: reader, ckptstore/remote/job_pull.py; None: the stream directory under path)
         self._readers: dict[tuple[int, int], Store] = {}
+        self._stream_source = _streams
         self._own: Store | None = None
         self._group: RankGroup | None = None
         self._committer: GlobalCommitter | None = None
@@ -167,6 +172,13 @@ class JobStore:
         self._trash: threading.Thread | None = None
         if retention is not None or retention_every != 1:
             _check_retention_args(retention, retention_every)
+        #: the remote tier (format-spec/remote.md §8.3; None: opened without remote=)
+        self._remote: JobRemote | None = None
+        if remote is not None:
+            if mode != "a":
+                raise ReadOnlyStoreError(f'store {self.path} is open read-only (mode="r"): '
+                                         "remote= needs a writer")
+            self._remote = JobRemote(remote, remote_options)
         if mode == "a":
             if process_group is None:
                 raise ValueError("writing a multi-rank store needs process_group=...")
@@ -235,7 +247,9 @@ class JobStore:
                               evict_written=opts.evict_written, direct_io=opts.direct_io,
                               host_budget=opts.host_budget, features=features,
                               max_inflight=opts.max_inflight,
-                              commit_round=committer.around)
+                              commit_round=committer.around,
+                              **(self._remote.stream_options(epoch, group.rank)
+                                 if self._remote is not None else {}))
         except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
             error = f"rank {group.rank}: {type(e).__name__}: {e}".encode()
             own_error = e
@@ -253,6 +267,8 @@ class JobStore:
         self._own.engine.commit_hook = committer.hook
         with self._view_lock:
             self._view = read_job_view(self.layout, self.header.store_id)
+        if self._remote is not None:
+            self._remote.started(self.path, epoch, group.rank, self._own)
 
     def _stream_features(self, epoch: int, requested: str) -> str:
         """The ``features`` of the stream this rank creates for ``epoch``: those of the job's
@@ -312,6 +328,8 @@ class JobStore:
         return number, view.latest
 
     def _release(self) -> None:
+        if self._remote is not None:
+            self._remote.stop()
         for s in [self._own, *self._readers.values()]:
             if s is not None:
                 try:
@@ -386,6 +404,8 @@ class JobStore:
                     own.close()  # its pipeline's last flush is the last round
                 else:
                     self._round(own.flush)
+                if self._remote is not None and self._group is not None:
+                    self._remote.finish(own, self._group, self._group.rank)
         except BaseException as e:  # noqa: BLE001 - raised after the files are released
             err = e
         finally:
@@ -630,6 +650,8 @@ class JobStore:
         if self._own is not None and (epoch, rank) == (self.epoch, self.rank):
             return self._own
         store = self._readers.get((epoch, rank))
+        if store is None and self._stream_source is not None:
+            store = self._readers[(epoch, rank)] = self._stream_source(epoch, rank)
         if store is None:
             if not os.path.isdir(where):
                 raise DamagedCheckpointError(f"{self.path}: rank {rank}'s stream {where} "

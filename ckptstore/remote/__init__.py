@@ -12,8 +12,13 @@ outlives the machine (format-spec/remote.md).
   load reads (:class:`RemoteReadStats` says how many bytes);
 * :func:`verify_remote` -- fsck of the remote copy.
 
+Multi-rank job stores (format-spec/remote.md §8): :func:`push` and :func:`pull` of a job store go
+through :func:`push_job` and :func:`pull_job` (each rank's stream is copied as a single store, the
+global logs as extents, a job HEAD names a consistent cut); ``ckptstore.open("s3://...", "r")``
+of a job pulls it whole and opens a JobStore reader; ``remote=`` with ``process_group=``
+uploads while the job trains (:mod:`ckptstore.remote.job_uploader`).
+
 Layers: above the engine (it reads a live engine's committed state under its lock), beside ops/.
-Multi-rank job stores are not supported (RemoteUnsupportedError).
 """
 
 from .client import ObjectStore, RemoteURL, is_remote_url, parse_url
@@ -22,8 +27,12 @@ from .replicate import PushResult, RemoteOptions, push, split_options
 from .reader import RemoteReadStats, open_remote
 from .restore import PullResult, RemoteFsckReport, newest_head, pull, pull_for_open, verify_remote
 from .uploader import RemoteStatus, Uploader
+from .job_head import JobHead
+from .job_push import JobPushResult, push_job
+from .job_pull import JobPullResult, pull_job
 
 __all__ = ["ObjectStore", "RemoteURL", "is_remote_url", "parse_url", "Head", "IndexRef",
            "RemoteReadStats", "open_remote", "PushResult",
            "RemoteOptions", "push", "split_options", "PullResult", "RemoteFsckReport",
-           "newest_head", "pull", "pull_for_open", "verify_remote", "RemoteStatus", "Uploader"]
+           "newest_head", "pull", "pull_for_open", "verify_remote", "RemoteStatus", "Uploader",
+           "JobHead", "JobPushResult", "push_job", "JobPullResult", "pull_job"]

@@ -160,21 +160,52 @@ def encode_head(h: Head) -> bytes:
     }
     if h.index is not None:
         body["index"] = [h.index.length, h.index.raw_length, h.index.digest.hex()]
+    return seal_json(body)
+
+
+def seal_json(body: dict) -> bytes:
+    """A HEAD-like object: one line of ASCII JSON, ``\n``, then ``xxh3-128 <hex of that
+    line>\n`` (the remote tier's HEAD objects, single-store and job, share this framing)."""
     line = json.dumps(body, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     return line + b"\nxxh3-128 " + digest(line).hex().encode("ascii") + b"\n"
 
 
-def _int(v: object, what: str, low: int = 0, high: int = _MAX_U63) -> int:
+def unseal_json(data: bytes, fmt: str, version: int, what: str = "HEAD") -> dict:
+    """The JSON object of a :func:`seal_json` object whose ``format`` is ``fmt``: FormatError
+    (ChecksumMismatch for a failed check line) when it is not one, UnsupportedVersionError for a
+    ``v`` other than ``version``."""
+    if len(data) > MAX_HEAD_BYTES:
+        raise FormatError(f"{what} is {len(data)} bytes (at most {MAX_HEAD_BYTES})")
+    line, sep, rest = bytes(data).partition(b"\n")
+    m = re.fullmatch(rb"xxh3-128 ([0-9a-f]{32})\n", rest)
+    if not sep or m is None:
+        raise FormatError(f"{what}: not a ckptstore {what} object (no check line)")
+    got = digest(line).hex()
+    if got != m.group(1).decode():
+        raise ChecksumMismatch(what, m.group(1).decode(), got)
+    try:
+        body = json.loads(line.decode("ascii"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"{what}: not JSON ({e})") from None
+    if not isinstance(body, dict) or body.get("format") != fmt:
+        raise FormatError(f"{what}: not a ckptstore {what} object")
+    if body.get("v") != version or type(body.get("v")) is not int:
+        raise UnsupportedVersionError(f"{what} version {body.get('v')!r} (this reader knows "
+                                      f"{version})")
+    return body
+
+
+def checked_int(v: object, what: str, low: int = 0, high: int = _MAX_U63) -> int:
     if type(v) is not int or not low <= v <= high:
         raise FormatError(f"HEAD: {what} must be an integer in {low}..{high}, not {v!r}")
     return v
 
 
-def _opt_int(v: object, what: str) -> int | None:
-    return None if v is None else _int(v, what)
+def checked_opt_int(v: object, what: str) -> int | None:
+    return None if v is None else checked_int(v, what)
 
 
-def _hex16(v: object, what: str) -> bytes:
+def checked_hex16(v: object, what: str) -> bytes:
     if not isinstance(v, str) or not _HEX32.match(v):
         raise FormatError(f"HEAD: {what} must be 32 lowercase hex digits, not {v!r}")
     return bytes.fromhex(v)
@@ -183,25 +214,8 @@ def _hex16(v: object, what: str) -> bytes:
 def decode_head(data: bytes, generation: int) -> Head:
     """Check and decode a HEAD object named with ``generation``; FormatError (ChecksumMismatch
     for a failed check) says why it is refused."""
-    if len(data) > MAX_HEAD_BYTES:
-        raise FormatError(f"HEAD is {len(data)} bytes (at most {MAX_HEAD_BYTES})")
-    line, sep, rest = bytes(data).partition(b"\n")
-    m = re.fullmatch(rb"xxh3-128 ([0-9a-f]{32})\n", rest)
-    if not sep or m is None:
-        raise FormatError("HEAD: not a ckptstore HEAD object (no check line)")
-    got = digest(line).hex()
-    if got != m.group(1).decode():
-        raise ChecksumMismatch("HEAD", m.group(1).decode(), got)
-    try:
-        body = json.loads(line.decode("ascii"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise FormatError(f"HEAD: not JSON ({e})") from None
-    if not isinstance(body, dict) or body.get("format") != HEAD_FORMAT:
-        raise FormatError("HEAD: not a ckptstore HEAD object")
-    if body.get("v") != HEAD_VERSION or type(body.get("v")) is not int:
-        raise UnsupportedVersionError(f"HEAD version {body.get('v')!r} (this reader knows "
-                                      f"{HEAD_VERSION})")
-    if _int(body.get("generation"), "generation", 1) != generation:
+    body = unseal_json(data, HEAD_FORMAT, HEAD_VERSION)
+    if checked_int(body.get("generation"), "generation", 1) != generation:
         raise FormatError(f"HEAD: generation {body.get('generation')} differs from its name's "
                           f"{generation}")
     segs_raw = body.get("segments")
@@ -211,8 +225,8 @@ def decode_head(data: bytes, generation: int) -> Head:
     for item in segs_raw:
         if not (isinstance(item, list) and len(item) == 3 and isinstance(item[2], list)):
             raise FormatError(f"HEAD: malformed segment entry {item!r:.80}")
-        seq = _int(item[0], "segment seq", 1, 10**10 - 1)
-        length = _int(item[1], f"length of segment {seq}", 1)
+        seq = checked_int(item[0], "segment seq", 1, 10**10 - 1)
+        length = checked_int(item[1], f"length of segment {seq}", 1)
         if segments and seq <= segments[-1].seq:
             raise FormatError(f"HEAD: segment {seq} out of order")
         extents: list[Extent] = []
@@ -220,11 +234,11 @@ def decode_head(data: bytes, generation: int) -> Head:
         for x in item[2]:
             if not (isinstance(x, list) and len(x) == 3):
                 raise FormatError(f"HEAD: malformed extent {x!r:.80} of segment {seq}")
-            off = _int(x[0], "extent offset", 0, 10**15 - 1)
-            n = _int(x[1], "extent length", 1, 10**15 - 1)
+            off = checked_int(x[0], "extent offset", 0, 10**15 - 1)
+            n = checked_int(x[1], "extent length", 1, 10**15 - 1)
             if off != at:
                 raise FormatError(f"HEAD: extents of segment {seq} are not consecutive at {at}")
-            extents.append(Extent(seq, off, n, _hex16(x[2], "extent digest")))
+            extents.append(Extent(seq, off, n, checked_hex16(x[2], "extent digest")))
             at = off + n
         if at != length:
             raise FormatError(f"HEAD: extents of segment {seq} cover {at} bytes, not {length}")
@@ -234,7 +248,8 @@ def decode_head(data: bytes, generation: int) -> Head:
     if pos_raw is not None:
         if not (isinstance(pos_raw, list) and len(pos_raw) == 2):
             raise FormatError(f"HEAD: malformed position {pos_raw!r:.80}")
-        position = (_int(pos_raw[0], "position seq", 1), _int(pos_raw[1], "position offset"))
+        position = (checked_int(pos_raw[0], "position seq", 1),
+                    checked_int(pos_raw[1], "position offset"))
         seg = next((s for s in segments if s.seq == position[0]), None)
         if seg is None or position[1] > seg.length:
             raise FormatError(f"HEAD: position {position} lies outside its segments")
@@ -243,16 +258,17 @@ def decode_head(data: bytes, generation: int) -> Head:
     if idx_raw is not None:
         if not (isinstance(idx_raw, list) and len(idx_raw) == 3):
             raise FormatError(f"HEAD: malformed index entry {idx_raw!r:.80}")
-        index = IndexRef(_int(idx_raw[0], "index length", 1, 10**15 - 1),
-                         _int(idx_raw[1], "index raw length", 1),
-                         _hex16(idx_raw[2], "index digest"))
+        index = IndexRef(checked_int(idx_raw[0], "index length", 1, 10**15 - 1),
+                         checked_int(idx_raw[1], "index raw length", 1),
+                         checked_hex16(idx_raw[2], "index digest"))
     known = {"format", "v", "generation", "store_id", "store", "position", "latest",
              "recoverable", "iterations", "watermark", "created_ns", "segments", "index"}
-    return Head(generation=generation, store_id=_hex16(body.get("store_id"), "store_id"),
-                store_digest=_hex16(body.get("store"), "store digest"), position=position,
-                latest=_opt_int(body.get("latest"), "latest"),
-                recoverable=_opt_int(body.get("recoverable"), "recoverable"),
-                count=_int(body.get("iterations", 0), "iterations"),
-                watermark=_int(body.get("watermark", 0), "watermark"),
-                segments=tuple(segments), created_ns=_int(body.get("created_ns", 0), "created_ns"),
+    return Head(generation=generation, store_id=checked_hex16(body.get("store_id"), "store_id"),
+                store_digest=checked_hex16(body.get("store"), "store digest"), position=position,
+                latest=checked_opt_int(body.get("latest"), "latest"),
+                recoverable=checked_opt_int(body.get("recoverable"), "recoverable"),
+                count=checked_int(body.get("iterations", 0), "iterations"),
+                watermark=checked_int(body.get("watermark", 0), "watermark"),
+                segments=tuple(segments),
+                created_ns=checked_int(body.get("created_ns", 0), "created_ns"),
                 index=index, extra={k: v for k, v in body.items() if k not in known})

@@ -63,7 +63,7 @@ from .client import ObjectStore, parse_url
 from .head import (SEGMENTS_DIR, STORE_OBJECT, Extent, Head, IndexRef, SegmentEntry, digest,
                    encode_head)
 from .replicate import split_options
-from .restore import PullResult, check_store_object, pull_head, PullStats, newest_head, pull
+from .restore import PullResult, check_store_object, pull_head, PullStats, newest_head, pull_store
 
 log = logging.getLogger("ckptstore")
 
@@ -650,10 +650,10 @@ def _fetch_index(reader: PieceReader, ref: IndexRef, index_dir: str) -> str:
 
 
 def open_lazy(url: str, storage: dict[str, Any], *, load_threads: int = 8,
-              use_index: bool = True) -> RemoteReaderEngine:
+              use_index: bool = True, head: Head | None = None) -> RemoteReaderEngine:
     """A :class:`RemoteReaderEngine` of the newest valid HEAD at ``url`` (see the module
-    docstring). ``storage``: the client's options and the reader's (``block_size``,
-    ``cache_size``)."""
+    docstring), or of ``head`` (a job HEAD's pinned stream HEAD). ``storage``: the client's
+    options and the reader's (``block_size``, ``cache_size``)."""
     opts = dict(storage)
     block = int(opts.pop("block_size", DEFAULT_BLOCK))
     cache = int(opts.pop("cache_size", DEFAULT_CACHE))
@@ -661,7 +661,7 @@ def open_lazy(url: str, storage: dict[str, Any], *, load_threads: int = 8,
     store = ObjectStore(url, client_opts)
     tmp = tempfile.mkdtemp(prefix="ckptstore-remote-")
     try:
-        head = newest_head(store)
+        head = newest_head(store) if head is None else head
         for _ in range(5):
             reader = PieceReader(store, head, block, cache)
             reader.count(len(encode_head(head)), 2)  # the LIST of heads/ and the HEAD itself
@@ -706,6 +706,26 @@ def open_lazy(url: str, storage: dict[str, Any], *, load_threads: int = 8,
     return engine
 
 
+def reader_options(url: str, mode: str, options: dict[str, Any]
+                   ) -> tuple[dict[str, Any], Any, bool, dict[str, Any]]:
+    """(storage options, cache_dir, lazy, the rest) of ``ckptstore.open(url, mode, ...)``'s
+    options for a remote reader (a store's or a job's); RemoteUnsupportedError for a mode or an
+    option a remote reader does not take, or a URL it cannot read."""
+    if mode != "r":
+        raise RemoteUnsupportedError(f"{url}: a remote store opens read-only (mode=\"r\"); to "
+                                     "write, open a local path with remote=URL")
+    rest = dict(options)
+    storage = dict(rest.pop("storage_options", None) or {})
+    cache = rest.pop("cache_dir", None)
+    lazy = bool(rest.pop("lazy", True))
+    for k in ("remote", "remote_options", "process_group"):
+        if rest.get(k) is not None:
+            raise RemoteUnsupportedError(f"{url}: option {k!r} does not apply to a remote reader")
+        rest.pop(k, None)
+    parse_url(url)
+    return storage, cache, lazy, rest
+
+
 def open_remote(url: str, mode: str, options: dict[str, Any]
                 ) -> tuple[ReaderEngine, dict[str, Any]]:
     """What ``ckptstore.open(url, "r", storage_options=..., cache_dir=..., lazy=...)`` reads:
@@ -713,18 +733,7 @@ def open_remote(url: str, mode: str, options: dict[str, Any]
     lazy (range GETs, see the module docstring); with ``cache_dir`` the HEAD is pulled into that
     directory (kept: the next open pulls only what is new), with ``lazy=False`` into a temporary
     one (removed when the store is closed or dropped)."""
-    if mode != "r":
-        raise RemoteUnsupportedError(f"{url}: a remote store opens read-only (mode=\"r\"); to "
-                                     "write, open a local path with remote=URL")
-    rest = dict(options)
-    storage = dict(rest.pop("storage_options", None) or {})
-    cache = rest.pop("cache_dir", None)
-    lazy = rest.pop("lazy", True)
-    for k in ("remote", "remote_options", "process_group"):
-        if rest.get(k) is not None:
-            raise RemoteUnsupportedError(f"{url}: option {k!r} does not apply to a remote reader")
-        rest.pop(k, None)
-    parse_url(url)
+    storage, cache, lazy, rest = reader_options(url, mode, options)
     use_index = bool(rest.get("use_index", True))
     engine: ReaderEngine
     if cache is None and lazy:
@@ -736,12 +745,12 @@ def open_remote(url: str, mode: str, options: dict[str, Any]
         threads = int(rest.get("load_threads", 2))
         if cache is not None:
             path = os.fspath(cache)
-            engine = PulledReaderEngine(path, pull(url, path, storage), load_threads=threads,
+            engine = PulledReaderEngine(path, pull_store(url, path, storage), load_threads=threads,
                                         use_index=use_index)
         else:
             tmp = tempfile.mkdtemp(prefix="ckptstore-pull-")
             try:
-                pulled = pull(url, tmp, storage)
+                pulled = pull_store(url, tmp, storage)
                 engine = PulledReaderEngine(tmp, pulled, load_threads=threads,
                                             use_index=use_index,
                                             cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))

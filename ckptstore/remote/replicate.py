@@ -42,23 +42,26 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import lmdb
 
 from ..engine.engine import Engine
 from ..engine.reader_engine import ReaderEngine
 from ..engine.writer_engine import WriterEngine
-from ..errors import (FormatError, RemoteConflictError, RemoteError, RemoteIntegrityError,
-                      RemoteUnsupportedError)
+from ..errors import FormatError, RemoteConflictError, RemoteError, RemoteIntegrityError
 from ..storage.fileops import io_errors
 from ..storage.index import unseal
 from ..storage.job_log import is_job_store, refuse_job_part
 from ..storage.segments import SEGMENT_HEADER_RECORD_SIZE
 from .client import CLIENT_KEYS, MIN_PART_SIZE, ObjectStore, Pacer
-from .head import (HEADS_DIR, INDEX_DIR, MAX_HEAD_BYTES, SEGMENTS_DIR, STORE_OBJECT, Extent,
+from .generations import collect, put_next_generation
+from .head import (INDEX_DIR, MAX_HEAD_BYTES, SEGMENTS_DIR, STORE_OBJECT, Extent,
                    Head, IndexRef, SegmentEntry, decode_head, digest, encode_head,
                    head_generation, head_name)
+
+if TYPE_CHECKING:
+    from .job_push import JobPushResult
 
 log = logging.getLogger("ckptstore")
 
@@ -258,9 +261,9 @@ def index_view(engine: Engine, position: tuple[int, int] | None) -> tuple[Any, A
 
 
 # ---- the remote's state --------------------------------------------------------------------------
-def read_head(store: ObjectStore, generation: int) -> Head:
-    """The HEAD of ``generation``, checked; RemoteIntegrityError naming it when it fails."""
-    name = head_name(generation)
+def fetch_sealed(store: ObjectStore, name: str) -> bytes:
+    """The bytes of a HEAD object (of a store or of a job), refused unread past
+    ``MAX_HEAD_BYTES`` (RemoteIntegrityError naming it)."""
     chunks, n = [], 0
     for chunk in store.stream(name, 1 << 20):
         n += len(chunk)
@@ -268,8 +271,21 @@ def read_head(store: ObjectStore, generation: int) -> Head:
             raise RemoteIntegrityError("read HEAD", store.where.url(name),
                                        f"larger than {MAX_HEAD_BYTES} bytes")
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def read_head(store: ObjectStore, generation: int) -> Head:
+    """The HEAD of ``generation``, checked; RemoteIntegrityError naming it when it fails."""
+    return fetch_head(store, generation)[0]
+
+
+def fetch_head(store: ObjectStore, generation: int) -> tuple[Head, bytes]:
+    """The HEAD of ``generation``, checked, and the object's bytes (a job HEAD pins a stream's
+    HEAD by their digest); RemoteIntegrityError naming it when it fails."""
+    name = head_name(generation)
+    data = fetch_sealed(store, name)
     try:
-        return decode_head(b"".join(chunks), generation)
+        return decode_head(data, generation), data
     except FormatError as e:
         raise RemoteIntegrityError("read HEAD", store.where.url(name), str(e)) from e
 
@@ -326,6 +342,9 @@ class Replicator:
         #: extents of remote HEADs whose digest was found to match the local file, likewise
         self._checked: dict[tuple[int, tuple[int, int]], set[Extent]] = {}
         self._store_checked = False
+        #: HEAD generations kept besides the newest ``keep_heads``: the ones a kept job HEAD
+        #: pins (format-spec/remote.md §8, J4); asked at each load and remote gc
+        self.pins: Callable[[], frozenset[int]] = frozenset
 
     def reset(self) -> None:
         """Forget what is known of the remote (after a failure: the service may have lost or
@@ -355,6 +374,12 @@ class Replicator:
             valid += 1
             if valid >= self.opts.keep_heads:
                 break
+        for g in sorted(self.pins() & set(gens)):
+            if self.heads[g] is None:
+                try:
+                    self.heads[g] = read_head(self.store, g)
+                except RemoteIntegrityError as e:
+                    log.warning("ckptstore: %s (a job HEAD names it)", e)
         self.store.abort_uploads()
         self.loaded = True
 
@@ -583,42 +608,23 @@ class Replicator:
         """The remote commit point: a conditional create of the next generation. Losing the
         race to another writer re-reads the remote and retries above it, unless that writer's
         HEAD conflicts with ours."""
-        for _ in range(5):
-            gen = self.generation + 1
-            h = replace(new, generation=gen)
-            ok = self.store.put(head_name(gen), encode_head(h), if_absent=True)
-            self.generation = gen
-            if ok:
-                self.heads[gen] = h
-                self.head = h
-                self.stats.heads_written += 1
-                return
+        def reread() -> int:
             self.load()
             self.check_compatible(snap)
-        raise RemoteConflictError("write HEAD", self.store.where.url(HEADS_DIR),
-                                  "another writer keeps taking the next HEAD generation")
+            return self.generation
+
+        gen = put_next_generation(self.store, head_name,
+                                  lambda g: encode_head(replace(new, generation=g)),
+                                  self.generation, reread)
+        self.generation = gen
+        self.head = self.heads[gen] = replace(new, generation=gen)
+        self.stats.heads_written += 1
 
     def _collect(self) -> None:
         """Remote gc: delete HEADs older than the newest ``keep_heads`` valid ones (invalid
         ones too), then every object no remaining HEAD names."""
-        gens = sorted(self.heads, reverse=True)
-        keep = [g for g in gens if self.heads[g] is not None][:self.opts.keep_heads]
-        drop = [g for g in gens if g not in keep]
-        if drop:
-            self.store.delete([head_name(g) for g in drop])
-            for g in drop:
-                del self.heads[g]
-        named: set[str] = set()
-        for g in keep:
-            h = self.heads[g]
-            assert h is not None
-            named |= h.objects()
-        stale = sorted(n for n in self.objects if n not in named)
-        if stale:
-            self.store.delete(stale)
-            for n in stale:
-                del self.objects[n]
-            self.stats.deleted_objects += len(stale)
+        self.stats.deleted_objects += collect(self.store, self.heads, self.opts.keep_heads,
+                                              self.pins, head_name, self.objects)
 
 
 # ---- push --------------------------------------------------------------------------------------
@@ -633,14 +639,16 @@ class PushResult:
 
 
 def push(path: str | os.PathLike, url: str, options: dict | None = None, *,
-         progress: Callable[[int], None] | None = None) -> PushResult:
+         progress: Callable[[int], None] | None = None) -> "PushResult | JobPushResult":
     """Upload the committed state of the store at ``path`` to ``url`` (a catch-up: only what
     the remote lacks is sent, and an interrupted push resumes where it stopped). Opens the store
-    as a reader: it never writes under ``path`` and may run beside its writer."""
+    as a reader: it never writes under ``path`` and may run beside its writer. A multi-rank job
+    store goes through :func:`ckptstore.remote.job_push.push_job` (format-spec/remote.md §8)."""
     path = os.fspath(path)
     if is_job_store(path):
-        raise RemoteUnsupportedError(f"{path} is a multi-rank job store: the remote tier supports "
-                                     "single-writer stores only")
+        from .job_push import push_job  # (it builds on this module)
+
+        return push_job(path, url, options, progress=progress)
     refuse_job_part(path, "a push")  # one rank's partition would look like a whole store remotely
     client_opts, opts = split_options(options)
     t0 = time.perf_counter()

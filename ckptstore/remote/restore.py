@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import xxhash
 
@@ -35,6 +35,7 @@ from ..engine.reader_engine import ReaderEngine
 from ..errors import (FormatError, RemoteConflictError, RemoteError, RemoteIntegrityError,
                       RemoteUnsupportedError, StoreLockedError, StoreNotFoundError)
 from ..format.header import decode_store_header
+from ..format.job import JOB_FORMAT_VERSION
 from ..storage.fileops import FileOps, io_errors
 from ..storage.job_log import refuse_job_part
 from ..storage.layout import Layout
@@ -43,6 +44,10 @@ from .client import ObjectStore, parse_url
 from .head import (INDEX_DIR, SEGMENTS_DIR, STORE_OBJECT, Extent, Head, SegmentEntry,
                    is_index_name, parse_extent_name)
 from .replicate import list_heads, pos_key, read_head, split_options
+
+if TYPE_CHECKING:
+    from .job_head import JobHead
+    from .job_pull import JobPullResult
 
 log = logging.getLogger("ckptstore")
 
@@ -84,9 +89,23 @@ class PullResult:
 
 
 def pull(url: str, path: str | os.PathLike, options: dict | None = None, *,
-         progress: Callable[[int], None] | None = None) -> PullResult:
+         progress: Callable[[int], None] | None = None) -> "PullResult | JobPullResult":
     """Restore the newest valid remote HEAD of ``url`` into the directory ``path`` (created if
-    needed; empty, or a copy of the same store that no writer holds)."""
+    needed; empty, or a copy of the same store that no writer holds). A remote job store (job
+    HEADs under ``jobheads/``) is pulled whole by :func:`ckptstore.remote.job_pull.pull_job`."""
+    from .job_head import is_remote_job  # (job_pull builds on this module)
+
+    client_opts, _ = split_options(options)
+    if is_remote_job(ObjectStore(url, client_opts)):
+        from .job_pull import pull_job
+
+        return pull_job(url, path, options, progress=progress)
+    return pull_store(url, path, options, progress=progress)
+
+
+def pull_store(url: str, path: str | os.PathLike, options: dict | None = None, *,
+               progress: Callable[[int], None] | None = None) -> PullResult:
+    """:func:`pull` of a single store's copy (StoreNotFoundError when ``url`` holds none)."""
     path = os.fspath(path)
     refuse_job_part(path, "a pull into it")  # (pull_head checks again: its other callers)
     client_opts, _ = split_options(options)
@@ -123,10 +142,13 @@ class PullStats:
 
 
 def pull_head(store: ObjectStore, head: Head, path: str, stats: PullStats,
-              progress: Callable[[int], None] | None) -> None:
+              progress: Callable[[int], None] | None, *, job_part: bool = False) -> None:
     """Make the directory ``path`` a verified copy of ``head`` (one attempt of :func:`pull`;
-    also a lazy reader's whole-segment fallback, ckptstore/remote/reader.py)."""
-    refuse_job_part(path, "a pull into it")
+    also a lazy reader's whole-segment fallback, ckptstore/remote/reader.py). ``job_part``:
+    ``path`` is a rank's stream of a job store being pulled whole (ckptstore/remote/job_pull.py),
+    the one caller allowed to write into a job's part."""
+    if not job_part:
+        refuse_job_part(path, "a pull into it")
     ops = FileOps()
     layout = Layout(path)
     ops.makedirs(path)
@@ -171,8 +193,9 @@ def pull_head(store: ObjectStore, head: Head, path: str, stats: PullStats,
         ops.fsync_dir(path)
 
 
-def check_store_object(store: ObjectStore, head: Head, data: bytes) -> None:
-    """RemoteIntegrityError unless ``data`` (the STORE object) is the one ``head`` names."""
+def check_store_object(store: ObjectStore, head: "Head | JobHead", data: bytes) -> None:
+    """RemoteIntegrityError unless ``data`` (the STORE object) is the one ``head`` (a store's
+    HEAD, or a job HEAD: then a STORE of format version 2) names."""
     url = store.where.url(STORE_OBJECT)
     got = xxhash.xxh3_128_digest(data)
     if got != head.store_digest:
@@ -180,7 +203,8 @@ def check_store_object(store: ObjectStore, head: Head, data: bytes) -> None:
                                    f"{head.generation} says {head.store_digest.hex()}, the object "
                                    f"holds {got.hex()}")
     try:
-        h = decode_store_header(data)
+        h = (decode_store_header(data) if isinstance(head, Head) else
+             decode_store_header(data, (JOB_FORMAT_VERSION,)))
     except FormatError as e:
         raise RemoteIntegrityError("check", url, str(e)) from e
     if h.store_id != head.store_id:
@@ -300,11 +324,11 @@ def pull_for_open(url: str, mode: str, options: dict[str, Any]
         rest.pop(k, None)
     parse_url(url)
     if cache is not None:
-        pull(url, os.fspath(cache), storage)
+        pull_store(url, os.fspath(cache), storage)
         return os.fspath(cache), None, rest
     tmp = tempfile.mkdtemp(prefix="ckptstore-pull-")
     try:
-        pull(url, tmp, storage)
+        pull_store(url, tmp, storage)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
