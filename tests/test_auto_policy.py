@@ -1,0 +1,236 @@
+"""The Checkpointer's policy across restarts (ckptstore/torch/auto_policy.py): the plan persisted
+in its bases, a restarted process that starts planned, a hostile persisted plan that is ignored
+and re-measured, the failure rate learned from a single store, and the default disk budget."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.torch import Checkpointer
+from ckptstore.torch import auto_policy
+from ckptstore.torch.auto_policy import PLAN_KEY, parse_persisted
+from ckptstore.torch.plan import CostMeter
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(width: int = 8):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+
+def _step(model, ck, opt, it, width: int = 8):
+    g = torch.Generator().manual_seed(10_000 + it)
+    x, y = torch.randn(6, width, generator=g), torch.randn(6, 4, generator=g)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    out = ck.step(it)
+    opt.zero_grad()
+    return out
+
+
+def _live(model, opt):
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+
+
+@pytest.fixture
+def one_mode(monkeypatch):
+    """Force the planner to one mode (the measured costs of a busy test machine decide nothing)."""
+    real, want = auto_policy.make_plan, ["snapshots"]
+    monkeypatch.setattr(auto_policy, "make_plan",
+                        lambda *a, **kw: real(*a, **{**kw, "modes": (want[0],)}))
+    return want
+
+
+def _planned_store(path, mode, n=14, **kw):
+    """A store trained by a Checkpointer(policy="auto") until planned in ``mode`` and a few steps
+    on; returns (store, the first Checkpointer's last plan, {iteration: live state})."""
+    model, opt = _model()
+    store = ckptstore.open(path)
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2, snapshot_every=2, **kw)
+    ck.restore()
+    lives = {}
+    for it in range(1, n + 1):
+        _step(model, ck, opt, it)
+        lives[it] = _live(model, opt)
+    assert ck.plan() is not None and ck.mode == mode
+    store.flush()
+    ck.close()
+    return store, ck.plan(), lives
+
+
+def _restart(store, mtbf_s):
+    model, opt = _model()
+    return model, opt, Checkpointer(store, model, opt, policy="auto", measure_steps=2,
+                                    snapshot_every=2, mtbf_s=mtbf_s)
+
+
+@pytest.mark.parametrize("mode", ["snapshots", "deltas"])
+def test_restarted_checkpointer_starts_planned(tmp_path, one_mode, caplog, assert_same, mode):
+    """A second Checkpointer on the store (a restarted process) restores and is planned at once,
+    with the persisted plan (mode, interval, costs): no measuring phase, no extra snapshot. A
+    third one, given no MTBF, learns it from the restarts the persisted plans count."""
+    one_mode[0] = mode
+    store, _, lives = _planned_store(tmp_path / "s", mode, mtbf_s=600.0)
+    latest = store.iterations()[-1]
+    assert latest in (13, 14)
+    field = store.load_record(store.base_of(latest), keys=[PLAN_KEY])[PLAN_KEY]
+    restarts, since, costs = parse_persisted(field)
+    assert restarts == 0 and costs is not None and field["mode"] == mode
+    model, opt, ck = _restart(store, 600.0)
+    with caplog.at_level(logging.INFO, logger="ckptstore"):
+        assert ck.restore() == latest
+    assert_same(lives[latest], _live(model, opt))
+    p = ck.plan()
+    assert p is not None and ck.mode == mode and p.mode == mode
+    assert (p.mode, p.chosen.interval) == (field["mode"], field["interval"])
+    seeded = CostMeter()
+    seeded.seed(costs)
+    assert p.costs == seeded.costs(True, 1)
+    assert any("resumed from the persisted plan" in r.getMessage() for r in caplog.records)
+    before = store.iterations()
+    for it in (latest + 1, latest + 2):  # planned steps: no measuring deltas or snapshot
+        _step(model, ck, opt, it)
+    store.flush()
+    new = [i for i in store.iterations() if i not in before]
+    assert new == ([latest + 1, latest + 2] if mode == "deltas" else [latest + 2])
+    assert [store.kind(i) for i in new] == (["delta"] * 2 if mode == "deltas" else ["snapshot"])
+    ck.close()
+    model, opt, ck = _restart(store, None)
+    assert ck.restore() == latest + 2
+    p = ck.plan()
+    assert p is not None and p.mode == mode
+    assert p.mtbf_source.startswith("learned: ") and "restart(s) of this store" in p.mtbf_source
+    assert 0 < p.mtbf_s < 3600
+    ck.close()
+    store.close()
+
+
+HOSTILE = [
+    "not a dict", 7, None, [1, 2], {}, {"v": 2, "restarts": 0, "since_ns": 1},
+    {"v": 1, "restarts": -1, "since_ns": 1}, {"v": 1, "restarts": True, "since_ns": 1},
+    {"v": 1, "restarts": 0, "since_ns": 0}, {"v": 1, "restarts": 0, "since_ns": 2 ** 62},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": "fast", "mode": "snapshots", "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": float("nan"), "stall": 0.1},
+     "mode": "snapshots", "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": -1.0, "stall": 0.1},
+     "mode": "snapshots", "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": float("inf"), "stall": 0.1},
+     "mode": "snapshots", "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"__class__": 1.0}, "mode": "snapshots",
+     "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": "0.1", "stall": 0.1},
+     "mode": "snapshots", "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": 0.1, "stall": 0.1},
+     "mode": "weekly", "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": 0.1, "stall": 0.1},
+     "mode": "snapshots", "interval": 0},
+]
+
+
+@pytest.mark.parametrize("hostile", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_persisted_plan_is_ignored_and_remeasured(tmp_path, caplog, assert_same, hostile):
+    """A base whose persisted plan is damaged or hostile: restore() loads it bit for bit, logs a
+    WARNING naming the problem, and the costs are measured again (deltas, a snapshot, plain
+    steps), then planned as on a new store."""
+    model, opt = _model()
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2)
+    ck.restore()
+    for it in range(1, 4):
+        _step(model, ck, opt, it)
+    store.flush()
+    ck.close()
+    state = ck.state(3)
+    state[PLAN_KEY] = hostile
+    state["iteration"] = 4
+    store.save(4, state)
+    live = _live(model, opt)
+    model2, opt2 = _model()
+    ck2 = Checkpointer(store, model2, opt2, policy="auto", measure_steps=2)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert ck2.restore() == 4
+    assert_same(live, _live(model2, opt2))
+    warned = [r.getMessage() for r in caplog.records if "persisted plan" in r.getMessage()]
+    assert len(warned) == 1 and "ignoring" in warned[0] and "measuring costs again" in warned[0]
+    assert ck2.plan() is None and ck2.mode == "deltas"
+    it = 4
+    while ck2.plan() is None and it < 100:  # (the measured snapshot's stall is known once durable)
+        it += 1
+        _step(model2, ck2, opt2, it)
+        store.flush()
+    assert ck2.plan() is not None
+    assert ck2.plan().mtbf_source.startswith("assumed")  # (the hostile history taught nothing)
+    ck2.close()
+    store.close()
+
+
+def test_old_store_without_a_persisted_plan_measures_without_warning(tmp_path, caplog):
+    """A store written by policy="every-iteration" (no persisted plan): measured, no warning."""
+    model, opt = _model()
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt)
+    ck.restore()
+    for it in range(1, 4):
+        _step(model, ck, opt, it)
+    store.flush()
+    ck.close()
+    assert PLAN_KEY not in store.load(0)
+    model2, opt2 = _model()
+    ck2 = Checkpointer(store, model2, opt2, policy="auto", measure_steps=2)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert ck2.restore() == 3
+    assert not caplog.records and ck2.plan() is None and ck2.mode == "deltas"
+    ck2.close()
+    store.close()
+
+
+def _store_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path)
+               for f in files)
+
+
+def test_default_disk_budget_bounds_the_store(tmp_path, monkeypatch, assert_same):
+    """disk_budget=None: the budget is a share of the free space at open (here made ~12
+    snapshots by lowering the share); the plan says so, and its retention keeps the store's
+    files within the budget at every step of a run that writes ~3x as much; the newest
+    snapshot loads bit for bit."""
+    width = 512
+    model, opt = _model(width)
+    snapshot = sum(p.numel() * 4 for p in model.parameters()) * 2  # parameters + momentum
+    budget = 12 * snapshot
+    monkeypatch.setattr(auto_policy, "DEFAULT_DISK_SHARE",
+                        budget / shutil.disk_usage(tmp_path).free)
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="snapshots", snapshot_every=2, measure_steps=2,
+                      asynchronous=False)
+    assert abs(ck.disk_budget - budget) < 0.05 * budget
+    ck.restore()
+    worst = 0
+    for it in range(1, 81):
+        _step(model, ck, opt, it, width)
+        if ck.plan() is not None:
+            worst = max(worst, _store_bytes(tmp_path / "s"))
+    p = ck.plan()
+    assert p is not None and p.retention is not None and 1 <= p.retention <= 12
+    assert "default: " in str(p) and "free space at open" in str(p)
+    assert worst <= ck.disk_budget, (worst, ck.disk_budget)
+    assert len(store.iterations()) <= p.retention + 1
+    newest = store.iterations()[-1]
+    assert newest == 80
+    assert_same(_live(model, opt), {k: store.load(80)[k] for k in ("model", "optimizer")})
+    ck.close()
+    store.close()
