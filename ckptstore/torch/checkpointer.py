@@ -250,14 +250,22 @@ class Checkpointer:
     "auto": ``measure_steps`` delta steps, one snapshot, ``measure_steps`` plain steps, then the
     plan with the better expected goodput (:meth:`plan` says which and why; logged, logger
     "ckptstore", INFO, whenever it changes); costs keep being measured and a drift of more than
-    30% re-plans. In the deltas mode of "auto" the base interval is the plan's. None (default):
+    30% re-plans. In the deltas mode of "auto" the base interval is the plan's. Every base carries
+    the plan's inputs (format-spec/deltas.md, "Persisted plan"): a Checkpointer that restores
+    from such a base plans at once from them, without measuring again. None (default):
     "every-iteration" when replay knows the optimizer, else "snapshots" (logged once, WARNING).
     An optimizer replay does not know (Lion, 8-bit Adam, a custom one) is always checkpointed by
     snapshots; ``policy="every-iteration"`` with one raises UnreplayableOptimizerError.
     ``mtbf_s``: the mean time between failures (seconds) the plan assumes; None: learned from a
-    job store's restarts (its epochs) when it has any, else 24 h, and the plan says so.
-    ``disk_budget``: bytes the checkpoints may take: the plan keeps each interval within it and
-    says how many checkpoints to keep (``plan().retention``; not applied by the Checkpointer).
+    job store's restarts (its epochs), or from a single store's restarts its persisted plans
+    count, when there are any, else 24 h, and the plan says so.
+    ``disk_budget``: bytes the checkpoints may take; None: half the free space of the store's
+    filesystem at open (:data:`ckptstore.torch.auto_policy.DEFAULT_DISK_SHARE`). The plan keeps
+    each interval within it and says how many checkpoints fit (``plan().retention``); unless
+    ``retention`` is given (or the store is a job store), the Checkpointer applies a retention
+    that keeps the store within it (the newest quarter of ``plan().retention`` kept by a gc before
+    80% of it is written). Policy "every-iteration" makes
+    no plan and applies none: pass ``retention`` to bound it.
     ``retention``: a retention policy (:mod:`ckptstore.ops.retention`, e.g.
     ``KeepLast(50) | KeepEvery(500)``) the store applies after every ``retention_every``-th
     base this Checkpointer writes (:meth:`ckptstore.Store.set_retention`; on a job store
