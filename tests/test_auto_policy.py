@@ -234,3 +234,78 @@ def test_default_disk_budget_bounds_the_store(tmp_path, monkeypatch, assert_same
     assert_same(_live(model, opt), {k: store.load(80)[k] for k in ("model", "optimizer")})
     ck.close()
     store.close()
+
+
+# ---- SIGKILL while the plan is measured, made and persisted --------------------------------------
+def _digest(model, opt) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for t in list(model.state_dict().values()) + [
+            v for s in opt.state_dict()["state"].values() for v in s.values()
+            if isinstance(v, torch.Tensor)]:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _victim(path: str, target: str, nth: int, log: str) -> None:
+    from _crashkit import KillOps
+    torch.set_num_threads(1)
+    model, opt = _model()
+    ops = KillOps(target, nth, tear=0.5, armed=False)
+    store = ckptstore.open(path, "a", file_ops=ops)
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2, snapshot_every=2)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, f"0 {_digest(model, opt)}\n".encode())
+    ck.restore()
+    ops.armed = True  # (counted from the first step: the calls of training, not of the open)
+    for it in range(1, 31):
+        _step(model, ck, opt, it)
+        os.write(fd, f"{it} {_digest(model, opt)}\n".encode())
+    store.flush()
+
+
+def _fork(*args) -> int:
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            _victim(*args)
+        except BaseException:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+@pytest.mark.parametrize("target,nth", [("fsync", 2), ("fsync", 5), ("fsync", 9), ("fsync", 14),
+                                        ("write", 7), ("write", 30)])
+def test_sigkill_while_planning_restores_and_resumes(tmp_path, caplog, target, nth):
+    """A process training with policy="auto" is SIGKILLed at the ``nth`` ``target`` call (while
+    measuring, planning, or writing a snapshot that carries the plan; a killed write leaves a
+    torn record): the next process restores a committed iteration bit for bit (the victim's
+    logged digest), is planned at once exactly when that iteration's base carries a plan, never
+    warns, and trains on."""
+    one = tmp_path / "s"
+    rc = _fork(str(one), target, nth, str(tmp_path / "log"))
+    assert rc == -9, f"the victim was not killed (rc {rc})"
+    logged = dict(line.split() for line in open(tmp_path / "log").read().splitlines())
+    store = ckptstore.open(one)
+    model, opt = _model()
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2, snapshot_every=2)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        got = ck.restore()
+    assert _digest(model, opt) == logged[str(got)]
+    try:
+        has_plan = "costs" in store.load_record(store.base_of(got), keys=[PLAN_KEY])[PLAN_KEY]
+    except KeyError:
+        has_plan = False
+    assert (ck.plan() is not None) == has_plan
+    assert not [r for r in caplog.records if "persisted plan" in r.getMessage()]
+    for it in range(got + 1, got + 4):
+        _step(model, ck, opt, it)
+    store.flush()
+    assert store.iterations()[-1] >= got + 2
+    ck.close()
+    store.close()

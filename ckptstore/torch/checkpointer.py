@@ -449,8 +449,8 @@ class Checkpointer:
         st["iteration"] = iteration
         st[REPLAY_KEY] = self._replay_info()
         persisted = self._auto.persisted()
-        if persisted is not None:
-            st[PLAN_KEY] = persisted
+        if persisted is not None and self._world == 1:
+            st[PLAN_KEY] = persisted  # (several ranks: no planner decides, snapshot_every does)
         if self._partition is not None:
             return split_state(st, self._partition, self._rank)
         if self._sharded:
@@ -800,8 +800,8 @@ class Checkpointer:
                                                          self.scheduler.state_dict()))
         restore_rng(state["rng"])
         self._continue_chain(target)
-        base = self.store.base_of(target)
-        self._auto.resume(lambda: self.store.load_record(base, keys=[PLAN_KEY])[PLAN_KEY], target)
+        self._auto.resume(lambda: self.store.load_record(self.store.base_of(target),
+                                                         keys=[PLAN_KEY])[PLAN_KEY], target)
         return target
 
     # ---- training ---------------------------------------------------------------------------
