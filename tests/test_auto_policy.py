@@ -309,3 +309,32 @@ def test_sigkill_while_planning_restores_and_resumes(tmp_path, caplog, target, n
     assert store.iterations()[-1] >= got + 2
     ck.close()
     store.close()
+
+
+def test_disk_budget_bounds_a_delta_chain_store(tmp_path, one_mode, assert_same):
+    """The deltas mode of policy="auto" under a budget of ~12 snapshots: the plan's base interval
+    fits the budget (two chains at least), its retention keeps the store's files within it at
+    every planned step of a run that writes several times as much, and what is kept loads bit
+    for bit (the newest delta, replayed from its chain's base)."""
+    one_mode[0] = "deltas"
+    width = 512
+    model, opt = _model(width)
+    budget = 12 * sum(p.numel() * 4 for p in model.parameters()) * 2
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2, disk_budget=budget,
+                      asynchronous=False)
+    ck.restore()
+    worst = 0
+    for it in range(1, 81):
+        _step(model, ck, opt, it, width)
+        if ck.plan() is not None and it > 10:
+            worst = max(worst, _store_bytes(tmp_path / "s"))
+    p = ck.plan()
+    assert p is not None and p.mode == "deltas" and p.retention is not None and p.retention >= 1
+    assert "given" in str(p)
+    assert worst <= budget, (worst, budget, str(p))
+    store.flush()
+    assert store.iterations()[0] > 10  # (old chains were removed)
+    assert_same(_live(model, opt), {k: store.load(80)[k] for k in ("model", "optimizer")})
+    ck.close()
+    store.close()

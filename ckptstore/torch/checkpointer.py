@@ -949,7 +949,8 @@ class Checkpointer:
         ``R`` (checkpoints that fit with room for the next): ``KeepLast`` of the newest
         ``K = max(1, R // 4)`` snapshots (chains: ``(K - 1) * interval + 1`` iterations, their
         bases closed over) after every ``E = max(1, floor(0.8 * R) - K)``-th base. The store then
-        holds at most ``K + E <= 0.8 * R`` of them plus the one being written (the 20% margin
+        holds at most ``K + E`` of them (``<= 0.8 * R`` from ``R = 3`` on) plus the one being
+        written (the 20% margin
         covers record framing, manifests and the index, which the measured sizes leave out),
         and each gc, which copies what it keeps, copies ``K`` per ``E`` written (about 0.45x)."""
         r = plan.retention
@@ -963,7 +964,13 @@ class Checkpointer:
         # postponing the gc, so a change of less than 10% keeps the retention in force)
         if applied is None or abs(keep - applied[0]) > 0.1 * applied[0] or \
                 (applied[0] != keep and r < 10):
-            self.store.set_retention(KeepLast(keep), every)
+            try:
+                self.store.set_retention(KeepLast(keep), every)
+            except CkptStoreError as e:  # (a store that refuses retention: the plan still holds)
+                log.warning("Checkpointer %s: the disk budget's retention cannot be set (%s); "
+                            "the store is not bounded", self.store.path, e)
+                self._own_retention = False
+                return
             self._retention_applied = (keep, every)
 
     def _switch(self, mode: str, iteration: int) -> None:
