@@ -138,6 +138,14 @@ HOSTILE = [
      "mode": "weekly", "interval": 2},
     {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": 0.1, "stall": 0.1},
      "mode": "snapshots", "interval": 0},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": 1e-300, "stall": 0.1,
+                                                      "persist": 1e300}, "mode": "snapshots",
+     "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": 0.1, "stall": 0.1,
+                                                      "snapshot_bytes": 1e30},
+     "mode": "snapshots", "interval": 2},
+    {"v": 1, "restarts": 2 ** 62, "since_ns": 1, "costs": {"plain": 0.1, "stall": 0.1},
+     "mode": "snapshots", "interval": 2, "extra": [0] * 1000},
 ]
 
 

@@ -49,6 +49,10 @@ PLAN_VERSION = 1
 DEFAULT_DISK_SHARE = 0.5
 #: the newest ``since_ns`` a persisted plan may hold ahead of this machine's clock (clock skew)
 _CLOCK_SKEW_NS = 600 * 10**9
+#: the largest persisted cost believed: seconds (11.6 days per step or save), bytes (1 EiB)
+_MAX_SECONDS = 1e6
+_MAX_BYTES = float(2 ** 60)
+_MAX_RESTARTS = 10 ** 9
 
 
 def learned_mtbf(restarts: int, since_ns: int, what: str,
@@ -100,6 +104,8 @@ def parse_persisted(field: Any, now_ns: int | None = None) -> tuple[int, int, di
     if field.get("v") != PLAN_VERSION:
         raise ValueError(f"version {field.get('v')!r}, not {PLAN_VERSION}")
     restarts = _int("restarts", field.get("restarts"), 0)
+    if restarts > _MAX_RESTARTS:
+        raise ValueError(f"restarts {restarts} is beyond {_MAX_RESTARTS}")
     since = _int("since_ns", field.get("since_ns"), 1)
     now = time.time_ns() if now_ns is None else now_ns
     if since > now + _CLOCK_SKEW_NS:
@@ -107,6 +113,10 @@ def parse_persisted(field: Any, now_ns: int | None = None) -> tuple[int, int, di
     costs = field.get("costs")
     if costs is not None:
         CostMeter().seed(costs)  # (raises ValueError for a bad one)
+        for kind, v in costs.items():
+            top = _MAX_BYTES if kind.endswith("bytes") else _MAX_SECONDS
+            if v > top:
+                raise ValueError(f"{kind} {v!r} is beyond {top:g}")
         if field.get("mode") not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {field.get('mode')!r}")
         _int("interval", field.get("interval"), 1)
@@ -217,7 +227,12 @@ class AutoPolicy:
         if self.meter.costs(self.replayable and self.policy == "auto", self.group_commit) is None:
             self.meter = CostMeter()  # (valid numbers, but too few to plan from)
             return
-        self._replan(iteration + 1, resumed=True)
+        try:
+            self._replan(iteration + 1, resumed=True)
+        except (ValueError, ArithmeticError) as e:  # (numbers in range that the model rejects)
+            log.warning("Checkpointer %s: the persisted plan of iteration %d does not plan "
+                        "(%s); measuring costs again", self._where, iteration, e)
+            self.meter, self.plan = CostMeter(), None
 
     # ---- the step ---------------------------------------------------------------------------
     def tick(self, iteration: int) -> None:
