@@ -931,7 +931,7 @@ def test_switching_plans_loses_nothing_committed(tmp_path, assert_same, caplog, 
     """deltas -> snapshots -> deltas -> snapshots (the planner forced to one mode at a time):
     every iteration committed before a switch is still committed after it, and every committed
     iteration loads bit for bit as the live state was; each plan change is logged (INFO)."""
-    from ckptstore.torch import checkpointer as ckmod
+    from ckptstore.torch import auto_policy as ckmod
     real, want = ckmod.make_plan, ["deltas"]
     monkeypatch.setattr(ckmod, "make_plan", lambda *a, **kw: real(*a, **{**kw, "modes": (want[0],)}))
     model, opt = _small(torch.optim.Adam)

@@ -35,6 +35,7 @@ SPECS = sorted((ROOT / "format-spec").glob("*.md"))
 #: dotted names in backticks that are not Python objects, with what they are
 NOT_PYTHON = {
     "ckptstore.follower": "the follower's meta key and format marker (format-spec/follower.md)",
+    "ckptstore.plan": "a Checkpointer base's persisted-plan key (format-spec/deltas.md)",
 }
 #: documented modules that re-export a module moved into a package, and that module
 REEXPORTS = {

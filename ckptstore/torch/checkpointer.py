@@ -59,7 +59,7 @@ from ..engine.engine import DEFAULT_CHUNK_SIZE
 from ..format.image import BLOCK as IMAGE_BLOCK, ChunkImage
 from ..format.manifest import INLINE_MAX
 from ..ops.pipeline import ALIGN
-from ..ops.retention import Policy
+from ..ops.retention import KeepLast, Policy
 from ..tensors import ImageTensor
 from ..replay.gradcodecs import parse_codec
 from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
@@ -67,7 +67,8 @@ from ..replay.partition import Partition, split_state
 from ..replay.shards import is_dtensor, local, localize
 from .dp_restore import can_load_in_parallel, load_in_parallel
 from .failure_policy import CheckpointerStats, FailurePolicy
-from .plan import DEFAULT_MTBF_S, DELTAS, SNAPSHOTS, CostMeter, Plan, drifted, plan as make_plan
+from .auto_policy import PLAN_KEY, AutoPolicy, default_budget, job_restarts
+from .plan import DELTAS, SNAPSHOTS, CostMeter, Plan
 from .sharded import check_meshes, copy_into_live, load_sharded, replicas_of
 from ..replay.replayer import fingerprint, fingerprint_digest
 
@@ -249,14 +250,22 @@ class Checkpointer:
     "auto": ``measure_steps`` delta steps, one snapshot, ``measure_steps`` plain steps, then the
     plan with the better expected goodput (:meth:`plan` says which and why; logged, logger
     "ckptstore", INFO, whenever it changes); costs keep being measured and a drift of more than
-    30% re-plans. In the deltas mode of "auto" the base interval is the plan's. None (default):
+    30% re-plans. In the deltas mode of "auto" the base interval is the plan's. Every base carries
+    the plan's inputs (format-spec/deltas.md, "Persisted plan"): a Checkpointer that restores
+    from such a base plans at once from them, without measuring again. None (default):
     "every-iteration" when replay knows the optimizer, else "snapshots" (logged once, WARNING).
     An optimizer replay does not know (Lion, 8-bit Adam, a custom one) is always checkpointed by
     snapshots; ``policy="every-iteration"`` with one raises UnreplayableOptimizerError.
     ``mtbf_s``: the mean time between failures (seconds) the plan assumes; None: learned from a
-    job store's restarts (its epochs) when it has any, else 24 h, and the plan says so.
-    ``disk_budget``: bytes the checkpoints may take: the plan keeps each interval within it and
-    says how many checkpoints to keep (``plan().retention``; not applied by the Checkpointer).
+    job store's restarts (its epochs), or from a single store's restarts its persisted plans
+    count, when there are any, else 24 h, and the plan says so.
+    ``disk_budget``: bytes the checkpoints may take; None: half the free space of the store's
+    filesystem at open (:data:`ckptstore.torch.auto_policy.DEFAULT_DISK_SHARE`). The plan keeps
+    each interval within it and says how many checkpoints fit (``plan().retention``); unless
+    ``retention`` is given (or the store is a job store), the Checkpointer applies a retention
+    that keeps the store within it (the newest quarter of ``plan().retention`` kept by a gc before
+    80% of it is written). Policy "every-iteration" makes
+    no plan and applies none: pass ``retention`` to bound it.
     ``retention``: a retention policy (:mod:`ckptstore.ops.retention`, e.g.
     ``KeepLast(50) | KeepEvery(500)``) the store applies after every ``retention_every``-th
     base this Checkpointer writes (:meth:`ckptstore.Store.set_retention`; on a job store
@@ -399,28 +408,22 @@ class Checkpointer:
         self._hooks: list[Any] = []
         #: a step begun with before_step() and not yet ended with after_step()
         self._open: _Step | None = None
-        # ---- the checkpoint policy (ckptstore/torch/plan.py) ------------------------------------
+        # ---- the checkpoint policy (ckptstore/torch/auto_policy.py, plan.py) --------------------
         self.checkpoint_policy = policy
         self.replayable = replayable
         self.snapshot_every = snapshot_every
-        self.mtbf_s = mtbf_s
-        self.disk_budget = disk_budget
         self.measure_steps = measure_steps
-        self.meter = CostMeter()
-        self._plan: Plan | None = None
-        self._mtbf: tuple[float, str] | None = None  # (seconds, where it comes from), once known
-        #: what the steps write now: DELTAS or SNAPSHOTS
-        self._mode = DELTAS if policy == "every-iteration" or (policy == "auto" and replayable) \
-            else SNAPSHOTS
-        #: "deltas" (measuring delta steps), "plain" (measuring steps that write nothing), "planned"
-        self._phase = "planned" if policy == "every-iteration" else \
-            ("deltas" if self._mode == DELTAS else "plain")
-        self._measure_snapshot = False  # the plain phase asked for the snapshot it measures
-        self._since_check = 0  # steps since costs were last compared with the plan's
-        self._replan_next = False  # replan() asked for a plan at the next step
-        #: the last step: (iteration, its start, what it wrote: "plain" | "delta" | "base")
-        self._prev: tuple[int, float, str] | None = None
-        self._t_step = 0.0
+        budget_source = "given"
+        if disk_budget is None:
+            disk_budget, budget_source = default_budget(str(store.path))
+        #: the retention this Checkpointer derives from the plan (None: the user's, or none yet)
+        self._own_retention = retention is None and not job
+        self._retention_applied: tuple[int, int] | None = None
+        self._auto = AutoPolicy(policy, replayable, snapshot_every, mtbf_s, disk_budget,
+                                measure_steps, group_commit, budget_source=budget_source,
+                                job_history=(lambda: job_restarts(store.view)) if job else None,
+                                switch=self._switch, snapshot_now=self._snapshot_now,
+                                planned=self._planned, where=str(store.path))
         self._wrote = "plain"
         self._capture_grads = self.asynchronous and not self.codec.lossy and policy != "snapshots"
         if self._capture_grads:
@@ -446,6 +449,9 @@ class Checkpointer:
         st["rng"] = capture_rng()
         st["iteration"] = iteration
         st[REPLAY_KEY] = self._replay_info()
+        persisted = self._auto.persisted()
+        if persisted is not None and self._world == 1:
+            st[PLAN_KEY] = persisted  # (several ranks: no planner decides, snapshot_every does)
         if self._partition is not None:
             return split_state(st, self._partition, self._rank)
         if self._sharded:
@@ -462,7 +468,7 @@ class Checkpointer:
             fut = self.store.save_async(iteration, state, meta=meta)
             fut.add_done_callback(self._cost_callback("_base_cost", 0.0))
             fut.add_done_callback(self._durable_callback)
-            fut.add_done_callback(self._observe_snapshot)
+            fut.add_done_callback(self._auto.observe_snapshot)
             self._wrote = "base"
             self._last = self._base = iteration
             self._group_n = 0  # the base commits every pending delta
@@ -471,11 +477,7 @@ class Checkpointer:
         stats = self.store.save(iteration, state, meta=meta)
         self._ema("_base_cost", time.perf_counter() - t0)
         self._wrote = "base"
-        # synchronous: the whole save stalls training and it is durable when it returns
-        self.meter.add("stall", time.perf_counter() - t0)
-        self.meter.add("persist", 0.0)
-        self.meter.add("snapshot_bytes", stats.written_bytes)
-        self.meter.add("load", stats.seconds)
+        self._auto.observe_sync_snapshot(time.perf_counter() - t0, stats)
         self._last = self._base = iteration
         self._force_base = False
         self.policy.succeeded()
@@ -603,7 +605,7 @@ class Checkpointer:
     def _hook(self, i: int):
         def on_grad(p: torch.Tensor) -> None:
             g = local(p.grad)
-            if self._ddp or g is None or not self._owned[i] or self._mode != DELTAS or \
+            if self._ddp or g is None or not self._owned[i] or self._auto.mode != DELTAS or \
                     not self._capturable(i, g):
                 return
             self._slot(i, self._ensure_arena()).copy_(g)
@@ -615,7 +617,7 @@ class Checkpointer:
         """Copy an all-reduced DDP bucket (``flat``: the bucket's gradients of ``params``, in
         order) into the gradient slots (called by :func:`ddp_comm_hook`)."""
         self._ddp = True
-        if not self._capture_grads or self._mode != DELTAS:
+        if not self._capture_grads or self._auto.mode != DELTAS:
             return
         if sum(p.numel() for p in params) != flat.numel() or flat.device.type != "cpu":
             return  # an unexpected layout: the step copies p.grad instead
@@ -772,7 +774,7 @@ class Checkpointer:
         self.store.flush() if self.store.pending() or self.store.running_pipeline is not None else None
         self._captured = [None] * len(self._params)
         self._resync = False
-        self._prev = None  # (no step-time sample across a restore)
+        self._auto.forget_step()  # (no step-time sample across a restore)
         its = self.store.iterations()
         if not its:
             if iteration not in (None, 0) or state is not None:
@@ -809,15 +811,17 @@ class Checkpointer:
                                                          self.scheduler.state_dict()))
         restore_rng(state["rng"])
         self._continue_chain(target)
+        self._auto.resume(lambda: self.store.load_record(self.store.base_of(target),
+                                                         keys=[PLAN_KEY])[PLAN_KEY], target)
         return target
 
     # ---- training ---------------------------------------------------------------------------
     def interval(self) -> int | None:
         """The current base interval (fixed, or chosen from measured costs for "auto"); None with
         ``base_every=None`` (no periodic bases: a follower writes them)."""
-        if self.checkpoint_policy == "auto" and self._plan is not None and \
-                self._plan.base_every is not None:
-            return self._plan.base_every  # (the deltas mode of policy="auto")
+        planned = self._auto.base_every()
+        if planned is not None:
+            return planned  # (the deltas mode of policy="auto")
         if self.base_every is None:
             return None
         if self.base_every != "auto":
@@ -898,18 +902,33 @@ class Checkpointer:
             raise DeltaChainError("Checkpointer.after_step() without before_step()")
         return self._tock(st, self._end(st, meta))
 
-    # ---- the checkpoint policy ---------------------------------------------------------------
+    # ---- the checkpoint policy (ckptstore/torch/auto_policy.py) ------------------------------
     def plan(self) -> Plan | None:
         """The current checkpoint plan (:class:`ckptstore.torch.plan.Plan`: the mode, its interval,
         the expected goodput of each mode compared, bytes per hour, retention, the costs and the
         failure rate it assumed; ``str()`` explains it), or None: policy "every-iteration" (no
-        planner), or the costs are still being measured (the first ``2 * measure_steps`` steps)."""
-        return self._plan
+        planner), or the costs are still being measured (the first ``2 * measure_steps`` steps
+        of a store without a persisted plan)."""
+        return self._auto.plan
 
     @property
     def mode(self) -> str:
         """What the steps write now: "deltas" or "snapshots"."""
-        return self._mode
+        return self._auto.mode
+
+    @property
+    def meter(self) -> CostMeter:
+        """The costs measured so far (:class:`ckptstore.torch.plan.CostMeter`)."""
+        return self._auto.meter
+
+    @property
+    def mtbf_s(self) -> float | None:
+        return self._auto.mtbf_s
+
+    @property
+    def disk_budget(self) -> int | None:
+        """Bytes the checkpoints may take (given, or the default share of the free space)."""
+        return self._auto.disk_budget
 
     def replan(self, mtbf_s: float | None = None) -> None:
         """Plan again at the next step, from the costs measured so far (it does when they drift
@@ -919,99 +938,51 @@ class Checkpointer:
             raise CheckpointPlanError('replan: policy="every-iteration" has no plan')
         _check_policy_args(self.checkpoint_policy, self.snapshot_every, mtbf_s, self.disk_budget,
                            self.measure_steps)
-        if mtbf_s is not None:
-            self.mtbf_s = mtbf_s
-        if self._phase == "planned":
-            self._replan_next = True
+        self._auto.replan_soon(mtbf_s)
 
     def _tick(self, iteration: int) -> None:
-        """A step's start: the previous step's wall time (to this start) becomes a cost sample
-        under what it wrote (a step that snapshotted is no sample); then the policy moves on,
-        which may switch the mode before this step."""
-        now = time.perf_counter()
-        prev, self._prev = self._prev, None
-        if prev is not None and prev[0] == iteration - 1 and prev[2] != "base":
-            self.meter.add(prev[2], now - prev[1])
-        self._t_step = now
+        """A step's start: the policy samples the previous step and moves on, which may switch
+        the mode before this step."""
         self._wrote = "plain"
-        if self.checkpoint_policy != "every-iteration":
-            self._advance(iteration)
+        self._auto.tick(iteration)
 
     def _tock(self, st: _Step, out: Any) -> Any:
         """A step that ended (it may have written nothing): remembered for the next sample."""
-        self._prev = (st.iteration, self._t_step, self._wrote if st.recorded else "base")
+        self._auto.tock(st.iteration, self._wrote if st.recorded else "base")
         return out
 
-    def _advance(self, iteration: int) -> None:
-        """The policy's phases: measure ``measure_steps`` delta steps (policy "auto" with an
-        optimizer replay knows), then one snapshot and ``measure_steps`` steps that write nothing,
-        then plan; once planned, compare the costs with the plan's every 16 steps and re-plan
-        when one drifted (:func:`ckptstore.torch.plan.drifted`)."""
-        m = self.meter
-        self._since_check += 1
-        if self._phase == "deltas":
-            if m.count("delta") >= self.measure_steps or self._since_check > 4 * self.measure_steps:
-                self._phase = "plain"
-                self._measure_snapshot = True  # (the switch snapshots this step)
-                self._switch(SNAPSHOTS, iteration)
-        elif self._phase == "plain":
-            if m.count("plain") >= self.measure_steps or self._since_check > 4 * self.measure_steps:
-                if m.count("stall"):
-                    self._replan(iteration)
-                elif not self._measure_snapshot and self.snapshot_every is None:
-                    # nothing snapshotted yet (a store restored from), and no interval that
-                    # will: one snapshot to measure
-                    self._measure_snapshot = self._force_base = True
-        elif self._since_check >= 16 or self._replan_next:
-            if self._replan_next:
-                self._replan_next = False
-                self._replan(iteration)
-                return
-            self._since_check = 0
-            costs = self._costs()
-            if costs is not None and (self._plan is None or drifted(self._plan.costs, costs)):
-                self._replan(iteration)
+    def _snapshot_now(self) -> None:
+        self._force_base = True
 
-    def _costs(self):
-        return self.meter.costs(self.replayable and self.checkpoint_policy == "auto",
-                                self.group_commit)
-
-    def _replan(self, iteration: int) -> None:
-        """Plan from the measured costs; a changed plan is logged (INFO) and, when its mode
-        differs, applied from this step on."""
-        costs = self._costs()
-        if costs is None:
+    def _planned(self, plan: Plan) -> None:
+        """A plan is in force: unless the user set a retention (or the store is a job's, whose
+        retention is collective), keep the store within the disk budget by the plan's retention
+        ``R`` (checkpoints that fit with room for the next): ``KeepLast`` of the newest
+        ``K = max(1, R // 4)`` snapshots (chains: ``(K - 1) * interval + 1`` iterations, their
+        bases closed over) after every ``E = max(1, floor(0.8 * R) - K)``-th base. The store then
+        holds at most ``K + E`` of them (``<= 0.8 * R`` from ``R = 3`` on) plus the one being
+        written (the 20% margin
+        covers record framing, manifests and the index, which the measured sizes leave out),
+        and each gc, which copies what it keeps, copies ``K`` per ``E`` written (about 0.45x)."""
+        r = plan.retention
+        if not self._own_retention or r is None or r < 1:
             return
-        mtbf, source = self._failure_rate()
-        modes = (SNAPSHOTS, DELTAS) if self.checkpoint_policy == "auto" else (SNAPSHOTS,)
-        fixed = {SNAPSHOTS: self.snapshot_every} if self.snapshot_every else None
-        new = make_plan(costs, mtbf, self.disk_budget, modes=modes, fixed=fixed,
-                        mtbf_source=source)
-        old, self._plan = self._plan, new
-        self._phase, self._since_check = "planned", 0
-        if old is None or (old.mode, old.chosen.interval) != (new.mode, new.chosen.interval):
-            log.info("Checkpointer %s, from iteration %d on: %s", self.store.path, iteration, new)
-            if new.mode != self._mode:
-                self._switch(new.mode, iteration)
-
-    def _failure_rate(self) -> tuple[float, str]:
-        """(MTBF seconds, where it comes from): ``mtbf_s`` when given; else learned from a job
-        store's epochs (each new epoch is the job opened again: a restart) over the time since
-        its oldest commit still held; else :data:`~ckptstore.torch.plan.DEFAULT_MTBF_S`,
-        assumed."""
-        if self.mtbf_s is not None:
-            return float(self.mtbf_s), "given"
-        if self._mtbf is None:
-            self._mtbf = (DEFAULT_MTBF_S, "assumed: the 24 h default, no failure history to "
-                                          "learn from; pass mtbf_s=")
-            store = self.store
-            if isinstance(store, JobStore):
-                restarts, since_ns = job_restarts(store.view)
-                span = (time.time_ns() - since_ns) / 1e9 if since_ns else 0.0
-                if restarts >= 1 and span > 0:
-                    self._mtbf = (span / restarts, f"learned: {restarts} restart(s) of the job "
-                                                   f"store in {span / 3600:.2f} h")
-        return self._mtbf
+        k = max(1, r // 4)
+        keep = k if plan.mode == SNAPSHOTS else (k - 1) * plan.chosen.interval + 1
+        every = max(1, math.floor(0.8 * r) - k)
+        applied = self._retention_applied
+        # (set_retention restarts its count of bases: a plan whose sizes jitter must not keep
+        # postponing the gc, so a change of less than 10% keeps the retention in force)
+        if applied is None or abs(keep - applied[0]) > 0.1 * applied[0] or \
+                (applied[0] != keep and r < 10):
+            try:
+                self.store.set_retention(KeepLast(keep), every)
+            except CkptStoreError as e:  # (a store that refuses retention: the plan still holds)
+                log.warning("Checkpointer %s: the disk budget's retention cannot be set (%s); "
+                            "the store is not bounded", self.store.path, e)
+                self._own_retention = False
+                return
+            self._retention_applied = (keep, every)
 
     def _switch(self, mode: str, iteration: int) -> None:
         """Write ``mode`` from step ``iteration`` on. To snapshots: this step snapshots (which
@@ -1030,26 +1001,6 @@ class Checkpointer:
             except BaseException as e:
                 self._policy_failed(e, iteration)  # raises unless the policy keeps training
             self._resync = True
-        self._mode = mode
-
-    def _observe_snapshot(self, fut) -> None:
-        """A snapshot's AsyncStats, once it is durable: stall, persist, bytes, write time."""
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        st = fut.result()
-        self.meter.add("stall", getattr(st, "stall_s", 0.0))
-        self.meter.add("persist", getattr(st, "persist_s", 0.0))
-        self.meter.add("snapshot_bytes", getattr(st, "written_bytes", 0) or
-                       getattr(st, "snapshot_bytes", 0))
-        self.meter.add("load", getattr(st, "write_s", 0.0))
-
-    def _observe_delta(self, fut) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        st = fut.result()
-        self.meter.add("delta_bytes", getattr(st, "written_bytes", 0) or
-                       getattr(st, "snapshot_bytes", 0))
-        self.meter.add("delta_write", getattr(st, "write_s", 0.0))
 
     def _snap_begin(self, iteration: int) -> _Step:
         """A step of the snapshots mode, before ``optimizer.step()``: an earlier background
@@ -1087,7 +1038,7 @@ class Checkpointer:
         if not st.recorded:
             self._force_base = True
             return None
-        every = self.snapshot_every or (self._plan.snapshot_every if self._plan else None)
+        every = self._auto.snapshot_every()
         since = iteration - (self._base if self._base is not None else iteration)
         if not (self._force_base or (every is not None and since >= every)):
             return None
@@ -1114,7 +1065,7 @@ class Checkpointer:
         """What a step does before ``optimizer.step()``: resynchronise with the store after a
         failure, check ``iteration``, take RNG states, hyperparameters and gradients.
         ``own_grads``: the gradient payloads must not alias the live gradients."""
-        if self._mode == SNAPSHOTS:
+        if self._auto.mode == SNAPSHOTS:
             return self._snap_begin(iteration)
         if self.asynchronous:
             return self._begin_async(iteration, own_grads)
@@ -1175,8 +1126,7 @@ class Checkpointer:
                 stats = self.store.save_delta(iteration, record, meta, durable=False)
                 self._last = iteration
                 self._wrote = "delta"
-                self.meter.add("delta_bytes", stats.written_bytes)
-                self.meter.add("delta_write", stats.seconds)
+                self._auto.observe_sync_delta(stats)
                 if len(self.store.pending()) >= self.group_commit or (
                         self.group_seconds is not None and
                         self.store.pending_age() >= self.group_seconds):
@@ -1318,7 +1268,7 @@ class Checkpointer:
                                   owned=[owned] if owned is not None else None)
                 fut.add_done_callback(self._cost_callback("_delta_cost", time.perf_counter() - st.t0))
                 fut.add_done_callback(self._durable_callback)
-                fut.add_done_callback(self._observe_delta)
+                fut.add_done_callback(self._auto.observe_delta)
                 self._wrote = "delta"
         except BaseException as e:
             return self._failed(st, e)
@@ -1331,30 +1281,6 @@ class Checkpointer:
             arena, self._arena = self._arena, None
         if arena is not None:
             pipe.pool.release(arena)
-
-
-def job_restarts(view: Any) -> tuple[int, int]:
-    """(restarts, since when in ns) a job store's global logs show: each epoch on the chain is one
-    open of the job, except the first one counted, an epoch written by gc (a *generation*: its
-    commits were copied, so its first commit is older than its EPOCH record) and the epoch the
-    job opened right after its own gc (``JobStore.gc`` on a writer, automatic retention). A gc
-    deletes the epochs it replaces, so restarts are known only since the newest generation:
-    ``since`` is its EPOCH's time (else the oldest commit's; 0: nothing committed). A job that
-    restarted right after an offline gc is not counted either: the count errs low."""
-    chain = list(view.chain)
-
-    def generation(e: int) -> bool:
-        scan = view.logs.get(e)
-        return bool(scan is not None and scan.epoch is not None and scan.commits and
-                    scan.commits[0][0].created_ns < scan.epoch.created_ns)
-
-    start = max((i for i, e in enumerate(chain) if generation(e)), default=None)
-    if start is not None:
-        opens = chain[start + 2:]  # (start + 1: the job's own epoch after its gc)
-        scan = view.logs[chain[start]]
-        return len(opens), scan.epoch.created_ns
-    since = min((g.created_ns for g in view.commits.values()), default=0)
-    return max(0, len(chain) - 1), since
 
 
 def _same_bits(slot: Any, g: torch.Tensor) -> bool:

@@ -140,6 +140,8 @@ class Plan:
     costs: Costs
     disk_budget: int | None = None
     notes: tuple[str, ...] = field(default=())
+    #: where ``disk_budget`` came from ("given", or the Checkpointer's default share of free space)
+    budget_source: str = "given"
 
     @property
     def mode(self) -> str:
@@ -185,8 +187,10 @@ class Plan:
         lines.append(f"  failures: MTBF {_duration(self.mtbf_s)} ({self.mtbf_source})")
         disk = f"  disk: {_size(self.chosen.bytes_per_hour)}/h"
         if self.disk_budget is not None:
-            disk += (f"; the budget of {_size(self.disk_budget)} keeps the newest "
-                     f"{self.chosen.retention} {'snapshots' if self.mode == SNAPSHOTS else 'chains'}")
+            kept = ("the newest " + str(self.chosen.retention) if self.chosen.retention is not None
+                    else "all the")  # (None: sizes not measured yet)
+            disk += (f"; the budget of {_size(self.disk_budget)} ({self.budget_source}) keeps "
+                     f"{kept} {'snapshots' if self.mode == SNAPSHOTS else 'chains'}")
         lines.append(disk)
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -288,7 +292,8 @@ def best_interval(costs: Costs, mode: str, mtbf_s: float, lo: int, hi: int) -> i
 
 def plan(costs: Costs, mtbf_s: float, disk_budget: int | None = None, *,
          modes: tuple[str, ...] = MODES, fixed: dict[str, int] | None = None,
-         mtbf_source: str = "given", max_interval: int = 100_000) -> Plan:
+         mtbf_source: str = "given", max_interval: int = 100_000,
+         budget_source: str = "given") -> Plan:
     """The best plan for ``costs`` under failures every ``mtbf_s`` seconds on average.
 
     ``modes``: the modes to consider (deltas are left out when ``costs.delta_overhead_s`` is
@@ -329,7 +334,7 @@ def plan(costs: Costs, mtbf_s: float, disk_budget: int | None = None, *,
     chosen = max(fitting, key=lambda o: o.goodput)
     rest = sorted((o for o in options if o is not chosen), key=lambda o: -o.goodput)
     return Plan(chosen, (chosen, *rest), float(mtbf_s), mtbf_source, costs, disk_budget,
-                tuple(notes))
+                tuple(notes), budget_source)
 
 
 class CostMeter:
@@ -360,6 +365,24 @@ class CostMeter:
             return None
         m = len(v) // 2
         return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
+
+    def medians(self) -> dict[str, float]:
+        """``{kind: median}`` of every kind with samples (what a persisted plan keeps)."""
+        out = {k: self.median(k) for k in self._s}
+        return {k: v for k, v in out.items() if v is not None}
+
+    def seed(self, medians: object) -> None:
+        """Start from ``medians`` (as :meth:`medians` returned them, e.g. read back from a store):
+        one sample of each kind, which new samples outvote. Raises ValueError, and takes nothing,
+        unless ``medians`` is a dict of known kinds to finite numbers >= 0."""
+        if type(medians) is not dict:
+            raise ValueError(f"costs must be a dict, not {type(medians).__name__}")
+        for k, v in medians.items():
+            if k not in self._s:
+                raise ValueError(f"unknown cost {k!r}")
+            _check_number(k, v)
+        for k, v in medians.items():
+            self.add(k, v)
 
     def costs(self, replayable: bool, group_commit: int = 1) -> Costs | None:
         """The current estimate (see :class:`Costs`), or None before enough samples. The delta

@@ -1,0 +1,387 @@
+"""The Checkpointer's checkpoint policy: measure costs, plan, re-plan (issue 30).
+
+:class:`AutoPolicy` is the state machine behind ``Checkpointer(policy="auto")`` (and the planned
+interval of ``policy="snapshots"`` without ``snapshot_every``); the Checkpointer owns one and
+calls it at fixed points of a step. :mod:`ckptstore.torch.plan` holds the model (pure
+arithmetic); this module decides *when* to plan and what to plan from. Call sequence per step:
+
+1. ``tick(iteration)``: the previous step's wall time becomes a cost sample under what it wrote;
+   the phases move on (:meth:`AutoPolicy.advance`), which may switch the mode or ask for a
+   snapshot (through the Checkpointer's callbacks) before this step writes anything;
+2. the Checkpointer writes what ``mode`` says and feeds the meter (``observe_*``);
+3. ``tock(iteration, wrote)``: remembered for the next sample.
+
+Phases without a persisted plan: ``measure_steps`` delta steps (policy "auto" with an optimizer
+replay knows), one snapshot, ``measure_steps`` plain steps, then "planned": the costs are
+compared with the plan's every 16 steps and a drift re-plans.
+
+**Persisted plan** (format-spec/deltas.md, "Base snapshot written by the Checkpointer"): every
+base the Checkpointer writes carries :meth:`AutoPolicy.persisted` under :data:`PLAN_KEY`: the
+measured cost medians and the failure history (restarts, since when). A restarted process
+(:meth:`AutoPolicy.resume`, from the base of the iteration it restored) seeds its meter with the
+medians and plans at once: no measuring phase, so a process with a short life between failures
+does not spend it measuring. The plan is re-derived from the persisted inputs (a pure function
+of them), so the persisted field holds no decision a reader must trust. A field that does not
+validate is ignored with a WARNING (logger "ckptstore") and the costs are measured again.
+
+**Failure rate** (:func:`learned_mtbf`, one implementation for both kinds of store): restarts
+over the time they happened in; a job store's restarts are its epochs (:func:`job_restarts`), a
+single store's the resumes its persisted plans count (each :meth:`AutoPolicy.resume` from a base
+carrying one is one restart; a process killed before it wrote a base is not counted: the count
+errs low, the MTBF high).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable
+
+from .plan import DEFAULT_MTBF_S, DELTAS, MODES, SNAPSHOTS, CostMeter, Plan, drifted, plan as make_plan
+
+log = logging.getLogger("ckptstore")
+
+#: the base snapshot's key of the persisted plan (format-spec/deltas.md)
+PLAN_KEY = "ckptstore.plan"
+PLAN_VERSION = 1
+#: the share of the store's filesystem's free space (at open) the default disk budget is
+DEFAULT_DISK_SHARE = 0.5
+#: the newest ``since_ns`` a persisted plan may hold ahead of this machine's clock (clock skew)
+_CLOCK_SKEW_NS = 600 * 10**9
+#: the largest persisted cost believed: seconds (11.6 days per step or save), bytes (1 EiB)
+_MAX_SECONDS = 1e6
+_MAX_BYTES = float(2 ** 60)
+_MAX_RESTARTS = 10 ** 9
+
+
+def learned_mtbf(restarts: int, since_ns: int, what: str,
+                 now_ns: int | None = None) -> tuple[float, str] | None:
+    """(MTBF seconds, where it comes from) for ``restarts`` restarts since ``since_ns`` (wall
+    clock, ns since the epoch), or None when that teaches nothing (no restart, no time)."""
+    now = time.time_ns() if now_ns is None else now_ns
+    span = (now - since_ns) / 1e9 if since_ns else 0.0
+    if restarts < 1 or span <= 0:
+        return None
+    return span / restarts, f"learned: {restarts} restart(s) of {what} in {span / 3600:.2f} h"
+
+
+def job_restarts(view: Any) -> tuple[int, int]:
+    """(restarts, since when in ns) a job store's global logs show: each epoch on the chain is one
+    open of the job, except the first one counted, an epoch written by gc (a *generation*: its
+    commits were copied, so its first commit is older than its EPOCH record) and the epoch the
+    job opened right after its own gc (``JobStore.gc`` on a writer, automatic retention). A gc
+    deletes the epochs it replaces, so restarts are known only since the newest generation:
+    ``since`` is its EPOCH's time (else the oldest commit's; 0: nothing committed). A job that
+    restarted right after an offline gc is not counted either: the count errs low."""
+    chain = list(view.chain)
+
+    def generation(e: int) -> bool:
+        scan = view.logs.get(e)
+        return bool(scan is not None and scan.epoch is not None and scan.commits and
+                    scan.commits[0][0].created_ns < scan.epoch.created_ns)
+
+    start = max((i for i, e in enumerate(chain) if generation(e)), default=None)
+    if start is not None:
+        opens = chain[start + 2:]  # (start + 1: the job's own epoch after its gc)
+        scan = view.logs[chain[start]]
+        return len(opens), scan.epoch.created_ns
+    since = min((g.created_ns for g in view.commits.values()), default=0)
+    return max(0, len(chain) - 1), since
+
+
+def _int(name: str, v: Any, lo: int) -> int:
+    if type(v) is not int or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, not {v!r}")
+    return v
+
+
+def parse_persisted(field: Any, now_ns: int | None = None) -> tuple[int, int, dict | None]:
+    """``(restarts, since_ns, cost medians or None)`` from a persisted plan field, checked:
+    ValueError naming what is wrong (a hostile or damaged field must not reach the planner)."""
+    if type(field) is not dict:
+        raise ValueError(f"not a dict but {type(field).__name__}")
+    if field.get("v") != PLAN_VERSION:
+        raise ValueError(f"version {field.get('v')!r}, not {PLAN_VERSION}")
+    restarts = _int("restarts", field.get("restarts"), 0)
+    if restarts > _MAX_RESTARTS:
+        raise ValueError(f"restarts {restarts} is beyond {_MAX_RESTARTS}")
+    since = _int("since_ns", field.get("since_ns"), 1)
+    now = time.time_ns() if now_ns is None else now_ns
+    if since > now + _CLOCK_SKEW_NS:
+        raise ValueError(f"since_ns {since} is in the future")
+    costs = field.get("costs")
+    if costs is not None:
+        CostMeter().seed(costs)  # (raises ValueError for a bad one)
+        for kind, v in costs.items():
+            top = _MAX_BYTES if kind.endswith("bytes") else _MAX_SECONDS
+            if v > top:
+                raise ValueError(f"{kind} {v!r} is beyond {top:g}")
+        if field.get("mode") not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {field.get('mode')!r}")
+        _int("interval", field.get("interval"), 1)
+    return restarts, since, costs
+
+
+class AutoPolicy:
+    """The policy's state (see the module docstring). ``policy``: "auto", "snapshots" or
+    "every-iteration" (no planner: :meth:`tick` only samples). ``switch(mode, iteration)``: the
+    Checkpointer's write-path change (may raise: the mode is then unchanged);
+    ``snapshot_now()``: the next record is a snapshot; ``planned(plan)``: a new plan is in force.
+    Invariants: :attr:`mode` is what the steps write; :attr:`plan` is None until the first plan
+    (measured, or resumed from a persisted one), then always the plan in force."""
+
+    def __init__(self, policy: str, replayable: bool, snapshot_every: int | None,
+                 mtbf_s: float | None, disk_budget: int | None, measure_steps: int,
+                 group_commit: int, *, budget_source: str = "given",
+                 job_history: Callable[[], tuple[int, int]] | None = None,
+                 switch: Callable[[str, int], None], snapshot_now: Callable[[], None],
+                 planned: Callable[[Plan], None], where: str = "") -> None:
+        self.policy = policy
+        self.replayable = replayable
+        self.snapshot_every_fixed = snapshot_every
+        self.mtbf_s = mtbf_s
+        self.disk_budget = disk_budget
+        self.budget_source = budget_source
+        self.measure_steps = measure_steps
+        self.group_commit = group_commit
+        self.meter = CostMeter()
+        self.plan: Plan | None = None
+        #: the cost medians ``plan`` was made from (what a base persists with it)
+        self._plan_costs: dict[str, float] = {}
+        self._job_history = job_history
+        self._switch, self._snapshot_now, self._planned = switch, snapshot_now, planned
+        self._where = where
+        self._mtbf: tuple[float, str] | None = None  # (seconds, where it comes from), once known
+        #: the failure history this store's persisted plans carry (single stores)
+        self.restarts = 0
+        self.since_ns = time.time_ns()
+        self._resumed = False
+        #: what the steps write now: DELTAS or SNAPSHOTS
+        self.mode = DELTAS if policy == "every-iteration" or (policy == "auto" and replayable) \
+            else SNAPSHOTS
+        #: "deltas" (measuring delta steps), "plain" (measuring steps that write nothing), "planned"
+        self.phase = "planned" if policy == "every-iteration" else \
+            ("deltas" if self.mode == DELTAS else "plain")
+        self._measure_snapshot = False  # the plain phase asked for the snapshot it measures
+        self._since_check = 0  # steps since costs were last compared with the plan's
+        self._replan_next = False  # replan_soon() asked for a plan at the next step
+        #: the last step: (iteration, its start, what it wrote: "plain" | "delta" | "base")
+        self._prev: tuple[int, float, str] | None = None
+        self._t_step = 0.0
+
+    # ---- what the Checkpointer asks -------------------------------------------------------
+    def base_every(self) -> int | None:
+        """The plan's base interval in the deltas mode of policy "auto", else None."""
+        if self.policy == "auto" and self.plan is not None:
+            return self.plan.base_every
+        return None
+
+    def snapshot_every(self) -> int | None:
+        """Iterations between snapshots: the fixed one, else the plan's (None: not planned yet)."""
+        return self.snapshot_every_fixed or (self.plan.snapshot_every if self.plan else None)
+
+    def persisted(self) -> dict | None:
+        """What a base written now carries under :data:`PLAN_KEY` (None: policy
+        "every-iteration"): the failure history, and with a plan the cost medians it was made
+        from, its mode and interval (JSON-safe: ints, floats, strings). Planning again from
+        these medians with the same MTBF and budget gives the same plan."""
+        if self.policy == "every-iteration":
+            return None
+        out: dict[str, Any] = {"v": PLAN_VERSION, "restarts": self.restarts,
+                               "since_ns": self.since_ns}
+        if self.plan is not None:
+            out.update(mode=self.plan.mode, interval=self.plan.chosen.interval,
+                       costs=dict(self._plan_costs))
+        return out
+
+    # ---- a restarted process --------------------------------------------------------------
+    def resume(self, read: Callable[[], Any], iteration: int) -> None:
+        """Once per process, after it restored ``iteration``: ``read()`` returns the persisted
+        field of the base ``iteration`` is built on (KeyError, e.g. NotFoundError: it has none).
+        A valid field counts this process as one restart and, when it holds costs, seeds the
+        meter and plans now; an invalid one is logged (WARNING) and ignored: costs are measured
+        as for a new store. No-op for policy "every-iteration" and after the first call."""
+        if self._resumed or self.policy == "every-iteration":
+            return
+        self._resumed = True
+        try:
+            field = read()
+        except KeyError:
+            return  # an older store, or a base written by another policy: measure
+        except Exception as e:  # noqa: BLE001 - a damaged field costs a re-measure, not the run
+            log.warning("Checkpointer %s: the persisted plan of iteration %d cannot be read "
+                        "(%s: %s); measuring costs again", self._where, iteration,
+                        type(e).__name__, e)
+            return
+        try:
+            restarts, since, costs = parse_persisted(field)
+        except ValueError as e:
+            log.warning("Checkpointer %s: ignoring the persisted plan of iteration %d (%s); "
+                        "measuring costs again", self._where, iteration, e)
+            return
+        self.restarts, self.since_ns = restarts + 1, since
+        if costs is None:
+            return
+        self.meter.seed(costs)
+        if self.meter.costs(self.replayable and self.policy == "auto", self.group_commit) is None:
+            self.meter = CostMeter()  # (valid numbers, but too few to plan from)
+            return
+        try:
+            self._replan(iteration + 1, resumed=True)
+        except (ValueError, ArithmeticError) as e:  # (numbers in range that the model rejects)
+            log.warning("Checkpointer %s: the persisted plan of iteration %d does not plan "
+                        "(%s); measuring costs again", self._where, iteration, e)
+            self.meter, self.plan = CostMeter(), None
+
+    # ---- the step ---------------------------------------------------------------------------
+    def tick(self, iteration: int) -> None:
+        """A step's start: the previous step's wall time (to this start) becomes a cost sample
+        under what it wrote (a step that snapshotted is no sample); then the phases move on."""
+        now = time.perf_counter()
+        prev, self._prev = self._prev, None
+        if prev is not None and prev[0] == iteration - 1 and prev[2] != "base":
+            self.meter.add(prev[2], now - prev[1])
+        self._t_step = now
+        if self.policy != "every-iteration":
+            self.advance(iteration)
+
+    def tock(self, iteration: int, wrote: str) -> None:
+        """A step that ended (it may have written nothing): remembered for the next sample."""
+        self._prev = (iteration, self._t_step, wrote)
+
+    def forget_step(self) -> None:
+        """No step-time sample across this point (a restore)."""
+        self._prev = None
+
+    def replan_soon(self, mtbf_s: float | None) -> None:
+        """Plan again at the next step (checked arguments), e.g. with a new ``mtbf_s``."""
+        if mtbf_s is not None:
+            self.mtbf_s = mtbf_s
+        if self.phase == "planned":
+            self._replan_next = True
+
+    def advance(self, iteration: int) -> None:
+        """The phases: measure ``measure_steps`` delta steps (policy "auto" with an optimizer
+        replay knows), then one snapshot and ``measure_steps`` steps that write nothing, then
+        plan; once planned, compare the costs with the plan's every 16 steps and re-plan when
+        one drifted (:func:`ckptstore.torch.plan.drifted`)."""
+        m = self.meter
+        self._since_check += 1
+        if self.phase == "deltas":
+            if m.count("delta") >= self.measure_steps or self._since_check > 4 * self.measure_steps:
+                self.phase = "plain"
+                self._measure_snapshot = True  # (the switch snapshots this step)
+                self._apply(SNAPSHOTS, iteration)
+        elif self.phase == "plain":
+            if m.count("plain") >= self.measure_steps or self._since_check > 4 * self.measure_steps:
+                if m.count("stall"):
+                    self._replan(iteration)
+                elif not self._measure_snapshot and self.snapshot_every_fixed is None:
+                    # nothing snapshotted yet (a store restored from), and no interval that
+                    # will: one snapshot to measure
+                    self._measure_snapshot = True
+                    self._snapshot_now()
+        elif self._since_check >= 16 or self._replan_next:
+            if self._replan_next:
+                self._replan_next = False
+                self._replan(iteration)
+                return
+            self._since_check = 0
+            costs = self._costs()
+            if costs is not None and (self.plan is None or drifted(self.plan.costs, costs)):
+                self._replan(iteration)
+
+    def _costs(self):
+        return self.meter.costs(self.replayable and self.policy == "auto", self.group_commit)
+
+    def _replan(self, iteration: int, resumed: bool = False) -> None:
+        """Plan from the measured costs; a changed plan is logged (INFO) and, when its mode
+        differs, applied from this step on."""
+        medians = self.meter.medians()  # (once: samples from the pipeline's threads may land)
+        frozen = CostMeter()
+        frozen.seed(medians)
+        costs = frozen.costs(self.replayable and self.policy == "auto", self.group_commit)
+        if costs is None:
+            return
+        mtbf, source = self.failure_rate()
+        modes = (SNAPSHOTS, DELTAS) if self.policy == "auto" else (SNAPSHOTS,)
+        fixed = {SNAPSHOTS: self.snapshot_every_fixed} if self.snapshot_every_fixed else None
+        new = make_plan(costs, mtbf, self.disk_budget, modes=modes, fixed=fixed,
+                        mtbf_source=source, budget_source=self.budget_source)
+        old, self.plan, self._plan_costs = self.plan, new, medians
+        self.phase, self._since_check = "planned", 0
+        if old is None or (old.mode, old.chosen.interval) != (new.mode, new.chosen.interval):
+            log.info("Checkpointer %s, from iteration %d on%s: %s", self._where, iteration,
+                     " (resumed from the persisted plan)" if resumed else "", new)
+            if new.mode != self.mode:
+                self._apply(new.mode, iteration, resumed)
+        self._planned(new)
+
+    def _apply(self, mode: str, iteration: int, resumed: bool = False) -> None:
+        """Write ``mode`` from ``iteration`` on. Right after a restore (``resumed``) the snapshots
+        mode needs no switch: the restored checkpoint is the last one, nothing is captured yet,
+        and a snapshot now would only repeat it."""
+        if not (resumed and mode == SNAPSHOTS):
+            self._switch(mode, iteration)  # (raises: the mode stays)
+        self.mode = mode
+
+    def failure_rate(self) -> tuple[float, str]:
+        """(MTBF seconds, where it comes from): ``mtbf_s`` when given; else learned
+        (:func:`learned_mtbf`) from a job store's epochs, or from the restarts this store's
+        persisted plans count; else :data:`~ckptstore.torch.plan.DEFAULT_MTBF_S`, assumed."""
+        if self.mtbf_s is not None:
+            return float(self.mtbf_s), "given"
+        if self._mtbf is None:
+            if self._job_history is not None:
+                restarts, since_ns = self._job_history()
+                learned = learned_mtbf(restarts, since_ns, "the job store")
+            else:
+                learned = learned_mtbf(self.restarts, self.since_ns, "this store (persisted plans)")
+            self._mtbf = learned or (DEFAULT_MTBF_S, "assumed: the 24 h default, no failure "
+                                                     "history to learn from; pass mtbf_s=")
+        return self._mtbf
+
+    # ---- cost samples -------------------------------------------------------------------------
+    def observe_snapshot(self, fut) -> None:
+        """A snapshot's AsyncStats, once it is durable: stall, persist, bytes, write time."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        st = fut.result()
+        self.meter.add("stall", getattr(st, "stall_s", 0.0))
+        self.meter.add("persist", getattr(st, "persist_s", 0.0))
+        self.meter.add("snapshot_bytes", getattr(st, "written_bytes", 0) or
+                       getattr(st, "snapshot_bytes", 0))
+        self.meter.add("load", getattr(st, "write_s", 0.0))
+
+    def observe_delta(self, fut) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        st = fut.result()
+        self.meter.add("delta_bytes", getattr(st, "written_bytes", 0) or
+                       getattr(st, "snapshot_bytes", 0))
+        self.meter.add("delta_write", getattr(st, "write_s", 0.0))
+
+    def observe_sync_snapshot(self, stall_s: float, stats: Any) -> None:
+        """A synchronous snapshot: the whole save stalled training; durable when it returned."""
+        self.meter.add("stall", stall_s)
+        self.meter.add("persist", 0.0)
+        self.meter.add("snapshot_bytes", stats.written_bytes)
+        self.meter.add("load", stats.seconds)
+
+    def observe_sync_delta(self, stats: Any) -> None:
+        self.meter.add("delta_bytes", stats.written_bytes)
+        self.meter.add("delta_write", stats.seconds)
+
+
+def default_budget(path: str, share: float | None = None) -> tuple[int | None, str]:
+    """(bytes, where it comes from): ``share`` (default :data:`DEFAULT_DISK_SHARE`) of the free
+    space of ``path``'s filesystem now, or (None, why) when it cannot be read."""
+    import shutil
+    share = DEFAULT_DISK_SHARE if share is None else share
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError as e:
+        return None, f"none: the free space of {path} is unknown ({e})"
+    budget = max(1, math.floor(free * share))
+    return budget, f"default: {100 * share:.0f}% of the free space at open"

@@ -1,0 +1,348 @@
+"""The Checkpointer's policy across restarts (ckptstore/torch/auto_policy.py): the plan persisted
+in its bases, a restarted process that starts planned, a hostile persisted plan that is ignored
+and re-measured, the failure rate learned from a single store, and the default disk budget."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.torch import Checkpointer
+from ckptstore.torch import auto_policy
+from ckptstore.torch.auto_policy import PLAN_KEY, parse_persisted
+from ckptstore.torch.plan import CostMeter
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(width: int = 8):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+
+def _step(model, ck, opt, it, width: int = 8):
+    g = torch.Generator().manual_seed(10_000 + it)
+    x, y = torch.randn(6, width, generator=g), torch.randn(6, 4, generator=g)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    out = ck.step(it)
+    opt.zero_grad()
+    return out
+
+
+def _live(model, opt):
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+
+
+@pytest.fixture
+def one_mode(monkeypatch):
+    """Force the planner to one mode (the measured costs of a busy test machine decide nothing)."""
+    real, want = auto_policy.make_plan, ["snapshots"]
+    monkeypatch.setattr(auto_policy, "make_plan",
+                        lambda *a, **kw: real(*a, **{**kw, "modes": (want[0],)}))
+    return want
+
+
+def _planned_store(path, mode, n=14, **kw):
+    """A store trained by a Checkpointer(policy="auto") until planned in ``mode`` and a few steps
+    on; returns (store, the first Checkpointer's last plan, {iteration: live state})."""
+    model, opt = _model()
+    store = ckptstore.open(path)
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2, snapshot_every=2, **kw)
+    ck.restore()
+    lives = {}
+    for it in range(1, n + 1):
+        _step(model, ck, opt, it)
+        lives[it] = _live(model, opt)
+    assert ck.plan() is not None and ck.mode == mode
+    store.flush()
+    ck.close()
+    return store, ck.plan(), lives
+
+
+def _restart(store, mtbf_s):
+    model, opt = _model()
+    return model, opt, Checkpointer(store, model, opt, policy="auto", measure_steps=2,
+                                    snapshot_every=2, mtbf_s=mtbf_s)
+
+
+@pytest.mark.parametrize("mode", ["snapshots", "deltas"])
+def test_restarted_checkpointer_starts_planned(tmp_path, one_mode, caplog, assert_same, mode):
+    """A second Checkpointer on the store (a restarted process) restores and is planned at once,
+    with the persisted plan (mode, interval, costs): no measuring phase, no extra snapshot. A
+    third one, given no MTBF, learns it from the restarts the persisted plans count."""
+    one_mode[0] = mode
+    store, _, lives = _planned_store(tmp_path / "s", mode, mtbf_s=600.0)
+    latest = store.iterations()[-1]
+    assert latest in (13, 14)
+    field = store.load_record(store.base_of(latest), keys=[PLAN_KEY])[PLAN_KEY]
+    restarts, since, costs = parse_persisted(field)
+    assert restarts == 0 and costs is not None and field["mode"] == mode
+    model, opt, ck = _restart(store, 600.0)
+    with caplog.at_level(logging.INFO, logger="ckptstore"):
+        assert ck.restore() == latest
+    assert_same(lives[latest], _live(model, opt))
+    p = ck.plan()
+    assert p is not None and ck.mode == mode and p.mode == mode
+    assert (p.mode, p.chosen.interval) == (field["mode"], field["interval"])
+    seeded = CostMeter()
+    seeded.seed(costs)
+    assert p.costs == seeded.costs(True, 1)
+    assert any("resumed from the persisted plan" in r.getMessage() for r in caplog.records)
+    before = store.iterations()
+    for it in (latest + 1, latest + 2):  # planned steps: no measuring deltas or snapshot
+        _step(model, ck, opt, it)
+    store.flush()
+    new = [i for i in store.iterations() if i not in before]
+    assert new == ([latest + 1, latest + 2] if mode == "deltas" else [latest + 2])
+    assert [store.kind(i) for i in new] == (["delta"] * 2 if mode == "deltas" else ["snapshot"])
+    ck.close()
+    model, opt, ck = _restart(store, None)
+    assert ck.restore() == latest + 2
+    p = ck.plan()
+    assert p is not None and p.mode == mode
+    assert p.mtbf_source.startswith("learned: ") and "restart(s) of this store" in p.mtbf_source
+    assert 0 < p.mtbf_s < 3600
+    ck.close()
+    store.close()
+
+
+HOSTILE = [
+    "not a dict", 7, None, [1, 2], {}, {"v": 2, "restarts": 0, "since_ns": 1},
+    {"v": 1, "restarts": -1, "since_ns": 1}, {"v": 1, "restarts": True, "since_ns": 1},
+    {"v": 1, "restarts": 0, "since_ns": 0}, {"v": 1, "restarts": 0, "since_ns": 2 ** 62},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": "fast", "mode": "snapshots", "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": float("nan"), "stall": 0.1},
+     "mode": "snapshots", "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": -1.0, "stall": 0.1},
+     "mode": "snapshots", "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": float("inf"), "stall": 0.1},
+     "mode": "snapshots", "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"__class__": 1.0}, "mode": "snapshots",
+     "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": "0.1", "stall": 0.1},
+     "mode": "snapshots", "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": 0.1, "stall": 0.1},
+     "mode": "weekly", "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": 0.1, "stall": 0.1},
+     "mode": "snapshots", "interval": 0},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": 1e-300, "stall": 0.1,
+                                                      "persist": 1e300}, "mode": "snapshots",
+     "interval": 2},
+    {"v": 1, "restarts": 0, "since_ns": 1, "costs": {"plain": 0.1, "stall": 0.1,
+                                                      "snapshot_bytes": 1e30},
+     "mode": "snapshots", "interval": 2},
+    {"v": 1, "restarts": 2 ** 62, "since_ns": 1, "costs": {"plain": 0.1, "stall": 0.1},
+     "mode": "snapshots", "interval": 2, "extra": [0] * 1000},
+]
+
+
+@pytest.mark.parametrize("hostile", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_persisted_plan_is_ignored_and_remeasured(tmp_path, caplog, assert_same, hostile):
+    """A base whose persisted plan is damaged or hostile: restore() loads it bit for bit, logs a
+    WARNING naming the problem, and the costs are measured again (deltas, a snapshot, plain
+    steps), then planned as on a new store."""
+    model, opt = _model()
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2)
+    ck.restore()
+    for it in range(1, 4):
+        _step(model, ck, opt, it)
+    store.flush()
+    ck.close()
+    state = ck.state(3)
+    state[PLAN_KEY] = hostile
+    state["iteration"] = 4
+    store.save(4, state)
+    live = _live(model, opt)
+    model2, opt2 = _model()
+    ck2 = Checkpointer(store, model2, opt2, policy="auto", measure_steps=2)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert ck2.restore() == 4
+    assert_same(live, _live(model2, opt2))
+    warned = [r.getMessage() for r in caplog.records if "persisted plan" in r.getMessage()]
+    assert len(warned) == 1 and "ignoring" in warned[0] and "measuring costs again" in warned[0]
+    assert ck2.plan() is None and ck2.mode == "deltas"
+    it = 4
+    while ck2.plan() is None and it < 100:  # (the measured snapshot's stall is known once durable)
+        it += 1
+        _step(model2, ck2, opt2, it)
+        store.flush()
+    assert ck2.plan() is not None
+    assert ck2.plan().mtbf_source.startswith("assumed")  # (the hostile history taught nothing)
+    ck2.close()
+    store.close()
+
+
+def test_old_store_without_a_persisted_plan_measures_without_warning(tmp_path, caplog):
+    """A store written by policy="every-iteration" (no persisted plan): measured, no warning."""
+    model, opt = _model()
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt)
+    ck.restore()
+    for it in range(1, 4):
+        _step(model, ck, opt, it)
+    store.flush()
+    ck.close()
+    assert PLAN_KEY not in store.load(0)
+    model2, opt2 = _model()
+    ck2 = Checkpointer(store, model2, opt2, policy="auto", measure_steps=2)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert ck2.restore() == 3
+    assert not caplog.records and ck2.plan() is None and ck2.mode == "deltas"
+    ck2.close()
+    store.close()
+
+
+def _store_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path)
+               for f in files)
+
+
+def test_default_disk_budget_bounds_the_store(tmp_path, monkeypatch, assert_same):
+    """disk_budget=None: the budget is a share of the free space at open (here made ~12
+    snapshots by lowering the share); the plan says so, and its retention keeps the store's
+    files within the budget at every step of a run that writes ~3x as much; the newest
+    snapshot loads bit for bit."""
+    width = 512
+    model, opt = _model(width)
+    snapshot = sum(p.numel() * 4 for p in model.parameters()) * 2  # parameters + momentum
+    budget = 12 * snapshot
+    monkeypatch.setattr(auto_policy, "DEFAULT_DISK_SHARE",
+                        budget / shutil.disk_usage(tmp_path).free)
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="snapshots", snapshot_every=2, measure_steps=2,
+                      asynchronous=False)
+    assert abs(ck.disk_budget - budget) < 0.05 * budget
+    ck.restore()
+    worst = 0
+    for it in range(1, 81):
+        _step(model, ck, opt, it, width)
+        if ck.plan() is not None:
+            worst = max(worst, _store_bytes(tmp_path / "s"))
+    p = ck.plan()
+    assert p is not None and p.retention is not None and 1 <= p.retention <= 12
+    assert "default: " in str(p) and "free space at open" in str(p)
+    assert worst <= ck.disk_budget, (worst, ck.disk_budget)
+    assert len(store.iterations()) <= p.retention + 1
+    newest = store.iterations()[-1]
+    assert newest == 80
+    assert_same(_live(model, opt), {k: store.load(80)[k] for k in ("model", "optimizer")})
+    ck.close()
+    store.close()
+
+
+# ---- SIGKILL while the plan is measured, made and persisted --------------------------------------
+def _digest(model, opt) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for t in list(model.state_dict().values()) + [
+            v for s in opt.state_dict()["state"].values() for v in s.values()
+            if isinstance(v, torch.Tensor)]:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _victim(path: str, target: str, nth: int, log: str) -> None:
+    from _crashkit import KillOps
+    torch.set_num_threads(1)
+    model, opt = _model()
+    ops = KillOps(target, nth, tear=0.5, armed=False)
+    store = ckptstore.open(path, "a", file_ops=ops)
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2, snapshot_every=2)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, f"0 {_digest(model, opt)}\n".encode())
+    ck.restore()
+    ops.armed = True  # (counted from the first step: the calls of training, not of the open)
+    for it in range(1, 31):
+        _step(model, ck, opt, it)
+        os.write(fd, f"{it} {_digest(model, opt)}\n".encode())
+    store.flush()
+
+
+def _fork(*args) -> int:
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            _victim(*args)
+        except BaseException:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+@pytest.mark.parametrize("target,nth", [("fsync", 2), ("fsync", 5), ("fsync", 9), ("fsync", 14),
+                                        ("write", 7), ("write", 30)])
+def test_sigkill_while_planning_restores_and_resumes(tmp_path, caplog, target, nth):
+    """A process training with policy="auto" is SIGKILLed at the ``nth`` ``target`` call (while
+    measuring, planning, or writing a snapshot that carries the plan; a killed write leaves a
+    torn record): the next process restores a committed iteration bit for bit (the victim's
+    logged digest), is planned at once exactly when that iteration's base carries a plan, never
+    warns, and trains on."""
+    one = tmp_path / "s"
+    rc = _fork(str(one), target, nth, str(tmp_path / "log"))
+    assert rc == -9, f"the victim was not killed (rc {rc})"
+    logged = dict(line.split() for line in open(tmp_path / "log").read().splitlines())
+    store = ckptstore.open(one)
+    model, opt = _model()
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2, snapshot_every=2)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        got = ck.restore()
+    assert _digest(model, opt) == logged[str(got)]
+    try:
+        has_plan = "costs" in store.load_record(store.base_of(got), keys=[PLAN_KEY])[PLAN_KEY]
+    except KeyError:
+        has_plan = False
+    assert (ck.plan() is not None) == has_plan
+    assert not [r for r in caplog.records if "persisted plan" in r.getMessage()]
+    for it in range(got + 1, got + 4):
+        _step(model, ck, opt, it)
+    store.flush()
+    assert store.iterations()[-1] >= got + 2
+    ck.close()
+    store.close()
+
+
+def test_disk_budget_bounds_a_delta_chain_store(tmp_path, one_mode, assert_same):
+    """The deltas mode of policy="auto" under a budget of ~12 snapshots: the plan's base interval
+    fits the budget (two chains at least), its retention keeps the store's files within it at
+    every planned step of a run that writes several times as much, and what is kept loads bit
+    for bit (the newest delta, replayed from its chain's base)."""
+    one_mode[0] = "deltas"
+    width = 512
+    model, opt = _model(width)
+    budget = 12 * sum(p.numel() * 4 for p in model.parameters()) * 2
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2, disk_budget=budget,
+                      asynchronous=False)
+    ck.restore()
+    worst = 0
+    for it in range(1, 81):
+        _step(model, ck, opt, it, width)
+        if ck.plan() is not None and it > 10:
+            worst = max(worst, _store_bytes(tmp_path / "s"))
+    p = ck.plan()
+    assert p is not None and p.mode == "deltas" and p.retention is not None and p.retention >= 1
+    assert "given" in str(p)
+    assert worst <= budget, (worst, budget, str(p))
+    store.flush()
+    assert store.iterations()[0] > 10  # (old chains were removed)
+    assert_same(_live(model, opt), {k: store.load(80)[k] for k in ("model", "optimizer")})
+    ck.close()
+    store.close()
