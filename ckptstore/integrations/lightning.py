@@ -97,7 +97,8 @@ class StoreCheckpointIO(CheckpointIO):
     store unless they load."""
 
     def __init__(self, store: str | os.PathLike | Store, *, retention_every: int | None = None) -> None:
-        self._ref = StoreRef(store, "StoreCheckpointIO")
+        self._ref = StoreRef(store, "StoreCheckpointIO",
+                             single="Lightning saves checkpoints from global rank 0 only")
         self._path = self._ref.path
         if retention_every is not None and (type(retention_every) is not int or retention_every < 1):
             raise ValueError(f"retention_every must be an int >= 1 or None, not {retention_every!r}")
