@@ -330,13 +330,20 @@ def lit_resume(rank: int, cfg: dict) -> dict:
 
     work, store = cfg["work"], cfg["store"]
     plain = _lit_fit(work, "plain", _lit_module(), LIT_EPOCHS)
+    import lightning as L
+
     io = StoreCheckpointIO(store)
-    _lit_fit(work, "first", _lit_module(), LIT_STOP, io)
-    opened = io.store is not None
+    opened = []
+
+    class Opened(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):  # (ModelCheckpoint saves after it)
+            opened.append(io.store is not None)
+
+    _lit_fit(work, "first", _lit_module(), LIT_STOP, io, callbacks=(Opened(),))
     io.teardown()
     resumed, path, io2 = _lit_resume(work, store)
     out = _lit_compare(plain, resumed)
-    out.update(resumed_from=path, opened=opened, names=io2.names())
+    out.update(resumed_from=path, opened=any(opened), names=io2.names())
     io2.teardown()
     return out
 
