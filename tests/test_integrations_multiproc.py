@@ -205,6 +205,33 @@ def hf_after_kill(rank: int, cfg: dict) -> dict:
     return out
 
 
+def hf_elastic(rank: int, cfg: dict) -> dict:
+    """Resume a job store written at another world size: the weights restored (``restored.
+    safetensors``, taken before the first step) and how far training went."""
+    import torch.distributed as dist
+    import transformers
+    from safetensors.torch import save_file
+
+    from ckptstore.hf import StoreCallback
+
+    restored: dict = {}
+
+    class Restored(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if not restored:
+                restored.update({k: v.detach().clone().contiguous()
+                                 for k, v in model.state_dict().items()})
+
+    cb = StoreCallback(cfg["store"], base_every=5, group_commit=3, commit_timeout=60)
+    trainer = _hf_trainer(cfg["work"], "elastic", _hf_model(99), [cb, Restored()])
+    resume = cb.resume_from()
+    trainer.train(resume_from_checkpoint=resume)
+    if rank == 0:
+        save_file(restored, os.path.join(cfg["work"], "restored.safetensors"))
+    return {"world": dist.get_world_size() if dist.is_initialized() else None,
+            "steps": trainer.state.global_step}
+
+
 def hf_fail(rank: int, cfg: dict) -> dict:
     """Bad input, then a rank whose record fails: a single-writer store at ``single`` is refused
     on every rank; then rank 1's disk is full from step 4 on (a base is due at 4)."""
@@ -384,7 +411,8 @@ def lit_fail(rank: int, cfg: dict) -> dict:
 
 
 SCENARIOS: dict[str, Callable[[int, dict], dict]] = {
-    f.__name__: f for f in (hf_resume, hf_kill, hf_after_kill, hf_fail, lit_resume, lit_kill,
+    f.__name__: f for f in (hf_resume, hf_kill, hf_after_kill, hf_elastic, hf_fail, lit_resume,
+                            lit_kill,
                             lit_after_kill, lit_fail)}
 
 
@@ -508,6 +536,24 @@ def test_hf_trainer_on_two_ranks_writes_a_job_store_and_resumes_bit_exact(tmp_pa
         # each rank wrote a part of the parameters (the Checkpointer's partition)
         parts = [set(js.load(HF_STEPS, rank=r)["model"]) for r in range(WORLD)]
         assert parts[0] and parts[1] and not parts[0] & parts[1]
+        its = js.iterations()
+    # one process without torch.distributed (this one) cannot write the job store: refused,
+    # nothing opened or changed
+    from ckptstore.hf import StoreCallback
+
+    cb = StoreCallback(store)
+    with pytest.raises(ValueError, match="multi-rank job store.*every rank"):
+        cb.resume_from()
+    try:
+        from ckptstore.lightning import StoreCheckpointIO
+    except ImportError:
+        StoreCheckpointIO = None
+    if StoreCheckpointIO is not None:
+        io = StoreCheckpointIO(store)
+        with pytest.raises(ValueError, match="multi-rank job store.*rank 0 only"):
+            io.save_checkpoint({"global_step": 100, "w": torch.ones(2)}, tmp_path / "x.ckpt")
+    with ckptstore.open(store, mode="r") as js:
+        assert js.iterations() == its
 
 
 @pytest.mark.timeout(300)
@@ -566,6 +612,39 @@ def test_hf_killed_trainer_resumes_bit_exact(tmp_path, victims):
     for rank, res in enumerate(_ok(launch("hf_after_kill", {"store": store}, work, 360), work)):
         _bit_exact(res)
         assert res["resumed_at"] == latest, (rank, res)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hf_job_store_resumes_at_another_world_size(tmp_path):
+    """A job store written by 2 ranks (both killed after step 8) resumed by 1 process (the
+    elastic restore: every part merged): the weights the Trainer starts from are the store's
+    newest iteration bit for bit, and the job trains on to the last step at world size 1."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import load_file
+
+    import ckptstore
+
+    store = str(tmp_path / "store")
+    killed = launch("hf_kill", {"store": store, "kill_at": 8, "kill_ranks": [0, 1]},
+                    str(tmp_path / "killed"), 240)
+    assert killed == [{"died": -signal.SIGKILL}] * WORLD, killed
+    with ckptstore.open(store, mode="r") as js:
+        latest = js.latest()
+        expected = js.load(latest)["model"]
+    assert latest is not None and latest < HF_STEPS
+    work = str(tmp_path / "one")
+    (res,) = _ok(launch("hf_elastic", {"store": store}, work, 300, world=1), work)
+    assert res == {"world": 1, "steps": HF_STEPS}, res
+    restored = load_file(os.path.join(work, "restored.safetensors"))
+    for k, v in expected.items():
+        assert torch.equal(v, restored[k]), k
+    with ckptstore.open(store, mode="r") as js:
+        assert js.iterations() == list(range(HF_STEPS + 1))
+        assert js.global_commit(HF_STEPS).world_size == 1
+        assert js.global_commit(latest).world_size == WORLD
 
 
 @pytest.mark.timeout(400)
