@@ -33,6 +33,24 @@ scheduler states from the state already read, and the RNG states are set where t
 its own on resume: before the epoch's data loader starts when *t* ended an epoch, else just
 before the first step's forward pass.
 
+Several processes (DDP through accelerate, e.g. ``torchrun --nproc-per-node N train.py``): the
+same code on every rank. The Trainer starts torch.distributed; the callback then opens the store
+on every rank, collectively, as a multi-rank job store over the default process group
+(format-spec/format.md §22): each rank writes its part of every step's record (the
+Checkpointer's partition) and a step is visible once every rank's part is durable (the global
+commit). Call sequence on every rank:
+
+1. ``cb = StoreCallback(path, ...)``; ``trainer = Trainer(..., callbacks=[cb])`` (starts
+   torch.distributed);
+2. ``cb.resume_from()``: opens the job store (collective) and reads iteration *t*: at the world
+   size that wrote it each rank replays its own part and the ranks exchange parts, at another
+   one every rank merges every part; each rank keeps its own RNG states;
+3. ``trainer.train(resume_from_checkpoint=...)``: every rank restores, and every step is one
+   collective record; ``on_train_end`` flushes and closes, collectively.
+
+A single process without torch.distributed cannot write a job store, and a job of several
+ranks cannot write a single-writer store (ValueError, nothing opened).
+
 ``transformers`` is imported by this module, never by ``import ckptstore``.
 """
 
@@ -171,7 +189,9 @@ class StoreCallback(TrainerCallback):
             raise ValueError(f"iteration {t} of {store.path} was not written by "
                              "ckptstore.hf.StoreCallback (its meta has no trainer state)")
         trainer_state = dict(entry["trainer_state"], log_history=self._log_history(store, t))
-        state = load_in_parallel(store, t) if can_load_in_parallel(store, t) else store.load(t)
+        # (a job store at the world size that wrote t: each rank replays its part, then exchange)
+        state = load_in_parallel(store, t) if isinstance(store, JobStore) and \
+            can_load_in_parallel(store, t) else store.load(t)
         self._drop_resume_dir()
         out = tempfile.mkdtemp(prefix="ckptstore-hf-") if directory is None else os.fspath(directory)
         os.makedirs(out, exist_ok=True)
