@@ -452,24 +452,25 @@ def launch(scenario: str, cfg: dict, work: str, deadline: float, world: int = WO
     for r in range(world):
         if os.path.exists(os.path.join(work, f"rank{r}.json")):
             os.unlink(os.path.join(work, f"rank{r}.json"))
-    procs = []
-    for r in range(world):
-        log = open(os.path.join(work, f"rank{r}.log"), "wb")
-        procs.append(subprocess.Popen([sys.executable, HERE, scenario, json.dumps(cfg)],
-                                      stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                      env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
-        log.close()
-    end = time.monotonic() + deadline
+    procs: list[subprocess.Popen] = []
     codes: list[int | None] = []
-    for p in procs:
-        try:
-            codes.append(p.wait(max(0.1, end - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    try:
+        for r in range(world):
+            with open(os.path.join(work, f"rank{r}.log"), "wb") as log:
+                procs.append(subprocess.Popen([sys.executable, HERE, scenario, json.dumps(cfg)],
+                                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
+        end = time.monotonic() + deadline
+        for p in procs:
+            try:
+                codes.append(p.wait(max(0.1, end - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:  # (also when the test itself is interrupted: no rank outlives the call)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     out = []
     for r, code in enumerate(codes):
         f = os.path.join(work, f"rank{r}.json")
@@ -587,7 +588,7 @@ def test_hf_bad_store_and_a_failing_rank_fail_every_rank_with_typed_errors(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize("victims", [(0, 1), (1,)], ids=["kill-all", "kill-rank-1"])
 def test_hf_killed_trainer_resumes_bit_exact(tmp_path, victims):
     """SIGKILL after step 8 of every rank, or of rank 1 only (rank 0 then fails in a collective
@@ -690,7 +691,7 @@ def test_lightning_ddp_failed_save_fails_every_rank(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(700)
 def test_lightning_killed_ddp_fit_resumes_bit_exact(tmp_path):
     """SIGKILL of both ranks in epoch 3 (after the checkpoints of epochs 1 and 2): a relaunched
     fit resumes from the newest checkpoint and ends bit for bit where an uninterrupted one does."""

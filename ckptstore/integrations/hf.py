@@ -272,6 +272,10 @@ class StoreCallback(TrainerCallback):
                              f"{store.path} is a single-writer store: pass a path (every rank "
                              "opens it as a multi-rank job store) or a JobStore opened on "
                              "every rank")
+        ranks = store.group.world_size if isinstance(store, JobStore) and store.group else 1
+        if isinstance(store, JobStore) and ranks != world:
+            raise ValueError(f"ckptstore.hf.StoreCallback: args.world_size is {world} but the job "
+                             f"store {store.path} was opened by {ranks} ranks")
         latest = store.latest()
         resume, self._resume = self._resume, None
         g = state.global_step
@@ -291,7 +295,7 @@ class StoreCallback(TrainerCallback):
                              f"at global step {g}: resume with trainer.train(resume_from_checkpoint="
                              "callback.resume_from()), or use an empty store")
         options = dict(self.options)
-        if isinstance(store, JobStore) and (store.group.world_size if store.group else 1) > 1:
+        if ranks > 1:
             options.setdefault("capture", "step")  # (DDP changes the gradients after the hooks)
         ckpt = Checkpointer(store, model, inner, lr_scheduler, **options)
         self.checkpointer = ckpt
