@@ -256,7 +256,7 @@ def hf_fail(rank: int, cfg: dict) -> dict:
         def on_step_begin(self, args, state, control, **kwargs):
             disk.full = rank == 1 and state.global_step + 1 >= 4
 
-    cb = StoreCallback(js, base_every=4, asynchronous=False)
+    cb = StoreCallback(js, base_every=4, asynchronous=cfg.get("asynchronous", False))
     try:
         _hf_trainer(cfg["work"], "full", _hf_model(0), [Fill(), cb]).train()
         out["full"] = None
