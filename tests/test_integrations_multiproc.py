@@ -221,13 +221,15 @@ def hf_elastic(rank: int, cfg: dict) -> dict:
             if not restored:
                 restored.update({k: v.detach().clone().contiguous()
                                  for k, v in model.state_dict().items()})
+                if rank == 0:  # (now: the job may be killed later)
+                    save_file(restored, os.path.join(cfg["work"], "restored.safetensors"))
 
     cb = StoreCallback(cfg["store"], base_every=5, group_commit=3, commit_timeout=60)
-    trainer = _hf_trainer(cfg["work"], "elastic", _hf_model(99), [cb, Restored()])
+    trainer = _hf_trainer(cfg["work"], "elastic", _hf_model(99),
+                          [cb, Restored(), _hf_watch(rank, kill_at=cfg.get("kill_at"),
+                                                     kill_ranks=(0, 1))])
     resume = cb.resume_from()
     trainer.train(resume_from_checkpoint=resume)
-    if rank == 0:
-        save_file(restored, os.path.join(cfg["work"], "restored.safetensors"))
     return {"world": dist.get_world_size() if dist.is_initialized() else None,
             "steps": trainer.state.global_step}
 
@@ -616,11 +618,13 @@ def test_hf_killed_trainer_resumes_bit_exact(tmp_path, victims):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_hf_job_store_resumes_at_another_world_size(tmp_path):
-    """A job store written by 2 ranks (both killed after step 8) resumed by 1 process (the
-    elastic restore: every part merged): the weights the Trainer starts from are the store's
-    newest iteration bit for bit, and the job trains on to the last step at world size 1."""
+    """A job store written by 2 ranks (both killed after step 8) resumed by 1 process, killed
+    after step 10, then resumed by 2 ranks again (the elastic restore: every part merged; a
+    rank the writing job did not have reads rank 0's meta and state): each time the weights the
+    Trainer starts from are the store's newest iteration bit for bit, and the last job trains
+    to the last step at world size 2."""
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")
     import torch
@@ -632,20 +636,28 @@ def test_hf_job_store_resumes_at_another_world_size(tmp_path):
     killed = launch("hf_kill", {"store": store, "kill_at": 8, "kill_ranks": [0, 1]},
                     str(tmp_path / "killed"), 240)
     assert killed == [{"died": -signal.SIGKILL}] * WORLD, killed
-    with ckptstore.open(store, mode="r") as js:
-        latest = js.latest()
-        expected = js.load(latest)["model"]
-    assert latest is not None and latest < HF_STEPS
-    work = str(tmp_path / "one")
-    (res,) = _ok(launch("hf_elastic", {"store": store}, work, 300, world=1), work)
-    assert res == {"world": 1, "steps": HF_STEPS}, res
-    restored = load_file(os.path.join(work, "restored.safetensors"))
-    for k, v in expected.items():
-        assert torch.equal(v, restored[k]), k
+    latest: list[int] = []
+    for world, kill_at in ((1, 10), (WORLD, None)):
+        with ckptstore.open(store, mode="r") as js:
+            latest.append(js.latest())
+            expected = js.load(latest[-1])["model"]
+        assert latest[-1] is not None and latest[-1] < HF_STEPS
+        work = str(tmp_path / f"at{world}")
+        results = launch("hf_elastic", {"store": store, "kill_at": kill_at}, work, 300,
+                         world=world)
+        if kill_at is not None:
+            assert results == [{"died": -signal.SIGKILL}] * world, results
+        else:
+            assert _ok(results, work) == [{"world": world, "steps": HF_STEPS}] * world
+        restored = load_file(os.path.join(work, "restored.safetensors"))
+        for k, v in expected.items():
+            assert torch.equal(v, restored[k]), (world, k)
     with ckptstore.open(store, mode="r") as js:
         assert js.iterations() == list(range(HF_STEPS + 1))
-        assert js.global_commit(HF_STEPS).world_size == 1
-        assert js.global_commit(latest).world_size == WORLD
+        assert js.global_commit(HF_STEPS).world_size == WORLD
+        assert js.global_commit(latest[0]).world_size == WORLD
+        assert js.global_commit(latest[1]).world_size == 1
+        assert latest[0] < latest[1]
 
 
 @pytest.mark.timeout(400)

@@ -183,7 +183,7 @@ class StoreCallback(TrainerCallback):
         t = its[-1] if iteration is None else iteration
         if t not in its:
             raise NotFoundError(f"iteration {t} is not in {store.path}")
-        meta = store.meta(t)
+        meta = _meta_of(store, t)
         entry = meta.get(META_KEY) if isinstance(meta, dict) else None
         if not isinstance(entry, dict) or "trainer_state" not in entry:
             raise ValueError(f"iteration {t} of {store.path} was not written by "
@@ -211,7 +211,7 @@ class StoreCallback(TrainerCallback):
         expected = None
         while True:
             try:
-                meta = store.meta(it)
+                meta = _meta_of(store, it)
             except Exception:  # noqa: BLE001 - missing (gc) or unreadable: the history stops here
                 meta = None
             entry = meta.get(META_KEY) if isinstance(meta, dict) else None
@@ -346,6 +346,15 @@ class StoreCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
+
+
+def _meta_of(store: Store | JobStore, iteration: int) -> Any:
+    """The meta of ``iteration``: on a job store this rank's, or rank 0's when the job that
+    wrote it had fewer ranks (a resume at a larger world size)."""
+    if isinstance(store, JobStore) and store.rank is not None and \
+            store.rank >= store.global_commit(iteration).world_size:
+        return store.meta(iteration, rank=0)
+    return store.meta(iteration)
 
 
 def _unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
