@@ -33,6 +33,24 @@ scheduler states from the state already read, and the RNG states are set where t
 its own on resume: before the epoch's data loader starts when *t* ended an epoch, else just
 before the first step's forward pass.
 
+Several processes (DDP through accelerate, e.g. ``torchrun --nproc-per-node N train.py``): the
+same code on every rank. The Trainer starts torch.distributed; the callback then opens the store
+on every rank, collectively, as a multi-rank job store over the default process group
+(format-spec/format.md §22): each rank writes its part of every step's record (the
+Checkpointer's partition) and a step is visible once every rank's part is durable (the global
+commit). Call sequence on every rank:
+
+1. ``cb = StoreCallback(path, ...)``; ``trainer = Trainer(..., callbacks=[cb])`` (starts
+   torch.distributed);
+2. ``cb.resume_from()``: opens the job store (collective) and reads iteration *t*: at the world
+   size that wrote it each rank replays its own part and the ranks exchange parts, at another
+   one every rank merges every part; each rank keeps its own RNG states;
+3. ``trainer.train(resume_from_checkpoint=...)``: every rank restores, and every step is one
+   collective record; ``on_train_end`` flushes and closes, collectively.
+
+A single process without torch.distributed cannot write a job store, and a job of several
+ranks cannot write a single-writer store (ValueError, nothing opened).
+
 ``transformers`` is imported by this module, never by ``import ckptstore``.
 """
 
@@ -48,9 +66,12 @@ from typing import Any
 
 import torch
 
+from ..errors import NotFoundError
+from ..multirank.job_store import JobStore
 from ..store import Store
 from .store_ref import StoreRef
 from ..torch.checkpointer import Checkpointer, capture_rng, restore_rng
+from ..torch.dp_restore import can_load_in_parallel, load_in_parallel
 
 try:
     from safetensors.torch import save_file
@@ -70,24 +91,40 @@ log = logging.getLogger("ckptstore")
 class StoreCallback(TrainerCallback):
     """Per-iteration checkpoints of a ``transformers.Trainer`` in a ckptstore store.
 
-    ``store``: a path (opened with ``ckptstore.open(path, "a")`` when first needed and closed at
-    the end of training) or an open writable :class:`~ckptstore.Store` (left open).
+    ``store``: a path (opened for writing when first needed and closed at the end of training)
+    or an open writable :class:`~ckptstore.Store` or :class:`~ckptstore.JobStore` (left open).
+    A path is opened with ``ckptstore.open(path, "a")`` by a single process, and as a multi-rank
+    job store by every rank of a job of several processes (DDP through accelerate: the Trainer
+    initializes torch.distributed, whose default group opens it, collectively, on every rank;
+    ``commit_timeout`` bounds how long a rank waits for the others, default the job store's).
     ``checkpointer_options``: passed to :class:`~ckptstore.torch.Checkpointer` (``base_every``,
     ``codec``, ``group_commit``, ``group_seconds``, ``fingerprint_every``, ``asynchronous``,
-    ``capture``, ``on_failure``, ...).
+    ``capture``, ``on_failure``, ...). On a job store of several ranks ``capture`` defaults to
+    "step": DDP all-reduces the gradients in place after the capture hooks ran, so a hook's copy
+    would be made again at the step anyway.
 
-    Refused at ``on_train_begin`` (ValueError): more than one process (``args.world_size > 1``),
-    ``fp16`` (its GradScaler skips steps whose gradients overflow; the record would say the step
-    was applied), and a store holding iterations at or after the Trainer's starting step without
-    :meth:`resume_from`. An optimizer the Checkpointer cannot replay gets async snapshots instead
+    Several processes: every rank constructs the callback with the same arguments and calls
+    :meth:`resume_from` (the same iteration) and ``train()``; each rank writes its part of every
+    iteration (the Checkpointer's partition) and iteration *t* is visible once every rank's part
+    is durable (the job store's global commit). A rank whose record fails makes every rank's
+    next step raise (GlobalCommitAbortedError naming that rank and its error); a rank that dies
+    makes the others raise RankFailureError, or torch's own error from DDP's all-reduce,
+    whichever collective meets it first.
+
+    Refused at ``on_train_begin`` (ValueError): a single-writer :class:`~ckptstore.Store` handed
+    in while ``args.world_size > 1``, ``fp16`` (its GradScaler skips steps whose gradients
+    overflow; the record would say the step was applied), and a store holding iterations at or
+    after the Trainer's starting step without :meth:`resume_from`. An optimizer the Checkpointer cannot replay gets async snapshots instead
     of deltas (the Checkpointer's default ``policy``; ``policy="every-iteration"`` refuses it with
     UnreplayableOptimizerError); the Trainer's default ``adamw_torch_fused`` and ``adamw_torch``
     are torch.optim.AdamW, which it replays.
     """
 
-    def __init__(self, store: str | os.PathLike | Store, **checkpointer_options: Any) -> None:
+    def __init__(self, store: str | os.PathLike | Store | JobStore, *,
+                 commit_timeout: float | None = None, **checkpointer_options: Any) -> None:
         self._ref = StoreRef(store, "StoreCallback")
         self._path = self._ref.path
+        self._open_options = {} if commit_timeout is None else {"commit_timeout": commit_timeout}
         self.options = checkpointer_options
         #: the Checkpointer of the running ``train()`` call (None outside one)
         self.checkpointer: Checkpointer | None = None
@@ -100,12 +137,13 @@ class StoreCallback(TrainerCallback):
 
     # ---- the store ----------------------------------------------------------------------------
     @property
-    def store(self) -> Store | None:
+    def store(self) -> Store | JobStore | None:
         """The store while it is open (None before the first use of a path, and after close)."""
         return self._ref.store
 
-    def _store(self) -> Store:
-        return self._ref.writer()
+    def _store(self) -> Store | JobStore:
+        """The writer (collective on every rank when it opens a job store)."""
+        return self._ref.writer(distributed=True, **self._open_options)
 
     def close(self) -> None:
         """Commit what is pending, drop the Checkpointer and close the store if this callback
@@ -131,19 +169,29 @@ class StoreCallback(TrainerCallback):
         ``trainer_state.json`` and ``model.safetensors`` are written; it is removed once the
         Trainer has read it (``on_train_begin``). Raises NotFoundError for an iteration not in the
         store, ValueError when its meta was not written by this callback; training on from an
-        iteration below the newest one is refused at ``on_train_begin`` (ValueError)."""
+        iteration below the newest one is refused at ``on_train_begin`` (ValueError).
+
+        Several processes: call it on every rank after the Trainer is constructed (which starts
+        torch.distributed): it opens the job store collectively; at the world size that wrote
+        the iteration each rank replays its own part and the ranks exchange parts, at another
+        world size every rank merges every part (elastic); each rank restores its own RNG
+        states (a rank the iteration's job did not have gets rank 0's)."""
         store = self._store()
         its = store.iterations()
         if not its:
             return None
         t = its[-1] if iteration is None else iteration
-        meta = store.meta(t)
+        if t not in its:
+            raise NotFoundError(f"iteration {t} is not in {store.path}")
+        meta = _meta_of(store, t)
         entry = meta.get(META_KEY) if isinstance(meta, dict) else None
         if not isinstance(entry, dict) or "trainer_state" not in entry:
             raise ValueError(f"iteration {t} of {store.path} was not written by "
                              "ckptstore.hf.StoreCallback (its meta has no trainer state)")
         trainer_state = dict(entry["trainer_state"], log_history=self._log_history(store, t))
-        state = store.load(t)
+        # (a job store at the world size that wrote t: each rank replays its part, then exchange)
+        state = load_in_parallel(store, t) if isinstance(store, JobStore) and \
+            can_load_in_parallel(store, t) else store.load(t)
         self._drop_resume_dir()
         out = tempfile.mkdtemp(prefix="ckptstore-hf-") if directory is None else os.fspath(directory)
         os.makedirs(out, exist_ok=True)
@@ -155,7 +203,7 @@ class StoreCallback(TrainerCallback):
         self._resume = (t, state, out)
         return out
 
-    def _log_history(self, store: Store, t: int) -> list:
+    def _log_history(self, store: Store | JobStore, t: int) -> list:
         """``log_history`` as of iteration ``t``: the ``log`` pieces of ``t``, ``t - 1``, ...
         back to the newest meta holding the whole history (a base, or a first record)."""
         pieces: list[list] = []
@@ -163,7 +211,7 @@ class StoreCallback(TrainerCallback):
         expected = None
         while True:
             try:
-                meta = store.meta(it)
+                meta = _meta_of(store, it)
             except Exception:  # noqa: BLE001 - missing (gc) or unreadable: the history stops here
                 meta = None
             entry = meta.get(META_KEY) if isinstance(meta, dict) else None
@@ -206,9 +254,6 @@ class StoreCallback(TrainerCallback):
     # ---- Trainer events -----------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
                        **kwargs):
-        if getattr(args, "world_size", 1) > 1:
-            raise ValueError("ckptstore.hf.StoreCallback supports one training process "
-                             f"(args.world_size is {args.world_size})")
         if getattr(args, "fp16", False):
             raise ValueError("ckptstore.hf.StoreCallback does not support fp16: its GradScaler "
                              "skips steps whose gradients overflow, which a record cannot express")
@@ -221,6 +266,16 @@ class StoreCallback(TrainerCallback):
             self.checkpointer.close()
             self.checkpointer = None
         store = self._store()
+        world = getattr(args, "world_size", 1)
+        if world > 1 and not isinstance(store, JobStore):
+            raise ValueError(f"ckptstore.hf.StoreCallback: args.world_size is {world} and "
+                             f"{store.path} is a single-writer store: pass a path (every rank "
+                             "opens it as a multi-rank job store) or a JobStore opened on "
+                             "every rank")
+        ranks = store.group.world_size if isinstance(store, JobStore) and store.group else 1
+        if isinstance(store, JobStore) and ranks != world:
+            raise ValueError(f"ckptstore.hf.StoreCallback: args.world_size is {world} but the job "
+                             f"store {store.path} was opened by {ranks} ranks")
         latest = store.latest()
         resume, self._resume = self._resume, None
         g = state.global_step
@@ -239,7 +294,10 @@ class StoreCallback(TrainerCallback):
             raise ValueError(f"{store.path} holds iterations up to {latest} and the Trainer starts "
                              f"at global step {g}: resume with trainer.train(resume_from_checkpoint="
                              "callback.resume_from()), or use an empty store")
-        ckpt = Checkpointer(store, model, inner, lr_scheduler, **self.options)
+        options = dict(self.options)
+        if ranks > 1:
+            options.setdefault("capture", "step")  # (DDP changes the gradients after the hooks)
+        ckpt = Checkpointer(store, model, inner, lr_scheduler, **options)
         self.checkpointer = ckpt
         self._full_log = True
         if resume is not None:
@@ -288,6 +346,15 @@ class StoreCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
+
+
+def _meta_of(store: Store | JobStore, iteration: int) -> Any:
+    """The meta of ``iteration``: on a job store this rank's, or rank 0's when the job that
+    wrote it had fewer ranks (a resume at a larger world size)."""
+    if isinstance(store, JobStore) and store.rank is not None and \
+            store.rank >= store.global_commit(iteration).world_size:
+        return store.meta(iteration, rank=0)
+    return store.meta(iteration)
 
 
 def _unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

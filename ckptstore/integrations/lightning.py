@@ -35,6 +35,14 @@ iteration after ``seen`` is kept and named from its meta, so a crash between a s
 the file's update never loses a checkpoint. The store's newest iteration is always kept, as by
 any gc. ``ckptstore gc`` from the command line does not read ``lightning.json``.
 
+**Several processes** (``strategy="ddp"``): Lightning calls ``save_checkpoint`` and
+``remove_checkpoint`` on global rank 0 only (``Strategy.save_checkpoint``; DDP's checkpoint dict
+is the same on every rank), so rank 0 alone opens the store for writing, a single-writer store,
+and every rank reads it to resume (``latest_path()``, ``load_checkpoint``: readers, beside rank
+0's writer). A multi-rank job store is refused (ValueError): no other rank would ever join its
+collective commits. A save that fails raises on rank 0; the other ranks, waiting in Lightning's
+barrier after the save, fail with torch.distributed's error once rank 0's process ends.
+
 ``lightning`` is imported by this module, never by ``import ckptstore``.
 """
 
@@ -94,10 +102,12 @@ class StoreCheckpointIO(CheckpointIO):
     ``retention_every``: run the store's automatic retention with :meth:`retention_policy`
     after every that many saves (None: only when :meth:`gc` is called).
     One process writes (Lightning saves on global rank 0 only); other ranks never open the
-    store unless they load."""
+    store unless they load, and then read it. A job store (a path holding one, or a JobStore)
+    is refused with ValueError."""
 
     def __init__(self, store: str | os.PathLike | Store, *, retention_every: int | None = None) -> None:
-        self._ref = StoreRef(store, "StoreCheckpointIO")
+        self._ref = StoreRef(store, "StoreCheckpointIO",
+                             single="Lightning saves checkpoints from global rank 0 only")
         self._path = self._ref.path
         if retention_every is not None and (type(retention_every) is not int or retention_every < 1):
             raise ValueError(f"retention_every must be an int >= 1 or None, not {retention_every!r}")
@@ -113,6 +123,7 @@ class StoreCheckpointIO(CheckpointIO):
         if self._ref.store is None:
             self._names = None  # (re)opened: read the names again
         store = self._ref.writer()
+        assert isinstance(store, Store)  # (the ref refuses job stores: single=)
         if self._names is None:
             self._names, self.seen = _scan_names(store, self.names_path)
         if self.retention_every is not None and store.retention is not self._policy:
@@ -122,7 +133,9 @@ class StoreCheckpointIO(CheckpointIO):
     @property
     def store(self) -> Store | None:
         """The store while it is open (None before the first use of a path, and after teardown)."""
-        return self._ref.store
+        store = self._ref.store
+        assert store is None or isinstance(store, Store)  # (the ref refuses job stores)
+        return store
 
     @contextmanager
     def _view(self) -> Iterator[tuple[Any, dict[str, int]]]:
