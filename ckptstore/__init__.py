@@ -91,17 +91,43 @@ def open(path: str | _os.PathLike, mode: str = "a", **options: _Any) -> _Any:  #
         try:
             engine, rest = open_remote(path, mode, options)
         except StoreNotFoundError:
-            from .remote.job_pull import open_remote_job  # a job store's copy (pulled whole)
-
-            return open_remote_job(path, mode, options)
-        try:
-            return Store(engine.path, "r", _engine=engine, **rest)
-        except BaseException:
-            engine.close()
-            raise
+            return _open_remote_job(path, mode, options)  # a job store's copy
+        return _reader_on(engine, rest)
     if options.get("process_group") is not None or (mode == "r" and is_job_store(_os.fspath(path))):
         return JobStore(path, mode, **options)
     return Store(path, mode, **options)
+
+def _reader_on(engine, options: dict | None = None) -> Store:
+    """A Store reader on a remote copy's reader ``engine`` (closed if the Store cannot open)."""
+    try:
+        return Store(engine.path, "r", _engine=engine, **(options or {}))
+    except BaseException:
+        engine.close()
+        raise
+
+
+def _open_remote_job(url: str, mode: str, options: dict) -> JobStore:
+    """The JobStore reader of a remote job store's copy (:func:`ckptstore.remote.job_pull.
+    open_remote_job`: pulled whole, or lazily, each rank stream a Store on its own lazy reader
+    engine); a temporary directory goes when the JobStore does."""
+    import shutil
+    import weakref
+
+    from .remote.job_pull import open_remote_job
+
+    copy = open_remote_job(url, mode, options)
+    engines = copy.streams
+    try:
+        job = JobStore(copy.path, "r", **copy.options, _streams=None if engines is None else
+                       (lambda epoch, rank: _reader_on(engines(epoch, rank))))
+    except BaseException:
+        if copy.temporary:
+            shutil.rmtree(copy.path, ignore_errors=True)
+        raise
+    if copy.temporary:
+        weakref.finalize(job, shutil.rmtree, copy.path, ignore_errors=True)
+    return job
+
 
 __all__ = [
     "open", "Store", "JobStore", "SaveStats", "CheckpointInfo", "TensorDiff",

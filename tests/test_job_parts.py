@@ -158,8 +158,7 @@ def test_cli_refuses_every_change_of_a_stream(job, tmp_path, capsys):
 def test_remote_and_follower_paths_refuse_a_stream(job, tmp_path):
     from ckptstore.follow import Follower
     from ckptstore.ops.fsck import check
-    from ckptstore.remote.replicate import push
-    from ckptstore.remote.restore import pull
+    from ckptstore.remote import pull, push
 
     stream = stream_of(job)
     with pytest.raises(JobStreamError):

@@ -23,13 +23,14 @@ Layers: above the engine (it reads a live engine's committed state under its loc
 
 from .client import ObjectStore, RemoteURL, is_remote_url, parse_url
 from .head import Head, IndexRef
-from .replicate import PushResult, RemoteOptions, push, split_options
+from .replicate import PushResult, RemoteOptions, split_options
 from .reader import RemoteReadStats, open_remote
-from .restore import PullResult, RemoteFsckReport, newest_head, pull, pull_for_open, verify_remote
+from .restore import PullResult, RemoteFsckReport, newest_head, pull_for_open, verify_remote
 from .uploader import RemoteStatus, Uploader
 from .job_head import JobHead
 from .job_push import JobPushResult, push_job
 from .job_pull import JobPullResult, pull_job
+from .transfer import pull, push
 
 __all__ = ["ObjectStore", "RemoteURL", "is_remote_url", "parse_url", "Head", "IndexRef",
            "RemoteReadStats", "open_remote", "PushResult",

@@ -29,7 +29,6 @@ import os
 import shutil
 import tempfile
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,7 +41,7 @@ from .client import ObjectStore
 from .head import STORE_OBJECT, digest
 from .job_head import (JobHead, LogEntry, StreamRef, is_remote_job, log_extent_name,
                        newest_job_head, stream_store, stream_url)
-from .reader import READER_KEYS, open_lazy, reader_options
+from .reader import READER_KEYS, RemoteReaderEngine, open_lazy, reader_options
 from .replicate import fetch_head, split_options
 from .restore import PullStats, check_store_object, pull_head
 
@@ -203,17 +202,27 @@ def _pull_stream(root: ObjectStore, client_opts: dict, ref: StreamRef, layout: J
 
 
 # ---- open("s3://...") of a job ----------------------------------------------------------------
-def open_remote_job(url: str, mode: str, options: dict[str, Any]) -> Any:
-    """``ckptstore.open(url, "r", storage_options=..., cache_dir=..., lazy=...)`` of a remote job
-    store, a JobStore reader. By default lazy: the newest valid job HEAD, the job's STORE and
-    global logs go into a temporary directory, and a rank's stream is opened only when a load
-    needs it, as a lazy remote reader of the stream HEAD the job HEAD pins (range GETs,
-    ckptstore/remote/reader.py): loading one rank's part reads only that rank's objects. With
-    ``cache_dir`` the cut is pulled there (kept: the next open pulls only what is new), with
-    ``lazy=False`` into a temporary directory. Temporary directories go when the JobStore is
-    dropped. StoreNotFoundError when ``url`` holds no job store either."""
-    from ..multirank.job_store import JobStore
+@dataclass
+class RemoteJob:
+    """What ``open("s3://job", "r")`` reads, for the API layer to open as a JobStore reader:
+    the local job directory ``path`` (the cut pulled whole, or only the job's STORE and global
+    logs when ``streams`` opens each rank stream's lazy reader engine on demand), whether that
+    directory is ``temporary`` (it goes when the JobStore does) and the other open() options."""
 
+    path: str
+    options: dict[str, Any]
+    streams: Callable[[int, int], Any] | None = None
+    temporary: bool = False
+
+
+def open_remote_job(url: str, mode: str, options: dict[str, Any]) -> RemoteJob:
+    """``ckptstore.open(url, "r", storage_options=..., cache_dir=..., lazy=...)`` of a remote job
+    store. By default lazy: the newest valid job HEAD, the job's STORE and global logs go into a
+    temporary directory, and a rank's stream is opened only when a load needs it, as a lazy
+    remote reader of the stream HEAD the job HEAD pins (range GETs, ckptstore/remote/reader.py):
+    loading one rank's part reads only that rank's objects. With ``cache_dir`` the cut is
+    pulled there (kept: the next open pulls only what is new), with ``lazy=False`` into a
+    temporary directory. StoreNotFoundError when ``url`` holds no job store either."""
     storage, cache, lazy, rest = reader_options(url, mode, options)
     client_opts, _ = split_options({k: v for k, v in storage.items() if k not in READER_KEYS})
     root = ObjectStore(url, client_opts)
@@ -221,21 +230,18 @@ def open_remote_job(url: str, mode: str, options: dict[str, Any]) -> Any:
         raise StoreNotFoundError(f"no ckptstore store at {url} (no HEAD and no job HEAD)")
     if cache is not None:
         pull_job(url, os.fspath(cache), client_opts)
-        return JobStore(os.fspath(cache), "r", **rest)
+        return RemoteJob(os.fspath(cache), rest)
     tmp = tempfile.mkdtemp(prefix="ckptstore-pull-")
     try:
         if lazy:
             head = newest_job_head(root)
             _fetch_metadata(root, head, tmp)
-            job = JobStore(tmp, "r", _streams=_lazy_streams(url, root, head, storage), **rest)
-        else:
-            pull_job(url, tmp, client_opts)
-            job = JobStore(tmp, "r", **rest)
+            return RemoteJob(tmp, rest, _lazy_streams(url, root, head, storage), temporary=True)
+        pull_job(url, tmp, client_opts)
+        return RemoteJob(tmp, rest, temporary=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    weakref.finalize(job, shutil.rmtree, tmp, ignore_errors=True)
-    return job
 
 
 def _fetch_metadata(root: ObjectStore, head: JobHead, path: str) -> None:
@@ -255,12 +261,10 @@ def _fetch_metadata(root: ObjectStore, head: JobHead, path: str) -> None:
 
 def _lazy_streams(url: str, root: ObjectStore, head: JobHead,
                   storage: dict[str, Any]) -> Callable[[int, int], Any]:
-    """Opens rank streams of ``head`` as lazy remote readers of their pinned HEADs."""
-    from ..store import Store  # (store.py imports the remote tier)
-
+    """Opens the lazy reader engine of a rank stream of ``head``, at the HEAD it pins."""
     client_opts = {k: v for k, v in storage.items() if k not in READER_KEYS}
 
-    def open_stream(epoch: int, rank: int) -> Store:
+    def open_stream(epoch: int, rank: int) -> RemoteReaderEngine:
         ref = head.stream(epoch, rank)
         if ref is None:
             raise DamagedCheckpointError(f"{url}: rank {rank}'s stream of epoch {epoch} is not in "
@@ -279,10 +283,5 @@ def _lazy_streams(url: str, root: ObjectStore, head: JobHead,
         if digest(raw) != ref.digest:
             raise RemoteIntegrityError("check", store.where.url(h.name), f"rank {rank}'s stream "
                                        "HEAD differs from the one the job HEAD pins")
-        engine = open_lazy(stream_url(url, epoch, rank), storage, head=h)
-        try:
-            return Store(engine.path, "r", _engine=engine)
-        except BaseException:
-            engine.close()
-            raise
+        return open_lazy(stream_url(url, epoch, rank), storage, head=h)
     return open_stream

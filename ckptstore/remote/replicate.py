@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import lmdb
 
@@ -52,16 +52,13 @@ from ..engine.writer_engine import WriterEngine
 from ..errors import FormatError, RemoteConflictError, RemoteError, RemoteIntegrityError
 from ..storage.fileops import io_errors
 from ..storage.index import unseal
-from ..storage.job_log import is_job_store, refuse_job_part
+from ..storage.job_log import refuse_job_part
 from ..storage.segments import SEGMENT_HEADER_RECORD_SIZE
 from .client import CLIENT_KEYS, MIN_PART_SIZE, ObjectStore, Pacer
 from .generations import collect, put_next_generation
 from .head import (INDEX_DIR, MAX_HEAD_BYTES, SEGMENTS_DIR, STORE_OBJECT, Extent,
                    Head, IndexRef, SegmentEntry, decode_head, digest, encode_head,
                    head_generation, head_name)
-
-if TYPE_CHECKING:
-    from .job_push import JobPushResult
 
 log = logging.getLogger("ckptstore")
 
@@ -638,17 +635,13 @@ class PushResult:
     seconds: float
 
 
-def push(path: str | os.PathLike, url: str, options: dict | None = None, *,
-         progress: Callable[[int], None] | None = None) -> "PushResult | JobPushResult":
-    """Upload the committed state of the store at ``path`` to ``url`` (a catch-up: only what
-    the remote lacks is sent, and an interrupted push resumes where it stopped). Opens the store
-    as a reader: it never writes under ``path`` and may run beside its writer. A multi-rank job
-    store goes through :func:`ckptstore.remote.job_push.push_job` (format-spec/remote.md §8)."""
+def push_store(path: str | os.PathLike, url: str, options: dict | None = None, *,
+               progress: Callable[[int], None] | None = None) -> PushResult:
+    """Upload the committed state of the single store at ``path`` to ``url`` (a catch-up: only
+    what the remote lacks is sent, and an interrupted push resumes where it stopped). Opens the
+    store as a reader: it never writes under ``path`` and may run beside its writer. (A job
+    store: :func:`ckptstore.remote.transfer.push`.)"""
     path = os.fspath(path)
-    if is_job_store(path):
-        from .job_push import push_job  # (it builds on this module)
-
-        return push_job(path, url, options, progress=progress)
     refuse_job_part(path, "a push")  # one rank's partition would look like a whole store remotely
     client_opts, opts = split_options(options)
     t0 = time.perf_counter()

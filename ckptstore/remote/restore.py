@@ -47,7 +47,6 @@ from .replicate import list_heads, pos_key, read_head, split_options
 
 if TYPE_CHECKING:
     from .job_head import JobHead
-    from .job_pull import JobPullResult
 
 log = logging.getLogger("ckptstore")
 
@@ -86,21 +85,6 @@ class PullResult:
     downloaded_objects: int
     kept_bytes: int
     seconds: float
-
-
-def pull(url: str, path: str | os.PathLike, options: dict | None = None, *,
-         progress: Callable[[int], None] | None = None) -> "PullResult | JobPullResult":
-    """Restore the newest valid remote HEAD of ``url`` into the directory ``path`` (created if
-    needed; empty, or a copy of the same store that no writer holds). A remote job store (job
-    HEADs under ``jobheads/``) is pulled whole by :func:`ckptstore.remote.job_pull.pull_job`."""
-    from .job_head import is_remote_job  # (job_pull builds on this module)
-
-    client_opts, _ = split_options(options)
-    if is_remote_job(ObjectStore(url, client_opts)):
-        from .job_pull import pull_job
-
-        return pull_job(url, path, options, progress=progress)
-    return pull_store(url, path, options, progress=progress)
 
 
 def pull_store(url: str, path: str | os.PathLike, options: dict | None = None, *,
