@@ -4,14 +4,57 @@ the newest ones and deletes what none of them names. One implementation for both
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+import logging
+from typing import Any, Callable, Protocol, TypeVar
 
-from ..errors import RemoteConflictError
+from ..errors import RemoteConflictError, RemoteIntegrityError
 from .client import ObjectStore
+
+log = logging.getLogger("ckptstore")
+
+H = TypeVar("H")
 
 
 class _Named(Protocol):
     def objects(self) -> set[str]: ...
+
+
+def first_valid(gens: list[int], read: Callable[[int], H], what: str) -> H:
+    """The newest of generations ``gens`` (newest first, at least one) that ``read`` returns
+    without a RemoteIntegrityError (each damaged newer one is logged and skipped); the newest
+    one's error when none is valid. ``what`` names the kind in the log."""
+    first: RemoteIntegrityError | None = None
+    for g in gens:
+        try:
+            return read(g)
+        except RemoteIntegrityError as e:
+            log.warning("ckptstore: %s; using an older %s", e, what)
+            first = first or e
+    assert first is not None, "first_valid of no generation"
+    raise first
+
+
+def read_newest(gens: list[int], read: Callable[[int], H], keep: int,
+                what: str) -> tuple[dict[int, H | None], H | None]:
+    """Read generations ``gens`` (newest first) with ``read`` until ``keep`` valid ones are
+    read: every generation maps to its object (None where unread, or invalid: a
+    RemoteIntegrityError is logged and the next older one is tried), with the newest valid
+    one (None: none). ``what`` names the kind in the log ("HEAD", "job HEAD")."""
+    heads: dict[int, H | None] = dict.fromkeys(gens)
+    newest: H | None = None
+    valid = 0
+    for g in gens:
+        try:
+            h = read(g)
+        except RemoteIntegrityError as e:
+            log.warning("ckptstore: %s; it is ignored (an older %s is used)", e, what)
+            continue
+        heads[g] = h
+        newest = h if newest is None else newest
+        valid += 1
+        if valid >= keep:
+            break
+    return heads, newest
 
 
 def put_next_generation(store: ObjectStore, name: Callable[[int], str],

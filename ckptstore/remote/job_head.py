@@ -23,15 +23,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import logging
 
 from ..errors import FormatError, RemoteIntegrityError, StoreNotFoundError
 from .client import ObjectStore, RemoteURL, parse_url
 from .head import (Extent, checked_hex16, checked_int, checked_opt_int, seal_json,
                    unseal_json)
+from .generations import first_valid
 from .replicate import fetch_sealed
 
-log = logging.getLogger("ckptstore")
 
 JOB_HEADS_DIR = "jobheads/"
 GLOBAL_DIR = "global/"
@@ -255,12 +254,4 @@ def newest_job_head(store: ObjectStore) -> JobHead:
     if not gens:
         raise StoreNotFoundError(f"no ckptstore job store at {store.where} (no job HEAD under "
                                  f"{store.where.url(JOB_HEADS_DIR)})")
-    first: RemoteIntegrityError | None = None
-    for g in gens:
-        try:
-            return read_job_head(store, g)
-        except RemoteIntegrityError as e:
-            log.warning("ckptstore: %s; using an older job HEAD", e)
-            first = first or e
-    assert first is not None
-    raise first
+    return first_valid(gens, lambda g: read_job_head(store, g), "job HEAD")

@@ -28,15 +28,13 @@ consistent cut. :meth:`JobReplicator.sync`:
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 from ..engine.reader_engine import ReaderEngine
-from ..errors import (DamagedCheckpointError, RemoteConflictError, RemoteError,
-                      RemoteIntegrityError, StoreNotFoundError)
+from ..errors import DamagedCheckpointError, RemoteConflictError, RemoteError, StoreNotFoundError
 from ..format import records as rec
 from ..format.job import EPOCH_SIZE, GlobalCommit
 from ..storage.fileops import io_errors
@@ -47,11 +45,9 @@ from .head import STORE_OBJECT, Extent, Head, digest
 from .job_head import (GLOBAL_DIR, JOB_HEADS_DIR, JobHead, LogEntry, StreamRef, encode_job_head,
                        job_head_name, list_job_heads, log_extent_name, read_job_head,
                        stream_store)
-from .generations import collect, put_next_generation
+from .generations import collect, put_next_generation, read_newest
 from .replicate import Replicator, RemoteOptions, SyncStats, capture, split_options
 from .restore import newest_head
-
-log = logging.getLogger("ckptstore")
 
 #: where the EPOCH record of a global log ends (its first GLOBAL_COMMIT starts)
 EPOCH_END = rec.OVERHEAD + EPOCH_SIZE
@@ -114,21 +110,9 @@ class JobReplicator:
         log extents."""
         gens = list_job_heads(self.root.list_objects(JOB_HEADS_DIR))
         self.objects = dict(self.root.list_objects(GLOBAL_DIR))
-        self.heads = dict.fromkeys(gens)
         self.generation = max([self.generation, *gens])
-        self.head = None
-        valid = 0
-        for g in gens:
-            try:
-                h = read_job_head(self.root, g)
-            except RemoteIntegrityError as e:
-                log.warning("ckptstore: %s; it is ignored (an older job HEAD is used)", e)
-                continue
-            self.heads[g] = h
-            self.head = self.head or h
-            valid += 1
-            if valid >= self.opts.keep_heads:
-                break
+        self.heads, self.head = read_newest(gens, lambda g: read_job_head(self.root, g),
+                                            self.opts.keep_heads, "job HEAD")
         self.loaded = True
 
     # ---- sync -----------------------------------------------------------------------------

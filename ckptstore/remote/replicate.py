@@ -55,7 +55,7 @@ from ..storage.index import unseal
 from ..storage.job_log import refuse_job_part
 from ..storage.segments import SEGMENT_HEADER_RECORD_SIZE
 from .client import CLIENT_KEYS, MIN_PART_SIZE, ObjectStore, Pacer
-from .generations import collect, put_next_generation
+from .generations import collect, put_next_generation, read_newest
 from .head import (INDEX_DIR, MAX_HEAD_BYTES, SEGMENTS_DIR, STORE_OBJECT, Extent,
                    Head, IndexRef, SegmentEntry, decode_head, digest, encode_head,
                    head_generation, head_name)
@@ -356,21 +356,9 @@ class Replicator:
         self.objects = {n: s for n, s in listed.items()
                         if n == STORE_OBJECT or n.startswith((SEGMENTS_DIR, INDEX_DIR))}
         gens = list_heads(listed)
-        self.heads = dict.fromkeys(gens)
         self.generation = max([self.generation, *gens])
-        self.head = None
-        valid = 0
-        for g in gens:
-            try:
-                h = read_head(self.store, g)
-            except RemoteIntegrityError as e:
-                log.warning("ckptstore: %s; it is ignored (an older HEAD is used)", e)
-                continue
-            self.heads[g] = h
-            self.head = self.head or h
-            valid += 1
-            if valid >= self.opts.keep_heads:
-                break
+        self.heads, self.head = read_newest(gens, lambda g: read_head(self.store, g),
+                                            self.opts.keep_heads, "HEAD")
         for g in sorted(self.pins() & set(gens)):
             if self.heads[g] is None:
                 try:

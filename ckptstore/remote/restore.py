@@ -21,7 +21,6 @@ is missing or damaged by name, and, given the local store, whether the remote co
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
@@ -43,12 +42,12 @@ from ..storage.lock import no_writer
 from .client import ObjectStore, parse_url
 from .head import (INDEX_DIR, SEGMENTS_DIR, STORE_OBJECT, Extent, Head, SegmentEntry,
                    is_index_name, parse_extent_name)
+from .generations import first_valid
 from .replicate import list_heads, pos_key, read_head, split_options
 
 if TYPE_CHECKING:
     from .job_head import JobHead
 
-log = logging.getLogger("ckptstore")
 
 #: Bytes per block while streaming an object in.
 BLOCK = 8 << 20
@@ -62,15 +61,7 @@ def newest_head(store: ObjectStore, listed: dict[str, int] | None = None) -> Hea
     if not gens:
         raise StoreNotFoundError(f"no ckptstore store at {store.where} (no HEAD object under "
                                  f"{store.where.url('heads/')})")
-    first: RemoteIntegrityError | None = None
-    for g in gens:
-        try:
-            return read_head(store, g)
-        except RemoteIntegrityError as e:
-            log.warning("ckptstore: %s; using an older HEAD", e)
-            first = first or e
-    assert first is not None
-    raise first
+    return first_valid(gens, lambda g: read_head(store, g), "HEAD")
 
 
 # ---- pull --------------------------------------------------------------------------------------
