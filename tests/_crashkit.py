@@ -105,6 +105,25 @@ class CountOps(_fileops_base()):
         return super()._fsync(fd)
 
 
+def run_forked(fn, *args) -> int:
+    """Run ``fn(*args)`` in a forked child and wait for it: the child's exit status (0 when
+    ``fn`` returned, 3 when it raised, its traceback on stderr), or ``-signal`` when a signal
+    (a KillOps SIGKILL) ended it."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            fn(*args)
+        except BaseException:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
 def torn_write(fd: int, data: bytes, cut: int, offset: int) -> None:
     """Write the leading ``cut`` bytes of ``data`` at ``offset``: what a write interrupted by a
     crash leaves. An O_DIRECT write moves whole blocks, so on an O_DIRECT descriptor the tear falls

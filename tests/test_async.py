@@ -25,7 +25,7 @@ import ckptstore
 from ckptstore.errors import CheckpointAbortedError, DiskFullError, IterationOrderError, StoreIOError
 from ckptstore.ops.fsck import check
 
-from _crashkit import CHUNK_SIZE, SEGMENT_SIZE, KillOps, state_for
+from _crashkit import CHUNK_SIZE, SEGMENT_SIZE, KillOps, run_forked, state_for
 from test_faults import FaultyOps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -408,22 +408,6 @@ def _victim(path: str, nth: int, target: str, log: str) -> None:
     store.close()
 
 
-def _fork_victim(*args) -> int:
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            _victim(*args)
-        except BaseException:  # noqa: BLE001
-            import traceback
-
-            traceback.print_exc()
-            code = 3
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
 def test_sigkill_during_inflight_persists(tmp_path, assert_same):
     trials = max(20, int(os.environ.get("CKPTSTORE_TRIALS", "20")))
     rnd = random.Random(4321)
@@ -432,7 +416,7 @@ def test_sigkill_during_inflight_persists(tmp_path, assert_same):
         d = tmp_path / f"t{trial}"
         target = rnd.choice(["write", "write", "fsync", "any"])
         nth = rnd.randint(1, 140 if target != "fsync" else 14)
-        rc = _fork_victim(str(d / "s"), nth, target, str(d / "resolved"))
+        rc = run_forked(_victim, str(d / "s"), nth, target, str(d / "resolved"))
         where = f"trial {trial} ({target} #{nth})"
         assert rc in (0, -signal.SIGKILL), f"{where}: victim failed rc={rc}"
         killed += rc == -signal.SIGKILL

@@ -15,6 +15,7 @@ import torch
 import ckptstore
 from ckptstore.torch import Checkpointer
 from ckptstore.torch import auto_policy
+from _crashkit import run_forked
 from ckptstore.torch.auto_policy import PLAN_KEY, parse_persisted
 from ckptstore.torch.plan import CostMeter
 
@@ -272,21 +273,6 @@ def _victim(path: str, target: str, nth: int, log: str) -> None:
     store.flush()
 
 
-def _fork(*args) -> int:
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            _victim(*args)
-        except BaseException:  # noqa: BLE001
-            import traceback
-            traceback.print_exc()
-            code = 3
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
 @pytest.mark.parametrize("target,nth", [("fsync", 2), ("fsync", 5), ("fsync", 9), ("fsync", 14),
                                         ("write", 7), ("write", 30)])
 def test_sigkill_while_planning_restores_and_resumes(tmp_path, caplog, target, nth):
@@ -296,7 +282,7 @@ def test_sigkill_while_planning_restores_and_resumes(tmp_path, caplog, target, n
     logged digest), is planned at once exactly when that iteration's base carries a plan, never
     warns, and trains on."""
     one = tmp_path / "s"
-    rc = _fork(str(one), target, nth, str(tmp_path / "log"))
+    rc = run_forked(_victim, str(one), target, nth, str(tmp_path / "log"))
     assert rc == -9, f"the victim was not killed (rc {rc})"
     logged = dict(line.split() for line in open(tmp_path / "log").read().splitlines())
     store = ckptstore.open(one)
