@@ -28,7 +28,7 @@ import torch
 import ckptstore
 from ckptstore import RemoteConflictError, RemoteStreamMissingError
 from ckptstore.cli import main as cli
-from ckptstore.remote import push, pull
+from ckptstore.remote import pull, push, verify_remote
 from ckptstore.remote.client import ObjectStore
 from ckptstore.remote.job_head import newest_job_head
 from ckptstore.storage.job_log import JobLayout
@@ -178,6 +178,9 @@ def test_open_url_of_a_job_and_the_cli(server, url, tmp_path, capsys, monkeypatc
     with ckptstore.open(url, "r", storage_options=opts, cache_dir=cache) as job:
         assert job.iterations() == [0, 1, 2, 3]
     assert cli(["pull", url, str(tmp_path / "pulled"), *args]) == 0
+    assert cli(["fsck", url, *args]) == 0  # every object the job HEAD names, streams' included
+    out = capsys.readouterr().out
+    assert "remote job" in out and "2 rank streams" in out and "clean" in out
     _check_job(str(tmp_path / "pulled"), [0, 1, 2, 3])
 
 
@@ -218,6 +221,8 @@ def test_a_job_head_naming_a_missing_stream_object_names_rank_and_object(server,
     opts = server.options()
     path = _job(tmp_path)
     head = push(path, url, opts).head
+    report = verify_remote(url, opts)
+    assert report.clean and report.head == head and report.streams == 2, report.lines()
     bucket, prefix = url.split("/")[2], url.split("/", 3)[3]
     s3 = server.s3()
     ref = head.stream(1, 1)
@@ -226,6 +231,11 @@ def test_a_job_head_naming_a_missing_stream_object_names_rank_and_object(server,
     s3.delete_object(Bucket=bucket, Key=key)
     with pytest.raises(RemoteStreamMissingError) as e:
         pull(url, tmp_path / "a", opts)
+    report = verify_remote(url, opts)  # fsck names the rank and the object
+    assert not report.clean and report.ranks == [1], report.lines()
+    assert [(p.kind, p.rank, p.epoch) for p in report.problems] == [("missing", 1, 1)]
+    assert key in report.problems[0].url and any(key in m and "rank 1" in m
+                                                 for m in report.missing)
     assert e.value.rank == 1 and e.value.epoch == 1 and key in e.value.url
     assert "rank 1" in str(e.value)
     # an extent of rank 0's stream
@@ -235,6 +245,9 @@ def test_a_job_head_naming_a_missing_stream_object_names_rank_and_object(server,
     with pytest.raises(RemoteStreamMissingError) as e:
         pull(url, tmp_path / "b", opts)
     assert e.value.rank == 0 and keys[-1] in e.value.url
+    report = verify_remote(url, opts)
+    assert report.ranks == [0, 1] and any(keys[-1] in p.url and p.rank == 0
+                                          for p in report.problems), report.lines()
 
 
 # ---- a push SIGKILLed at chosen points ----------------------------------------------------------
@@ -321,6 +334,10 @@ def test_damaged_job_objects_are_named_and_never_written_locally(server, url, tm
     with pytest.raises(RemoteIntegrityError, match="changed behind our back") as e:
         pull(url, tmp_path / "a", opts)
     assert key in str(e.value) and not os.path.exists(tmp_path / "a" / "STORE")
+    report = verify_remote(url, opts)  # the job's own objects: no rank
+    assert [(p.kind, p.rank) for p in report.problems] == [("damaged", None)] * 2, report.lines()
+    assert "jobheads/" in report.problems[0].url and key in report.problems[1].url
+    assert "digest mismatch" in report.damage[1] and report.head.generation == head.generation
     s3.put_object(Bucket=bucket, Key=key, Body=good)
     ref = head.stream(1, 1)
     assert ref is not None

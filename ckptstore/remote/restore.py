@@ -14,7 +14,7 @@ iteration's records straight from the objects with range GETs is :mod:`ckptstore
 (what ``ckptstore.open("s3://...", "r")`` does by default); it falls back to :func:`pull`'s
 whole-segment download where the HEAD names no usable index.
 
-:func:`verify_remote` (``ckptstore fsck s3://...``) checks every HEAD, then every object the
+:func:`verify_store` (``ckptstore fsck s3://...``) checks every HEAD, then every object the
 newest valid HEAD names: present, of the right length, with the right digest; it reports what
 is missing or damaged by name, and, given the local store, whether the remote copy is older.
 """
@@ -313,7 +313,7 @@ def pull_for_open(url: str, mode: str, options: dict[str, Any]
 # ---- fsck of the remote copy ---------------------------------------------------------------------
 @dataclass
 class RemoteFsckReport:
-    """What :func:`verify_remote` found. ``clean``: a valid HEAD, and every object it names is
+    """What :func:`verify_store` found. ``clean``: a valid HEAD, and every object it names is
     present, whole and matches its digest."""
 
     url: str
@@ -350,10 +350,10 @@ class RemoteFsckReport:
         return out
 
 
-def verify_remote(url: str, options: dict | None = None, *, local: str | os.PathLike | None = None,
-                  progress: Callable[[int], None] | None = None) -> RemoteFsckReport:
-    """Verify the remote copy at ``url`` (every HEAD; every object of the newest valid one, by
-    length and digest); with ``local``, compare it with that local store."""
+def verify_store(url: str, options: dict | None = None, *, local: str | os.PathLike | None = None,
+                 progress: Callable[[int], None] | None = None) -> RemoteFsckReport:
+    """Verify a single store's remote copy at ``url`` (every HEAD; every object of the newest
+    valid one, by length and digest); with ``local``, compare it with that local store."""
     client_opts, _ = split_options(options)
     store = ObjectStore(url, client_opts)
     report = RemoteFsckReport(str(store.where))
@@ -376,41 +376,7 @@ def verify_remote(url: str, options: dict | None = None, *, local: str | os.Path
     if not valid:
         return report
     head = report.head = valid[0]
-    wanted: list[tuple[str, int, bytes]] = [(STORE_OBJECT, 64, head.store_digest)]
-    wanted += [(e.name, e.length, e.digest) for e in head.extents()]
-    if head.index is not None:
-        wanted.append((head.index.name, head.index.length, head.index.digest))
-    for name, length, dig in wanted:
-        u = store.where.url(name)
-        if name not in listed:
-            report.missing.append(f"{u} (named by HEAD generation {head.generation})")
-            continue
-        if listed[name] != length:
-            report.damage.append(f"{u}: {listed[name]} bytes, the HEAD names {length}")
-            continue
-        h = xxhash.xxh3_128()
-        try:
-            for block in store.stream(name, BLOCK):
-                h.update(block)
-                report.bytes_verified += len(block)
-                if progress is not None:
-                    progress(len(block))
-        except RemoteError as e:
-            if e.code in ("NoSuchKey", "404"):
-                report.missing.append(f"{u} (named by HEAD generation {head.generation})")
-                continue
-            raise
-        report.objects += 1
-        if h.digest() != dig:
-            report.damage.append(f"{u}: digest mismatch: the HEAD says {dig.hex()}, the object "
-                                 f"holds {h.hexdigest()} (changed behind our back)" + (
-                                     "; it is the index, a cache: readers validate it and fetch "
-                                     "the segments instead" if name.startswith(INDEX_DIR) else ""))
-        elif name == STORE_OBJECT:
-            try:
-                check_store_object(store, head, store.get(STORE_OBJECT, 0, 65))
-            except RemoteIntegrityError as e:
-                report.damage.append(str(e))
+    verify_objects(store, head, head_objects(head), listed, report, progress)
     named = set().union(*(h.objects() for h in valid))
     stray = [n for n in listed if n.startswith((SEGMENTS_DIR, INDEX_DIR)) and n not in named]
     odd = [n for n in stray if parse_extent_name(n) is None and not is_index_name(n)]
@@ -425,6 +391,57 @@ def verify_remote(url: str, options: dict | None = None, *, local: str | os.Path
     if local is not None:
         _compare_local(report, head, os.fspath(local))
     return report
+
+
+def head_objects(head: Head) -> list[tuple[str, int, bytes]]:
+    """What a store's HEAD names, as (object name, length, xxh3-128): STORE, every extent, the
+    index object."""
+    wanted: list[tuple[str, int, bytes]] = [(STORE_OBJECT, 64, head.store_digest)]
+    wanted += [(e.name, e.length, e.digest) for e in head.extents()]
+    if head.index is not None:
+        wanted.append((head.index.name, head.index.length, head.index.digest))
+    return wanted
+
+
+def verify_objects(store: ObjectStore, head: "Head | JobHead", wanted: list[tuple[str, int, bytes]],
+                   listed: dict[str, int], report: Any,
+                   progress: Callable[[int], None] | None = None, who: str = "") -> None:
+    """Check that each ``(name, length, digest)`` of ``wanted`` (named by ``head``) is in
+    ``listed`` (the store's listing) with that length, and streams in with that digest (the
+    STORE object is also decoded against ``head``). What fails goes to ``report.missing`` or
+    ``report.damage`` (each line starting with ``who``, naming the object's URL); every object
+    read counts in ``report.objects`` and ``report.bytes_verified``."""
+    for name, length, dig in wanted:
+        u = store.where.url(name)
+        if name not in listed:
+            report.missing.append(f"{who}{u} (named by HEAD generation {head.generation})")
+            continue
+        if listed[name] != length:
+            report.damage.append(f"{who}{u}: {listed[name]} bytes, the HEAD names {length}")
+            continue
+        h = xxhash.xxh3_128()
+        try:
+            for block in store.stream(name, BLOCK):
+                h.update(block)
+                report.bytes_verified += len(block)
+                if progress is not None:
+                    progress(len(block))
+        except RemoteError as e:
+            if e.code in ("NoSuchKey", "404"):
+                report.missing.append(f"{who}{u} (named by HEAD generation {head.generation})")
+                continue
+            raise
+        report.objects += 1
+        if h.digest() != dig:
+            report.damage.append(f"{who}{u}: digest mismatch: the HEAD says {dig.hex()}, the "
+                                 f"object holds {h.hexdigest()} (changed behind our back)" + (
+                                     "; it is the index, a cache: readers validate it and fetch "
+                                     "the segments instead" if name.startswith(INDEX_DIR) else ""))
+        elif name == STORE_OBJECT:
+            try:
+                check_store_object(store, head, store.get(STORE_OBJECT, 0, 65))
+            except RemoteIntegrityError as e:
+                report.damage.append(f"{who}{e}")
 
 
 def _compare_local(report: RemoteFsckReport, head: Head, local: str) -> None:
