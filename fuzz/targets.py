@@ -624,7 +624,7 @@ def check_job_head(data: bytes) -> None:
     extents consecutive from 0 and adding up to its length, the current epoch its newest log) and
     every object name derived from it is well formed."""
     from ckptstore.remote.job_head import (decode_job_head, encode_job_head, is_log_extent_name,
-                                           job_head_generation)
+                                           job_head_generation, stream_of)
 
     fix, body = _split(data)
     if fix:
@@ -657,8 +657,8 @@ def check_job_head(data: bytes) -> None:
         _require(at == lg.length, "job HEAD extents do not add up to the log's length")
     _require(h.epoch == 0 or (h.logs[-1].epoch == h.epoch and h.logs[-1].length == h.end),
              "job HEAD's current epoch is not its newest log")
-    _require(all(is_log_extent_name(n) for n in h.objects() if n != "STORE"),
-             "job HEAD names a malformed object")
+    _require(all(is_log_extent_name(n) or stream_of(n) is not None for n in h.objects()
+                 if n != "STORE"), "job HEAD names a malformed object")
     for s in h.streams:
         _require(re.fullmatch(r"streams/\d{10}-\d{5}", s.prefix) is not None,
                  "job HEAD names a malformed stream prefix")

@@ -304,6 +304,137 @@ def test_push_killed_at_chosen_points_keeps_the_previous_cut(server, url, tmp_pa
     _check_job(fresh, [0, 1, 2, 3])
 
 
+# ---- remote gc after a job gc, and the gc race of a live job ----------------------------------------
+@pytest.fixture(scope="module")
+def job_template(tmp_path_factory):
+    """A closed 2-rank job (iterations 0..3, epoch 1), built once; tests copy it."""
+    tmp = tmp_path_factory.mktemp("job-template")
+    return _job(tmp)
+
+
+def _copy(template: str, tmp_path) -> str:
+    path = str(tmp_path / "job")
+    shutil.copytree(template, path)
+    return path
+
+
+def _keys(server, url: str, under: str) -> list[str]:
+    bucket, prefix = url.split("/")[2], url.split("/", 3)[3]
+    pages = server.s3().get_paginator("list_objects_v2").paginate(
+        Bucket=bucket, Prefix=f"{prefix}/{under}")
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
+_GC_KILLER = """
+import json, os, signal, sys
+from ckptstore.remote import push
+from ckptstore.remote.client import ObjectStore
+path, url, opts = sys.argv[1:4]
+opts = json.loads(opts)
+cls = type(ObjectStore(url, opts))
+orig = cls.delete
+def delete(self, names):
+    orig(self, names)
+    if any("/streams/0000000001-" in self.where.key(n) for n in names):
+        os.kill(os.getpid(), signal.SIGKILL)  # the first batch of an old stream went
+cls.delete = delete
+push(path, url, opts)
+print("push finished")
+"""
+
+
+def test_remote_gc_after_a_job_gc_deletes_unnamed_streams_and_survives_sigkill(
+        server, url, tmp_path, job_template):
+    """After an offline job gc (keep_last=1: a new epoch 2 holding iteration 3), a push keeps
+    the old epoch's streams while a kept job HEAD (keep_heads=2) names them; with keep_heads=1
+    the push's remote gc deletes them, and SIGKILLed in the middle of that it leaves the kept job
+    HEAD restorable bit-exact and fsck clean; the next push finishes the gc."""
+    path = _copy(job_template, tmp_path)
+    two = server.options(keep_heads=2)
+    first = push(path, url, two).head
+    old = _keys(server, url, "streams/0000000001-")
+    assert old and first.epoch == 1
+    with ckptstore.open(path, "r") as job:
+        job.gc(keep_last=1)
+        assert job.iterations() == [3]
+    second = push(path, url, two).head
+    assert second.epoch > 1 and second.generation == first.generation + 1
+    assert _keys(server, url, "streams/0000000001-") == old  # the older kept job HEAD names them
+    one = server.options(keep_heads=1)
+    code = subprocess.run([sys.executable, "-c", _GC_KILLER, path, url, json.dumps(one)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert code.returncode == -signal.SIGKILL, code.stdout + code.stderr
+    left = _keys(server, url, "streams/0000000001-")
+    assert 0 < len(left) < len(old)  # killed in the middle of the streams' deletion
+    report = verify_remote(url, one)
+    assert report.clean and report.head.generation == second.generation, report.lines()
+    restored = str(tmp_path / "restored")
+    pull(url, restored, one)
+    _check_job(restored, [3])
+    again = push(path, url, one)  # nothing new: no job HEAD, the gc finishes
+    assert again.head.generation == second.generation and again.stats.deleted_objects >= 1
+    assert _keys(server, url, "streams/0000000001-") == []
+    assert all(_keys(server, url, f"{s.prefix}/heads/") for s in second.streams)
+    shutil.rmtree(restored)
+    pull(url, restored, one)
+    _check_job(restored, [3])
+
+
+def test_a_rank_gc_racing_the_job_head_is_caught_by_the_recheck(server, url, tmp_path,
+                                                                 job_template, monkeypatch):
+    """format-spec/remote.md §8.3: rank 0's job HEAD thread pins the newest stream HEAD a rank's
+    uploader wrote; that rank's gc, having read the pins before, deletes it (a newer one exists)
+    just before the job HEAD is written. The re-check finds the pinned HEAD gone and writes a
+    second job HEAD naming the newer one: the newest job HEAD restores bit-exact."""
+    from dataclasses import replace
+
+    from ckptstore.remote.head import encode_head, head_name
+    from ckptstore.remote.job_head import stream_store
+    from ckptstore.remote.job_uploader import JobHeadUploader
+    from ckptstore.remote.replicate import read_head
+
+    path = _copy(job_template, tmp_path)
+    opts = server.options(keep_heads=1, head_interval=3600)
+    base = push(path, url, opts).head
+    sub = stream_store(ObjectStore(url, opts), 1, 0, opts)
+
+    def new_stream_head(after: int) -> int:
+        """What rank 0's uploader does: a newer stream HEAD (here naming the same objects)."""
+        h = read_head(sub, after)
+        sub.put(head_name(after + 1), encode_head(replace(h, generation=after + 1,
+                                                          created_ns=h.created_ns + 1)))
+        return after + 1
+
+    ref = base.stream(1, 0)
+    assert ref is not None
+    observed = new_stream_head(ref.generation)
+    cls = type(sub)
+    put = cls.put
+    raced = []
+
+    def racing_put(self, name, data, **kw):
+        if "/jobheads/" in self.where.url(name) and not raced:
+            raced.append(new_stream_head(observed))  # the rank's next HEAD, then its gc
+            sub.delete([head_name(observed)])
+        return put(self, name, data, **kw)
+
+    monkeypatch.setattr(cls, "put", racing_put)
+    job = JobHeadUploader(path, url, opts, epoch=1)
+    try:
+        head = job.sync()
+    finally:
+        job.stop()
+    monkeypatch.setattr(cls, "put", put)
+    pinned = head.stream(1, 0)
+    assert raced and pinned is not None and pinned.generation == raced[0], (raced, head)
+    assert head.generation == base.generation + 2  # the first one pinned the deleted HEAD
+    assert verify_remote(url, opts).clean
+    restored = str(tmp_path / "restored")
+    pull(url, restored, opts)
+    _check_job(restored, [0, 1, 2, 3])
+
+
 # ---- corruption ---------------------------------------------------------------------------------
 def test_damaged_job_objects_are_named_and_never_written_locally(server, url, tmp_path):
     """A damaged newer job HEAD is skipped (the older one restores); a changed global log extent
