@@ -10,7 +10,11 @@ that names a stream whose objects are missing (RemoteStreamMissingError naming r
 the push SIGKILLed between two streams' HEADs, before and after the job HEAD: the remote
 still restores the previous cut bit-exact, and a re-push completes; damaged job objects and the
 job HEAD codec; the background tier (``remote=`` beside ``process_group=``) over two jobs, and a
-rank SIGKILLed while it uploads; lazy reads of one rank's part.
+rank SIGKILLed while it uploads; lazy reads of one rank's part; fsck of the remote copy (rank and
+object of what is missing or damaged); the remote gc after a job gc (an old epoch's streams go
+once no kept job HEAD names them; SIGKILLed in the middle, the kept job HEAD still restores) and
+the race of a rank's stream gc with rank 0's job HEAD (§8.3's re-check). remote_status and
+remote_flush of every store kind: tests/test_store_kinds.py.
 """
 
 from __future__ import annotations
@@ -88,21 +92,6 @@ def train_killed(rank, world, path, url, opts, victim, nth):
     except ckptstore.CkptStoreError:
         pass
     return s.iterations()
-
-
-def train_and_flush(rank, world, path, url, opts):
-    """Three iterations with the remote tier on (a long head_interval: the background rounds do
-    not catch up by themselves), then remote_status, remote_flush and remote_status again."""
-    with ckptstore.open(path, "a", process_group=_pg(), commit_timeout=60.0, remote=url,
-                        remote_options=opts) as s:
-        for it in range(3):
-            _save(s, it, rank)
-        before = s.remote_status()
-        flushed = s.remote_flush(60.0)
-        after = s.remote_status()
-        return {"flushed": flushed, "local": before.local_iteration, "url": after.url,
-                "after": [after.iteration, after.generation, after.local_iteration, after.behind,
-                          after.error is None, after.stopped, after.uploaded_objects > 0]}
 
 
 def _expected(it: int, rank: int):
@@ -520,23 +509,6 @@ def test_a_rank_killed_while_uploading_leaves_a_restorable_remote_copy(server, u
     restored = str(tmp_path / "restored")
     pull(url, restored, opts)
     _check_job(restored, list(range(head.latest + 1)))
-
-
-def test_remote_flush_and_status_of_a_job_on_every_rank(server, url, tmp_path):
-    """JobStore.remote_flush (collective) returns the job HEAD's iteration on every rank once it
-    holds every visible iteration; remote_status then says so on every rank (rank 1 reads the
-    job HEAD), with the single store's RemoteStatus fields."""
-    opts = server.options(head_interval=3600)
-    path = str(tmp_path / "job")
-    res = ok(run_ranks(2, MOD, "train_and_flush", path, str(tmp_path / "w"), url=url,
-                       opts=opts))
-    head = newest_job_head(ObjectStore(url, opts))
-    assert head.latest == 2
-    for r in res:
-        assert r["flushed"] == 2 and r["local"] == 2 and r["url"] == url
-        assert r["after"] == [2, head.generation, 2, False, True, False, True], r
-    with ckptstore.open(path, "r") as job, pytest.raises(ckptstore.RemoteUnsupportedError):
-        job.remote_status()  # opened without remote=
 
 
 # ---- lazy reads of one rank's part ---------------------------------------------------------------
