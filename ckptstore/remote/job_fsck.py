@@ -29,7 +29,7 @@ from .job_head import (GLOBAL_DIR, JOB_HEADS_DIR, STREAMS_DIR, JobHead, list_job
                        log_extent_name, read_job_head, stream_store)
 from .job_pull import pinned_head
 from .replicate import split_options
-from .restore import head_objects, verify_objects
+from .restore import FsckFindings, head_objects, verify_objects
 
 
 @dataclass(frozen=True)
@@ -44,19 +44,12 @@ class RemoteProblem:
 
 
 @dataclass
-class JobFsckReport:
+class JobFsckReport(FsckFindings):
     """What :func:`verify_job` found. ``clean``: a valid job HEAD, and every object it names
     (the streams' included) is present, whole and matches its digest."""
 
-    url: str
     head: JobHead | None = None
-    heads: int = 0
     streams: int = 0
-    objects: int = 0
-    bytes_verified: int = 0
-    damage: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
     problems: list[RemoteProblem] = field(default_factory=list)
 
     @property
@@ -74,9 +67,7 @@ class JobFsckReport:
             f"job HEAD generation {h.generation}, iteration {h.latest} ({h.count} iterations), "
             f"epoch {h.epoch}, {self.streams} rank streams, {self.objects} objects, "
             f"{self.bytes_verified} bytes verified" if h is not None else "no valid job HEAD")]
-        out += [f"MISSING {m}" for m in self.missing]
-        out += [f"DAMAGE {d}" for d in self.damage]
-        out += [f"note: {n}" for n in self.notes]
+        out += self.found()
         out.append("clean" if self.clean else f"NOT CLEAN: {len(self.missing)} missing objects, "
                    f"{len(self.damage)} damaged" + (f" (ranks {self.ranks})" if self.ranks else "")
                    + ("" if h is not None else ", no valid job HEAD"))
@@ -90,18 +81,8 @@ def verify_job(url: str, options: dict | None = None, *,
     root = ObjectStore(url, client_opts)
     report = JobFsckReport(str(root.where))
     gens = list_job_heads(root.list_objects(JOB_HEADS_DIR))
-    report.heads = len(gens)
-    valid: list[JobHead] = []
-    for g in gens:
-        try:
-            valid.append(read_job_head(root, g))
-        except RemoteIntegrityError as e:
-            if valid:
-                report.notes.append(f"an older job HEAD is damaged: {e}")
-            else:
-                report.damage.append(f"{e}" + (" (readers use the next older valid job HEAD)"
-                                               if len(gens) > 1 else ""))
-                report.problems.append(RemoteProblem("damaged", None, None, e.url))
+    valid = report.read_heads(gens, lambda g: read_job_head(root, g), "job HEAD")
+    report.problems += [RemoteProblem("damaged", None, None, _url_in(d)) for d in report.damage]
     if not valid:
         return report
     head = report.head = valid[0]
@@ -147,6 +128,9 @@ def _checked(report: JobFsckReport, rank: int | None, epoch: int | None,
     nm, nd = len(report.missing), len(report.damage)
     check()
     for kind, lines in (("missing", report.missing[nm:]), ("damaged", report.damage[nd:])):
-        for line in lines:
-            u = next((w for w in line.split() if w.startswith("s3://")), line)
-            report.problems.append(RemoteProblem(kind, rank, epoch, u.rstrip(":")))
+        report.problems += [RemoteProblem(kind, rank, epoch, _url_in(line)) for line in lines]
+
+
+def _url_in(line: str) -> str:
+    """The first URL a report line names (the line itself when it names none)."""
+    return next((w for w in line.split() if w.startswith("s3://")), line).rstrip(":")

@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import xxhash
 
@@ -48,6 +48,8 @@ from .replicate import list_heads, pos_key, read_head, split_options
 if TYPE_CHECKING:
     from .job_head import JobHead
 
+
+H = TypeVar("H")
 
 #: Bytes per block while streaming an object in.
 BLOCK = 8 << 20
@@ -312,18 +314,48 @@ def pull_for_open(url: str, mode: str, options: dict[str, Any]
 
 # ---- fsck of the remote copy ---------------------------------------------------------------------
 @dataclass
-class RemoteFsckReport:
-    """What :func:`verify_store` found. ``clean``: a valid HEAD, and every object it names is
-    present, whole and matches its digest."""
+class FsckFindings:
+    """What a remote fsck counts and finds, for either kind (:class:`RemoteFsckReport`,
+    :class:`~ckptstore.remote.job_fsck.JobFsckReport`): lines naming what is missing or damaged,
+    and notes."""
 
     url: str
-    head: Head | None = None
     heads: int = 0
     objects: int = 0
     bytes_verified: int = 0
     damage: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    def read_heads(self, gens: list[int], read: Callable[[int], H], what: str) -> list[H]:
+        """The valid ones of HEAD-like generations ``gens`` (newest first) read with ``read``; a
+        damaged one newer than every valid one is damage (readers fall back past it), an older
+        one a note. ``what`` names the kind ("HEAD", "job HEAD")."""
+        self.heads = len(gens)
+        valid: list[H] = []
+        for g in gens:
+            try:
+                valid.append(read(g))
+            except RemoteIntegrityError as e:
+                if valid:  # older than the newest valid one: the next upload deletes it
+                    self.notes.append(f"an older {what} is damaged: {e}")
+                else:
+                    self.damage.append(f"{e}" + (f" (readers use the next older valid {what})"
+                                                 if len(gens) > 1 else ""))
+        return valid
+
+    def found(self) -> list[str]:
+        """The lines of what is missing, damaged, and the notes."""
+        return ([f"MISSING {m}" for m in self.missing] + [f"DAMAGE {d}" for d in self.damage]
+                + [f"note: {n}" for n in self.notes])
+
+
+@dataclass
+class RemoteFsckReport(FsckFindings):
+    """What :func:`verify_store` found. ``clean``: a valid HEAD, and every object it names is
+    present, whole and matches its digest."""
+
+    head: Head | None = None
     #: with a local store: its newest recoverable iteration, and whether the remote lags it
     local_iteration: int | None = None
     behind: bool = False
@@ -338,9 +370,7 @@ class RemoteFsckReport:
             f"HEAD generation {h.generation}, iteration {h.recoverable} ({h.count} iterations), "
             f"{len(h.segments)} segments, {self.objects} objects, {self.bytes_verified} bytes "
             "verified" if h is not None else "no valid HEAD")]
-        out += [f"MISSING {m}" for m in self.missing]
-        out += [f"DAMAGE {d}" for d in self.damage]
-        out += [f"note: {n}" for n in self.notes]
+        out += self.found()
         if self.behind:
             out.append(f"BEHIND: the remote copy holds iteration "
                        f"{None if h is None else h.recoverable}, the local store "
@@ -359,17 +389,7 @@ def verify_store(url: str, options: dict | None = None, *, local: str | os.PathL
     report = RemoteFsckReport(str(store.where))
     listed = store.list_objects()
     gens = list_heads(listed)
-    report.heads = len(gens)
-    valid: list[Head] = []
-    for g in gens:
-        try:
-            valid.append(read_head(store, g))
-        except RemoteIntegrityError as e:
-            if valid:  # older than the newest valid one: the next upload deletes it
-                report.notes.append(f"an older HEAD is damaged: {e}")
-            else:
-                report.damage.append(f"{e}" + (" (readers use the next older valid HEAD)"
-                                               if len(gens) > 1 else ""))
+    valid = report.read_heads(gens, lambda g: read_head(store, g), "HEAD")
     if not gens:
         report.damage.append(f"no HEAD object under {store.where.url('heads/')}: nothing was "
                              "uploaded, or no upload finished")

@@ -1,7 +1,7 @@
-"""``push``, ``pull`` and ``verify_remote`` (fsck) of any store: a single store's copy (:mod:`.replicate`, :mod:`.restore`)
-or a multi-rank job store's (:mod:`.job_push`, :mod:`.job_pull`, :mod:`.job_fsck`;
-format-spec/remote.md §8).
-The one place that tells the two kinds apart, above the modules that copy each."""
+"""``push``, ``pull`` and ``verify_remote`` (fsck) of any store: a single store's copy
+(:mod:`.replicate`, :mod:`.restore`) or a multi-rank job store's (:mod:`.job_push`,
+:mod:`.job_pull`, :mod:`.job_fsck`; format-spec/remote.md §8). The one place that tells the two
+kinds apart, above the modules that copy and check each."""
 
 from __future__ import annotations
 
