@@ -69,12 +69,19 @@ def save_remote(rank, world, path, kind, url, opts):
     import torch.distributed as dist
 
     pg = {} if kind == "single" else {"process_group": dist.group.WORLD, "commit_timeout": 60.0}
+    failed = None
     with ckptstore.open(path, "a", remote=url, remote_options=opts, **pg) as s:
         s.save(ITERATIONS + 1, {"w": torch.full((3,), float(rank))})
+        if world > 1:  # rank 1's flush times out at once: every rank raises it, naming rank 1
+            try:
+                s.remote_flush(0.0 if rank == 1 else 60.0)
+            except ckptstore.RemoteError as e:
+                failed = [type(e).__name__, getattr(e, "rank", None), "rank 1" in str(e)
+                          or rank == 1, "did not catch up" in str(e)]
         flushed = s.remote_flush(60.0)
         st = s.remote_status()
         return [flushed, st.iteration, st.local_iteration, st.behind, st.error is None,
-                st.generation is not None]
+                st.generation is not None, failed]
 
 
 @pytest.fixture(scope="module")
@@ -209,13 +216,17 @@ class StoreKindTests:
         path = str(tmp_path / "copy")
         shutil.copytree(built[self.kind][0], path)
         opts = server.options(head_interval=3600)
-        want = [ITERATIONS + 1, ITERATIONS + 1, ITERATIONS + 1, False, True, True]
+        want = [ITERATIONS + 1, ITERATIONS + 1, ITERATIONS + 1, False, True, True, None]
         if self.kind == "single":
             assert save_remote(0, 1, path, self.kind, url, opts) == want
-        else:
-            world = 2 if self.kind == "job-2" else 1
-            assert ok(run_ranks(world, __name__, "save_remote", path, str(tmp_path / "w"),
-                                kind=self.kind, url=url, opts=opts)) == [want] * world
+        elif self.kind == "job-1":
+            assert ok(run_ranks(1, __name__, "save_remote", path, str(tmp_path / "w"),
+                                kind=self.kind, url=url, opts=opts)) == [want]
+        else:  # and first a flush that fails on rank 1 (raised on both, naming rank 1)
+            got = ok(run_ranks(2, __name__, "save_remote", path, str(tmp_path / "w"),
+                               kind=self.kind, url=url, opts=opts))
+            assert got == [want[:-1] + [["RemoteError", 1, True, True]],
+                           want[:-1] + [["RemoteError", None, True, True]]], got
         from ckptstore.remote import verify_remote
 
         report = verify_remote(url, opts)

@@ -237,6 +237,9 @@ class JobRemote:
 
         failure: BaseException | None = None
         try:
+            if stream is None:  # (a job gc that failed to start the new epoch: the job is broken)
+                raise RemoteError("flush", self.url, "this rank's stream is not open",
+                                  code="Stopped")
             stream.remote_flush(self.opts.close_timeout if timeout is None else timeout)
         except CkptStoreError as e:
             failure = e
