@@ -102,7 +102,7 @@ class JobReplicator:
     def all_stats(self) -> SyncStats:
         """Everything sent since this replicator was created (streams included)."""
         out = replace(self.stats)
-        for rep in self.streams.values():
+        for rep in list(self.streams.values()):  # (a status may ask while a round adds one)
             for f in fields(SyncStats):
                 setattr(out, f.name, getattr(out, f.name) + getattr(rep.stats, f.name))
         return out

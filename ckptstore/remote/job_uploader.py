@@ -194,8 +194,8 @@ class JobRemote:
         up = getattr(stream, "uploader", None)
         own = up.status() if up is not None and not stream.closed else None
         job, error, head = self.job, None, None
-        if job is not None:
-            head, error = job.head, job.error
+        if job is not None:  # (before its first round: the newest one it read)
+            head, error = job.head if job.head is not None else job.rep.head, job.error
         else:
             try:
                 head = newest_job_head(self.root)
