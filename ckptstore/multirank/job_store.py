@@ -813,17 +813,13 @@ class JobStore:
             rank = self.rank if self.rank is not None and self.rank < g.world_size else 0
         return self.stream(iteration, rank).base_of(iteration)
 
-    # ---- the remote tier (remote=...; ckptstore/remote/job_uploader.py) ------------------------
+    # ---- the remote tier (remote=...): ckptstore/remote/job_uploader.py's JobRemote ------------
     def remote_status(self) -> Any:
-        """As :meth:`ckptstore.Store.remote_status`, of the job's copy (local to this rank):
-        :meth:`~ckptstore.remote.job_uploader.JobRemote.status`."""
-        self._check()
+        """As :meth:`ckptstore.Store.remote_status`, of the job's copy (JobRemote.status)."""
         return JobRemote.of(self._remote, self.path).status(self._own, self.latest())
 
     def remote_flush(self, timeout: float | None = None) -> int | None:
-        """As :meth:`ckptstore.Store.remote_flush`, of the job's copy; collective, between saves:
-        :meth:`~ckptstore.remote.job_uploader.JobRemote.flush`."""
-        self._check()
+        """Collective: :meth:`ckptstore.Store.remote_flush` of the job's copy (JobRemote.flush)."""
         return JobRemote.of(self._remote, self.path).flush(self._own, self._group, self.latest(),
                                                            timeout)
 
