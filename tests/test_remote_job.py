@@ -170,6 +170,9 @@ def test_open_url_of_a_job_and_the_cli(server, url, tmp_path, capsys, monkeypatc
     assert cli(["fsck", url, *args]) == 0  # every object the job HEAD names, streams' included
     out = capsys.readouterr().out
     assert "remote job" in out and "2 rank streams" in out and "clean" in out
+    assert cli(["fsck", path, "--remote", url, *args]) == 0  # the local job, then its copy
+    out = capsys.readouterr().out
+    assert "remote job" in out and out.count("clean") >= 2
     _check_job(str(tmp_path / "pulled"), [0, 1, 2, 3])
 
 
