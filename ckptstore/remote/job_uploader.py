@@ -232,7 +232,9 @@ class JobRemote:
            each rank's COMMIT being durable before its GLOBAL_COMMIT) and broadcasts its
            iteration or its error (a RemoteError "Behind" when the cut still lacks ``local``).
 
-        Nothing local changes; a remote failure leaves the job writing on."""
+        Nothing local changes; a remote failure leaves the job writing on. Keep ``timeout``
+        under the group's ``commit_timeout``: the other ranks wait that long in step 2 before
+        they count a rank as dead (RankFailureError)."""
         from ..multirank.rank_errors import describe, rebuild
 
         failure: BaseException | None = None
