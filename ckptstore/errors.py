@@ -378,6 +378,16 @@ class RemoteError(StoreIOError):
         OSError.__init__(self, errno_, f"{operation} failed on {url}: {message}"
                          + (f" [{code}]" if code and code not in message else ""))
 
+    @classmethod
+    def from_message(cls, message: str) -> "StoreIOError":
+        """Another rank's remote error, rebuilt from its report (the message names the operation,
+        the URL and the code; the attributes are empty here)."""
+        error = super().from_message(message)
+        error.filename = ""
+        setattr(error, "url", "")
+        setattr(error, "code", "")
+        return error
+
 
 class RemoteIntegrityError(RemoteError):
     """A remote object does not hold what the remote HEAD says (its length or xxh3-128 digest

@@ -181,6 +181,37 @@ def roundtrip_seeds(seeds: Seeds) -> None:
         seeds.add("state_roundtrip", f"random{i}", bytes(rng.randrange(256) for _ in range(64 + 8 * i)))
 
 
+def job_head_seeds(seeds: Seeds) -> None:
+    """Job HEADs (format-spec/remote.md §8.1): an empty cut, a two-epoch cut of two ranks with an
+    unknown key, and shapes the decoder refuses (sealed, so each reaches the field checks)."""
+    from ckptstore.remote.head import Extent, seal_json
+    from ckptstore.remote.job_head import JobHead, LogEntry, StreamRef, encode_job_head
+
+    d = bytes(range(16))
+    empty = JobHead(generation=1, store_id=d, store_digest=d, epoch=0, end=0, latest=None,
+                    count=0, streams=(), logs=())
+    two = JobHead(generation=3, store_id=d, store_digest=d, epoch=2, end=300, latest=9, count=4,
+                  streams=(StreamRef(1, 0, 5, d), StreamRef(1, 1, 2, d), StreamRef(2, 0, 1, d),
+                           StreamRef(2, 1, 1, d)),
+                  logs=(LogEntry(1, 200, (Extent(1, 0, 200, d),)),
+                        LogEntry(2, 300, (Extent(2, 0, 100, d), Extent(2, 100, 200, d)))),
+                  created_ns=7, extra={"note": "an unknown key"})
+    seeds.add("job_head", "empty", encode_job_head(empty))
+    good = encode_job_head(two)
+    seeds.add("job_head", "two-epochs", good)
+    seeds.add("job_head", "two-epochs-bad-check", good[:-3] + b"00\n")
+    body = json.loads(good.partition(b"\n")[0])
+    for name, change in [("streams-out-of-order", {"streams": body["streams"][::-1]}),
+                         ("extents-gap", {"logs": [[1, 200, [[0, 100, d.hex()],
+                                                             [150, 50, d.hex()]]],
+                                                   body["logs"][1]]}),
+                         ("epoch-not-newest", {"epoch": 1, "end": 200}),
+                         ("version-2", {"v": 2})]:
+        seeds.add("job_head", name, seal_json({**body, **change}))
+        seeds.add("job_head", name + "-unsealed", seal_json({**body, **change})[:-3] + b"00\n",
+                  control=1)
+
+
 def main() -> None:
     seeds = Seeds()
     from_vectors(seeds)
@@ -197,6 +228,7 @@ def main() -> None:
         from_store(seeds, os.path.join(tmp, "delta"), "delta")
         from_delta_fixture(seeds)
     roundtrip_seeds(seeds)
+    job_head_seeds(seeds)
     seeds.write()
     total = sum(len(v) for files in seeds.files.values() for v in files.values())
     for target, files in seeds.files.items():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import struct
 import tempfile
 from collections import OrderedDict
@@ -606,6 +607,63 @@ def check_global_log(data: bytes) -> None:
                  "global commit of another world size")
 
 
+# ---- a remote job store's job HEAD (format-spec/remote.md §8.1) -----------------------------------
+
+def _reseal(body: bytes) -> bytes:
+    """``body`` with its check line recomputed (the first line's xxh3-128), so a mutated job HEAD
+    reaches the field checks behind the seal."""
+    line = body.partition(b"\n")[0]
+    return line + b"\nxxh3-128 " + xxhash.xxh3_128_digest(line).hex().encode() + b"\n"
+
+
+def check_job_head(data: bytes) -> None:
+    """remote/job_head.py decode_job_head on the input (its check line recomputed when the control
+    byte's low bit is set), named with the generation its own JSON claims (1 when it claims none,
+    so a mismatch is also fuzzed by bits 1-7 of the control byte): a decoded job HEAD re-encodes
+    to bytes that decode to the same value, its cut is consistent (streams ascending, each log's
+    extents consecutive from 0 and adding up to its length, the current epoch its newest log) and
+    every object name derived from it is well formed."""
+    from ckptstore.remote.job_head import (decode_job_head, encode_job_head, is_log_extent_name,
+                                           job_head_generation, stream_of)
+
+    fix, body = _split(data)
+    if fix:
+        body = _reseal(body)
+    claimed = 1
+    try:
+        v = json.loads(body.partition(b"\n")[0])
+        if isinstance(v, dict) and type(v.get("generation")) is int:
+            claimed = v["generation"]
+    except (ValueError, RecursionError):
+        pass
+    generation = claimed + (data[0] >> 1 if data else 0)
+    ok, h = _decodes(lambda: decode_job_head(body, generation))
+    if not ok:
+        return
+    _require(h.generation == generation and job_head_generation(h.name) == generation,
+             "job HEAD name does not carry its generation")
+    again = decode_job_head(encode_job_head(h), generation)
+    _require(again == h and again.extra == h.extra, "job HEAD does not round-trip")
+    keys = [(s.epoch, s.rank) for s in h.streams]
+    _require(keys == sorted(set(keys)), "job HEAD streams out of order")
+    _require([lg.epoch for lg in h.logs] == sorted({lg.epoch for lg in h.logs}),
+             "job HEAD logs out of order")
+    for lg in h.logs:
+        at = 0
+        for e in lg.extents:
+            _require(e.seq == lg.epoch and e.offset == at and e.length > 0,
+                     "job HEAD extents not consecutive")
+            at = e.end
+        _require(at == lg.length, "job HEAD extents do not add up to the log's length")
+    _require(h.epoch == 0 or (h.logs[-1].epoch == h.epoch and h.logs[-1].length == h.end),
+             "job HEAD's current epoch is not its newest log")
+    _require(all(is_log_extent_name(n) or stream_of(n) is not None for n in h.objects()
+                 if n != "STORE"), "job HEAD names a malformed object")
+    for s in h.streams:
+        _require(re.fullmatch(r"streams/\d{10}-\d{5}", s.prefix) is not None,
+                 "job HEAD names a malformed stream prefix")
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "records": check_records,
     "segment": check_segment,
@@ -620,4 +678,5 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "replay_base": check_replay_base,
     "store_open": check_store_open,
     "global_log": check_global_log,
+    "job_head": check_job_head,
 }

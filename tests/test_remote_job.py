@@ -10,7 +10,11 @@ that names a stream whose objects are missing (RemoteStreamMissingError naming r
 the push SIGKILLed between two streams' HEADs, before and after the job HEAD: the remote
 still restores the previous cut bit-exact, and a re-push completes; damaged job objects and the
 job HEAD codec; the background tier (``remote=`` beside ``process_group=``) over two jobs, and a
-rank SIGKILLed while it uploads; lazy reads of one rank's part.
+rank SIGKILLed while it uploads; lazy reads of one rank's part; fsck of the remote copy (rank and
+object of what is missing or damaged); the remote gc after a job gc (an old epoch's streams go
+once no kept job HEAD names them; SIGKILLed in the middle, the kept job HEAD still restores) and
+the race of a rank's stream gc with rank 0's job HEAD (§8.3's re-check). remote_status and
+remote_flush of every store kind: tests/test_store_kinds.py.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 import ckptstore
 from ckptstore import RemoteConflictError, RemoteStreamMissingError
 from ckptstore.cli import main as cli
-from ckptstore.remote import push, pull
+from ckptstore.remote import pull, push, verify_remote
 from ckptstore.remote.client import ObjectStore
 from ckptstore.remote.job_head import newest_job_head
 from ckptstore.storage.job_log import JobLayout
@@ -163,6 +167,12 @@ def test_open_url_of_a_job_and_the_cli(server, url, tmp_path, capsys, monkeypatc
     with ckptstore.open(url, "r", storage_options=opts, cache_dir=cache) as job:
         assert job.iterations() == [0, 1, 2, 3]
     assert cli(["pull", url, str(tmp_path / "pulled"), *args]) == 0
+    assert cli(["fsck", url, *args]) == 0  # every object the job HEAD names, streams' included
+    out = capsys.readouterr().out
+    assert "remote job" in out and "2 rank streams" in out and "clean" in out
+    assert cli(["fsck", path, "--remote", url, *args]) == 0  # the local job, then its copy
+    out = capsys.readouterr().out
+    assert "remote job" in out and out.count("clean") >= 2
     _check_job(str(tmp_path / "pulled"), [0, 1, 2, 3])
 
 
@@ -203,6 +213,8 @@ def test_a_job_head_naming_a_missing_stream_object_names_rank_and_object(server,
     opts = server.options()
     path = _job(tmp_path)
     head = push(path, url, opts).head
+    report = verify_remote(url, opts)
+    assert report.clean and report.head == head and report.streams == 2, report.lines()
     bucket, prefix = url.split("/")[2], url.split("/", 3)[3]
     s3 = server.s3()
     ref = head.stream(1, 1)
@@ -211,6 +223,11 @@ def test_a_job_head_naming_a_missing_stream_object_names_rank_and_object(server,
     s3.delete_object(Bucket=bucket, Key=key)
     with pytest.raises(RemoteStreamMissingError) as e:
         pull(url, tmp_path / "a", opts)
+    report = verify_remote(url, opts)  # fsck names the rank and the object
+    assert not report.clean and report.ranks == [1], report.lines()
+    assert [(p.kind, p.rank, p.epoch) for p in report.problems] == [("missing", 1, 1)]
+    assert key in report.problems[0].url and any(key in m and "rank 1" in m
+                                                 for m in report.missing)
     assert e.value.rank == 1 and e.value.epoch == 1 and key in e.value.url
     assert "rank 1" in str(e.value)
     # an extent of rank 0's stream
@@ -220,6 +237,9 @@ def test_a_job_head_naming_a_missing_stream_object_names_rank_and_object(server,
     with pytest.raises(RemoteStreamMissingError) as e:
         pull(url, tmp_path / "b", opts)
     assert e.value.rank == 0 and keys[-1] in e.value.url
+    report = verify_remote(url, opts)
+    assert report.ranks == [0, 1] and any(keys[-1] in p.url and p.rank == 0
+                                          for p in report.problems), report.lines()
 
 
 # ---- a push SIGKILLed at chosen points ----------------------------------------------------------
@@ -276,6 +296,137 @@ def test_push_killed_at_chosen_points_keeps_the_previous_cut(server, url, tmp_pa
     _check_job(fresh, [0, 1, 2, 3])
 
 
+# ---- remote gc after a job gc, and the gc race of a live job ----------------------------------------
+@pytest.fixture(scope="module")
+def job_template(tmp_path_factory):
+    """A closed 2-rank job (iterations 0..3, epoch 1), built once; tests copy it."""
+    tmp = tmp_path_factory.mktemp("job-template")
+    return _job(tmp)
+
+
+def _copy(template: str, tmp_path) -> str:
+    path = str(tmp_path / "job")
+    shutil.copytree(template, path)
+    return path
+
+
+def _keys(server, url: str, under: str) -> list[str]:
+    bucket, prefix = url.split("/")[2], url.split("/", 3)[3]
+    pages = server.s3().get_paginator("list_objects_v2").paginate(
+        Bucket=bucket, Prefix=f"{prefix}/{under}")
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
+_GC_KILLER = """
+import json, os, signal, sys
+from ckptstore.remote import push
+from ckptstore.remote.client import ObjectStore
+path, url, opts = sys.argv[1:4]
+opts = json.loads(opts)
+cls = type(ObjectStore(url, opts))
+orig = cls.delete
+def delete(self, names):
+    orig(self, names)
+    if any("/streams/0000000001-" in self.where.key(n) for n in names):
+        os.kill(os.getpid(), signal.SIGKILL)  # the first batch of an old stream went
+cls.delete = delete
+push(path, url, opts)
+print("push finished")
+"""
+
+
+def test_remote_gc_after_a_job_gc_deletes_unnamed_streams_and_survives_sigkill(
+        server, url, tmp_path, job_template):
+    """After an offline job gc (keep_last=1: a new epoch 2 holding iteration 3), a push keeps
+    the old epoch's streams while a kept job HEAD (keep_heads=2) names them; with keep_heads=1
+    the push's remote gc deletes them, and SIGKILLed in the middle of that it leaves the kept job
+    HEAD restorable bit-exact and fsck clean; the next push finishes the gc."""
+    path = _copy(job_template, tmp_path)
+    two = server.options(keep_heads=2)
+    first = push(path, url, two).head
+    old = _keys(server, url, "streams/0000000001-")
+    assert old and first.epoch == 1
+    with ckptstore.open(path, "r") as job:
+        job.gc(keep_last=1)
+        assert job.iterations() == [3]
+    second = push(path, url, two).head
+    assert second.epoch > 1 and second.generation == first.generation + 1
+    assert _keys(server, url, "streams/0000000001-") == old  # the older kept job HEAD names them
+    one = server.options(keep_heads=1)
+    code = subprocess.run([sys.executable, "-c", _GC_KILLER, path, url, json.dumps(one)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert code.returncode == -signal.SIGKILL, code.stdout + code.stderr
+    left = _keys(server, url, "streams/0000000001-")
+    assert 0 < len(left) < len(old)  # killed in the middle of the streams' deletion
+    report = verify_remote(url, one)
+    assert report.clean and report.head.generation == second.generation, report.lines()
+    restored = str(tmp_path / "restored")
+    pull(url, restored, one)
+    _check_job(restored, [3])
+    again = push(path, url, one)  # nothing new: no job HEAD, the gc finishes
+    assert again.head.generation == second.generation and again.stats.deleted_objects >= 1
+    assert _keys(server, url, "streams/0000000001-") == []
+    assert all(_keys(server, url, f"{s.prefix}/heads/") for s in second.streams)
+    shutil.rmtree(restored)
+    pull(url, restored, one)
+    _check_job(restored, [3])
+
+
+def test_a_rank_gc_racing_the_job_head_is_caught_by_the_recheck(server, url, tmp_path,
+                                                                 job_template, monkeypatch):
+    """format-spec/remote.md §8.3: rank 0's job HEAD thread pins the newest stream HEAD a rank's
+    uploader wrote; that rank's gc, having read the pins before, deletes it (a newer one exists)
+    just before the job HEAD is written. The re-check finds the pinned HEAD gone and writes a
+    second job HEAD naming the newer one: the newest job HEAD restores bit-exact."""
+    from dataclasses import replace
+
+    from ckptstore.remote.head import encode_head, head_name
+    from ckptstore.remote.job_head import stream_store
+    from ckptstore.remote.job_uploader import JobHeadUploader
+    from ckptstore.remote.replicate import read_head
+
+    path = _copy(job_template, tmp_path)
+    opts = server.options(keep_heads=1, head_interval=3600)
+    base = push(path, url, opts).head
+    sub = stream_store(ObjectStore(url, opts), 1, 0, opts)
+
+    def new_stream_head(after: int) -> int:
+        """What rank 0's uploader does: a newer stream HEAD (here naming the same objects)."""
+        h = read_head(sub, after)
+        sub.put(head_name(after + 1), encode_head(replace(h, generation=after + 1,
+                                                          created_ns=h.created_ns + 1)))
+        return after + 1
+
+    ref = base.stream(1, 0)
+    assert ref is not None
+    observed = new_stream_head(ref.generation)
+    cls = type(sub)
+    put = cls.put
+    raced = []
+
+    def racing_put(self, name, data, **kw):
+        if "/jobheads/" in self.where.url(name) and not raced:
+            raced.append(new_stream_head(observed))  # the rank's next HEAD, then its gc
+            sub.delete([head_name(observed)])
+        return put(self, name, data, **kw)
+
+    monkeypatch.setattr(cls, "put", racing_put)
+    job = JobHeadUploader(path, url, opts, epoch=1)
+    try:
+        head = job.sync()
+    finally:
+        job.stop()
+    monkeypatch.setattr(cls, "put", put)
+    pinned = head.stream(1, 0)
+    assert raced and pinned is not None and pinned.generation == raced[0], (raced, head)
+    assert head.generation == base.generation + 2  # the first one pinned the deleted HEAD
+    assert verify_remote(url, opts).clean
+    restored = str(tmp_path / "restored")
+    pull(url, restored, opts)
+    _check_job(restored, [0, 1, 2, 3])
+
+
 # ---- corruption ---------------------------------------------------------------------------------
 def test_damaged_job_objects_are_named_and_never_written_locally(server, url, tmp_path):
     """A damaged newer job HEAD is skipped (the older one restores); a changed global log extent
@@ -306,6 +457,10 @@ def test_damaged_job_objects_are_named_and_never_written_locally(server, url, tm
     with pytest.raises(RemoteIntegrityError, match="changed behind our back") as e:
         pull(url, tmp_path / "a", opts)
     assert key in str(e.value) and not os.path.exists(tmp_path / "a" / "STORE")
+    report = verify_remote(url, opts)  # the job's own objects: no rank
+    assert [(p.kind, p.rank) for p in report.problems] == [("damaged", None)] * 2, report.lines()
+    assert "jobheads/" in report.problems[0].url and key in report.problems[1].url
+    assert "digest mismatch" in report.damage[1] and report.head.generation == head.generation
     s3.put_object(Bucket=bucket, Key=key, Body=good)
     ref = head.stream(1, 1)
     assert ref is not None

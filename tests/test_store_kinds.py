@@ -8,6 +8,8 @@ operation and gc against those live states, once per kind (zarr-python's ``Store
 dulwich's ``ObjectStoreTests``): an operation that lands for one kind only fails here for the
 others. ``part`` is the only difference the class knows of: the per-part operations of a job
 store (``meta``, ``manifest``, ``load_record``, ``diff``) take the rank whose part is meant.
+The remote tier's operations (push, pull, ``open("s3://...")``, fsck of the copy, a writer's
+``remote_flush``/``remote_status``) run against one moto S3 server per module (tests/test_remote.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ckptstore.errors import NotFoundError
 from _ranks import run_ranks
 from conftest import _same
 from test_multirank import _ddp_model, ok
+from test_remote import MotoServer, server, url  # noqa: F401 - one moto server per module
 
 ITERATIONS = 10
 KINDS = ["single", "job-1", "job-2"]
@@ -58,6 +61,27 @@ def train(rank, world, path, live_dir, kind):
                        os.path.join(live_dir, f"live-{it}.pt"))
     store.close()
     return True
+
+
+def save_remote(rank, world, path, kind, url, opts):
+    """The remote tier on a writer of each kind: one more iteration (11) with ``remote=``, then
+    remote_status, remote_flush (collective on a job store) and remote_status again."""
+    import torch.distributed as dist
+
+    pg = {} if kind == "single" else {"process_group": dist.group.WORLD, "commit_timeout": 60.0}
+    failed = None
+    with ckptstore.open(path, "a", remote=url, remote_options=opts, **pg) as s:
+        s.save(ITERATIONS + 1, {"w": torch.full((3,), float(rank))})
+        if world > 1:  # rank 1's flush times out at once: every rank raises it, naming rank 1
+            try:
+                s.remote_flush(0.0 if rank == 1 else 60.0)
+            except ckptstore.RemoteError as e:
+                failed = [type(e).__name__, getattr(e, "rank", None), "rank 1" in str(e)
+                          or rank == 1, "did not catch up" in str(e)]
+        flushed = s.remote_flush(60.0)
+        st = s.remote_status()
+        return [flushed, st.iteration, st.local_iteration, st.behind, st.error is None,
+                st.generation is not None, failed]
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +185,52 @@ class StoreKindTests:
             with pytest.raises(NotFoundError):
                 s.load(5)
         assert main(["fsck", path]) == 0
+
+    # ---- the remote tier (format-spec/remote.md; moto's S3 server on 127.0.0.1) ------------------
+    def test_push_pull_open_url_and_fsck_of_the_remote_copy(self, built, server, url, tmp_path,
+                                                            live):
+        from ckptstore.remote import pull, push, verify_remote
+
+        opts = server.options()
+        assert push(built[self.kind][0], url, opts).head.latest == ITERATIONS
+        assert verify_remote(url, opts).clean
+        pulled = str(tmp_path / "pulled")
+        pull(url, pulled, opts)
+        with ckptstore.open(pulled, "r") as s, \
+                ckptstore.open(url, "r", storage_options=opts) as lazy:
+            want = ckptstore.Store if self.kind == "single" else ckptstore.JobStore
+            assert type(s) is want and type(lazy) is want
+            for store in (s, lazy):
+                assert store.iterations() == list(range(ITERATIONS + 1))
+                for it in (ITERATIONS, 7):
+                    state = store.load(it)
+                    _same(live(it)["model"], state["model"], f"{self.kind} remote {it}")
+                    _same(live(it)["optimizer"], state["optimizer"], f"{self.kind} remote {it}")
+
+    def test_remote_flush_and_status_of_a_writer(self, built, server, url, tmp_path, store):
+        """remote_flush (collective on a job store: every rank gets the iteration) and
+        remote_status (the job HEAD's, on every rank) after one more save with remote=; a store
+        opened without remote= raises RemoteUnsupportedError."""
+        with pytest.raises(ckptstore.RemoteUnsupportedError):
+            store.remote_status()
+        path = str(tmp_path / "copy")
+        shutil.copytree(built[self.kind][0], path)
+        opts = server.options(head_interval=3600)
+        want = [ITERATIONS + 1, ITERATIONS + 1, ITERATIONS + 1, False, True, True, None]
+        if self.kind == "single":
+            assert save_remote(0, 1, path, self.kind, url, opts) == want
+        elif self.kind == "job-1":
+            assert ok(run_ranks(1, __name__, "save_remote", path, str(tmp_path / "w"),
+                                kind=self.kind, url=url, opts=opts)) == [want]
+        else:  # and first a flush that fails on rank 1 (raised on both, naming rank 1)
+            got = ok(run_ranks(2, __name__, "save_remote", path, str(tmp_path / "w"),
+                               kind=self.kind, url=url, opts=opts))
+            assert got == [want[:-1] + [["RemoteError", 1, True, True]],
+                           want[:-1] + [["RemoteError", None, True, True]]], got
+        from ckptstore.remote import verify_remote
+
+        report = verify_remote(url, opts)
+        assert report.clean and report.head.recoverable == ITERATIONS + 1
 
     def test_info(self, store):
         info = store.info(6, **self.part)

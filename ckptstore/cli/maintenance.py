@@ -26,12 +26,15 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         clean = True
         if local is not None:
             with progress("fsck", None) as tick:
-                local_report = check(local, progress=tick)
+                local_report: Any = (check_job(local, progress=tick) if is_job_store(local)
+                                     else check(local, progress=tick))
             for line in local_report.lines():
                 print(printable(line))
             clean = local_report.clean
         with progress("fsck remote", None) as tick:
-            remote_report = verify_remote(url, remote_options(args), local=local, progress=tick)
+            # (a job's remote copy is checked on its own: no comparison with the local job)
+            remote_report = verify_remote(url, remote_options(args), progress=tick, local=None
+                                          if local is None or is_job_store(local) else local)
         for line in remote_report.lines():
             print(printable(line))
         return 0 if clean and remote_report.clean else 1

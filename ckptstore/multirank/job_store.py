@@ -813,6 +813,16 @@ class JobStore:
             rank = self.rank if self.rank is not None and self.rank < g.world_size else 0
         return self.stream(iteration, rank).base_of(iteration)
 
+    # ---- the remote tier (remote=...): ckptstore/remote/job_uploader.py's JobRemote ------------
+    def remote_status(self) -> Any:
+        """As :meth:`ckptstore.Store.remote_status`, of the job's copy (JobRemote.status)."""
+        return JobRemote.of(self._remote, self.path).status(self._own, self.latest())
+
+    def remote_flush(self, timeout: float | None = None) -> int | None:
+        """Collective: :meth:`ckptstore.Store.remote_flush` of the job's copy (JobRemote.flush)."""
+        return JobRemote.of(self._remote, self.path).flush(self._own, self._group, self.latest(),
+                                                           timeout)
+
     # ---- maintenance ------------------------------------------------------------------------
     def gc(self, keep_last: int | None = None, keep_every: int | None = None,
            progress: Callable[[int], None] | None = None, *, policy: Any = None,

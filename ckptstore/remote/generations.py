@@ -76,11 +76,14 @@ def put_next_generation(store: ObjectStore, name: Callable[[int], str],
 
 def collect(store: ObjectStore, heads: dict[int, Any], keep_heads: int,
             pins: Callable[[], frozenset[int]], name: Callable[[int], str],
-            objects: dict[str, int]) -> int:
+            objects: dict[str, int], spare: Callable[[str], bool] | None = None,
+            remove: Callable[[list[str]], None] | None = None) -> int:
     """Remote gc of HEAD-like objects (``heads``: generation -> decoded, None when invalid or not
     read; updated): delete all but the newest ``keep_heads`` valid ones and the valid ones
-    ``pins()`` names (asked only when something would go), then every object of ``objects``
-    (listed names; updated) that no remaining one names. Returns how many objects went."""
+    ``pins()`` names (asked only when something would go), then every entry of ``objects``
+    (listed names; updated) that no remaining one names and ``spare`` does not keep, with
+    ``remove`` (default: the objects themselves; a job's removes a whole stream prefix).
+    Returns how many entries went."""
     gens = sorted(heads, reverse=True)
     keep = [g for g in gens if heads[g] is not None][:keep_heads]
     pinned = pins() if len(gens) > len(keep) else frozenset()
@@ -94,9 +97,9 @@ def collect(store: ObjectStore, heads: dict[int, Any], keep_heads: int,
     for g in keep:
         h: _Named = heads[g]
         named |= h.objects()
-    stale = sorted(n for n in objects if n not in named)
+    stale = sorted(n for n in objects if n not in named and not (spare and spare(n)))
     if stale:
-        store.delete(stale)
+        (remove or store.delete)(stale)
         for n in stale:
             del objects[n]
     return len(stale)

@@ -39,6 +39,7 @@ JOB_HEAD_FORMAT = "ckptstore-remote-job-head"
 JOB_HEAD_VERSION = 1
 _JOB_HEAD_RE = re.compile(r"^jobheads/(\d{20})$")
 _LOG_EXTENT_RE = re.compile(r"^global/(\d{10})/(\d{15})-(\d{15})-([0-9a-f]{32})$")
+_STREAM_RE = re.compile(r"^streams/(\d{10})-(\d{5})/")
 
 
 def job_head_name(generation: int) -> str:
@@ -67,6 +68,13 @@ def stream_prefix(epoch: int, rank: int) -> str:
     if not 0 < epoch < 10**10 or not 0 <= rank < 10**5:
         raise ValueError(f"stream of epoch {epoch}, rank {rank} out of range")
     return f"{STREAMS_DIR}{epoch:010d}-{rank:05d}"
+
+
+def stream_of(name: str) -> tuple[int, int] | None:
+    """The (epoch, rank) of the stream whose prefix holds the object ``name`` (None: no
+    stream's)."""
+    m = _STREAM_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def stream_url(url: str, epoch: int, rank: int) -> str:
@@ -144,9 +152,11 @@ class JobHead:
         return (self.epoch, self.end)
 
     def objects(self) -> set[str]:
-        """The objects this job HEAD names directly under the job's prefix (the streams'
-        objects are named by the stream HEADs it pins)."""
-        return {"STORE"} | {log_extent_name(e) for lg in self.logs for e in lg.extents}
+        """What this job HEAD names under the job's prefix: its objects (STORE, the log
+        extents) and, as ``streams/EEEEEEEEEE-RRRRR/``, the prefix of each stream it pins (the
+        streams' objects are named by the stream HEADs it pins)."""
+        return ({"STORE"} | {log_extent_name(e) for lg in self.logs for e in lg.extents}
+                | {f"{s.prefix}/" for s in self.streams})
 
     def stream(self, epoch: int, rank: int) -> StreamRef | None:
         return next((s for s in self.streams if (s.epoch, s.rank) == (epoch, rank)), None)

@@ -38,7 +38,7 @@ from ..errors import (DamagedCheckpointError, RemoteConflictError, RemoteError,
 from ..storage.fileops import FileOps, io_errors
 from ..storage.job_log import STREAM_RE, JobLayout, refuse_job_part
 from .client import ObjectStore
-from .head import STORE_OBJECT, digest
+from .head import STORE_OBJECT, Head, digest
 from .job_head import (JobHead, LogEntry, StreamRef, is_remote_job, log_extent_name,
                        newest_job_head, stream_store, stream_url)
 from .reader import READER_KEYS, RemoteReaderEngine, open_lazy, reader_options
@@ -176,18 +176,34 @@ def _refuse_newer_local(layout: JobLayout, head: JobHead, logs: dict[int, bytes]
                                       "store was written to after it was pulled")
 
 
+def pinned_head(store: ObjectStore, ref: StreamRef, operation: str) -> Head:
+    """The stream HEAD a job HEAD pins (``ref``), from the stream's ``store``, checked against
+    the pin's digest: RemoteStreamMissingError (rank, epoch, URL) when the object is missing,
+    RemoteIntegrityError naming the rank when it is another or damaged."""
+    try:
+        head, raw = fetch_head(store, ref.generation)
+    except RemoteError as e:
+        if e.code not in _MISSING:
+            raise
+        raise RemoteStreamMissingError(
+            operation, e.url, f"rank {ref.rank}'s stream (epoch {ref.epoch}, {store.where}) is "
+            "named by the job HEAD but its HEAD object is missing", rank=ref.rank,
+            epoch=ref.epoch, code=e.code) from e
+    if digest(raw) != ref.digest:
+        raise RemoteIntegrityError(
+            "check", store.where.url(head.name), f"rank {ref.rank}'s stream HEAD (epoch "
+            f"{ref.epoch}) differs from the one the job HEAD pins (digest {digest(raw).hex()}, "
+            f"expected {ref.digest.hex()}): changed behind our back")
+    return head
+
+
 def _pull_stream(root: ObjectStore, client_opts: dict, ref: StreamRef, layout: JobLayout,
                  stats: PullStats, progress: Callable[[int], None] | None) -> None:
     """Pull one rank's stream: its HEAD checked against the job HEAD's pin, then the single
     store's pull. A missing object is RemoteStreamMissingError naming the rank and the object."""
     store = stream_store(root, ref.epoch, ref.rank, client_opts)
     try:
-        head, raw = fetch_head(store, ref.generation)
-        if digest(raw) != ref.digest:
-            raise RemoteIntegrityError(
-                "check", store.where.url(head.name), f"rank {ref.rank}'s stream HEAD (epoch "
-                f"{ref.epoch}) differs from the one the job HEAD pins (digest "
-                f"{digest(raw).hex()}, expected {ref.digest.hex()}): changed behind our back")
+        head = pinned_head(store, ref, "pull")
         pull_head(store, head, layout.stream_dir(ref.epoch, ref.rank), stats, progress,
                   job_part=True)
     except RemoteStreamMissingError:
@@ -270,18 +286,6 @@ def _lazy_streams(url: str, root: ObjectStore, head: JobHead,
             raise DamagedCheckpointError(f"{url}: rank {rank}'s stream of epoch {epoch} is not in "
                                          f"the remote copy (job HEAD generation "
                                          f"{head.generation})")
-        store = stream_store(root, epoch, rank, client_opts)
-        try:
-            h, raw = fetch_head(store, ref.generation)
-        except RemoteError as e:
-            if e.code not in _MISSING:
-                raise
-            raise RemoteStreamMissingError(
-                "open", e.url, f"rank {rank}'s stream (epoch {epoch}, {store.where}) is named by "
-                "the job HEAD but its HEAD object is missing", rank=rank, epoch=epoch,
-                code=e.code) from e
-        if digest(raw) != ref.digest:
-            raise RemoteIntegrityError("check", store.where.url(h.name), f"rank {rank}'s stream "
-                                       "HEAD differs from the one the job HEAD pins")
+        h = pinned_head(stream_store(root, epoch, rank, client_opts), ref, "open")
         return open_lazy(stream_url(url, epoch, rank), storage, head=h)
     return open_stream

@@ -23,7 +23,9 @@ consistent cut. :meth:`JobReplicator.sync`:
    older than the newest one's (its epoch and global log end), or of another job store, is never
    written (RemoteConflictError, W1).
 5. Job HEADs other than the newest ``keep_heads`` are deleted, then every log extent no kept one
-   names. (Streams no kept job HEAD names stay: a job gc's removed streams are left remotely.)
+   names, then every stream no kept one pins whose epoch is below the newest job HEAD's (a job
+   gc took it off the chain; streams are found by listing ``streams/`` at :meth:`load`, so an
+   interrupted gc is finished by the next one), each stream's HEADs first.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ from ..storage.job_log import JobLayout, JobView, read_job_header, read_job_view
 from ..storage.layout import STORE_FILE
 from .client import ObjectStore
 from .head import STORE_OBJECT, Extent, Head, digest
-from .job_head import (GLOBAL_DIR, JOB_HEADS_DIR, JobHead, LogEntry, StreamRef, encode_job_head,
-                       job_head_name, list_job_heads, log_extent_name, read_job_head,
-                       stream_store)
+from .job_head import (GLOBAL_DIR, JOB_HEADS_DIR, STREAMS_DIR, JobHead, LogEntry, StreamRef,
+                       encode_job_head, job_head_name, list_job_heads, log_extent_name,
+                       read_job_head, stream_of, stream_prefix, stream_store)
 from .generations import collect, put_next_generation, read_newest
 from .replicate import Replicator, RemoteOptions, SyncStats, capture, split_options
 from .restore import newest_head
@@ -100,16 +102,20 @@ class JobReplicator:
     def all_stats(self) -> SyncStats:
         """Everything sent since this replicator was created (streams included)."""
         out = replace(self.stats)
-        for rep in self.streams.values():
+        for rep in list(self.streams.values()):  # (a status may ask while a round adds one)
             for f in fields(SyncStats):
                 setattr(out, f.name, getattr(out, f.name) + getattr(rep.stats, f.name))
         return out
 
     def load(self) -> None:
-        """Read the remote job's state: job HEADs (the newest ``keep_heads`` valid ones) and
-        log extents."""
+        """Read the remote job's state: job HEADs (the newest ``keep_heads`` valid ones), log
+        extents and the streams' prefixes (``streams/EEEEEEEEEE-RRRRR/``, gc candidates)."""
         gens = list_job_heads(self.root.list_objects(JOB_HEADS_DIR))
         self.objects = dict(self.root.list_objects(GLOBAL_DIR))
+        for n in self.root.list_objects(STREAMS_DIR):  # every stream's prefix, as one entry
+            key = stream_of(n)
+            if key is not None:
+                self.objects.setdefault(f"{stream_prefix(*key)}/", 0)
         self.generation = max([self.generation, *gens])
         self.heads, self.head = read_newest(gens, lambda g: read_job_head(self.root, g),
                                             self.opts.keep_heads, "job HEAD")
@@ -245,6 +251,7 @@ class JobReplicator:
                 stream_store(self.root, epoch, rank, self.client_options), self.opts,
                 progress=self.progress)
         rep.pins = lambda: pinned
+        self.objects.setdefault(f"{stream_prefix(epoch, rank)}/", 0)  # a gc candidate later
         if epoch == self.live_epoch:
             return self._observe(rep)
         engine = ReaderEngine(where)
@@ -327,9 +334,31 @@ class JobReplicator:
 
     def _collect(self) -> None:
         """Delete job HEADs older than the newest ``keep_heads`` valid ones, then every log
-        extent no remaining job HEAD names (J4)."""
+        extent and every stream no remaining job HEAD names (J4). A stream of an epoch at or
+        above the newest job HEAD's is spared: its rank may be uploading it for the next one."""
+        bound = self.head.epoch if self.head is not None else None
+
+        def spare(n: str) -> bool:
+            key = stream_of(n)
+            return key is not None and (bound is None or key[0] >= bound)
+
         self.stats.deleted_objects += collect(self.root, self.heads, self.opts.keep_heads,
-                                              frozenset, job_head_name, self.objects)
+                                              frozenset, job_head_name, self.objects, spare,
+                                              self._remove)
+
+    def _remove(self, names: list[str]) -> None:
+        """Delete ``names``: objects, and streams (``streams/EEEEEEEEEE-RRRRR/``) whole, each
+        HEADs first (a partly deleted stream then holds no HEAD naming a missing object)."""
+        self.root.delete([n for n in names if stream_of(n) is None])
+        for n in names:
+            key = stream_of(n)
+            if key is None:
+                continue
+            self.streams.pop(key, None)
+            listed = sorted(self.root.list_objects(n), key=lambda o: not o.startswith(
+                f"{n}heads/"))
+            if listed:
+                self.root.delete(listed)
 
 
 def push_job(path: str | os.PathLike, url: str, options: dict | None = None, *,

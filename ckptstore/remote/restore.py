@@ -14,7 +14,7 @@ iteration's records straight from the objects with range GETs is :mod:`ckptstore
 (what ``ckptstore.open("s3://...", "r")`` does by default); it falls back to :func:`pull`'s
 whole-segment download where the HEAD names no usable index.
 
-:func:`verify_remote` (``ckptstore fsck s3://...``) checks every HEAD, then every object the
+:func:`verify_store` (``ckptstore fsck s3://...``) checks every HEAD, then every object the
 newest valid HEAD names: present, of the right length, with the right digest; it reports what
 is missing or damaged by name, and, given the local store, whether the remote copy is older.
 """
@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import xxhash
 
@@ -48,6 +48,8 @@ from .replicate import list_heads, pos_key, read_head, split_options
 if TYPE_CHECKING:
     from .job_head import JobHead
 
+
+H = TypeVar("H")
 
 #: Bytes per block while streaming an object in.
 BLOCK = 8 << 20
@@ -312,18 +314,48 @@ def pull_for_open(url: str, mode: str, options: dict[str, Any]
 
 # ---- fsck of the remote copy ---------------------------------------------------------------------
 @dataclass
-class RemoteFsckReport:
-    """What :func:`verify_remote` found. ``clean``: a valid HEAD, and every object it names is
-    present, whole and matches its digest."""
+class FsckFindings:
+    """What a remote fsck counts and finds, for either kind (:class:`RemoteFsckReport`,
+    :class:`~ckptstore.remote.job_fsck.JobFsckReport`): lines naming what is missing or damaged,
+    and notes."""
 
     url: str
-    head: Head | None = None
     heads: int = 0
     objects: int = 0
     bytes_verified: int = 0
     damage: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    def read_heads(self, gens: list[int], read: Callable[[int], H], what: str) -> list[H]:
+        """The valid ones of HEAD-like generations ``gens`` (newest first) read with ``read``; a
+        damaged one newer than every valid one is damage (readers fall back past it), an older
+        one a note. ``what`` names the kind ("HEAD", "job HEAD")."""
+        self.heads = len(gens)
+        valid: list[H] = []
+        for g in gens:
+            try:
+                valid.append(read(g))
+            except RemoteIntegrityError as e:
+                if valid:  # older than the newest valid one: the next upload deletes it
+                    self.notes.append(f"an older {what} is damaged: {e}")
+                else:
+                    self.damage.append(f"{e}" + (f" (readers use the next older valid {what})"
+                                                 if len(gens) > 1 else ""))
+        return valid
+
+    def found(self) -> list[str]:
+        """The lines of what is missing, damaged, and the notes."""
+        return ([f"MISSING {m}" for m in self.missing] + [f"DAMAGE {d}" for d in self.damage]
+                + [f"note: {n}" for n in self.notes])
+
+
+@dataclass
+class RemoteFsckReport(FsckFindings):
+    """What :func:`verify_store` found. ``clean``: a valid HEAD, and every object it names is
+    present, whole and matches its digest."""
+
+    head: Head | None = None
     #: with a local store: its newest recoverable iteration, and whether the remote lags it
     local_iteration: int | None = None
     behind: bool = False
@@ -338,9 +370,7 @@ class RemoteFsckReport:
             f"HEAD generation {h.generation}, iteration {h.recoverable} ({h.count} iterations), "
             f"{len(h.segments)} segments, {self.objects} objects, {self.bytes_verified} bytes "
             "verified" if h is not None else "no valid HEAD")]
-        out += [f"MISSING {m}" for m in self.missing]
-        out += [f"DAMAGE {d}" for d in self.damage]
-        out += [f"note: {n}" for n in self.notes]
+        out += self.found()
         if self.behind:
             out.append(f"BEHIND: the remote copy holds iteration "
                        f"{None if h is None else h.recoverable}, the local store "
@@ -350,67 +380,23 @@ class RemoteFsckReport:
         return out
 
 
-def verify_remote(url: str, options: dict | None = None, *, local: str | os.PathLike | None = None,
-                  progress: Callable[[int], None] | None = None) -> RemoteFsckReport:
-    """Verify the remote copy at ``url`` (every HEAD; every object of the newest valid one, by
-    length and digest); with ``local``, compare it with that local store."""
+def verify_store(url: str, options: dict | None = None, *, local: str | os.PathLike | None = None,
+                 progress: Callable[[int], None] | None = None) -> RemoteFsckReport:
+    """Verify a single store's remote copy at ``url`` (every HEAD; every object of the newest
+    valid one, by length and digest); with ``local``, compare it with that local store."""
     client_opts, _ = split_options(options)
     store = ObjectStore(url, client_opts)
     report = RemoteFsckReport(str(store.where))
     listed = store.list_objects()
     gens = list_heads(listed)
-    report.heads = len(gens)
-    valid: list[Head] = []
-    for g in gens:
-        try:
-            valid.append(read_head(store, g))
-        except RemoteIntegrityError as e:
-            if valid:  # older than the newest valid one: the next upload deletes it
-                report.notes.append(f"an older HEAD is damaged: {e}")
-            else:
-                report.damage.append(f"{e}" + (" (readers use the next older valid HEAD)"
-                                               if len(gens) > 1 else ""))
+    valid = report.read_heads(gens, lambda g: read_head(store, g), "HEAD")
     if not gens:
         report.damage.append(f"no HEAD object under {store.where.url('heads/')}: nothing was "
                              "uploaded, or no upload finished")
     if not valid:
         return report
     head = report.head = valid[0]
-    wanted: list[tuple[str, int, bytes]] = [(STORE_OBJECT, 64, head.store_digest)]
-    wanted += [(e.name, e.length, e.digest) for e in head.extents()]
-    if head.index is not None:
-        wanted.append((head.index.name, head.index.length, head.index.digest))
-    for name, length, dig in wanted:
-        u = store.where.url(name)
-        if name not in listed:
-            report.missing.append(f"{u} (named by HEAD generation {head.generation})")
-            continue
-        if listed[name] != length:
-            report.damage.append(f"{u}: {listed[name]} bytes, the HEAD names {length}")
-            continue
-        h = xxhash.xxh3_128()
-        try:
-            for block in store.stream(name, BLOCK):
-                h.update(block)
-                report.bytes_verified += len(block)
-                if progress is not None:
-                    progress(len(block))
-        except RemoteError as e:
-            if e.code in ("NoSuchKey", "404"):
-                report.missing.append(f"{u} (named by HEAD generation {head.generation})")
-                continue
-            raise
-        report.objects += 1
-        if h.digest() != dig:
-            report.damage.append(f"{u}: digest mismatch: the HEAD says {dig.hex()}, the object "
-                                 f"holds {h.hexdigest()} (changed behind our back)" + (
-                                     "; it is the index, a cache: readers validate it and fetch "
-                                     "the segments instead" if name.startswith(INDEX_DIR) else ""))
-        elif name == STORE_OBJECT:
-            try:
-                check_store_object(store, head, store.get(STORE_OBJECT, 0, 65))
-            except RemoteIntegrityError as e:
-                report.damage.append(str(e))
+    verify_objects(store, head, head_objects(head), listed, report, progress)
     named = set().union(*(h.objects() for h in valid))
     stray = [n for n in listed if n.startswith((SEGMENTS_DIR, INDEX_DIR)) and n not in named]
     odd = [n for n in stray if parse_extent_name(n) is None and not is_index_name(n)]
@@ -425,6 +411,57 @@ def verify_remote(url: str, options: dict | None = None, *, local: str | os.Path
     if local is not None:
         _compare_local(report, head, os.fspath(local))
     return report
+
+
+def head_objects(head: Head) -> list[tuple[str, int, bytes]]:
+    """What a store's HEAD names, as (object name, length, xxh3-128): STORE, every extent, the
+    index object."""
+    wanted: list[tuple[str, int, bytes]] = [(STORE_OBJECT, 64, head.store_digest)]
+    wanted += [(e.name, e.length, e.digest) for e in head.extents()]
+    if head.index is not None:
+        wanted.append((head.index.name, head.index.length, head.index.digest))
+    return wanted
+
+
+def verify_objects(store: ObjectStore, head: "Head | JobHead", wanted: list[tuple[str, int, bytes]],
+                   listed: dict[str, int], report: Any,
+                   progress: Callable[[int], None] | None = None, who: str = "") -> None:
+    """Check that each ``(name, length, digest)`` of ``wanted`` (named by ``head``) is in
+    ``listed`` (the store's listing) with that length, and streams in with that digest (the
+    STORE object is also decoded against ``head``). What fails goes to ``report.missing`` or
+    ``report.damage`` (each line starting with ``who``, naming the object's URL); every object
+    read counts in ``report.objects`` and ``report.bytes_verified``."""
+    for name, length, dig in wanted:
+        u = store.where.url(name)
+        if name not in listed:
+            report.missing.append(f"{who}{u} (named by HEAD generation {head.generation})")
+            continue
+        if listed[name] != length:
+            report.damage.append(f"{who}{u}: {listed[name]} bytes, the HEAD names {length}")
+            continue
+        h = xxhash.xxh3_128()
+        try:
+            for block in store.stream(name, BLOCK):
+                h.update(block)
+                report.bytes_verified += len(block)
+                if progress is not None:
+                    progress(len(block))
+        except RemoteError as e:
+            if e.code in ("NoSuchKey", "404"):
+                report.missing.append(f"{who}{u} (named by HEAD generation {head.generation})")
+                continue
+            raise
+        report.objects += 1
+        if h.digest() != dig:
+            report.damage.append(f"{who}{u}: digest mismatch: the HEAD says {dig.hex()}, the "
+                                 f"object holds {h.hexdigest()} (changed behind our back)" + (
+                                     "; it is the index, a cache: readers validate it and fetch "
+                                     "the segments instead" if name.startswith(INDEX_DIR) else ""))
+        elif name == STORE_OBJECT:
+            try:
+                check_store_object(store, head, store.get(STORE_OBJECT, 0, 65))
+            except RemoteIntegrityError as e:
+                report.damage.append(f"{who}{e}")
 
 
 def _compare_local(report: RemoteFsckReport, head: Head, local: str) -> None:

@@ -1,19 +1,22 @@
-"""``push`` and ``pull`` of any store: a single store's copy (:mod:`.replicate`, :mod:`.restore`)
-or a multi-rank job store's (:mod:`.job_push`, :mod:`.job_pull`; format-spec/remote.md §8).
-The one place that tells the two kinds apart, above the modules that copy each."""
+"""``push``, ``pull`` and ``verify_remote`` (fsck) of any store: a single store's copy
+(:mod:`.replicate`, :mod:`.restore`) or a multi-rank job store's (:mod:`.job_push`,
+:mod:`.job_pull`, :mod:`.job_fsck`; format-spec/remote.md §8). The one place that tells the two
+kinds apart, above the modules that copy and check each."""
 
 from __future__ import annotations
 
 import os
 from typing import Callable
 
+from ..errors import RemoteUnsupportedError
 from ..storage.job_log import is_job_store, refuse_job_part
 from .client import ObjectStore
+from .job_fsck import JobFsckReport, verify_job
 from .job_head import is_remote_job
 from .job_pull import JobPullResult, pull_job
 from .job_push import JobPushResult, push_job
 from .replicate import PushResult, push_store, split_options
-from .restore import PullResult, pull_store
+from .restore import PullResult, RemoteFsckReport, pull_store, verify_store
 
 
 def push(path: str | os.PathLike, url: str, options: dict | None = None, *,
@@ -39,3 +42,20 @@ def pull(url: str, path: str | os.PathLike, options: dict | None = None, *,
     if is_remote_job(ObjectStore(url, client_opts)):
         return pull_job(url, path, options, progress=progress)
     return pull_store(url, path, options, progress=progress)
+
+
+def verify_remote(url: str, options: dict | None = None, *, local: str | os.PathLike | None = None,
+                  progress: Callable[[int], None] | None = None
+                  ) -> RemoteFsckReport | JobFsckReport:
+    """fsck of the remote copy at ``url`` (``ckptstore fsck s3://...``): a remote job store's
+    (job HEADs under ``jobheads/``: :func:`~.job_fsck.verify_job`, every object the newest valid
+    job HEAD names, its streams' included, problems named with their rank) or else a single
+    store's (:func:`~.restore.verify_store`; with ``local``, compared with that local store).
+    ``local`` of a job store: RemoteUnsupportedError (compare with ``ckptstore fsck JOB``)."""
+    client_opts, _ = split_options(options)
+    if is_remote_job(ObjectStore(url, client_opts)):
+        if local is not None:
+            raise RemoteUnsupportedError(f"fsck of the remote job store {url} against a local "
+                                         "store is not supported")
+        return verify_job(url, options, progress=progress)
+    return verify_store(url, options, local=local, progress=progress)
