@@ -55,6 +55,7 @@ from ..store import CheckpointInfo, SaveStats, Store, select_keys
 from ..ops.retention import Policy
 from ..remote.job_uploader import JobRemote
 from .committer import GlobalCommitter
+from .dtensor_state import assemble, is_sharded, load_into, section_of, sharded_part
 from .group import RankGroup
 from .prepared import PreparedCommits
 from .rank_errors import describe, rebuild
@@ -459,7 +460,19 @@ class JobStore:
         self._before_base(iteration)
         own, _ = self._writer()
         self._round(own.flush)
-        return self._round(lambda: own.save(iteration, state, meta))
+        # (inside the round: a rank whose state cannot be cut into its part votes FAILED)
+        return self._round(lambda: own.save(iteration, self._part(state), meta))
+
+    def _part(self, state: Any) -> Any:
+        """This rank's part of ``state``: its local shards when it holds DTensors
+        (:mod:`.dtensor_state`), else the state itself."""
+        group = self._group
+        if group is None:
+            return state
+        import torch.distributed as dist
+
+        return sharded_part(state, group.rank, group.world_size,
+                            dist.get_process_group_ranks(group.group))
 
     def fail_save(self, error: BaseException) -> None:
         """This rank's part of a collective :meth:`save` failed before ``save`` could be called
@@ -526,7 +539,7 @@ class JobStore:
         iteration is committed globally (its round runs in the background)."""
         self._writer()
         self._before_base(iteration)
-        return self._pipe().submit("snapshot", iteration, state, meta)
+        return self._pipe().submit("snapshot", iteration, self._part(state), meta)
 
     def save_delta_async(self, iteration: int, record: Any, meta: dict | None = None, *,
                          durable: bool = True) -> Any:
@@ -677,6 +690,8 @@ class JobStore:
         are merged, with this
         rank's own RNG and scheduler states (rank 0's for a reader without a group); otherwise
         this process's rank's state."""
+        if into is not None and rank is None and is_sharded(self, iteration):
+            return load_into(self, iteration, into, keys)[0]  # reads only the targets' boxes
         state = self._load(iteration, keys, rank)
         return state if into is None else copy_into(state, into)
 
@@ -695,6 +710,10 @@ class JobStore:
         mine = self.rank if self.rank is not None and self.rank < g.world_size else None
         first = part(mine if mine is not None else 0)
         section = partition_of(first)
+        if section is None and section_of(first) is not None:
+            # a DTensor state (store.save): every rank's shards assembled whole
+            parts = [first if r == (mine or 0) else part(r) for r in range(g.world_size)]
+            return select_keys(assemble(parts, mine or 0, iteration), keys, iteration)
         if section is None and shards_of(first) is not None:
             # sharded (FSDP2) parts: every tensor assembled from every rank's shards
             parts = [first if r == (mine or 0) else part(r) for r in range(g.world_size)]
