@@ -136,6 +136,8 @@ def save_and_reload(rank, world, path, expect_dir):
     live2 = _state((world,), seed=8)
     store.load(2, into=live2)
     out["bad_load"] = _check_live(live2, full)
+    out["mismatch"] = _mesh_mismatch(store, rank, world)
+    out["iterations"] = store.iterations()
     store.close()
     return out
 
@@ -152,14 +154,13 @@ def reshard(rank, world, path, expect_dir):
     return {"bad": _check_live(live, full), "counts": {str(r): n for r, n in counts.items()}}
 
 
-def mesh_mismatch(rank, world, path):
-    """Rank 0 saves a DTensor over a mesh of itself alone into a job store of both ranks."""
-    import torch.distributed as dist
+def _mesh_mismatch(store, rank, world):
+    """Rank 0 saves a DTensor over a mesh of itself alone into the job store of both ranks: it
+    votes FAILED (RankMismatchError), every rank raises, nothing is committed."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh("cpu", (world,))
-    store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
     if rank == 0:
         t = DTensor.from_local(torch.ones(4, 4), DeviceMesh("cpu", [0], _init_backend=False),
                                [Shard(0)], run_check=False)
@@ -170,8 +171,6 @@ def mesh_mismatch(rank, world, path):
         return "saved"
     except Exception as e:  # noqa: BLE001 - reported
         return [type(e).__name__, str(e)[:400]]
-    finally:
-        store.close()
 
 
 # ---- the run, once per module -------------------------------------------------------------------
@@ -262,14 +261,12 @@ def test_typed_errors(run, tmp_path):
             store.load(2, into={"big": torch.zeros(BIG, dtype=torch.float64)})
 
 
-def test_mesh_other_than_the_store_ranks_is_refused(tmp_path):
-    res = run_ranks(2, MOD, "mesh_mismatch", str(tmp_path / "job"), str(tmp_path / "work"))
-    got = ok(res)
-    assert got[0][0] == "RankMismatchError" and "ranks [0]" in got[0][1], got
-    assert got[1][0] in ("GlobalCommitAbortedError", "RankFailureError"), got
-    assert "rank 0" in got[1][1], got
-    with ckptstore.open(str(tmp_path / "job"), "r") as store:
-        assert store.iterations() == []
+def test_mesh_other_than_the_store_ranks_is_refused(run):
+    _, _, results = run
+    mine, other = results[0]["mismatch"], results[1]["mismatch"]
+    assert mine[0] == "RankMismatchError" and "ranks [0]" in mine[1], mine
+    assert other[0] == "GlobalCommitAbortedError" and "rank 0" in other[1], other
+    assert results[0]["iterations"] == results[1]["iterations"] == [1, 2, 3]
 
 
 # ---- damaged sections (pure: no store) ------------------------------------------------------------
