@@ -142,6 +142,18 @@ def sharded_part(state: Any, rank: int, world: int, store_ranks: Sequence[int]) 
     return part
 
 
+def rank_part(store: "JobStore", state: Any) -> Any:
+    """What this rank of writer ``store`` saves of ``state``: :func:`sharded_part` over the job
+    store's process group (the state itself when it holds no DTensor)."""
+    group = store.group
+    if group is None:
+        return state
+    import torch.distributed as dist
+
+    return sharded_part(state, group.rank, group.world_size,
+                        dist.get_process_group_ranks(group.group))
+
+
 def section_of(state: Any) -> dict | None:
     """The section of a part of a DTensor state, or None for any other state."""
     sec = state.get(SECTION_KEY) if isinstance(state, dict) else None
