@@ -188,9 +188,9 @@ def _torch_leaf(t: torch.Tensor, path: Path) -> ArrayLeaf:
     if kind is not torch.Tensor and kind is not torch.nn.Parameter:
         if is_dtensor(t):  # a job store with a group has made each DTensor its local shard
             raise ShardedStateError(
-                f"DTensor at {format_path(path)}: a sharded state is saved by every rank into a "
-                "job store opened with the process group its device mesh spans "
-                "(ckptstore.open(path, \"a\", process_group=pg)); this store has no group",
+                f"DTensor at {format_path(path)}: a sharded state is saved with save() by every "
+                "rank of a job store opened with the process group its device mesh spans "
+                "(ckptstore.open(path, \"a\", process_group=pg)); this save takes whole tensors",
                 path=path)
         raise UnsupportedTypeError(f"tensor subclass {kind.__qualname__} at {format_path(path)} "
                                    "is not supported")
