@@ -302,6 +302,40 @@ def test_mesh_other_than_the_store_ranks_is_refused(run):
     assert results[0]["iterations"] == results[1]["iterations"] == [1, 2, 3]
 
 
+def test_flipped_byte_in_a_shard_fails_only_the_loads_that_read_it(run, tmp_path):
+    """A bit flipped in rank 1's stored half of ``big``: a whole load and a load into ``big``
+    raise DamagedCheckpointError; a load into the model alone (other chunks) is bit-exact."""
+    path, expect, _ = run
+    copy = str(tmp_path / "job")
+    shutil.copytree(path, copy)
+    row = (torch.arange(BIG[1], dtype=torch.float32) + 200 * BIG[1]) * 2  # seed 1: big * 2
+    needle = bits(row)
+    hits = []
+    for root, _, files in os.walk(os.path.join(copy, "streams")):
+        for f in files:
+            if f.endswith(".seg"):
+                with open(os.path.join(root, f), "rb") as fh:
+                    data = fh.read()
+                if needle in data:
+                    hits.append((os.path.join(root, f), data.index(needle)))
+    assert len(hits) == 1 and f"{os.sep}0000000001-00001{os.sep}" in hits[0][0], hits
+    seg, at = hits[0]
+    with open(seg, "r+b") as fh:
+        fh.seek(at + 5)
+        b = fh.read(1)
+        fh.seek(at + 5)
+        fh.write(bytes([b[0] ^ 0x10]))
+    full = _expect(expect, 2)
+    with ckptstore.open(copy, "r") as store:
+        with pytest.raises(DamagedCheckpointError):
+            store.load(2)
+        with pytest.raises(DamagedCheckpointError):
+            store.load(2, into={"big": torch.zeros(BIG)})
+        model = {k: torch.zeros_like(v) for k, v in full["model"].items()}
+        store.load(2, into={"model": model})
+        assert_bits(model, full["model"], "model")
+
+
 # ---- damaged sections (pure: no store) ------------------------------------------------------------
 def _part(rank, world, boxes, value, replicas=None):
     return {"w": value, SECTION_KEY: {"v": 1, "rank": rank, "world": world,
