@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..engine.read_path import RangeRead, read_ranges
-from ..errors import (DamagedCheckpointError, NotFoundError, RankMismatchError,
-                      TargetMismatchError, UnsupportedTypeError)
+from ..engine.read_path import RangeRead, box_span, read_ranges
+from ..errors import (DamagedCheckpointError, RankMismatchError, TargetMismatchError,
+                      UnsupportedTypeError)
 from ..format.state import MAX_DEPTH, Path, format_path, leaf_paths, top_level_items, unflatten
 from ..replay.shards import (Holding, assemble_tensor, box_of, holdings_of, is_dtensor, layout_problems,
                              local, mesh_ranks, meet, region, replica_owners)
+from ..store import select_keys
 from ..tensors import TORCH_DTYPES, allocate, finish
 from ..tensors.inplace import copy_into, lookup
 
@@ -268,14 +268,11 @@ def _plan_shard(reads: _Reads, path: Path, saved: dict, dst: torch.Tensor, live:
     if dtype != dst.dtype:
         raise TargetMismatchError(f"{what}: the stored tensor is {e.dtype}; the tensor to load "
                                   f"into is {str(dst.dtype).removeprefix('torch.')}")
-    shape = [int(n) for n in saved["local"]]
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     lo = [o - so for o, so in zip(common[0], saved["offsets"])]
-    first = sum(a * s for a, s in zip(lo, strides))
-    last = sum((a + n - 1) * s for a, n, s in zip(lo, common[1], strides))
-    scratch = torch.empty(last - first + 1, dtype=dtype)
+    first, stop, strides = box_span([int(n) for n in saved["local"]], lo, common[1])
+    scratch = torch.empty(stop - first, dtype=dtype)
     item = dtype.itemsize
-    reads.ranges.append(RangeRead(i, first * item, (last + 1) * item,
+    reads.ranges.append(RangeRead(i, first * item, stop * item,
                                   memoryview(scratch.view(torch.uint8).numpy())))  # type: ignore[arg-type]
     into = region(dst, [o - lo_ for o, lo_ in zip(common[0], live["offsets"])], common[1])
     reads.places.append(lambda: into.copy_(scratch.as_strided(common[1], strides)))
@@ -346,12 +343,7 @@ def load_into(store: "JobStore", iteration: int, into: Any,
         for rd in reads:
             for place in rd.places:
                 place()
-    state = {k: v for k, v in build().items() if k != SECTION_KEY}
-    if keys is not None:
-        missing = [k for k in keys if k not in state]
-        if missing:
-            raise NotFoundError(f"{where}keys {missing} are not in the state")
-        state = {k: state[k] for k in keys}
+    state = select_keys({k: v for k, v in build().items() if k != SECTION_KEY}, keys, iteration)
     state = copy_into(state, into)
     filled = dict(targets)
     return _rebuild(state, lambda p, v: filled[p] if p in filled else _SAME), counts
