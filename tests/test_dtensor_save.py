@@ -146,7 +146,15 @@ def save_and_reload(rank, world, path, expect_dir):
         {"model": dict(model.named_parameters()), "optim": opt.state_dict()}, full)
     out["mismatch"] = _mesh_mismatch(store, rank, world)
     out["iterations"] = store.iterations()
-    store.close()
+    # the async pipeline takes the same parts; a rank that cannot make its part votes FAILED
+    store.save_async(4, state).result()
+    out["async_mismatch"] = _mesh_mismatch(store, rank, world, asynchronous=True)
+    out["iterations_async"] = store.iterations()
+    try:  # an async failure stays pending: close() raises it again (the pipeline's rule)
+        store.close()
+        out["close"] = None
+    except ckptstore.CkptStoreError as e:
+        out["close"] = type(e).__name__
     return out
 
 
@@ -162,7 +170,7 @@ def reshard(rank, world, path, expect_dir):
     return {"bad": _check_live(live, full), "counts": {str(r): n for r, n in counts.items()}}
 
 
-def _mesh_mismatch(store, rank, world):
+def _mesh_mismatch(store, rank, world, asynchronous=False):
     """Rank 0 saves a DTensor over a mesh of itself alone into the job store of both ranks: it
     votes FAILED (RankMismatchError), every rank raises, nothing is committed."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -175,7 +183,10 @@ def _mesh_mismatch(store, rank, world):
     else:
         t = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)], run_check=False)
     try:
-        store.save(5, {"w": t})
+        if asynchronous:
+            store.save_async(5, {"w": t}).result()
+        else:
+            store.save(5, {"w": t})
         return "saved"
     except Exception as e:  # noqa: BLE001 - reported
         return [type(e).__name__, str(e)[:400]]
@@ -300,6 +311,13 @@ def test_mesh_other_than_the_store_ranks_is_refused(run):
     assert mine[0] == "RankMismatchError" and "ranks [0]" in mine[1], mine
     assert other[0] == "GlobalCommitAbortedError" and "rank 0" in other[1], other
     assert results[0]["iterations"] == results[1]["iterations"] == [1, 2, 3]
+    mine, other = results[0]["async_mismatch"], results[1]["async_mismatch"]
+    assert mine[0] == "RankMismatchError" and other[0] == "GlobalCommitAbortedError", (mine, other)
+    assert "rank 0" in other[1], other
+    assert results[0]["iterations_async"] == results[1]["iterations_async"] == [1, 2, 3, 4]
+    assert [r["close"] for r in results] == ["GlobalCommitAbortedError"] * 2, results
+    with ckptstore.open(run[0], "r") as store:
+        assert_bits(store.load(4), _expect(run[1], 2), "iteration 4 (async)")
 
 
 def test_flipped_byte_in_a_shard_fails_only_the_loads_that_read_it(run, tmp_path):

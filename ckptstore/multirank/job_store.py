@@ -528,7 +528,13 @@ class JobStore:
         iteration is committed globally (its round runs in the background)."""
         self._writer()
         self._before_base(iteration)
-        return self._pipe().submit("snapshot", iteration, rank_part(self, state), meta)
+        pipe = self._pipe()
+        try:
+            part = rank_part(self, state)
+        except BaseException as e:
+            pipe.fail_round(e)  # (as a failed submit does: the other ranks abort at once)
+            raise
+        return pipe.submit("snapshot", iteration, part, meta)
 
     def save_delta_async(self, iteration: int, record: Any, meta: dict | None = None, *,
                          durable: bool = True) -> Any:
