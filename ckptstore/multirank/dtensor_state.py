@@ -19,6 +19,19 @@ A rank that does not own a replicated box stores None at its path. Invariants:
 * :func:`load_into` fills live DTensors (any mesh, any world size) and plain tensors, reading
   from each rank's stream only the byte span of each stored shard that overlaps the live box
   (chunk-granular: :func:`ckptstore.engine.read_path.read_ranges`), never a whole part.
+
+Call sequences. Save (every rank, :meth:`JobStore.save` / ``save_async``): 1. :func:`rank_part`
+finds the DTensors, checks their meshes, computes the owners and swaps in the local shards; 2. the
+part is saved as any state, in one global round (a failure in 1 is this rank's FAILED vote).
+Whole load (:mod:`.combine`): 1. every part is loaded; 2. :func:`check_sections`; 3. each tensor
+is assembled from the rank that wrote each box (:func:`writers`). Load into (:func:`load_into`):
+1. every rank's section (no tensor) and manifest are read and checked; 2. every target is
+checked and the overlap of each live box with each stored box planned; 3. each rank's spans are
+read (the reader's own part's other tensors with them); 4. the scratch spans are copied into the
+targets; 5. the other tensors are copied into ``into``'s as :meth:`Store.load` does.
+
+Limits: the overlaps are read into scratch and copied (never straight into the live tensor);
+``keys`` selects the shard targets, but every other tensor of the reader's part is read.
 """
 
 from __future__ import annotations
@@ -33,8 +46,8 @@ from ..engine.read_path import RangeRead, box_span, read_ranges
 from ..errors import (DamagedCheckpointError, RankMismatchError, TargetMismatchError,
                       UnsupportedTypeError)
 from ..format.state import MAX_DEPTH, Path, format_path, leaf_paths, top_level_items, unflatten
-from ..replay.shards import (Holding, assemble_tensor, box_of, holdings_of, is_dtensor, layout_problems,
-                             local, mesh_ranks, meet, region, replica_owners)
+from ..replay.shards import (Holding, assemble_tensor, box_of, holdings_of, is_dtensor,
+                             layout_problems, local, mesh_ranks, meet, region, replica_owners)
 from ..store import select_keys
 from ..tensors import TORCH_DTYPES, allocate, finish
 from ..tensors.inplace import copy_into, lookup
@@ -246,9 +259,9 @@ class _Reads:
         return i, self.manifest.tensors[i]
 
     def run(self) -> int:
+        """Read every queued span; the bytes read from the log (chunks, whole)."""
         engine = self.stream.engine
-        n = engine.read(lambda: read_ranges(engine.state_reader(), self.manifest, self.ranges))
-        return n
+        return engine.read(lambda: read_ranges(engine.state_reader(), self.manifest, self.ranges))
 
 
 def _plan_shard(reads: _Reads, path: Path, saved: dict, dst: torch.Tensor, live: dict,
