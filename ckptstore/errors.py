@@ -123,6 +123,17 @@ class UnsupportedTypeError(CkptStoreError, TypeError):
     """A state structure holds an object the format cannot represent; the message names its path."""
 
 
+class ShardedStateError(UnsupportedTypeError):
+    """A state holding DTensors (an FSDP2 / tensor-parallel ``state_dict()``) was saved where its
+    shards cannot be written: into a store without a process group (a single store; a job store
+    is written only with one). Raised before anything is written; ``path`` is the key of the first such DTensor (a tuple of dict keys and
+    positions)."""
+
+    def __init__(self, message: str, *, path: tuple = ()) -> None:
+        self.path = path
+        super().__init__(message)
+
+
 class StoreIOError(CkptStoreError, OSError):
     """An operating-system I/O call failed (ENOSPC, EIO, EDQUOT, EROFS, ...).
 

@@ -27,7 +27,9 @@ payload); snapshot_root -> snapshot_root(input) (hex is the 16-byte root); commi
 (the 96-byte payload); manifest -> decode_manifest (the JSON payload); state -> json + unflatten (a
 state skeleton, serialised as in a manifest; ``sharded_part_base``: a sharded Checkpointer part,
 deltas.md "Sharded states", whose ``expected`` also gives its ``shards`` section, what it omits and
-``whole``, the skeleton it was cut from); segment -> a whole segment file 0000000001.seg of the
+``whole``, the skeleton it was cut from; ``dtensor_part``: a part of a DTensor state, format.md
+§22.8, whose ``expected`` gives its section, the paths its keys name and where it holds None);
+segment -> a whole segment file 0000000001.seg of the
 store whose STORE file is the vector "store_header_v1". Job stores (§22): job_store_header ->
 decode_store_header accepting version 2 only; epoch -> decode_epoch (the 64-byte payload);
 global_commit -> decode_global_commit; job_record -> decode_record with the global log's types.
@@ -655,6 +657,32 @@ def sharded_part_vectors() -> list[dict]:
                   "whole": _json(whole_skeleton).hex()})]
 
 
+def dtensor_part_vectors() -> list[dict]:
+    """Rank 1's part of 2 of a DTensor state saved with ``JobStore.save`` (format.md §22.8): a
+    Shard(0) model entry (rows 2-3 of 4), a Replicate() entry owned by rank 0 (None here), the
+    AdamW moment of the sharded entry (integer key 0 in its path) and a plain ``step``."""
+    box = {"shape": [4, 2], "offsets": [2, 0], "local": [2, 2], "placements": ["S0"], "mesh": [2]}
+    rep = {"shape": [3], "offsets": [0], "local": [3], "placements": ["R"], "mesh": [2]}
+    model = OrderedDict([("w", _Leaf()), ("b", None)])
+    model._metadata = OrderedDict([("", {"version": 1})])
+    part = {"model": model,
+            "optim": {"state": {0: {"step": _Leaf(), "exp_avg": _Leaf()}},
+                      "param_groups": [{"lr": 0.01, "params": [0, 1]}]},
+            "ckptstore.shards": {"v": 1, "rank": 1, "world": 2,
+                                 "tensors": {'["model","w"]': box, '["model","b"]': rep,
+                                             '["optim","state",0,"exp_avg"]': box},
+                                 "replicas": {'["model","b"]': 0}}}
+    skeleton, leaves = flatten(part, _leaf_hook)
+    return [dict(name="dtensor_part", kind="state", hex=_json(skeleton).hex(), note=(
+        "rank 1's part of 2 of a DTensor state: model.w Shard(0) (written), model.b Replicate "
+        "owned by rank 0 (None), optim.state[0].exp_avg sharded as model.w, a plain step"),
+        expected={"repr": _state_repr(part, leaves),
+                  "metadata": {"model": repr(model._metadata)}, "leaves": len(leaves),
+                  "section": part["ckptstore.shards"],
+                  "paths": [["model", "w"], ["model", "b"], ["optim", "state", 0, "exp_avg"]],
+                  "omitted": [["model", "b"]]})]
+
+
 def _state_repr(value, leaves) -> str:
     """repr of the decoded state with each leaf shown as <leaf i> (how the test decodes it)."""
     index = {id(x): i for i, x in enumerate(leaves)}
@@ -851,7 +879,7 @@ def build() -> dict:
     vectors = (store_header_vectors() + record_vectors() + segment_header_vectors()
                + chunk_vectors() + tree_vectors() + snapshot_vectors() + commit_vectors()
                + manifest_vectors() + state_vectors() + segment_vectors() + chunk_image_vectors()
-               + job_vectors() + sharded_part_vectors())
+               + job_vectors() + sharded_part_vectors() + dtensor_part_vectors())
     names = [v["name"] for v in vectors]
     assert len(names) == len(set(names)), "duplicate vector names"
     return {

@@ -342,6 +342,23 @@ def test_sharded_part_vector():
     assert _json(skeleton) == _bytes(v)
 
 
+def test_dtensor_part_vector():
+    """A part of a DTensor state (format-spec/format.md §22.8): its section, the paths its keys
+    name (JSON lists: the integer key 0 stays an int), None where a replica's owner wrote it."""
+    pytest.importorskip("torch")
+    from ckptstore.multirank.dtensor_state import key_path, section_of
+    from ckptstore.tensors.inplace import lookup
+
+    e = BY_NAME["dtensor_part"]["expected"]
+    part = _decode_state(_bytes(BY_NAME["dtensor_part"]))
+    sec = section_of(part)
+    assert sec == e["section"]
+    assert [list(key_path(k)) for k in sec["tensors"]] == e["paths"]
+    for p in e["paths"]:
+        held = lookup(part, tuple(p))
+        assert (held is None) == (p in e["omitted"]) and (held is None or isinstance(held, _Leaf))
+
+
 def _walk(buf: bytes) -> tuple[list[dict], int]:
     """Records whose header is valid and whose extent fits, in order; and where that stops."""
     out, pos = [], 0

@@ -36,6 +36,7 @@ SPECS = sorted((ROOT / "format-spec").glob("*.md"))
 NOT_PYTHON = {
     "ckptstore.follower": "the follower's meta key and format marker (format-spec/follower.md)",
     "ckptstore.plan": "a Checkpointer base's persisted-plan key (format-spec/deltas.md)",
+    "ckptstore.shards": "a DTensor state part's section key (format-spec/format.md §22.8)",
 }
 #: documented modules that re-export a module moved into a package, and that module
 REEXPORTS = {

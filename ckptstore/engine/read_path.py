@@ -8,6 +8,8 @@ tensors, touching only the chunks that overlap them (ckptstore.dcp's partial rea
 
 from __future__ import annotations
 
+import math
+
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -250,6 +252,17 @@ class RangeRead:
     start: int
     end: int
     dest: memoryview
+
+
+def box_span(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]
+             ) -> tuple[int, int, list[int]]:
+    """The smallest element span ``[first, end)`` of a C-order tensor of ``shape`` holding the
+    box at ``offsets`` of ``lengths`` (non-empty), and the tensor's strides (in elements): the
+    box is ``span.as_strided(lengths, strides)`` of the span's elements."""
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    first = sum(o * s for o, s in zip(offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    return first, last + 1, strides
 
 
 def read_ranges(reader: StateReader, manifest: Manifest, requests: Sequence[RangeRead]) -> int:

@@ -43,18 +43,19 @@ from ..format.delta import REPLAY_KEY
 from ..format.header import feature_names
 from ..format.job import Epoch, GlobalCommit
 from ..tensors.inplace import copy_into
-from ..replay.partition import merge_parts, partition_of
-from ..replay.shards import assemble_parts, shards_of
+from ..replay.shards import shards_of
 from ..storage.fileops import FileOps
 from ..storage.layout import Layout
 from ..storage.job_log import (EpochLog, JobLayout, JobView, claim_next_epoch, create_job_store,
                                quarantine_tail, read_job_header, read_job_view,
                                tail_is_suspicious)
 from ..storage.store_file import read_store_header
-from ..store import CheckpointInfo, SaveStats, Store, select_keys
+from ..store import CheckpointInfo, SaveStats, Store
 from ..ops.retention import Policy
 from ..remote.job_uploader import JobRemote
 from .committer import GlobalCommitter
+from .combine import combine
+from .dtensor_state import is_sharded, load_into, rank_part
 from .group import RankGroup
 from .prepared import PreparedCommits
 from .rank_errors import describe, rebuild
@@ -459,7 +460,8 @@ class JobStore:
         self._before_base(iteration)
         own, _ = self._writer()
         self._round(own.flush)
-        return self._round(lambda: own.save(iteration, state, meta))
+        # (inside the round: a rank whose state cannot be cut into its part votes FAILED)
+        return self._round(lambda: own.save(iteration, rank_part(self, state), meta))
 
     def fail_save(self, error: BaseException) -> None:
         """This rank's part of a collective :meth:`save` failed before ``save`` could be called
@@ -526,7 +528,13 @@ class JobStore:
         iteration is committed globally (its round runs in the background)."""
         self._writer()
         self._before_base(iteration)
-        return self._pipe().submit("snapshot", iteration, state, meta)
+        pipe = self._pipe()
+        try:
+            part = rank_part(self, state)
+        except BaseException as e:
+            pipe.fail_round(e)  # (as a failed submit does: the other ranks abort at once)
+            raise
+        return pipe.submit("snapshot", iteration, part, meta)
 
     def save_delta_async(self, iteration: int, record: Any, meta: dict | None = None, *,
                          durable: bool = True) -> Any:
@@ -677,6 +685,8 @@ class JobStore:
         are merged, with this
         rank's own RNG and scheduler states (rank 0's for a reader without a group); otherwise
         this process's rank's state."""
+        if into is not None and rank is None and is_sharded(self, iteration):
+            return load_into(self, iteration, into, keys)[0]  # reads only the targets' boxes
         state = self._load(iteration, keys, rank)
         return state if into is None else copy_into(state, into)
 
@@ -688,23 +698,10 @@ class JobStore:
 
     def _combine(self, g: GlobalCommit, part: Callable[[int], Any],
                  keys: Sequence[Any] | None) -> Any:
-        """The job's state at ``g.iteration`` from its ranks' states (``part(r)``: rank r's,
-        asked for only when needed): merged data-parallel parts, assembled sharded parts, or
-        this process's rank's state (:meth:`load`; shared by :meth:`replay`)."""
-        iteration = g.iteration
+        """The job's state at ``g.iteration`` from its ranks' states (:func:`.combine.combine`;
+        shared by :meth:`load` and :meth:`replay`)."""
         mine = self.rank if self.rank is not None and self.rank < g.world_size else None
-        first = part(mine if mine is not None else 0)
-        section = partition_of(first)
-        if section is None and shards_of(first) is not None:
-            # sharded (FSDP2) parts: every tensor assembled from every rank's shards
-            parts = [first if r == (mine or 0) else part(r) for r in range(g.world_size)]
-            return select_keys(assemble_parts(parts, mine or 0), keys, iteration)
-        if section is None:
-            if mine is None and g.world_size > 1:
-                self._rank(None, g)  # raises: which rank's state?
-            return select_keys(first, keys, iteration)
-        parts = [first if r == (mine or 0) else part(r) for r in range(g.world_size)]
-        return select_keys(merge_parts(parts, mine or 0), keys, iteration)
+        return combine(part, g.world_size, mine, g.iteration, keys, lambda: self._rank(None, g))
 
     def replay(self, start: int, stop: int, *, rank: int | None = None
                ) -> Iterator[tuple[int, Any]]:

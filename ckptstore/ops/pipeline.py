@@ -378,10 +378,16 @@ class Pipeline:
         try:
             return self._submit(kind, iteration, state, meta, commit, owned)
         except BaseException as e:
-            if self.commit_round is not None and (kind != "delta" or commit):
-                # the other ranks run this job's round: this rank votes in it too (FAILED)
-                self._queue_job(_Job("vote-failed", error=e))
+            if kind != "delta" or commit:
+                self.fail_round(e)
             raise
+
+    def fail_round(self, error: BaseException) -> None:
+        """This rank's next commit could not even be submitted (``error``): when the other
+        ranks run a round for it (a job store's stream), this rank votes in it too (FAILED), so
+        they abort at once instead of waiting for its vote."""
+        if self.commit_round is not None:
+            self._queue_job(_Job("vote-failed", error=error))
 
     def _queue_job(self, job: _Job) -> bool:
         """Queue ``job``; False (not queued) once the pipeline was stopped at exit."""

@@ -40,7 +40,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,21 +49,11 @@ import torch
 from ..errors import (CkptStoreError, DamagedCheckpointError, ShardCoverageError,
                       UnsupportedTypeError)
 from ..format.delta import REPLAY_KEY
+from ..tensors.leaves import dtensor_type, is_dtensor
 from .partition import cut_group, whole_optimizer
 
 SHARDS_KEY = "shards"
 SHARDS_VERSION = 1
-
-
-def dtensor_type() -> Any:
-    """torch's DTensor class, or None when no DTensor can exist (its module was never imported)."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return getattr(mod, "DTensor", None) if mod is not None else None
-
-
-def is_dtensor(t: Any) -> bool:
-    cls = dtensor_type()
-    return cls is not None and isinstance(t, cls)
 
 
 def local(t: Any) -> Any:
@@ -90,6 +79,11 @@ def placement_code(p: Any) -> str:
         return "R"
     raise UnsupportedTypeError(f"a DTensor placement {p!r} cannot be checkpointed (only Shard "
                                "and Replicate)")
+
+
+def mesh_ranks(t: Any) -> list[int]:
+    """The global ranks of the DTensor ``t``'s device mesh, sorted."""
+    return sorted(int(g) for g in t.device_mesh.mesh.reshape(-1).tolist())
 
 
 def box_of(t: Any) -> dict:
@@ -297,7 +291,7 @@ def region(full: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> 
     return view
 
 
-def _assemble(what: str, pieces: list[tuple[Any, dict, int]]) -> torch.Tensor:
+def assemble_tensor(what: str, pieces: list[tuple[Any, dict, int]]) -> torch.Tensor:
     """One full tensor from (local shard, BOX, rank) of every rank; replicas (equal boxes) once.
     The boxes tile the global shape (:func:`layout_problems`, checked by :func:`assemble_parts`
     before anything is assembled), so every entry of the result is written exactly once."""
@@ -343,7 +337,7 @@ def _fitting_box(box: Any) -> tuple[tuple[int, ...], _Box] | None:
     return shape, (offsets, sizes)
 
 
-def _meet(a: _Box, b: _Box) -> _Box | None:
+def meet(a: _Box, b: _Box) -> _Box | None:
     """The box two boxes share, or None."""
     lo = [max(x, y) for x, y in zip(a[0], b[0])]
     hi = [min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1])]
@@ -402,8 +396,8 @@ def tiling_error(fqn: str, shape: Sequence[int], boxes: Sequence[tuple[_Box, int
         view = _cells(mask, *grid(b))
         if bool(view.any()):
             # a grid cell is inside or outside each box whole: an earlier box shares it with b
-            a = next(a for a in distinct[:i] if _meet(a, b) is not None)
-            common = _meet(a, b)
+            a = next(a for a in distinct[:i] if meet(a, b) is not None)
+            common = meet(a, b)
             assert common is not None
             return ShardCoverageError(
                 f"{name}: its shards at offsets {list(a[0])} (sizes {list(a[1])}, {holders(a)}) "
@@ -616,7 +610,7 @@ def assemble_parts(parts: Sequence[dict], local_rank: int = 0) -> dict:
     model = type(base["model"])()
     for k, v in base["model"].items():
         if k in secs[0]["tensors"]:
-            v = _assemble(f"model entry {k!r}",
+            v = assemble_tensor(f"model entry {k!r}",
                           [(p["model"].get(k), s["tensors"][k], r)
                            for r, (p, s) in enumerate(zip(parts, secs))])
         model[k] = v
@@ -637,7 +631,7 @@ def assemble_parts(parts: Sequence[dict], local_rank: int = 0) -> dict:
                         raise DamagedCheckpointError(f"rank {r} holds no shard of optimizer state "
                                                      f"{k!r} of {name!r}")
                     pieces.append((w, b, r))
-                v = _assemble(f"optimizer state {k!r} of {name!r}", pieces)
+                v = assemble_tensor(f"optimizer state {k!r} of {name!r}", pieces)
             out[k] = v
         opt_state[i] = out
     st = dict(base)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import CkptStoreError, FormatError, UnsupportedTypeError
+from ..errors import CkptStoreError, FormatError, ShardedStateError, UnsupportedTypeError
 from ..format.image import BLOCK, DATA_OFFSET, ChunkImage
 from ..format.manifest import TensorEntry
 from ..format.state import Path, format_path, path_name
@@ -169,11 +170,28 @@ class ArrayLeaf:
 _TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in TORCH_DTYPES.items()}
 
 
+def dtensor_type() -> Any:
+    """torch's DTensor class, or None when no DTensor can exist (its module was never imported)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
+
+
+def is_dtensor(t: Any) -> bool:
+    cls = dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
 def _torch_leaf(t: torch.Tensor, path: Path) -> ArrayLeaf:
     # the common case (a dense tensor of a known dtype) pays for no path formatting: every save
     # flattens hundreds of tensors in the caller's thread (the async stall)
     kind = type(t)
     if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+        if is_dtensor(t):  # a job store with a group has made each DTensor its local shard
+            raise ShardedStateError(
+                f"DTensor at {format_path(path)}: a sharded state is saved with save() by every "
+                "rank of a job store opened with the process group its device mesh spans "
+                "(ckptstore.open(path, \"a\", process_group=pg)); this save takes whole tensors",
+                path=path)
         raise UnsupportedTypeError(f"tensor subclass {kind.__qualname__} at {format_path(path)} "
                                    "is not supported")
     if t.layout != torch.strided:

@@ -30,6 +30,7 @@ from ..replay.shards import (
     holdings_of,
     is_dtensor,
     local,
+    mesh_ranks,
     omitted,
     region,
     replica_owners,
@@ -53,10 +54,9 @@ def check_meshes(store: JobStore, names: Sequence[str], params: Sequence[Any]) -
     for n, p in zip(names, params):
         if not is_dtensor(p):
             continue
-        mesh_ranks = sorted(int(g) for g in p.device_mesh.mesh.reshape(-1).tolist())
-        if mesh_ranks != store_ranks:
+        if mesh_ranks(p) != store_ranks:
             raise RankMismatchError(f"{store.path}: parameter {n!r} is sharded over the device "
-                                    f"mesh of global ranks {mesh_ranks}, but the job store's "
+                                    f"mesh of global ranks {mesh_ranks(p)}, but the job store's "
                                     f"process group holds ranks {store_ranks}: open the store "
                                     "with the process group the mesh spans")
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ...engine.read_path import RangeRead, read_ranges
+from ...engine.read_path import RangeRead, box_span, read_ranges
 from ...errors import (DamagedCheckpointError, DCPError, FormatError, NotFoundError,
                        ShardCoverageError, ShardDamagedError, ShardMismatchError, StoreIOError)
 from ...format.state import Path, format_path, top_level_items, unflatten
@@ -334,11 +334,9 @@ class StorageReader:
         if numel == 0:
             planner.commit_tensor(req, dest)
             return None
-        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-        first = sum(o * s for o, s in zip(offsets, strides))
-        last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+        first, stop, strides = box_span(shape, offsets, lengths)
         item = dtype.itemsize
-        start, end = first * item, (last + 1) * item
+        start, end = first * item, stop * item
         direct = (end - start == numel * item and dest.device.type == "cpu"
                   and dest.dtype == dtype and dest.is_contiguous()
                   and not dest.is_conj() and not dest.is_neg())
