@@ -17,7 +17,7 @@ class CkptStoreError(Exception):
     @classmethod
     def from_message(cls, message: str) -> "CkptStoreError":
         """An instance whose text is ``message``: another rank's error of this class, rebuilt
-        from its report (ckptstore/multirank/rank_errors.py). TypeError when this class needs
+        from its report (:func:`rebuild`). TypeError when this class needs
         more than a message."""
         return cls(message)
 
@@ -449,3 +449,44 @@ class FollowerWarning(UserWarning):
     history, it failed to read, or replay from it failed. The load went on from the primary's own
     base (or an older follower base) and is exact: a follower store is a cache, it may cost time,
     never a load. Issued once per follower base and reason."""
+
+
+# ---- errors that cross ranks -----------------------------------------------------------------
+# Errors that cross ranks: what a FAILED vote says, and how the other ranks rebuild it.
+#
+# A rank whose commit operation fails votes FAILED with one line, ``"TypeName: message"``, of the
+# root ckptstore error of its failure (:func:`describe`: the innermost CkptStoreError on the
+# ``__cause__`` chain, e.g. the DiskFullError naming the file rather than the CheckpointAbortedError
+# that wraps it). The other ranks rebuild it (:func:`rebuild`) as an instance of that class when
+# :mod:`ckptstore.errors` defines it, looked up by name among CkptStoreError subclasses only (nothing
+# is imported or unpickled on a peer's word); otherwise, or when the class takes other arguments, as
+# RankFailureError. Either way its message starts with the rank that raised it, and its ``rank``
+# attribute holds it. The committer makes it the ``__cause__`` of each rank's own error.
+
+
+def describe(error: BaseException) -> str:
+    """One line for a FAILED vote: ``"TypeName: message"`` of ``error``'s root ckptstore error
+    (``error`` itself when no CkptStoreError caused it)."""
+    root: BaseException = error
+    cause = error.__cause__
+    while cause is not None:
+        if isinstance(cause, CkptStoreError):
+            root = cause
+        cause = cause.__cause__
+    return f"{type(root).__name__}: {root}"
+
+
+def rebuild(rank: int, text: str) -> CkptStoreError:
+    """The error rank ``rank`` described as ``text`` (:func:`describe`), as a typed error."""
+    name, sep, message = text.partition(": ")
+    cls = globals().get(name) if sep else None
+    error: CkptStoreError | None = None
+    if isinstance(cls, type) and issubclass(cls, CkptStoreError):
+        try:
+            error = cls.from_message(f"rank {rank}: {message}")
+        except TypeError:  # a class whose constructor takes more than a message
+            error = None
+    if error is None:
+        error = RankFailureError(f"rank {rank}: {text}")
+    setattr(error, "rank", rank)
+    return error

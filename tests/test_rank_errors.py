@@ -176,7 +176,7 @@ def test_a_dead_peer_under_ddp_is_reported_by_ckptstore(tmp_path):
 
 
 def test_a_failed_vote_names_the_root_error_and_peers_rebuild_its_type():
-    from ckptstore.multirank.rank_errors import describe, rebuild
+    from ckptstore.errors import describe, rebuild
 
     try:
         try:

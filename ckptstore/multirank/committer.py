@@ -43,7 +43,7 @@ from ..format.job import GlobalCommit, RankCommit
 from ..storage.index import CommitEntry
 from ..storage.job_log import EpochLog
 from .group import RankGroup
-from .rank_errors import describe, rebuild
+from ..errors import describe, rebuild
 from .messages import (Outcome, OutcomeCode, Reason, Vote, VoteStatus, decode_outcome, decode_vote,
                        encode_outcome, encode_vote)
 
@@ -68,7 +68,7 @@ class GlobalCommitter:
         self.broken: CkptStoreError | None = None
         #: the latest iteration this epoch continues from (its first commit must follow it)
         self.adopted_latest: int | None = None
-        #: (rank, what it said) of the FAILED votes of the latest round (rank_errors.py)
+        #: (rank, what it said) of the FAILED votes of the latest round (errors.describe)
         self._failures: tuple[tuple[int, str], ...] = ()
 
     # ---- one commit operation as one round --------------------------------------------------

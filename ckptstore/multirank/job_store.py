@@ -58,7 +58,7 @@ from .combine import combine
 from .dtensor_state import is_sharded, load_into, rank_part
 from .group import RankGroup
 from .prepared import PreparedCommits
-from .rank_errors import describe, rebuild
+from ..errors import describe, rebuild
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")
@@ -870,7 +870,7 @@ class JobStore:
         4. rank 0 runs the offline protocol (:func:`~ckptstore.multirank.job_gc.collect_job`,
            format §22.7: its crash guarantees are those of any job-store gc) and broadcasts its
            report (JSON) or its error (one line, rebuilt typed on the other ranks:
-           :mod:`~ckptstore.multirank.rank_errors`). The other ranks wait up to the group's
+           :func:`~ckptstore.errors.rebuild`). The other ranks wait up to the group's
            ``commit_timeout`` for it;
         5. every rank starts a new writer epoch as a job open does (:meth:`_start_epoch`): it
            adopts the gc's epoch (or, when the gc failed before its commit point, the old

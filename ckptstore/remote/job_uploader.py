@@ -226,7 +226,7 @@ class JobRemote:
         1. every rank flushes its stream's uploader (``timeout`` bounds it, as a single store's
            :meth:`~.uploader.Uploader.flush`);
         2. the ranks exchange the outcome (all_gather): when a rank failed, every rank raises its
-           error, typed and naming that rank (ckptstore/multirank/rank_errors.py);
+           error, typed and naming that rank (ckptstore/errors.py: describe, rebuild);
         3. rank 0 writes a job HEAD for the cut the flushed stream HEADs cover (one round of its
            thread's :meth:`JobHeadUploader.sync`: every commit visible at the call is covered,
            each rank's COMMIT being durable before its GLOBAL_COMMIT) and broadcasts its
@@ -235,7 +235,7 @@ class JobRemote:
         Nothing local changes; a remote failure leaves the job writing on. Keep ``timeout``
         under the group's ``commit_timeout``: the other ranks wait that long in step 2 before
         they count a rank as dead (RankFailureError)."""
-        from ..multirank.rank_errors import describe, rebuild
+        from ..errors import describe, rebuild
 
         failure: BaseException | None = None
         try:
