@@ -26,30 +26,17 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import struct
 import threading
-import time
-import dataclasses
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-from ..errors import (CkptStoreError, DamagedCheckpointError, FormatError, NotFoundError,
-                      RankMismatchError, ReadOnlyStoreError, StoreClosedError, StoreFeaturesError,
-                      StoreLockedError, StoreNotFoundError)
-from ..engine.engine import DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE
+from ..errors import (CkptStoreError, NotFoundError, RankMismatchError, ReadOnlyStoreError,
+                      StoreClosedError, StoreFeaturesError, StoreNotFoundError)
 from ..engine.writer_engine import WriterEngine, check_features
-from ..format.delta import REPLAY_KEY
-from ..format.header import feature_names
-from ..format.job import Epoch, GlobalCommit
+from ..format.job import GlobalCommit
 from ..tensors.inplace import copy_into
-from ..replay.shards import shards_of
 from ..storage.fileops import FileOps
-from ..storage.layout import Layout
-from ..storage.job_log import (EpochLog, JobLayout, JobView, claim_next_epoch, create_job_store,
-                               quarantine_tail, read_job_header, read_job_view,
-                               tail_is_suspicious)
-from ..storage.store_file import read_store_header
+from ..storage.job_log import EpochLog, JobLayout, JobView, read_job_header, read_job_view
 from ..store import CheckpointInfo, SaveStats, Store
 from ..ops.retention import Policy
 from ..remote.job_uploader import JobRemote
@@ -57,53 +44,18 @@ from .committer import GlobalCommitter
 from .combine import combine
 from .dtensor_state import is_sharded, load_into, rank_part
 from .group import RankGroup
+from .job_collect import (JobRetentionRun, RetentionSchedule, agree_gc_plan,
+                          check_retention_args, run_and_tell)
+from .job_history import diff_job, replay_job, shard_sections
+from .job_streams import StreamReaders, check_stream
+from .job_open import agree_epoch, claim_epoch, open_streams, stream_features
 from .prepared import PreparedCommits
-from ..errors import describe, rebuild
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")
 
 #: default bound on how long a rank waits for the others in a commit round (seconds)
 DEFAULT_COMMIT_TIMEOUT = 300.0
-_OPENED = struct.Struct("<QQB")  # epoch, adopted latest + 1 (0: none), ok
-
-
-@dataclass(frozen=True)
-class JobRetentionRun:
-    """One automatic retention run of a job (:meth:`JobStore.set_retention`): ``after`` is the
-    base snapshot saved right after it (None: a save that failed on this rank); ``report`` the gc's
-    (:class:`~ckptstore.multirank.job_gc.JobGcReport`), or ``error`` why it failed (nothing
-    removed then; the job store stays consistent, as after any failed gc)."""
-
-    after: int | None
-    report: Any
-    error: BaseException | None
-    seconds: float
-
-
-class _RankRecords:
-    """One rank's checkpoints of a job store as a :class:`~ckptstore.replay.replayer.
-    RecordSource` (what replay reads), each iteration from the stream its global commit names
-    (a delta chain never crosses streams, so each chain is read from one)."""
-
-    def __init__(self, job: "JobStore", rank: int) -> None:
-        self.job, self.rank, self.mode = job, rank, job.mode
-
-    def base_of(self, iteration: int) -> int:
-        return self.job.base_of(iteration, rank=self.rank)
-
-    def kind(self, iteration: int) -> str:
-        return self.job.kind(iteration)
-
-    def load(self, iteration: int) -> Any:
-        return self.job.stream(iteration, self.rank).load(iteration)
-
-    def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
-                    into: Callable[[Any], Any] | None = None) -> Any:
-        return self.job.stream(iteration, self.rank).load_record(iteration, keys, into=into)
-
-    def consistent_reads(self) -> AbstractContextManager[Any]:
-        return nullcontext()  # (each stream read is one index view; a job's view is its logs')
 
 
 @dataclass(frozen=True)
@@ -117,14 +69,6 @@ class _StreamOptions:
     host_budget: int | None
     max_inflight: int | None
     features: str
-
-
-def _check_retention_args(policy: Any, every: Any) -> None:
-    if policy is not None and not isinstance(policy, Policy):
-        raise TypeError(f"retention must be a retention policy (ckptstore.ops.retention), "
-                        f"not {policy!r}")
-    if type(every) is not int or every < 1:
-        raise ValueError(f"retention_every must be an int >= 1 (bases between runs), not {every!r}")
 
 
 class JobStore:
@@ -152,10 +96,9 @@ class JobStore:
         #: the view is extended by the thread that commits (the async persister) and read by any
         self._view_lock = threading.Lock()
         self._view: JobView
-        #: readers of rank streams, by (epoch, rank); _streams: opens one (a remote job's lazy
-        #: reader, ckptstore/remote/job_pull.py; None: the stream directory under path)
-        self._readers: dict[tuple[int, int], Store] = {}
-        self._stream_source = _streams
+        #: readers of rank streams (the argument _streams opens one: a remote job's lazy reader,
+        #: ckptstore/remote/job_pull.py; None: the stream directory under path)
+        self._streams = StreamReaders(self.layout, load_threads, _streams)
         self._own: Store | None = None
         self._group: RankGroup | None = None
         self._committer: GlobalCommitter | None = None
@@ -165,14 +108,13 @@ class JobStore:
         self.epoch: int | None = None
         #: this process's rank (None: a reader opened without a process group)
         self.rank: int | None = None
-        #: automatic retention (set_retention): (policy, every), bases counted, the latest run
-        self._retention: tuple[Policy, int] | None = None
-        self._bases = 0
+        #: automatic retention (set_retention; None: off)
+        self._schedule: RetentionSchedule | None = None
         self._last_retention: JobRetentionRun | None = None
         #: rank 0: the thread deleting the last gc's gc-trash/ (None: none running)
         self._trash: threading.Thread | None = None
         if retention is not None or retention_every != 1:
-            _check_retention_args(retention, retention_every)
+            check_retention_args(retention, retention_every)
         #: the remote tier (format-spec/remote.md §8.3; None: opened without remote=)
         self._remote: JobRemote | None = None
         if remote is not None:
@@ -187,7 +129,7 @@ class JobStore:
                                                   direct_io, host_budget, max_inflight, features)
             self._open_writer(process_group, commit_timeout)
             if retention is not None:
-                self._retention = (retention, retention_every)
+                self._schedule = RetentionSchedule(retention, retention_every)
         elif retention is not None:
             raise ReadOnlyStoreError(f'store {self.path} is open read-only (mode="r"): no '
                                      "retention")
@@ -216,54 +158,32 @@ class JobStore:
         its own gc (:meth:`_collect_while_writing`). Collective."""
         opts = self._stream_options
         chunk_size, segment_size = opts.chunk_size, opts.segment_size
-        if group.rank == 0:
-            try:
-                epoch, adopted = self._claim(group.world_size, chunk_size, segment_size)
-                msg = _OPENED.pack(epoch, 0 if adopted is None else adopted + 1, 1)
-            except Exception as e:  # every rank learns of it (none waits for a broadcast)
-                group.broadcast(_OPENED.pack(0, 0, 0) + f"{type(e).__name__}: {e}".encode(),
-                                "the store's open")
-                raise
-            group.broadcast(msg, "the store's open")
-        else:
-            msg = group.broadcast(None, "the store's open")
-            if msg[_OPENED.size - 1] != 1:
-                raise CkptStoreError(f"{self.path}: rank 0 could not open the store for "
-                                     f"writing: {msg[_OPENED.size:].decode(errors='replace')}")
-        epoch, adopted_plus, _ = _OPENED.unpack_from(msg)
+        epoch_log, epoch, adopted = agree_epoch(
+            group, self.path,
+            lambda: claim_epoch(self.layout, self._ops, group.world_size, chunk_size,
+                                segment_size))
+        if epoch_log is not None:
+            self._epoch_log = epoch_log
         self.epoch = epoch
         committer = GlobalCommitter(group, epoch, self._epoch_log, self.path)
-        committer.adopted_latest = adopted_plus - 1 if adopted_plus else None
+        committer.adopted_latest = adopted
         committer.on_commit = self.learn
         self._committer = committer
-        error = b""
-        own_error: BaseException | None = None
-        try:
+
+        def open_own() -> Store:
             self.header = read_job_header(self.layout)
-            features = self._stream_features(epoch, opts.features)
-            self._own = Store(self.layout.stream_dir(epoch, group.rank), "a",
-                              chunk_size=chunk_size or self.header.chunk_size,
-                              segment_size=segment_size or self.header.segment_size,
-                              file_ops=self._ops, load_threads=self._load_threads,
-                              evict_written=opts.evict_written, direct_io=opts.direct_io,
-                              host_budget=opts.host_budget, features=features,
-                              max_inflight=opts.max_inflight,
-                              commit_round=committer.around,
-                              **(self._remote.stream_options(epoch, group.rank)
-                                 if self._remote is not None else {}))
-        except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
-            error = f"rank {group.rank}: {type(e).__name__}: {e}".encode()
-            own_error = e
-        ids = group.all_gather(error or self.header.store_id, "the streams' open")
-        failed = [m.decode(errors="replace") for m in ids if len(m) != 16]
-        if failed:
-            message = f"{self.path}: a rank could not open its stream: " + "; ".join(failed)
-            if isinstance(own_error, StoreFeaturesError):
-                raise StoreFeaturesError(message) from own_error
-            raise CkptStoreError(message)
-        if any(m != ids[0] for m in ids):
-            raise RankMismatchError(f"{self.path}: the ranks see different stores (store ids "
-                                    f"{[m.hex() for m in ids]}): is the directory shared?")
+            return Store(self.layout.stream_dir(epoch, group.rank), "a",
+                         chunk_size=chunk_size or self.header.chunk_size,
+                         segment_size=segment_size or self.header.segment_size,
+                         file_ops=self._ops, load_threads=self._load_threads,
+                         evict_written=opts.evict_written, direct_io=opts.direct_io,
+                         host_budget=opts.host_budget,
+                         features=stream_features(self.layout, epoch, opts.features),
+                         max_inflight=opts.max_inflight, commit_round=committer.around,
+                         **(self._remote.stream_options(epoch, group.rank)
+                            if self._remote is not None else {}))
+
+        self._own = open_streams(group, self.path, open_own, lambda: self.header.store_id)
         assert self._own is not None and isinstance(self._own.engine, WriterEngine)
         self._own.engine.commit_hook = committer.hook
         with self._view_lock:
@@ -271,73 +191,15 @@ class JobStore:
         if self._remote is not None:
             self._remote.started(self.path, epoch, group.rank, self._own)
 
-    def _stream_features(self, epoch: int, requested: str) -> str:
-        """The ``features`` of the stream this rank creates for ``epoch``: those of the job's
-        oldest earlier stream that has a readable STORE file (a store keeps the features it was
-        created with: a job that began compatible stays readable by older releases), else
-        ``requested``. StoreFeaturesError when ``requested`` is "compatible" and the earlier
-        streams have features."""
-        try:
-            names = sorted(os.listdir(self.layout.streams_dir))
-        except FileNotFoundError:
-            names = []
-        for name in names:
-            head, _, _ = name.partition("-")
-            if not head.isdigit() or not 0 < int(head) < epoch:
-                continue
-            try:
-                flags = read_store_header(Layout(os.path.join(self.layout.streams_dir, name))).flags
-            except (CkptStoreError, OSError):
-                continue  # a stream whose open failed, or damaged: the next one says
-            if flags and requested == "compatible":
-                raise StoreFeaturesError(
-                    f"{self.path}: its streams were created with format features "
-                    f"{', '.join(feature_names(flags))} (stream {name}; format-spec/format.md §4), "
-                    "which ckptstore releases without them cannot read; features are chosen when "
-                    "a store is created and never removed")
-            return "current" if flags else "compatible"
-        return requested
-
-    def _claim(self, world_size: int, chunk_size: int | None, segment_size: int | None
-               ) -> tuple[int, int | None]:
-        """The coordinator's part of opening: create the store if needed, claim the next epoch
-        and write its EPOCH record. Returns (epoch, the latest iteration it continues from)."""
-        if not os.path.exists(self.layout.store_file):
-            if os.path.exists(os.path.join(self.path, "segments")):
-                raise FormatError(f"{self.path} holds segments but no STORE file: not a job store")
-            self._ops.makedirs(self.path)
-            create_job_store(self.layout, self._ops, chunk_size or DEFAULT_CHUNK_SIZE,
-                             segment_size or DEFAULT_SEGMENT_SIZE)
-        header = read_job_header(self.layout)
-        view = read_job_view(self.layout, header.store_id)
-        log = claim_next_epoch(self.layout, self._ops, view.highest_claimed)
-        number = log.number
-        try:
-            # what this epoch continues is read after the claim is durable: an older job's
-            # coordinator that commits after this point sees the claim and reports its commit
-            # as not known to be kept (format §22, "Epochs and fencing")
-            view = read_job_view(self.layout, header.store_id)
-            prev = view.chain[-1] if view.chain else 0
-            end = view.logs[prev].valid_end if prev else 0
-            if prev and tail_is_suspicious(view.logs[prev]):
-                quarantine_tail(self.layout, self._ops, view.logs[prev])  # kept, never adopted
-            log.write_epoch(Epoch(number, world_size, header.store_id, prev, end, time.time_ns()))
-        except BaseException:
-            log.close()
-            raise
-        self._epoch_log = log
-        return number, view.latest
-
     def _release(self) -> None:
         if self._remote is not None:
             self._remote.stop()
-        for s in [self._own, *self._readers.values()]:
-            if s is not None:
-                try:
-                    s.close()
-                except CkptStoreError:
-                    pass
-        self._readers.clear()
+        if self._own is not None:
+            try:
+                self._own.close()
+            except CkptStoreError:
+                pass
+        self._streams.close()
         if self._epoch_log is not None:
             self._epoch_log.close()
         if self._group is not None:
@@ -585,8 +447,7 @@ class JobStore:
             view = read_job_view(self.layout, self.header.store_id)
             with self._view_lock:
                 self._view = view
-            for s in self._readers.values():
-                s.refresh()
+            self._streams.refresh()
 
     def iterations(self) -> list[int]:
         self._check()
@@ -615,34 +476,17 @@ class JobStore:
         the global commit: DamagedCheckpointError, naming the rank and the stream, when its
         commit is missing or differs."""
         g = self.global_commit(iteration)
-        r = self._rank(rank, g)
-        where = self.layout.stream_dir(g.epoch, r)
-        store = self._open_stream(g.epoch, r, where)
-        expected = g.ranks[r]
-        for attempt in range(2):
-            try:
-                # the own stream: its persister learns a global commit inside the stream's
-                # transaction, before that transaction indexes it; the engine's lock waits for it
-                with store.engine.locked():
-                    entry = store.engine.entry(iteration)
-            except NotFoundError:
-                if attempt == 0 and store.mode == "r":
-                    store.refresh()
-                    continue
-                raise DamagedCheckpointError(
-                    f"{self.path}: iteration {iteration} is committed globally, but rank {r}'s "
-                    f"stream {where} holds no commit of it") from None
-            if entry.commit != expected.commit or (entry.loc.seq, entry.loc.offset) != \
-                    (expected.commit_seq, expected.commit_offset):
-                raise DamagedCheckpointError(
-                    f"{self.path}: rank {r}'s stream {where} commits iteration {iteration} "
-                    f"differently from the global commit (segment {entry.loc.seq} offset "
-                    f"{entry.loc.offset}, expected segment {expected.commit_seq} offset "
-                    f"{expected.commit_offset})")
-            break
-        return store
+        r = self.reading_rank(rank, g)
+        if self._own is not None and (g.epoch, r) == (self.epoch, self.rank):
+            store = self._own
+        else:
+            store = self._streams.open(g.epoch, r)
+        return check_stream(store, g, r, self.path, self.layout.stream_dir(g.epoch, r))
 
-    def _rank(self, rank: int | None, g: GlobalCommit) -> int:
+    def reading_rank(self, rank: int | None, g: GlobalCommit) -> int:
+        """The rank whose records a read of ``g``'s iteration with ``rank=`` reads: ``rank``, else
+        this process's, else 0 on a 1-rank commit (ValueError: a reader must choose; 
+        RankMismatchError: no such rank in that commit)."""
         r = self.rank if rank is None else rank
         if r is None:
             if g.world_size == 1:
@@ -653,24 +497,6 @@ class JobStore:
             raise RankMismatchError(f"rank {r!r} is not among the {g.world_size} ranks that "
                                     f"committed iteration {g.iteration} in {self.path}")
         return r
-
-    def _open_stream(self, epoch: int, rank: int, where: str) -> Store:
-        if self._own is not None and (epoch, rank) == (self.epoch, self.rank):
-            return self._own
-        store = self._readers.get((epoch, rank))
-        if store is None and self._stream_source is not None:
-            store = self._readers[(epoch, rank)] = self._stream_source(epoch, rank)
-        if store is None:
-            if not os.path.isdir(where):
-                raise DamagedCheckpointError(f"{self.path}: rank {rank}'s stream {where} "
-                                             f"(epoch {epoch}) is missing")
-            try:
-                store = Store(where, "r", load_threads=self._load_threads)
-            except CkptStoreError as e:
-                raise DamagedCheckpointError(f"{self.path}: rank {rank}'s stream {where} "
-                                             f"cannot be opened: {e}") from e
-            self._readers[(epoch, rank)] = store
-        return store
 
     def load(self, iteration: int, keys: Sequence[Any] | None = None, *,
              rank: int | None = None, into: Any = None) -> Any:
@@ -694,52 +520,22 @@ class JobStore:
         if rank is not None:
             return self.stream(iteration, rank).load(iteration, keys)
         g = self.global_commit(iteration)
-        return self._combine(g, lambda r: self.stream(iteration, r).load(iteration), keys)
+        return self.combine_parts(g, lambda r: self.stream(iteration, r).load(iteration), keys)
 
-    def _combine(self, g: GlobalCommit, part: Callable[[int], Any],
-                 keys: Sequence[Any] | None) -> Any:
+    def combine_parts(self, g: GlobalCommit, part: Callable[[int], Any],
+                      keys: Sequence[Any] | None) -> Any:
         """The job's state at ``g.iteration`` from its ranks' states (:func:`.combine.combine`;
         shared by :meth:`load` and :meth:`replay`)."""
         mine = self.rank if self.rank is not None and self.rank < g.world_size else None
-        return combine(part, g.world_size, mine, g.iteration, keys, lambda: self._rank(None, g))
+        return combine(part, g.world_size, mine, g.iteration, keys, lambda: self.reading_rank(None, g))
 
     def replay(self, start: int, stop: int, *, rank: int | None = None
                ) -> Iterator[tuple[int, Any]]:
-        """Yield ``(iteration, state)`` for every iteration in ``start..stop`` (inclusive), as
-        :meth:`ckptstore.Store.replay` does: each rank's part is replayed incrementally within
-        its stream (:func:`ckptstore.replay.replay_range`, one per rank, in step), and each
-        iteration's parts are combined as :meth:`load` combines them (with ``rank``: that rank's
-        part only). The range may cross epochs and changes of world size."""
-        from ..replay import replay_range
-
-        if stop < start:
-            return
-        its = [it for it in self.iterations() if start <= it <= stop]
-        if not its or its[0] != start or its[-1] != stop:
-            missing = start if not its or its[0] != start else stop
-            raise NotFoundError(f"iteration {missing} is not committed in {self.path}")
-        runs: list[list[int]] = []  # consecutive iterations of one world size
-        for it in its:
-            w = self.global_commit(it).world_size
-            if runs and self.global_commit(runs[-1][0]).world_size == w:
-                runs[-1].append(it)
-            else:
-                runs.append([it])
-        for run in runs:
-            g0 = self.global_commit(run[0])
-            ranks = [self._rank(rank, g0)] if rank is not None else list(range(g0.world_size))
-            gens = [replay_range(_RankRecords(self, r), run[0], run[-1]) for r in ranks]
-            try:
-                for items in zip(*gens):
-                    it = items[0][0]
-                    if rank is not None:
-                        yield it, items[0][1]
-                    else:
-                        parts = {r: state for r, (_, state) in zip(ranks, items)}
-                        yield it, self._combine(self.global_commit(it), parts.__getitem__, None)
-            finally:
-                for gen in gens:
-                    gen.close()
+        """Yield ``(iteration, state)`` for every iteration in ``start..stop`` (inclusive), each
+        rank's part replayed within its stream and combined as :meth:`load` combines them (with
+        ``rank``: that rank's part only); the range may cross epochs and world sizes
+        (:func:`~.job_history.replay_job`)."""
+        return replay_job(self, start, stop, rank)
 
     def manifest(self, iteration: int, *, rank: int | None = None) -> Any:
         """The decoded, verified manifest of ``rank``'s record of ``iteration`` (default: this
@@ -747,46 +543,15 @@ class JobStore:
         return self.stream(iteration, rank).manifest(iteration)
 
     def diff(self, a: int, b: int, *, rank: int | None = None) -> list[Any]:
-        """:meth:`ckptstore.Store.diff` of what ``rank`` stored at ``a`` and ``b`` (each in its
-        own stream). Without ``rank`` on a job of several ranks (a reader): every rank's, each
-        path prefixed ``rank<r>/``; ValueError when ``a`` and ``b`` have different world sizes
-        (pass ``rank=``)."""
-        from ..ops.diff import diff_manifests
-
-        ga, gb = self.global_commit(a), self.global_commit(b)
-        if rank is not None or self.rank is not None or ga.world_size == gb.world_size == 1:
-            sa, sb = self.stream(a, rank), self.stream(b, rank)
-            return diff_manifests(sa.manifest(a), sb.manifest(b), sa.engine.tree_of,
-                                  sb.engine.tree_of)
-        if ga.world_size != gb.world_size:
-            raise ValueError(f"iterations {a} and {b} of {self.path} were written at world "
-                             f"sizes {ga.world_size} and {gb.world_size}: pass rank=")
-        out = []
-        for r in range(ga.world_size):
-            for d in self.diff(a, b, rank=r):
-                out.append(dataclasses.replace(d, path=f"rank{r}/{d.path}"))
-        return out
+        """:meth:`ckptstore.Store.diff` of what ``rank`` stored at ``a`` and ``b``; a reader of a
+        job of several ranks without ``rank``: every rank's, paths prefixed ``rank<r>/``
+        (:func:`~.job_history.diff_job`)."""
+        return diff_job(self, a, b, rank)
 
     def shard_sections(self, iteration: int) -> list[dict] | None:
-        """Every rank's ``shards`` section (rank order) when ``iteration`` holds sharded
-        (FSDP2 / DTensor) Checkpointer parts (format-spec/deltas.md, "Sharded states"), else
-        None. A delta records no section: its base's (in the same rank stream, so the same
-        layout) is read. Reads each part's replay section only, no tensor; raises
-        DamagedCheckpointError when rank 0 saved a sharded part and another rank did not."""
-        sections = []
-        for r in range(self.global_commit(iteration).world_size):
-            base = self.base_of(iteration, rank=r)
-            try:
-                section = shards_of(self.load_record(base, keys=[REPLAY_KEY], rank=r))
-            except NotFoundError:  # a state without a replay section: not a Checkpointer's
-                section = None
-            if section is None:
-                if r == 0:
-                    return None
-                raise DamagedCheckpointError(f"{self.path}: iteration {iteration}: rank 0 saved "
-                                             f"a sharded part, rank {r} (base {base}) did not")
-            sections.append(section)
-        return sections
+        """Every rank's ``shards`` section when ``iteration`` holds sharded (FSDP2 / DTensor)
+        Checkpointer parts, else None (:func:`~.job_history.shard_sections`)."""
+        return shard_sections(self, iteration)
 
     def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
                     rank: int | None = None) -> Any:
@@ -881,8 +646,7 @@ class JobStore:
         the gc's error on every rank (after step 5: the store stays writable), or what a round,
         a collective or step 5 raise (a dead rank: the store is then broken, as after a failed
         open)."""
-        from .job_gc import (JobGcReport, collect_job, job_bytes, plan_job_gc, report_from_json,
-                             report_to_json)
+        from .job_gc import JobGcReport, collect_job
 
         own, committer = self._writer()
         if committer.broken is not None:
@@ -893,27 +657,7 @@ class JobStore:
             self._pipe().flush()
         else:
             self._round(own.flush)
-        if group.rank == 0:
-            t0 = time.perf_counter()
-            try:
-                plan = plan_job_gc(self, policy, now_ns)
-                size = job_bytes(self.layout)
-                skip = None if plan is not None and plan.removed else JobGcReport(
-                    plan.kept if plan else [], [], size, size, time.perf_counter() - t0,
-                    policy=str(policy), added=plan.added if plan else (),
-                    why=dict(plan.why) if plan else {},
-                    unchanged=tuple(plan.unchanged) if plan else (),
-                    world_size=plan.world_size if plan else None)
-                group.broadcast(b"\x02" if skip is None else b"\x01" + report_to_json(skip),
-                                "the job's gc plan")
-            except Exception as e:  # noqa: BLE001 - every rank raises it
-                group.broadcast(b"\x00" + describe(e).encode(), "the job's gc plan")
-                raise
-        else:
-            msg = group.broadcast(None, "the job's gc plan")
-            if msg[:1] == b"\x00":
-                raise rebuild(0, msg[1:].decode(errors="replace"))
-            skip = report_from_json(msg[1:]) if msg[:1] == b"\x01" else None
+        skip = agree_gc_plan(group, self, policy, now_ns)
         if skip is not None:
             return skip
         self._join_trash()  # the previous gc's (rank 0)
@@ -924,25 +668,16 @@ class JobStore:
         if self._epoch_log is not None:
             self._epoch_log.close()
             self._epoch_log = None
-        self._close_readers()
+        self._streams.close()
         group.all_gather(b"", "the job's gc (every stream closed)")
-        outcome: BaseException | None = None
-        if group.rank == 0:
-            try:
-                report = collect_job(self.path, policy, lambda p: JobStore(p, "r"),
-                                     file_ops=self._ops, now_ns=now_ns, progress=progress,
-                                     remove_trash=False)
-                self._empty_trash()
-                group.broadcast(b"\x01" + report_to_json(report), "the job's gc")
-            except Exception as e:  # noqa: BLE001 - every rank raises it, after step 5
-                outcome = e
-                group.broadcast(b"\x00" + describe(e).encode(), "the job's gc")
-        else:
-            msg = group.broadcast(None, "the job's gc")
-            if msg[:1] == b"\x01":
-                report = report_from_json(msg[1:])
-            else:
-                outcome = rebuild(0, msg[1:].decode(errors="replace"))
+
+        def collect() -> JobGcReport:
+            report = collect_job(self.path, policy, lambda p: JobStore(p, "r"), file_ops=self._ops,
+                                 now_ns=now_ns, progress=progress, remove_trash=False)
+            self._empty_trash()
+            return report
+
+        report, outcome = run_and_tell(group, collect)
         self._start_epoch(group)
         if outcome is not None:
             raise outcome
@@ -965,48 +700,31 @@ class JobStore:
         nothing, a StaleWriterError, damage) is logged (logger ``ckptstore``, WARNING) and kept
         in :attr:`last_retention`; the job writes on. Only what breaks the job itself (a dead
         rank) is raised, as any save would."""
-        _check_retention_args(policy, every)
+        if policy is None:
+            check_retention_args(policy, every)
+        schedule = None if policy is None else RetentionSchedule(policy, every)
         self._writer()
-        self._retention = None if policy is None else (policy, every)
-        self._bases = 0
+        self._schedule = schedule
 
     @property
     def retention(self) -> Policy | None:
         """The automatic retention policy (None: off)."""
-        return None if self._retention is None else self._retention[0]
+        return None if self._schedule is None else self._schedule.policy
 
     @property
-    def last_retention(self) -> "JobRetentionRun | None":
+    def last_retention(self) -> JobRetentionRun | None:
         """The latest automatic retention run of this writer, or None."""
         return self._last_retention
 
     def _before_base(self, iteration: int | None) -> None:
         """A base snapshot of ``iteration`` is about to be saved (on every rank): run the
-        retention due after the ``every``-th base before it (:meth:`set_retention`), then count
-        it."""
-        ret = self._retention
-        if ret is None:
-            return
-        due = self._bases > 0 and self._bases % ret[1] == 0
-        self._bases += 1
-        if not due:
-            return
-        t0 = time.perf_counter()
-        report: Any = None
-        error: BaseException | None = None
-        try:
-            report = self._collect_while_writing(ret[0], None, None)
-        except Exception as e:  # noqa: BLE001 - kept and logged, unless the job itself broke
-            if self._own is None or self._committer is None or self._committer.broken:
-                raise
-            error = e
-            log.warning("ckptstore: automatic retention before base %s of job store %s failed, "
-                        "nothing removed: %s", iteration, self.path, e)
-        self._last_retention = JobRetentionRun(iteration, report, error,
-                                               time.perf_counter() - t0)
-        if report is not None and report.removed:
-            log.info("ckptstore: retention before base %s removed %d iterations of job store "
-                     "%s", iteration, len(report.removed), self.path)
+        retention due before it (:meth:`set_retention`, :class:`~.job_collect.RetentionSchedule`)."""
+        if self._schedule is not None:
+            run = self._schedule.before_base(
+                iteration, lambda policy: self._collect_while_writing(policy, None, None),
+                lambda: self._own is None or self._committer is None or
+                bool(self._committer.broken), self.path)
+            self._last_retention = run or self._last_retention
 
     def _empty_trash(self) -> None:
         """Delete ``gc-trash/`` (what the job's gc moved off every chain) in a thread, while the
@@ -1023,18 +741,10 @@ class JobStore:
             self._trash.join()
             self._trash = None
 
-    def _close_readers(self) -> None:
-        for s in self._readers.values():
-            try:
-                s.close()
-            except CkptStoreError:
-                pass
-        self._readers.clear()
-
     def _reopen_view(self) -> None:
         """Readers: drop the streams read so far and read the global logs again (after a gc
         the old epochs' streams are gone)."""
-        self._close_readers()
+        self._streams.close()
         view = read_job_view(self.layout, self.header.store_id)
         with self._view_lock:
             self._view = view

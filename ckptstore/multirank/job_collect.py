@@ -1,0 +1,141 @@
+"""A writing job's own gc: the ranks' agreement on its plan and outcome, and its automatic
+retention schedule (format-spec/format.md §22.7; :meth:`JobStore.gc` on a writer,
+:meth:`JobStore.set_retention`).
+
+The steps that open and close streams stay in :class:`~.job_store.JobStore`
+(``_collect_while_writing``); the exchanges between them live here:
+
+1. :func:`agree_gc_plan`: rank 0 plans over its view and tells every rank whether the gc runs
+   (a report to return at once when the plan removes nothing, or the planning error, raised on
+   every rank);
+2. :func:`run_and_tell`: once every stream is closed, rank 0 runs the offline protocol and
+   broadcasts its report (JSON) or its error (one line, rebuilt typed on the other ranks:
+   :func:`~ckptstore.errors.rebuild`).
+
+:class:`RetentionSchedule` counts the bases a job saves and says when retention is due.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..errors import describe, rebuild
+from ..ops.retention import Policy
+from .group import RankGroup
+from .job_gc import JobGcReport, job_bytes, plan_job_gc, report_from_json, report_to_json
+
+if TYPE_CHECKING:
+    from .job_store import JobStore
+
+log = logging.getLogger("ckptstore")
+
+
+def agree_gc_plan(group: RankGroup, job: "JobStore", policy: Policy,
+                  now_ns: int | None) -> JobGcReport | None:
+    """Collective, step 2 of the job's own gc: rank 0 plans (:func:`~.job_gc.plan_job_gc`) and
+    broadcasts. Returns None when the gc runs, else the report every rank returns (the plan
+    removes nothing); raises rank 0's planning error on every rank (RetentionError: the policy
+    selects nothing)."""
+    if group.rank != 0:
+        msg = group.broadcast(None, "the job's gc plan")
+        if msg[:1] == b"\x00":
+            raise rebuild(0, msg[1:].decode(errors="replace"))
+        return report_from_json(msg[1:]) if msg[:1] == b"\x01" else None
+    t0 = time.perf_counter()
+    try:
+        plan = plan_job_gc(job, policy, now_ns)
+        size = job_bytes(job.layout)
+        skip = None if plan is not None and plan.removed else JobGcReport(
+            plan.kept if plan else [], [], size, size, time.perf_counter() - t0,
+            policy=str(policy), added=plan.added if plan else (),
+            why=dict(plan.why) if plan else {},
+            unchanged=tuple(plan.unchanged) if plan else (),
+            world_size=plan.world_size if plan else None)
+        group.broadcast(b"\x02" if skip is None else b"\x01" + report_to_json(skip),
+                        "the job's gc plan")
+    except Exception as e:  # noqa: BLE001 - every rank raises it
+        group.broadcast(b"\x00" + describe(e).encode(), "the job's gc plan")
+        raise
+    return skip
+
+
+def run_and_tell(group: RankGroup, collect: Callable[[], JobGcReport]
+                 ) -> tuple[JobGcReport | None, BaseException | None]:
+    """Collective, step 4 of the job's own gc: rank 0 runs ``collect`` (the offline protocol)
+    and broadcasts its outcome. Returns (the report, None) or (None, the gc's error) on every
+    rank; the caller starts its new epoch before raising the error (the store stays
+    writable)."""
+    if group.rank != 0:
+        msg = group.broadcast(None, "the job's gc")
+        if msg[:1] == b"\x01":
+            return report_from_json(msg[1:]), None
+        return None, rebuild(0, msg[1:].decode(errors="replace"))
+    try:
+        report = collect()
+    except Exception as e:  # noqa: BLE001 - every rank raises it, after its new epoch
+        group.broadcast(b"\x00" + describe(e).encode(), "the job's gc")
+        return None, e
+    group.broadcast(b"\x01" + report_to_json(report), "the job's gc")
+    return report, None
+
+
+@dataclass(frozen=True)
+class JobRetentionRun:
+    """One automatic retention run of a job (:meth:`JobStore.set_retention`): ``after`` is the
+    base snapshot saved right after it (None: a save that failed on this rank); ``report`` the gc's
+    (:class:`~ckptstore.multirank.job_gc.JobGcReport`), or ``error`` why it failed (nothing
+    removed then; the job store stays consistent, as after any failed gc)."""
+
+    after: int | None
+    report: Any
+    error: BaseException | None
+    seconds: float
+
+
+def check_retention_args(policy: Any, every: Any) -> None:
+    """TypeError/ValueError for a retention policy or a run interval a job cannot take."""
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"retention must be a retention policy (ckptstore.ops.retention), "
+                        f"not {policy!r}")
+    if type(every) is not int or every < 1:
+        raise ValueError(f"retention_every must be an int >= 1 (bases between runs), not {every!r}")
+
+
+class RetentionSchedule:
+    """A job's automatic retention: ``policy`` runs before every ``every``-th base snapshot after
+    the first (bases counted from construction)."""
+
+    def __init__(self, policy: Policy, every: int) -> None:
+        check_retention_args(policy, every)
+        self.policy, self.every = policy, every
+        self.bases = 0
+
+    def before_base(self, iteration: int | None, collect: Callable[[Policy], Any],
+                    job_broken: Callable[[], bool], path: str) -> JobRetentionRun | None:
+        """A base snapshot of ``iteration`` is about to be saved (on every rank): run
+        ``collect(policy)`` (the job's own gc) when it is due, then count the base. Returns the
+        run (None: none was due). A failed gc is logged and returned, never raised, unless
+        ``job_broken()`` says the job itself broke (a dead rank): that is raised, as any save
+        would."""
+        due = self.bases > 0 and self.bases % self.every == 0
+        self.bases += 1
+        if not due:
+            return None
+        t0 = time.perf_counter()
+        report: Any = None
+        error: BaseException | None = None
+        try:
+            report = collect(self.policy)
+        except Exception as e:  # noqa: BLE001 - kept and logged, unless the job itself broke
+            if job_broken():
+                raise
+            error = e
+            log.warning("ckptstore: automatic retention before base %s of job store %s failed, "
+                        "nothing removed: %s", iteration, path, e)
+        if report is not None and report.removed:
+            log.info("ckptstore: retention before base %s removed %d iterations of job store "
+                     "%s", iteration, len(report.removed), path)
+        return JobRetentionRun(iteration, report, error, time.perf_counter() - t0)
