@@ -191,7 +191,7 @@ def test_old_store_without_a_persisted_plan_measures_without_warning(tmp_path, c
     """A store written by policy="every-iteration" (no persisted plan): measured, no warning."""
     model, opt = _model()
     store = ckptstore.open(tmp_path / "s")
-    ck = Checkpointer(store, model, opt)
+    ck = Checkpointer(store, model, opt, policy="every-iteration")
     ck.restore()
     for it in range(1, 4):
         _step(model, ck, opt, it)
@@ -241,6 +241,47 @@ def test_default_disk_budget_bounds_the_store(tmp_path, monkeypatch, assert_same
     newest = store.iterations()[-1]
     assert newest == 80
     assert_same(_live(model, opt), {k: store.load(80)[k] for k in ("model", "optimizer")})
+    ck.close()
+    store.close()
+
+
+def test_default_checkpointer_plans_within_the_default_budget(tmp_path, monkeypatch, caplog,
+                                                              one_mode, assert_same):
+    """Checkpointer(store, model, opt) with no policy and no budget: policy "auto", one INFO
+    line at the first plan saying so, and the default disk budget (here made ~12 snapshots by
+    lowering the share) bounds the store's files at every planned step of a run that writes
+    several times as much (a snapshot every 2 steps, the planner held to that mode: a busy
+    machine's costs decide nothing) from its first gc on; the newest iteration loads bit for
+    bit."""
+    width = 512
+    model, opt = _model(width)
+    budget = 12 * sum(p.numel() * 4 for p in model.parameters()) * 2  # parameters + momentum
+    monkeypatch.setattr(auto_policy, "DEFAULT_DISK_SHARE",
+                        budget / shutil.disk_usage(tmp_path).free)
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, snapshot_every=2)
+    assert ck.checkpoint_policy == "auto" and ck.mode == "deltas"
+    ck.restore()
+    worst, first, lives = 0, None, {}
+    with caplog.at_level(logging.INFO, logger="ckptstore"):
+        for it in range(1, 45):
+            _step(model, ck, opt, it, width)
+            lives[it] = _live(model, opt)
+            if ck.plan() is not None:
+                first = it if first is None else first
+            if store.iterations()[0] > 0:
+                # (from the plan's first gc on: until then the store also holds what measuring
+                # wrote, measure_steps deltas, which the plan's retention does not count)
+                worst = max(worst, _store_bytes(tmp_path / "s"))
+    p = ck.plan()
+    assert p is not None and first is not None and first < 30 and ck.mode == "snapshots"
+    chosen = [r.getMessage() for r in caplog.records if "checkpoint plan" in r.getMessage()]
+    assert 'policy="auto", the default' in chosen[0] and "free space at open" in chosen[0]
+    assert 0 < worst <= ck.disk_budget, (worst, ck.disk_budget, str(p))
+    store.flush()
+    newest = store.iterations()[-1]
+    assert newest >= 43
+    assert_same(lives[newest], {k: store.load(newest)[k] for k in ("model", "optimizer")})
     ck.close()
     store.close()
 
@@ -332,3 +373,59 @@ def test_disk_budget_bounds_a_delta_chain_store(tmp_path, one_mode, assert_same)
     assert_same(_live(model, opt), {k: store.load(80)[k] for k in ("model", "optimizer")})
     ck.close()
     store.close()
+
+
+# ---- a multi-rank job store: one plan for every rank ---------------------------------------------
+def agreed_plan(rank, world, path, load_s):
+    """Train with policy="auto" on the job store, rank 1 measuring a base load of ``load_s``
+    (its costs differ: the ranks' step times are not, every commit waits for both), then close and train on in a new Checkpointer on the store opened again (a
+    restarted job, in the same processes); per run this rank's plan, its own step median and
+    the persisted field of its part of the newest base."""
+    import torch.distributed as dist
+
+    runs = []
+    for iterations in (10, 2):
+        model, opt = _model()
+        store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=30.0)
+        ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2, snapshot_every=2)
+        start = ck.restore()
+        planned_at_restore = ck.plan() is not None
+        for _ in range(5 if rank == 1 and not runs else 0):
+            ck.meter.add("load", load_s)
+        for it in range(start + 1, start + iterations + 1):
+            _step(model, ck, opt, it)
+        store.flush()
+        p = ck.plan()
+        latest = store.iterations()[-1]
+        field = store.load_record(store.base_of(latest), keys=[PLAN_KEY], rank=rank)[PLAN_KEY]
+        runs.append({"plan": None if p is None else [p.mode, p.chosen.interval, p.disk_budget,
+                                                     p.mtbf_s, p.costs.load_s],
+                     "own_load": ck.meter.median("load"), "field": field, "start": start,
+                     "planned_at_restore": planned_at_restore,
+                     "iterations": store.iterations()})
+        ck.close()
+        store.close()
+    return runs
+
+
+def test_ranks_with_different_costs_write_one_plan(tmp_path):
+    """policy="auto" on a 2-rank job store whose ranks measured different costs (rank 1 a slow
+    base load): both ranks plan at the same iteration from the combined costs (the larger), write
+    the same plan and the same persisted field into their parts, and a restarted job resumes
+    that plan on both ranks at once."""
+    from _ranks import run_ranks
+
+    res = run_ranks(2, __name__, "agreed_plan", str(tmp_path / "job"), str(tmp_path / "w"),
+                    deadline=120, load_s=5.0)
+    assert all("ok" in r for r in res), res
+    (a, a2), (b, b2) = (r["ok"] for r in res)
+    for x, y in ((a, b), (a2, b2)):
+        assert x["plan"] is not None and x["plan"] == y["plan"], (x, y)
+        assert x["field"] == y["field"] and "costs" in x["field"], (x, y)
+        assert x["iterations"] == y["iterations"]
+    assert b["own_load"] > 1.0 > a["own_load"]  # (the ranks measured differently...)
+    assert a["plan"][4] > 1.0  # (...and planned from the larger)
+    assert a["plan"][2] is not None and a["plan"][2] > 0  # the budget: the smaller, split
+    assert a2["start"] == b2["start"] == a["iterations"][-1]
+    assert a2["planned_at_restore"] and b2["planned_at_restore"]
+    assert a2["field"]["restarts"] == 1
