@@ -384,10 +384,10 @@ def agreed_plan(rank, world, path, load_s):
     import torch.distributed as dist
 
     runs = []
-    for iterations in (10, 2):
+    for iterations in (7, 1):
         model, opt = _model()
         store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=30.0)
-        ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2, snapshot_every=2)
+        ck = Checkpointer(store, model, opt, policy="auto", measure_steps=1, snapshot_every=2)
         start = ck.restore()
         planned_at_restore = ck.plan() is not None
         for _ in range(5 if rank == 1 and not runs else 0):
@@ -429,3 +429,29 @@ def test_ranks_with_different_costs_write_one_plan(tmp_path):
     assert a2["start"] == b2["start"] == a["iterations"][-1]
     assert a2["planned_at_restore"] and b2["planned_at_restore"]
     assert a2["field"]["restarts"] == 1
+
+
+def test_combined_plan_inputs_are_conservative_and_idempotent():
+    """combine(): the largest cost of each kind (over the ranks that measured it), the smallest
+    count, MTBF (with its source) and known budget (split over the ranks), the most restarts and
+    the oldest history; combined costs combine to themselves (a plan resumed from a persisted
+    field is the plan that wrote it); a bad message is a ValueError."""
+    from ckptstore.torch.plan_agreement import Shared, combine
+
+    a = Shared({"delta": 2, "plain": 3, "stall": 1}, {"plain": 0.01, "stall": 0.2}, 900.0, "given",
+               1000, "default", 0, 50)
+    b = Shared({"delta": 2, "plain": 2, "stall": 0}, {"plain": 0.03, "load": 1.5}, 600.0,
+               "learned", None, "none", 2, 70)
+    c = combine([a, b])
+    assert c.counts == {"delta": 2, "plain": 2, "stall": 0}
+    assert c.medians == {"load": 1.5, "plain": 0.03, "stall": 0.2}
+    assert (c.mtbf_s, c.restarts, c.since_ns, c.budget) == (600.0, 2, 50, 500)
+    assert c.mtbf_source.startswith("learned") and "rank 1" in c.mtbf_source
+    assert "rank 0" in c.budget_source
+    assert combine([c, c]).medians == c.medians and combine([c]) == c
+    for bad in ({"counts": {"plain": -1}}, {"medians": {"plain": float("nan")}}, {"mtbf_s": 0},
+                {"budget": 0}, {"restarts": "2"}, "not a dict"):
+        msg = bad if isinstance(bad, str) else {**a.to_json(), **bad}
+        with pytest.raises(ValueError):
+            Shared.from_json(msg)
+    assert Shared.from_json(a.to_json()) == a

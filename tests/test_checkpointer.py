@@ -854,6 +854,7 @@ def test_unreplayable_optimizer_is_checkpointed_by_snapshots(tmp_path, assert_sa
         ck = Checkpointer(store, model, opt, snapshot_every=4, asynchronous=asynchronous)
     warned = [r for r in caplog.records if "not replayable" in r.getMessage()]
     assert len(warned) == 1 and "snapshots" in warned[0].getMessage() and ck.mode == "snapshots"
+    assert ck.checkpoint_policy == "auto"  # (the default, given an interval)
     assert ck.restore() == 0
     saved, rng = {}, {}
     for it in range(1, 11):

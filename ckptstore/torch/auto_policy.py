@@ -65,8 +65,8 @@ def default_policy(replayable: bool, multirank: bool) -> str:
     """The policy of ``Checkpointer(policy=None)``: "auto" (a plan within the default disk
     budget, kept by the retention the Checkpointer derives from it, so that no default run
     fills a disk), except on a multi-rank job store: "every-iteration" there for an optimizer
-    replay knows, else "snapshots" (which then needs ``snapshot_every``). A job's retention is
-    its collective gc, which no plan drives yet, so "auto" would bound nothing there; it is
+    replay knows, else "snapshots" (at the interval planned for every rank). A job's retention
+    is its collective gc, which no plan drives yet, so "auto" would bound nothing there; it is
     available on request (``policy="auto"``: one plan, agreed by every rank,
     :mod:`ckptstore.torch.plan_agreement`)."""
     if not multirank:

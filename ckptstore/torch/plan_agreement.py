@@ -88,6 +88,8 @@ def combine(proposals: list[Shared]) -> Shared:
     """The inputs every rank plans from, given each rank's ``proposals`` in rank order (pure,
     the same on every rank; see the module docstring for each rule)."""
     world = len(proposals)
+    if world == 1:
+        return proposals[0]
     kinds = sorted({k for p in proposals for k in p.counts})
     counts = {k: min(p.counts.get(k, 0) for p in proposals) for k in kinds}
     medians: dict[str, float] = {}
@@ -102,7 +104,6 @@ def combine(proposals: list[Shared]) -> Shared:
         budget = max(1, least // world)
         source = f"{proposals[r].budget_source}; rank {r}'s, split over {world} ranks"
     return Shared(counts, dict(sorted(medians.items())), proposals[low].mtbf_s,
-                  proposals[low].mtbf_source if world == 1 else
                   f"{proposals[low].mtbf_source} (rank {low}'s, the smallest)",
                   budget, source, max(p.restarts for p in proposals),
                   min(p.since_ns for p in proposals))
