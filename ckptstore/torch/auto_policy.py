@@ -309,7 +309,9 @@ class AutoPolicy:
         self._since_check += 1
         if self.phase == "planned" and self._since_check < 16 and not self._replan_next:
             return
-        shared = self._shared(f"iteration {iteration}")
+        shared = self._shared(f"iteration {iteration}, " + (
+            "replan" if self._replan_next else
+            "drift check" if self.phase == "planned" else "measuring"))
         counts = shared.counts
         if self.phase == "deltas":
             if counts["delta"] >= self.measure_steps or self._since_check > 4 * self.measure_steps:
@@ -361,7 +363,8 @@ class AutoPolicy:
         """Plan from ``shared`` (None: taken now, :meth:`_shared`); a changed plan is logged
         (INFO) and, when its mode differs, applied from this step on."""
         if shared is None:
-            shared = self._shared(f"iteration {iteration}")
+            shared = self._shared(f"iteration {iteration}, "
+                                  f"{'resume' if resumed else 'plan'}")
         costs = self._costs(shared.medians)
         if costs is None:
             return

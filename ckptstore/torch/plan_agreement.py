@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import RankFailureError
+from ..errors import CheckpointPlanError, RankFailureError
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,10 @@ class RankAgreement:
         self._group: Any = None
 
     def agree(self, local: Shared, when: str) -> Shared:
-        """:func:`combine` of every rank's ``local`` (a collective; ``when``: the step, for
-        errors)."""
+        """:func:`combine` of every rank's ``local`` (a collective). ``when``: the step and the
+        decision, the same on every rank: a rank at another (it skipped a step, or alone called
+        ``replan()``) raises CheckpointPlanError on every rank, naming it, instead of planning
+        from another decision's inputs."""
         what = f"the checkpoint plan's inputs ({when})"
         group = self._group
         if group is None:
@@ -130,13 +132,22 @@ class RankAgreement:
                                        "group (closed, or open read-only)")
             group = self._group = RankGroup(source.group, source.timeout,
                                             label=f"{self._store.path} (checkpoint plan)")
-        raw = group.all_gather(json.dumps(local.to_json()).encode(), what)
+        raw = group.all_gather(json.dumps({"when": when, "inputs": local.to_json()}).encode(),
+                               what)
         out = []
         for r, msg in enumerate(raw):
             try:
-                out.append(Shared.from_json(json.loads(msg)))
+                d = json.loads(msg)
+                if type(d) is not dict:
+                    raise ValueError(f"not a dict but {type(d).__name__}")
+                inputs = Shared.from_json(d.get("inputs"))
             except ValueError as e:  # (json.JSONDecodeError is one)
                 raise RankFailureError(f"{what}: rank {r} sent a bad message ({e})") from e
+            if d.get("when") != when:
+                raise CheckpointPlanError(
+                    f"{what}: rank {r} is at {d.get('when')!r}: every rank must step the same "
+                    "iterations and call Checkpointer.replan() together")
+            out.append(inputs)
         return combine(out)
 
     def close(self) -> None:
