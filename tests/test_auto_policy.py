@@ -408,18 +408,20 @@ def agreed_plan(rank, world, path, load_s):
     return runs
 
 
-def test_ranks_with_different_costs_write_one_plan(tmp_path):
-    """policy="auto" on a 2-rank job store whose ranks measured different costs (rank 1 a slow
-    base load): both ranks plan at the same iteration from the combined costs (the larger), write
-    the same plan and the same persisted field into their parts, and a restarted job resumes
-    that plan on both ranks at once."""
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_ranks_with_different_costs_write_one_plan(tmp_path, world):
+    """policy="auto" on a job store whose ranks measured different costs (rank 1 a slow base
+    load): every rank plans at the same iteration from the combined costs (the larger), writes
+    the same plan and the same persisted field into its part, and a restarted job resumes that
+    plan on every rank at once."""
     from _ranks import run_ranks
 
-    res = run_ranks(2, __name__, "agreed_plan", str(tmp_path / "job"), str(tmp_path / "w"),
-                    deadline=120, load_s=5.0)
+    res = run_ranks(world, __name__, "agreed_plan", str(tmp_path / "job"), str(tmp_path / "w"),
+                    deadline=180, load_s=5.0)
     assert all("ok" in r for r in res), res
-    (a, a2), (b, b2) = (r["ok"] for r in res)
-    for x, y in ((a, b), (a2, b2)):
+    runs = [r["ok"] for r in res]
+    (a, a2), (b, b2) = runs[0], runs[1]
+    for x, y in [(first, other) for r in runs[1:] for first, other in zip(runs[0], r)]:
         assert x["plan"] is not None and x["plan"] == y["plan"], (x, y)
         assert x["field"] == y["field"] and "costs" in x["field"], (x, y)
         assert x["iterations"] == y["iterations"]
