@@ -457,3 +457,74 @@ def test_combined_plan_inputs_are_conservative_and_idempotent():
         with pytest.raises(ValueError):
             Shared.from_json(msg)
     assert Shared.from_json(a.to_json()) == a
+
+
+def killed_while_planning(rank, world, path, kill_at, log):
+    """Rank 1 SIGKILLs itself at the start of step ``kill_at`` (measuring, planning, or just
+    planned, by ``kill_at``); rank 0 logs the digest of every step it ended and returns the
+    error that stopped it."""
+    import signal
+    import torch.distributed as dist
+
+    model, opt = _model()
+    store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=20.0)
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=1, snapshot_every=2)
+    ck.restore()
+    error = None
+    with open(f"{log}-{rank}", "a") as f:
+        f.write(f"0 {_digest(model, opt)}\n")
+        try:
+            for it in range(1, 12):
+                if rank == 1 and it == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                _step(model, ck, opt, it)
+                f.write(f"{it} {_digest(model, opt)}\n")
+                f.flush()
+        except ckptstore.CkptStoreError as e:
+            error = type(e).__name__
+    return {"error": error}
+
+
+def resumed_after_a_kill(rank, world, path):
+    import torch.distributed as dist
+
+    model, opt = _model()
+    store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=20.0)
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=1, snapshot_every=2)
+    start = ck.restore()
+    out = {"start": start, "digest": _digest(model, opt),
+           "plan": None if ck.plan() is None else [ck.plan().mode, ck.plan().chosen.interval]}
+    for it in range(start + 1, start + 9):
+        _step(model, ck, opt, it)
+    store.flush()
+    p = ck.plan()
+    out.update(after=None if p is None else [p.mode, p.chosen.interval],
+               iterations=store.iterations())
+    ck.close()
+    store.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", [3, 4, 6])
+def test_a_rank_killed_while_planning_loses_nothing_and_the_job_resumes_one_plan(tmp_path,
+                                                                                 kill_at):
+    """A rank SIGKILLed while the job measures, plans or has just planned (policy="auto", 2
+    ranks): the other stops with a typed error; a new job restores a committed iteration bit for
+    bit (the digest the survivor logged) on both ranks, with the same plan (or both measuring),
+    and trains on with one plan."""
+    from _ranks import run_ranks
+
+    path, log = str(tmp_path / "job"), str(tmp_path / "log")
+    res = run_ranks(2, __name__, "killed_while_planning", path, str(tmp_path / "w1"),
+                    deadline=120, kill_at=kill_at, log=log)
+    assert res[1].get("died") == -9, res
+    assert "ok" in res[0] and res[0]["ok"]["error"] is not None, res  # (a typed error)
+    logged = dict(line.split() for line in open(f"{log}-0").read().splitlines())
+    res = run_ranks(2, __name__, "resumed_after_a_kill", path, str(tmp_path / "w2"),
+                    deadline=120)
+    assert all("ok" in r for r in res), res
+    a, b = (r["ok"] for r in res)
+    assert a["start"] == b["start"] and a["digest"] == b["digest"] == logged[str(a["start"])]
+    assert a["plan"] == b["plan"] and a["after"] == b["after"] is not None
+    assert a["iterations"] == b["iterations"] and a["iterations"][-1] >= a["start"] + 2
