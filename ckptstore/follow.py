@@ -7,8 +7,9 @@ its bases, so the trainer writes only deltas and a restore replays at most ``eve
     with Follower("runs/gpt", every=100) as f:
         f.run()                                     # until f.stop() (another thread, a signal)
 
-and in the trainer ``Checkpointer(store, model, opt, base_every=None)``: base 0 (and a base after
-a chain restart) only, then deltas.
+and in the trainer ``Checkpointer(store, model, opt, policy="every-iteration", base_every=None)``:
+base 0 (and a base after a chain restart) only, then deltas (the default policy, "auto", plans
+its own bases or snapshots).
 
 The follower opens the primary store read-only and tails it: every committed delta is replayed
 onto an in-memory replica of model + optimizer state (:class:`ckptstore.replay.IncrementalReplayer`,

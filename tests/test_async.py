@@ -457,7 +457,7 @@ def test_checkpointer_captures_grads_during_backward(tmp_path, assert_same, clip
 
     model, opt = _tiny()
     store = ckptstore.open(tmp_path / "s")
-    ck = Checkpointer(store, model, opt, base_every=7, group_commit=2)
+    ck = Checkpointer(store, model, opt, base_every=7, group_commit=2, policy="every-iteration")
     ck.restore()
     saved = {}
     for it in range(1, 16):
@@ -487,7 +487,7 @@ def test_checkpointer_restarts_chain_after_background_failure(tmp_path, assert_s
     ops = FaultyOps()
     model, opt = _tiny()
     store = ckptstore.open(tmp_path / "s", file_ops=ops)
-    ck = Checkpointer(store, model, opt, base_every=100)
+    ck = Checkpointer(store, model, opt, base_every=100, policy="every-iteration")
     ck.restore()
     saved = {}
 
@@ -538,7 +538,7 @@ def _ddp_worker(rank: int, init: str, path: str, out: str) -> None:
         ck = None
         if rank == 0:
             store = ckptstore.open(path)
-            ck = Checkpointer(store, model, opt, base_every=100)
+            ck = Checkpointer(store, model, opt, base_every=100, policy="every-iteration")
             ck.restore()
         ddp.register_comm_hook(None, ddp_comm_hook(ck))
         live = {}

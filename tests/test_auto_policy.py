@@ -191,7 +191,7 @@ def test_old_store_without_a_persisted_plan_measures_without_warning(tmp_path, c
     """A store written by policy="every-iteration" (no persisted plan): measured, no warning."""
     model, opt = _model()
     store = ckptstore.open(tmp_path / "s")
-    ck = Checkpointer(store, model, opt)
+    ck = Checkpointer(store, model, opt, policy="every-iteration")
     ck.restore()
     for it in range(1, 4):
         _step(model, ck, opt, it)
@@ -241,6 +241,47 @@ def test_default_disk_budget_bounds_the_store(tmp_path, monkeypatch, assert_same
     newest = store.iterations()[-1]
     assert newest == 80
     assert_same(_live(model, opt), {k: store.load(80)[k] for k in ("model", "optimizer")})
+    ck.close()
+    store.close()
+
+
+def test_default_checkpointer_plans_within_the_default_budget(tmp_path, monkeypatch, caplog,
+                                                              one_mode, assert_same):
+    """Checkpointer(store, model, opt) with no policy and no budget: policy "auto", one INFO
+    line at the first plan saying so, and the default disk budget (here made ~12 snapshots by
+    lowering the share) bounds the store's files at every planned step of a run that writes
+    several times as much (a snapshot every 2 steps, the planner held to that mode: a busy
+    machine's costs decide nothing) from its first gc on; the newest iteration loads bit for
+    bit."""
+    width = 512
+    model, opt = _model(width)
+    budget = 12 * sum(p.numel() * 4 for p in model.parameters()) * 2  # parameters + momentum
+    monkeypatch.setattr(auto_policy, "DEFAULT_DISK_SHARE",
+                        budget / shutil.disk_usage(tmp_path).free)
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, snapshot_every=2)
+    assert ck.checkpoint_policy == "auto" and ck.mode == "deltas"
+    ck.restore()
+    worst, first, lives = 0, None, {}
+    with caplog.at_level(logging.INFO, logger="ckptstore"):
+        for it in range(1, 45):
+            _step(model, ck, opt, it, width)
+            lives[it] = _live(model, opt)
+            if ck.plan() is not None:
+                first = it if first is None else first
+            if store.iterations()[0] > 0:
+                # (from the plan's first gc on: until then the store also holds what measuring
+                # wrote, measure_steps deltas, which the plan's retention does not count)
+                worst = max(worst, _store_bytes(tmp_path / "s"))
+    p = ck.plan()
+    assert p is not None and first is not None and first < 30 and ck.mode == "snapshots"
+    chosen = [r.getMessage() for r in caplog.records if "checkpoint plan" in r.getMessage()]
+    assert 'policy="auto", the default' in chosen[0] and "free space at open" in chosen[0]
+    assert 0 < worst <= ck.disk_budget, (worst, ck.disk_budget, str(p))
+    store.flush()
+    newest = store.iterations()[-1]
+    assert newest >= 43
+    assert_same(lives[newest], {k: store.load(newest)[k] for k in ("model", "optimizer")})
     ck.close()
     store.close()
 
@@ -332,3 +373,158 @@ def test_disk_budget_bounds_a_delta_chain_store(tmp_path, one_mode, assert_same)
     assert_same(_live(model, opt), {k: store.load(80)[k] for k in ("model", "optimizer")})
     ck.close()
     store.close()
+
+
+# ---- a multi-rank job store: one plan for every rank ---------------------------------------------
+def agreed_plan(rank, world, path, load_s):
+    """Train with policy="auto" on the job store, rank 1 measuring a base load of ``load_s``
+    (its costs differ: the ranks' step times are not, every commit waits for both), then close and train on in a new Checkpointer on the store opened again (a
+    restarted job, in the same processes); per run this rank's plan, its own step median and
+    the persisted field of its part of the newest base."""
+    import torch.distributed as dist
+
+    runs = []
+    for iterations in (7, 1):
+        model, opt = _model()
+        store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=30.0)
+        ck = Checkpointer(store, model, opt, policy="auto", measure_steps=1, snapshot_every=2)
+        start = ck.restore()
+        planned_at_restore = ck.plan() is not None
+        for _ in range(5 if rank == 1 and not runs else 0):
+            ck.meter.add("load", load_s)
+        for it in range(start + 1, start + iterations + 1):
+            _step(model, ck, opt, it)
+        store.flush()
+        p = ck.plan()
+        latest = store.iterations()[-1]
+        field = store.load_record(store.base_of(latest), keys=[PLAN_KEY], rank=rank)[PLAN_KEY]
+        runs.append({"plan": None if p is None else [p.mode, p.chosen.interval, p.disk_budget,
+                                                     p.mtbf_s, p.costs.load_s],
+                     "own_load": ck.meter.median("load"), "field": field, "start": start,
+                     "planned_at_restore": planned_at_restore,
+                     "iterations": store.iterations()})
+        ck.close()
+        store.close()
+    return runs
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_ranks_with_different_costs_write_one_plan(tmp_path, world):
+    """policy="auto" on a job store whose ranks measured different costs (rank 1 a slow base
+    load): every rank plans at the same iteration from the combined costs (the larger), writes
+    the same plan and the same persisted field into its part, and a restarted job resumes that
+    plan on every rank at once."""
+    from _ranks import run_ranks
+
+    res = run_ranks(world, __name__, "agreed_plan", str(tmp_path / "job"), str(tmp_path / "w"),
+                    deadline=180, load_s=5.0)
+    assert all("ok" in r for r in res), res
+    runs = [r["ok"] for r in res]
+    (a, a2), (b, b2) = runs[0], runs[1]
+    for x, y in [(first, other) for r in runs[1:] for first, other in zip(runs[0], r)]:
+        assert x["plan"] is not None and x["plan"] == y["plan"], (x, y)
+        assert x["field"] == y["field"] and "costs" in x["field"], (x, y)
+        assert x["iterations"] == y["iterations"]
+    assert b["own_load"] > 1.0 > a["own_load"]  # (the ranks measured differently...)
+    assert a["plan"][4] > 1.0  # (...and planned from the larger)
+    assert a["plan"][2] is not None and a["plan"][2] > 0  # the budget: the smaller, split
+    assert a2["start"] == b2["start"] == a["iterations"][-1]
+    assert a2["planned_at_restore"] and b2["planned_at_restore"]
+    assert a2["field"]["restarts"] == 1
+
+
+def test_combined_plan_inputs_are_conservative_and_idempotent():
+    """combine(): the largest cost of each kind (over the ranks that measured it), the smallest
+    count, MTBF (with its source) and known budget (split over the ranks), the most restarts and
+    the oldest history; combined costs combine to themselves (a plan resumed from a persisted
+    field is the plan that wrote it); a bad message is a ValueError."""
+    from ckptstore.torch.plan_agreement import Shared, combine
+
+    a = Shared({"delta": 2, "plain": 3, "stall": 1}, {"plain": 0.01, "stall": 0.2}, 900.0, "given",
+               1000, "default", 0, 50)
+    b = Shared({"delta": 2, "plain": 2, "stall": 0}, {"plain": 0.03, "load": 1.5}, 600.0,
+               "learned", None, "none", 2, 70)
+    c = combine([a, b])
+    assert c.counts == {"delta": 2, "plain": 2, "stall": 0}
+    assert c.medians == {"load": 1.5, "plain": 0.03, "stall": 0.2}
+    assert (c.mtbf_s, c.restarts, c.since_ns, c.budget) == (600.0, 2, 50, 500)
+    assert c.mtbf_source.startswith("learned") and "rank 1" in c.mtbf_source
+    assert "rank 0" in c.budget_source
+    assert combine([c, c]).medians == c.medians and combine([c]) == c
+    for bad in ({"counts": {"plain": -1}}, {"medians": {"plain": float("nan")}}, {"mtbf_s": 0},
+                {"budget": 0}, {"restarts": "2"}, "not a dict"):
+        msg = bad if isinstance(bad, str) else {**a.to_json(), **bad}
+        with pytest.raises(ValueError):
+            Shared.from_json(msg)
+    assert Shared.from_json(a.to_json()) == a
+
+
+def killed_while_planning(rank, world, path, kill_at, log):
+    """Rank 1 SIGKILLs itself at the start of step ``kill_at`` (measuring, planning, or just
+    planned, by ``kill_at``); rank 0 logs the digest of every step it ended and returns the
+    error that stopped it."""
+    import signal
+    import torch.distributed as dist
+
+    model, opt = _model()
+    store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=20.0)
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=1, snapshot_every=2)
+    ck.restore()
+    error = None
+    with open(f"{log}-{rank}", "a") as f:
+        f.write(f"0 {_digest(model, opt)}\n")
+        try:
+            for it in range(1, 12):
+                if rank == 1 and it == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                _step(model, ck, opt, it)
+                f.write(f"{it} {_digest(model, opt)}\n")
+                f.flush()
+        except ckptstore.CkptStoreError as e:
+            error = type(e).__name__
+    return {"error": error}
+
+
+def resumed_after_a_kill(rank, world, path):
+    import torch.distributed as dist
+
+    model, opt = _model()
+    store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=20.0)
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=1, snapshot_every=2)
+    start = ck.restore()
+    out = {"start": start, "digest": _digest(model, opt),
+           "plan": None if ck.plan() is None else [ck.plan().mode, ck.plan().chosen.interval]}
+    for it in range(start + 1, start + 9):
+        _step(model, ck, opt, it)
+    store.flush()
+    p = ck.plan()
+    out.update(after=None if p is None else [p.mode, p.chosen.interval],
+               iterations=store.iterations())
+    ck.close()
+    store.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", [3, 4, 6])
+def test_a_rank_killed_while_planning_loses_nothing_and_the_job_resumes_one_plan(tmp_path,
+                                                                                 kill_at):
+    """A rank SIGKILLed while the job measures, plans or has just planned (policy="auto", 2
+    ranks): the other stops with a typed error; a new job restores a committed iteration bit for
+    bit (the digest the survivor logged) on both ranks, with the same plan (or both measuring),
+    and trains on with one plan."""
+    from _ranks import run_ranks
+
+    path, log = str(tmp_path / "job"), str(tmp_path / "log")
+    res = run_ranks(2, __name__, "killed_while_planning", path, str(tmp_path / "w1"),
+                    deadline=120, kill_at=kill_at, log=log)
+    assert res[1].get("died") == -9, res
+    assert "ok" in res[0] and res[0]["ok"]["error"] is not None, res  # (a typed error)
+    logged = dict(line.split() for line in open(f"{log}-0").read().splitlines())
+    res = run_ranks(2, __name__, "resumed_after_a_kill", path, str(tmp_path / "w2"),
+                    deadline=120)
+    assert all("ok" in r for r in res), res
+    a, b = (r["ok"] for r in res)
+    assert a["start"] == b["start"] and a["digest"] == b["digest"] == logged[str(a["start"])]
+    assert a["plan"] == b["plan"] and a["after"] == b["after"] is not None
+    assert a["iterations"] == b["iterations"] and a["iterations"][-1] >= a["start"] + 2

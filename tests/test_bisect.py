@@ -53,7 +53,8 @@ def train(path, *, inject=None, opt_name: str = "Adam", n: int = N, loss_jump: i
     step, and a nested dict."""
     model, opt = build(opt_name)
     with ckptstore.open(path, "a") as store:
-        ck = Checkpointer(store, model, opt, base_every=BASE_EVERY, codec="exact")
+        ck = Checkpointer(store, model, opt, base_every=BASE_EVERY, codec="exact",
+                          policy="every-iteration")
         ck.restore()
         params = dict(model.named_parameters())
         for it in range(1, n + 1):
@@ -347,7 +348,8 @@ def job_train(rank, world, path, inject, n):
     model, opt = build()
     params = dict(model.named_parameters())
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
-    ck = Checkpointer(store, model, opt, base_every=BASE_EVERY, codec="exact", group_commit=4)
+    ck = Checkpointer(store, model, opt, base_every=BASE_EVERY, codec="exact", group_commit=4,
+                      policy="every-iteration")
     ck.restore()
     for it in range(1, n + 1):
         x, y = batch(it)

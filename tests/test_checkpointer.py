@@ -80,7 +80,7 @@ def train(path, opt_name, opt_kwargs, sched, n=N_ITERS, keep=None, **ck_options)
     (at every iteration, or at those in ``keep``)."""
     model, opt, scheduler = build(opt_name, opt_kwargs, sched)
     store = ckptstore.open(path)
-    ck = Checkpointer(store, model, opt, scheduler, **ck_options)
+    ck = Checkpointer(store, model, opt, scheduler, **{"policy": "every-iteration", **ck_options})
     start = ck.restore()
     saved = {start: live_state(model, opt, scheduler)}
     for it in range(start + 1, n + 1):
@@ -194,7 +194,7 @@ def test_restore_into_live_objects_and_continue(tmp_path, assert_same):
     store.close()
     model, opt, sched = build("AdamW", {"lr": 1e-2}, "step")
     with ckptstore.open(tmp_path / "s") as store:
-        ck = Checkpointer(store, model, opt, sched, base_every=15)
+        ck = Checkpointer(store, model, opt, sched, base_every=15, policy="every-iteration")
         assert ck.restore() == 40
         assert_same(saved[40]["model"], model.state_dict())
         assert_same(saved[40]["optimizer"], opt.state_dict())
@@ -499,7 +499,7 @@ def test_tied_parameters_and_buffers(tmp_path, assert_same):
     model = Tied()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     store = ckptstore.open(tmp_path / "s")
-    ck = Checkpointer(store, model, opt, base_every=10)
+    ck = Checkpointer(store, model, opt, base_every=10, policy="every-iteration")
     ck.restore()
     saved = {}
     for it in range(1, 16):
@@ -616,7 +616,7 @@ def test_sync_failure_restarts_chain_with_a_base(tmp_path, assert_same, op, err,
     model, opt, sched = build("Adam", {"lr": 1e-2}, "step")
     store = ckptstore.open(tmp_path / "s", file_ops=ops, direct_io=False)
     ck = Checkpointer(store, model, opt, sched, base_every=15, group_commit=3,
-                      fingerprint_every=5, asynchronous=False)
+                      fingerprint_every=5, asynchronous=False, policy="every-iteration")
     assert ck.restore() == 0
     saved = {0: live_state(model, opt, sched)}
     failed = None
@@ -854,6 +854,7 @@ def test_unreplayable_optimizer_is_checkpointed_by_snapshots(tmp_path, assert_sa
         ck = Checkpointer(store, model, opt, snapshot_every=4, asynchronous=asynchronous)
     warned = [r for r in caplog.records if "not replayable" in r.getMessage()]
     assert len(warned) == 1 and "snapshots" in warned[0].getMessage() and ck.mode == "snapshots"
+    assert ck.checkpoint_policy == "auto"  # (the default, given an interval)
     assert ck.restore() == 0
     saved, rng = {}, {}
     for it in range(1, 11):

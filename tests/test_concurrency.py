@@ -276,7 +276,8 @@ def trainer_loop(path: Path, stop: Path, seconds: float, gc_every: int | None,
         n_gc = 0
         with ckptstore.open(path, "a", chunk_size=CHUNK, segment_size=256 << 10) as s:
             model, opt = TrainingRun.model()
-            ck = Checkpointer(s, model, opt, base_every=4, group_commit=2, fingerprint_every=2)
+            ck = Checkpointer(s, model, opt, policy="every-iteration", base_every=4,
+                              group_commit=2, fingerprint_every=2)
             it = ck.restore() + 1
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline and it <= training.last:

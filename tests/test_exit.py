@@ -59,7 +59,7 @@ def rank_main(rank: int, world: int, init: str, path: str, ending: str) -> None:
     # a Checkpointer under DDP (its saves go through the job store's async pipeline)
     store = ckptstore.open(os.path.join(path, "ckpt"), "a", process_group=dist.group.WORLD,
                            commit_timeout=30.0)
-    ckpt = Checkpointer(store, model, opt, base_every=4, group_commit=2)
+    ckpt = Checkpointer(store, model, opt, policy="every-iteration", base_every=4, group_commit=2)
     for it in range(1, 7):
         ddp(torch.randn(8, 16)).sum().backward()
         ckpt.step(it)

@@ -30,7 +30,7 @@ def _checkpointer(tmp_path, **options):
     disk = FullDisk()
     store = ckptstore.open(tmp_path / "s", file_ops=disk)
     model, opt = _model()
-    ck = Checkpointer(store, model, opt, **options)
+    ck = Checkpointer(store, model, opt, **{"policy": "every-iteration", **options})
     ck.restore()
     return disk, store, model, opt, ck
 

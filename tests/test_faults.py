@@ -362,7 +362,8 @@ def _train(s: ckptstore.Store, last: int = CKPT_LAST) -> None:
     from ckptstore.torch import Checkpointer
 
     model, opt = _trainer()
-    ckpt = Checkpointer(s, model, opt, base_every=100, group_commit=2, fingerprint_every=0)
+    ckpt = Checkpointer(s, model, opt, policy="every-iteration", base_every=100, group_commit=2,
+                        fingerprint_every=0)
     for it in range(ckpt.restore() + 1, last + 1):
         _backward(model, it)
         ckpt.step(it)

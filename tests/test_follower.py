@@ -115,8 +115,8 @@ def run(tmp_path_factory):
     first = follow_cmd(path, "--wait")  # before base 0 exists: it waits for it
     assert first.stdout is not None
     assert first.stdout.readline().startswith("following")
-    ck = Checkpointer(store, model, opt, sched, base_every=None, codec="exact", group_commit=4,
-                      fingerprint_every=5)
+    ck = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=None,
+                      codec="exact", group_commit=4, fingerprint_every=5)
     assert ck.restore() == 0
     live = {0: live_state(model, opt, sched)}
     procs = {"first": first}
@@ -207,7 +207,7 @@ def test_reader_and_restore_use_the_follower(run, assert_same):
     shutil.copytree(path, copy_path)
     model, opt, sched = build(seed=5)
     with ckptstore.open(copy_path) as s2:
-        ck = Checkpointer(s2, model, opt, sched, base_every=None)
+        ck = Checkpointer(s2, model, opt, sched, policy="every-iteration", base_every=None)
         assert ck.restore(N - 2) == N - 2
         ck.close()
     check_state(assert_same, live[N - 2], live_state(model, opt, sched), "restore")
@@ -300,8 +300,8 @@ def _small_primary(path, n, seed, base_every=None):
     model, opt, sched = build(seed)
     live = {}
     with ckptstore.open(path) as store:
-        ck = Checkpointer(store, model, opt, sched, base_every=base_every, asynchronous=False,
-                          group_commit=5)
+        ck = Checkpointer(store, model, opt, sched, policy="every-iteration",
+                          base_every=base_every, asynchronous=False, group_commit=5)
         ck.restore()
         live[0] = live_state(model, opt, sched)
         train_steps(ck, model, opt, sched, range(1, n + 1), live, seed=seed)
@@ -376,8 +376,8 @@ def test_chain_restart_after_a_failure(tmp_path, assert_same):
     model, opt, sched = build()
     path = tmp_path / "s"
     store = ckptstore.open(path, file_ops=ops, direct_io=False)
-    ck = Checkpointer(store, model, opt, sched, base_every="follower", group_commit=1,
-                      fingerprint_every=5, asynchronous=False)
+    ck = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every="follower",
+                      group_commit=1, fingerprint_every=5, asynchronous=False)
     assert ck.interval() is None
     assert ck.restore() == 0
     live = {0: live_state(model, opt, sched)}

@@ -37,7 +37,8 @@ def _primary(path, n=N, seed=2):
     model, opt, sched = build(seed)
     live = {}
     with ckptstore.open(path) as store:
-        ck = Checkpointer(store, model, opt, sched, base_every=None, asynchronous=False,
+        ck = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=None,
+                          asynchronous=False,
                           group_commit=5, fingerprint_every=5)
         ck.restore()
         live[0] = live_state(model, opt, sched)
@@ -154,7 +155,8 @@ def test_training_and_following_go_on_after_a_rebase(primary, tmp_path, assert_s
         assert s.gc(keep_last=1, follower_bases=True).rebased == (40,)
     model, opt, sched = build(seed=9)
     with ckptstore.open(path) as store:
-        ck = Checkpointer(store, model, opt, sched, base_every=None, asynchronous=False,
+        ck = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=None,
+                          asynchronous=False,
                           group_commit=5, fingerprint_every=5)
         assert ck.restore() == N
         check_state(assert_same, live[N], live_state(model, opt, sched), "restore")

@@ -310,7 +310,8 @@ def delta_store(tmp_path):
     model, opt, _ = _trained()
     path = tmp_path / "trained"
     with ckptstore.open(path, "a") as s:
-        ck = Checkpointer(s, model, opt, base_every=50, asynchronous=False)
+        ck = Checkpointer(s, model, opt, policy="every-iteration", base_every=50,
+                          asynchronous=False)
         ck.restore()
         for it in range(1, 4):
             model(torch.randn(4, 8)).sum().backward()

@@ -143,7 +143,8 @@ def _train_with_checkpointer(path: str, iters: int, base_every: int):
     model = _model(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with ckptstore.open(path, "a", chunk_size=4096) as store:
-        ckpt = Checkpointer(store, model, opt, base_every=base_every, asynchronous=False)
+        ckpt = Checkpointer(store, model, opt, policy="every-iteration", base_every=base_every,
+                            asynchronous=False)
         ckpt.restore()
         for it in range(1, iters + 1):
             torch.manual_seed(100 + it)
@@ -180,7 +181,8 @@ def test_checkpointer_restore_loads_into_the_live_model_and_optimizer(tmp_path, 
     ptrs = [p.data_ptr() for p in model.parameters()]
     avg_ptrs = [opt.state[p]["exp_avg"].data_ptr() for p in model.parameters()]
     with ckptstore.open(path, "a") as store:
-        assert Checkpointer(store, model, opt, base_every=5, asynchronous=False).restore() == iteration
+        assert Checkpointer(store, model, opt, policy="every-iteration", base_every=5,
+                            asynchronous=False).restore() == iteration
     assert [p.data_ptr() for p in model.parameters()] == ptrs
     assert [opt.state[p]["exp_avg"].data_ptr() for p in model.parameters()] == avg_ptrs
     for k, v in expected["model"].items():

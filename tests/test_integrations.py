@@ -98,8 +98,9 @@ def test_two_phase_step_records_what_step_records(tmp_path, asynchronous, captur
     for two_phase in (False, True):
         store = ckptstore.open(tmp_path / f"s{int(two_phase)}")
         model, opt, sched = _small()
-        ck = Checkpointer(store, model, opt, sched, base_every=4, group_commit=3,
-                          asynchronous=asynchronous, capture=capture, fingerprint_every=2)
+        ck = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=4,
+                          group_commit=3, asynchronous=asynchronous, capture=capture,
+                          fingerprint_every=2)
         assert ck.restore() == 0
         lives.append(_train_small(ck, model, opt, sched, range(1, 12), two_phase))
         ck.flush()
@@ -145,8 +146,8 @@ def test_two_phase_retry_policy_trains_through_a_full_disk(tmp_path, asynchronou
     # no buffers: the base that restarts the chain after a failure is written at the next step,
     # after its forward pass (the same with step())
     model, opt, sched = _small(buffers=False)
-    ck = Checkpointer(store, model, opt, sched, base_every=5, asynchronous=asynchronous,
-                      on_failure="retry", max_failures=5)
+    ck = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=5,
+                      asynchronous=asynchronous, on_failure="retry", max_failures=5)
     ck.restore()
     live = _train_small(ck, model, opt, sched, range(1, 13), True, disk, full={4, 5, 6})
     ck.flush()
@@ -163,12 +164,14 @@ def test_two_phase_retry_policy_trains_through_a_full_disk(tmp_path, asynchronou
 def test_restore_from_a_state_already_read(tmp_path):
     store = ckptstore.open(tmp_path / "s")
     model, opt, sched = _small()
-    ck = Checkpointer(store, model, opt, sched, base_every=4, asynchronous=False)
+    ck = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=4,
+                      asynchronous=False)
     ck.restore()
     live = _train_small(ck, model, opt, sched, range(1, 7), False)
     ck.close()
     model2, opt2, sched2 = _small()
-    ck2 = Checkpointer(store, model2, opt2, sched2, base_every=4, asynchronous=False)
+    ck2 = Checkpointer(store, model2, opt2, sched2, policy="every-iteration", base_every=4,
+                       asynchronous=False)
     with pytest.raises(ValueError):
         ck2.restore(state=store.load(6))
     assert ck2.restore(6, state=store.load(6)) == 6
@@ -275,7 +278,7 @@ def test_hf_trainer_per_iteration_checkpoints_and_resume(tmp_path, one_thread, s
 
     path = tmp_path / "store"
     live: dict = {}
-    options = {"base_every": 5, "group_commit": 3, **options}
+    options = {"policy": "every-iteration", "base_every": 5, "group_commit": 3, **options}
     cb = StoreCallback(path, **options)
     first = _hf_train(tmp_path / "b", _gpt2(0), steps, accumulate,
                       [cb] + _hf_callbacks(stop_at, live))

@@ -237,7 +237,8 @@ def _train(p: Path, ops: RecordingOps | None, last: int) -> None:
 
     with open_writer(p, ops) as s:
         model, opt = _trainer()
-        ckpt = Checkpointer(s, model, opt, base_every=4, group_commit=2, fingerprint_every=0)
+        ckpt = Checkpointer(s, model, opt, policy="every-iteration", base_every=4, group_commit=2,
+                            fingerprint_every=0)
         first = ckpt.restore() + 1
         for it in range(first, last + 1):
             _backward(model, it)

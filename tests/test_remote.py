@@ -156,7 +156,7 @@ def _checkpointer_run(path, n, remote=None, remote_options=None, **ck):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     store = ckptstore.open(path, "a", remote=remote, remote_options=remote_options)
-    c = Checkpointer(store, model, opt, **ck)
+    c = Checkpointer(store, model, opt, **{"policy": "every-iteration", **ck})
     start = c.restore()
     for it in range(start + 1, n + 1):
         g = torch.Generator().manual_seed(it)

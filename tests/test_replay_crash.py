@@ -46,7 +46,8 @@ def child(path: str, kill_at_append: int | str, durable_log: str, out: str) -> N
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.8)
     store = ckptstore.open(path)
-    ck = Checkpointer(store, model, opt, sched, base_every=9, group_commit=3, fingerprint_every=4)
+    ck = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=9,
+                      group_commit=3, fingerprint_every=4)
     start = ck.restore()
     for it in range(start + 1, N + 1):
         g = torch.Generator().manual_seed(it)

@@ -242,7 +242,8 @@ def train(path: Path, n: int = N, base_every: int = BASE, asynchronous: bool = F
     """Train ``n`` iterations through a Checkpointer; returns (store, live states by iteration)."""
     model, opt = build()
     store = ckptstore.open(path, "a", **open_options)
-    ck = Checkpointer(store, model, opt, base_every=base_every, asynchronous=asynchronous,
+    ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=base_every,
+                      asynchronous=asynchronous,
                       group_commit=group_commit)
     start = ck.restore()
     live = {start: copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})}

@@ -368,7 +368,7 @@ def test_replay_section_cannot_name_code(tmp_path):
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with ckptstore.open(path, "a") as s:
-        ck = Checkpointer(s, model, opt, base_every=100)
+        ck = Checkpointer(s, model, opt, policy="every-iteration", base_every=100)
         ck.restore()
         for it in (1, 2):
             model(torch.ones(1, 3)).sum().backward()

@@ -68,7 +68,8 @@ def _build(path: Path) -> None:
         torch.manual_seed(3)
         model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.BatchNorm1d(48))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ck = Checkpointer(s, model, opt, base_every=4, group_commit=2, fingerprint_every=2)
+        ck = Checkpointer(s, model, opt, policy="every-iteration", base_every=4, group_commit=2,
+                          fingerprint_every=2)
         ck.save_base(10)
         for it in range(11, 20):  # deltas 11-13, base 14, deltas 15-17, base 18, delta 19
             model(torch.randn(6, 64)).square().mean().backward()

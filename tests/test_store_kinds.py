@@ -47,7 +47,8 @@ def train(rank, world, path, live_dir, kind):
         store = ckptstore.open(path, "a")
     else:
         store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
-    ck = Checkpointer(store, model, opt, sched, base_every=4, group_commit=2)
+    ck = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=4,
+                      group_commit=2)
     ck.restore()
     for it in range(1, ITERATIONS + 1):
         g = torch.Generator().manual_seed(1000 * rank + it)

@@ -83,7 +83,8 @@ class CkptStep:
 
     def setup(self, model, opt) -> None:
         self.store = ckptstore.open(self.path)
-        self.ck = Checkpointer(self.store, model, opt, base_every=self.args.every,
+        self.ck = Checkpointer(self.store, model, opt, policy="every-iteration",
+                               base_every=self.args.every,
                                group_commit=self.args.group_commit, fingerprint_every=0)
         self.ck.restore()
 
@@ -144,7 +145,8 @@ def stall_vs_copy(args, reps: int = 5):
     path = os.path.join(args.dir, "stall")
     shutil.rmtree(path, ignore_errors=True)
     store = ckptstore.open(path)
-    ck = Checkpointer(store, model, opt, base_every=10**9, fingerprint_every=0)
+    ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=10**9,
+                      fingerprint_every=0)
     tensors = [t for t in _tensors(ck.state(0))]
     dst = [torch.empty_like(t) for t in tensors]
     copies, stalls = [], []

@@ -160,7 +160,8 @@ def run_ckpt(args, codec, path, iters, group_commit=1):
     shutil.rmtree(path, ignore_errors=True)
     model, opt = build(args)
     store = ckptstore.open(path)
-    ck = Checkpointer(store, model, opt, base_every=10_000, codec=codec, group_commit=group_commit,
+    ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=10_000, codec=codec,
+                      group_commit=group_commit,
                       fingerprint_every=10)
     ck.restore()
     base_bytes = seg_bytes(path)
@@ -218,7 +219,8 @@ class _Variant:
             shutil.rmtree(path, ignore_errors=True)
             name, _, how = codec.partition("@")  # "exact@buffered": appends without O_DIRECT
             self.store = ckptstore.open(path, direct_io=how != "buffered")
-            self.ck = Checkpointer(self.store, self.model, self.opt, base_every=10_000, codec=name,
+            self.ck = Checkpointer(self.store, self.model, self.opt, policy="every-iteration",
+                                   base_every=10_000, codec=name,
                                    fingerprint_every=10)
             self.ck.restore()
         self.it = 0
@@ -408,7 +410,8 @@ def restore_vs_recompute(args) -> None:
     path = os.path.join(args.dir, "restore-vs-recompute")
     shutil.rmtree(path, ignore_errors=True)
     store = ckptstore.open(path)
-    ck = Checkpointer(store, model, opt, base_every=None, codec="exact", group_commit=10,
+    ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=None, codec="exact",
+                      group_commit=10,
                       fingerprint_every=10)
     assert ck.restore() == 0
     live = {}

@@ -72,7 +72,8 @@ def train(path: str, evict: bool, args: argparse.Namespace) -> dict[str, list[fl
     model, opt = build(args)
     steps: list[float] = []
     with ckptstore.open(path, evict_written=evict) as s:
-        ck = Checkpointer(s, model, opt, base_every=10**9, fingerprint_every=0)
+        ck = Checkpointer(s, model, opt, policy="every-iteration", base_every=10**9,
+                          fingerprint_every=0)
         ck.restore()
         for it in range(1, args.train + 1):
             t = time.perf_counter()

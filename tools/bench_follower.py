@@ -73,7 +73,8 @@ def train(args, mode: str) -> dict:
     torch.set_num_threads(1)
     model, opt = build(args)
     store = ckptstore.open(path)
-    ck = Checkpointer(store, model, opt, base_every=args.every if mode == "bases" else None,
+    ck = Checkpointer(store, model, opt, policy="every-iteration",
+                      base_every=args.every if mode == "bases" else None,
                       codec="exact", group_commit=10)
     ck.restore()
     proc = progress = stop = None

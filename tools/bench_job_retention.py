@@ -92,7 +92,8 @@ def _rank_main(rank: int, world: int, init: str, args: argparse.Namespace, out: 
     ddp = DDP(model)
     store = ckptstore.open(args.store, "a", process_group=dist.group.WORLD, commit_timeout=300.0)
     policy = KeepLast(args.keep_last) | KeepEvery(args.keep_every)
-    ck = Checkpointer(store, model, opt, base_every=args.base_every, retention=policy,
+    ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=args.base_every,
+                      retention=policy,
                       retention_every=args.retention_every)
     digests, samples, runs, steps = {}, [], [], []
     t_start = time.perf_counter()

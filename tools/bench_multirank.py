@@ -101,7 +101,8 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, work: str) -> Non
 
     store_path = os.path.join(work, "job")
     store = ckptstore.open(store_path, "a", process_group=dist.group.WORLD, commit_timeout=600)
-    ck = Checkpointer(store, model, opt, base_every=10**9, group_commit=args.group)
+    ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=10**9,
+                      group_commit=args.group)
     ck.save_base(it).result()  # the chain's base (partitioned)
     ckpt = []
     first_delta = it + 1

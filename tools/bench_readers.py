@@ -99,7 +99,7 @@ def writer(path: str, seconds: float, gc_every: int, width: int, last: int, out)
     its = gcs = 0
     with ckptstore.open(path, "a", chunk_size=CHUNK) as s:
         m, opt = model(width)
-        ck = Checkpointer(s, m, opt, base_every=4, group_commit=2)
+        ck = Checkpointer(s, m, opt, policy="every-iteration", base_every=4, group_commit=2)
         it = ck.restore() + 1
         t0 = time.monotonic()
         while time.monotonic() - t0 < seconds and it <= last:

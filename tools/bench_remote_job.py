@@ -59,7 +59,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, work: str, url: s
     store = ckptstore.open(os.path.join(work, "job"), "a", process_group=dist.group.WORLD,
                            commit_timeout=600, remote=url,
                            remote_options=opts if url is not None else None)
-    ck = Checkpointer(store, model, opt, base_every=10**9, group_commit=1)
+    ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=10**9, group_commit=1)
     steps, seen = [], []
     for it in range(1, args.iters + 1):
         t0 = time.perf_counter()

@@ -394,7 +394,8 @@ class _Run:
         if store_path is not None:
             self.store = ckptstore.open(store_path, "a", process_group=dist.group.WORLD,
                                         commit_timeout=600.0)
-            self.ck = Checkpointer(self.store, self.model, self.opt, base_every=base_every,
+            self.ck = Checkpointer(self.store, self.model, self.opt, policy="every-iteration",
+                                   base_every=base_every,
                                    codec="exact", asynchronous=True)
             self.ck.restore()  # base snapshot 0
         self.it = 0
@@ -485,7 +486,8 @@ def _restore_ckptstore(path: str, model: Any, opt: Any, iteration: int | None = 
     from ckptstore.torch import Checkpointer
 
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=600.0)
-    ck = Checkpointer(store, model, opt, base_every=100_000, codec="exact", asynchronous=True)
+    ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=100_000,
+                      codec="exact", asynchronous=True)
     it = ck.restore(iteration)
     ck.close()
     store.close()

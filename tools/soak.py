@@ -66,7 +66,8 @@ def train(store_path: str, journal: str, until: int) -> None:
 
     with open(journal, "a", buffering=1) as log, ckptstore.open(store_path, "a") as store:
         model, opt = _trainer()
-        ckpt = Checkpointer(store, model, opt, base_every=BASE_EVERY, group_commit=GROUP_COMMIT,
+        ckpt = Checkpointer(store, model, opt, policy="every-iteration", base_every=BASE_EVERY,
+                            group_commit=GROUP_COMMIT,
                             fingerprint_every=0)
         first = ckpt.restore() + 1
         log.write(f"resumed {first - 1}\n")

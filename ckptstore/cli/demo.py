@@ -2,8 +2,9 @@
 
 1. A child process trains a small GPT (AdamW, a warm-up + cosine LR schedule, deterministic CPU,
    batches keyed by iteration) through :class:`ckptstore.torch.Checkpointer`: an exact gradient
-   delta every iteration, written in the background (async pipeline, group commit), with base
-   snapshots chosen automatically (``base_every="auto"``).
+   delta every iteration (``policy="every-iteration"``, not the default "auto", which may plan
+   snapshots), written in the background (async pipeline, group commit), with base snapshots
+   chosen automatically (``base_every="auto"``).
 2. At ``crash_at`` it SIGKILLs itself with deltas still in flight. The parent shows what survived
    (``durable`` = the last group commit) and runs fsck on the store the crash left.
 3. A second child reopens the store, ``Checkpointer.restore()`` brings model, optimizer,
@@ -130,8 +131,8 @@ def train_child(path: str, iterations: int, crash_at: int, log_path: str) -> Non
     corpus()
     t0 = time.perf_counter()
     with ckptstore.open(path, "a") as store, open(log_path, "a") as log:
-        ckpt = Checkpointer(store, model, opt, sched, base_every="auto", target_recovery_s=0.3,
-                            codec="exact", group_commit=GROUP_COMMIT)
+        ckpt = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every="auto",
+                            target_recovery_s=0.3, codec="exact", group_commit=GROUP_COMMIT)
         start = ckpt.restore()
         restore_s = time.perf_counter() - t0  # open (recovery included) + restore
         log.write(json.dumps({"restored": start, "seconds": restore_s}) + "\n")
@@ -213,8 +214,8 @@ def bisect_nan(path: str, iterations: int = 40, seed: int = 0) -> tuple[int, Any
     bad = int(torch.randint(2, iterations, (1,), generator=torch.Generator().manual_seed(seed)))
     model, opt, sched = build()
     with ckptstore.open(path, "a") as store:
-        ckpt = Checkpointer(store, model, opt, sched, base_every=10, codec="exact",
-                            asynchronous=False)
+        ckpt = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=10,
+                            codec="exact", asynchronous=False)
         ckpt.restore()
         for it in range(1, iterations + 1):
             forward_backward(model, it)

@@ -2,7 +2,7 @@
 
     from ckptstore.hf import StoreCallback
 
-    cb = StoreCallback("runs/gpt", base_every=200, group_commit=10)   # Checkpointer options
+    cb = StoreCallback("runs/gpt", policy="every-iteration", base_every=200)  # Checkpointer options
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
     trainer.train(resume_from_checkpoint=cb.resume_from())   # None on an empty store
 
@@ -15,6 +15,9 @@ uses the Checkpointer's two-phase step: ``on_pre_optimizer_step`` (gradients fin
 global step *t*, with an exact gradient delta (or a base when due), so ``store.load(t)`` equals
 the Trainer's model, optimizer and scheduler after step *t*. Gradient accumulation needs nothing:
 the optimizer steps once per accumulated step and the capture hooks keep the accumulated gradient.
+That is ``policy="every-iteration"``; without a ``policy`` the Checkpointer's default applies
+("auto": measured costs plan deltas or snapshots within a disk budget; on a job of several
+ranks "every-iteration").
 
 Every record's meta holds ``{"hf": {"v": 1, "trainer_state": ..., "log": [...], "log_n": n}}``:
 the ``TrainerState`` as ``trainer_state.json`` holds it (global_step, epoch, total_flos, best_*,
@@ -114,8 +117,9 @@ class StoreCallback(TrainerCallback):
     Refused at ``on_train_begin`` (ValueError): a single-writer :class:`~ckptstore.Store` handed
     in while ``args.world_size > 1``, ``fp16`` (its GradScaler skips steps whose gradients
     overflow; the record would say the step was applied), and a store holding iterations at or
-    after the Trainer's starting step without :meth:`resume_from`. An optimizer the Checkpointer cannot replay gets async snapshots instead
-    of deltas (the Checkpointer's default ``policy``; ``policy="every-iteration"`` refuses it with
+    after the Trainer's starting step without :meth:`resume_from`. An optimizer the Checkpointer
+    cannot replay gets async snapshots instead of deltas (the Checkpointer's default ``policy``,
+    or "auto"; ``policy="every-iteration"`` refuses it with
     UnreplayableOptimizerError); the Trainer's default ``adamw_torch_fused`` and ``adamw_torch``
     are torch.optim.AdamW, which it replays.
     """

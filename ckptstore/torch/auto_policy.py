@@ -24,6 +24,11 @@ does not spend it measuring. The plan is re-derived from the persisted inputs (a
 of them), so the persisted field holds no decision a reader must trust. A field that does not
 validate is ignored with a WARNING (logger "ckptstore") and the costs are measured again.
 
+**Several ranks** (a multi-rank job store): every decision (a phase's end, a plan, a drift)
+is made from inputs every rank agreed on (:mod:`ckptstore.torch.plan_agreement`: a collective
+at steps every rank counts alike), so every rank plans the same at the same iteration and
+persists the same field; :meth:`AutoPolicy.resume` plans on every rank, whatever it read.
+
 **Failure rate** (:func:`learned_mtbf`, one implementation for both kinds of store): restarts
 over the time they happened in; a job store's restarts are its epochs (:func:`job_restarts`), a
 single store's the resumes its persisted plans count (each :meth:`AutoPolicy.resume` from a base
@@ -39,6 +44,7 @@ import time
 from typing import Any, Callable
 
 from .plan import DEFAULT_MTBF_S, DELTAS, MODES, SNAPSHOTS, CostMeter, Plan, drifted, plan as make_plan
+from .plan_agreement import RankAgreement, Shared
 
 log = logging.getLogger("ckptstore")
 
@@ -53,6 +59,19 @@ _CLOCK_SKEW_NS = 600 * 10**9
 _MAX_SECONDS = 1e6
 _MAX_BYTES = float(2 ** 60)
 _MAX_RESTARTS = 10 ** 9
+
+
+def default_policy(replayable: bool, multirank: bool) -> str:
+    """The policy of ``Checkpointer(policy=None)``: "auto" (a plan within the default disk
+    budget, kept by the retention the Checkpointer derives from it, so that no default run
+    fills a disk), except on a multi-rank job store: "every-iteration" there for an optimizer
+    replay knows, else "snapshots" (at the interval planned for every rank). A job's retention
+    is its collective gc, which no plan drives yet, so "auto" would bound nothing there; it is
+    available on request (``policy="auto"``: one plan, agreed by every rank,
+    :mod:`ckptstore.torch.plan_agreement`)."""
+    if not multirank:
+        return "auto"
+    return "every-iteration" if replayable else "snapshots"
 
 
 def learned_mtbf(restarts: int, since_ns: int, what: str,
@@ -136,7 +155,8 @@ class AutoPolicy:
                  group_commit: int, *, budget_source: str = "given",
                  job_history: Callable[[], tuple[int, int]] | None = None,
                  switch: Callable[[str, int], None], snapshot_now: Callable[[], None],
-                 planned: Callable[[Plan], None], where: str = "") -> None:
+                 planned: Callable[[Plan], None], where: str = "",
+                 defaulted: bool = False, agreement: RankAgreement | None = None) -> None:
         self.policy = policy
         self.replayable = replayable
         self.snapshot_every_fixed = snapshot_every
@@ -152,6 +172,11 @@ class AutoPolicy:
         self._job_history = job_history
         self._switch, self._snapshot_now, self._planned = switch, snapshot_now, planned
         self._where = where
+        #: the user passed no policy (the first plan's log line says so)
+        self._defaulted = defaulted
+        #: a multi-rank job store's: every decision from inputs every rank agreed on
+        self._agreement = agreement
+        self._history_shared = False  # restarts/since_ns are the agreed ones (multi-rank)
         self._mtbf: tuple[float, str] | None = None  # (seconds, where it comes from), once known
         #: the failure history this store's persisted plans carry (single stores)
         self.restarts = 0
@@ -188,6 +213,8 @@ class AutoPolicy:
         these medians with the same MTBF and budget gives the same plan."""
         if self.policy == "every-iteration":
             return None
+        if self._agreement is not None and not self._history_shared:
+            self._shared("a base")  # (every rank writes every base: the field is the same on all)
         out: dict[str, Any] = {"v": PLAN_VERSION, "restarts": self.restarts,
                                "since_ns": self.since_ns}
         if self.plan is not None:
@@ -201,38 +228,49 @@ class AutoPolicy:
         field of the base ``iteration`` is built on (KeyError, e.g. NotFoundError: it has none).
         A valid field counts this process as one restart and, when it holds costs, seeds the
         meter and plans now; an invalid one is logged (WARNING) and ignored: costs are measured
-        as for a new store. No-op for policy "every-iteration" and after the first call."""
+        as for a new store. No-op for policy "every-iteration" and after the first call. On a
+        multi-rank job store every rank plans now, whatever it read (a collective: the ranks
+        plan from what they read together, and measure again together when none holds costs)."""
         if self._resumed or self.policy == "every-iteration":
             return
         self._resumed = True
-        try:
-            field = read()
-        except KeyError:
-            return  # an older store, or a base written by another policy: measure
-        except Exception as e:  # noqa: BLE001 - a damaged field costs a re-measure, not the run
-            log.warning("Checkpointer %s: the persisted plan of iteration %d cannot be read "
-                        "(%s: %s); measuring costs again", self._where, iteration,
-                        type(e).__name__, e)
+        costs = self._read_persisted(read, iteration)
+        if self._agreement is None and costs is None:
             return
-        try:
-            restarts, since, costs = parse_persisted(field)
-        except ValueError as e:
-            log.warning("Checkpointer %s: ignoring the persisted plan of iteration %d (%s); "
-                        "measuring costs again", self._where, iteration, e)
-            return
-        self.restarts, self.since_ns = restarts + 1, since
-        if costs is None:
-            return
-        self.meter.seed(costs)
-        if self.meter.costs(self.replayable and self.policy == "auto", self.group_commit) is None:
-            self.meter = CostMeter()  # (valid numbers, but too few to plan from)
-            return
+        if costs is not None:
+            self.meter.seed(costs)
+            if self._agreement is None and self._costs(self.meter.medians()) is None:
+                self.meter = CostMeter()  # (valid numbers, but too few to plan from)
+                return
         try:
             self._replan(iteration + 1, resumed=True)
         except (ValueError, ArithmeticError) as e:  # (numbers in range that the model rejects)
             log.warning("Checkpointer %s: the persisted plan of iteration %d does not plan "
                         "(%s); measuring costs again", self._where, iteration, e)
             self.meter, self.plan = CostMeter(), None
+
+    def _read_persisted(self, read: Callable[[], Any], iteration: int) -> dict | None:
+        """The cost medians of the persisted field ``read()`` returns (None: none, or a field
+        that does not validate, logged); a valid field's failure history, one restart more, is
+        taken."""
+        try:
+            field = read()
+        except KeyError:
+            return None  # an older store, or a base written by another policy: measure
+        except Exception as e:  # noqa: BLE001 - a damaged field costs a re-measure, not the run
+            log.warning("Checkpointer %s: the persisted plan of iteration %d cannot be read "
+                        "(%s: %s); measuring costs again", self._where, iteration,
+                        type(e).__name__, e)
+            return None
+        try:
+            restarts, since, costs = parse_persisted(field)
+        except ValueError as e:
+            log.warning("Checkpointer %s: ignoring the persisted plan of iteration %d (%s); "
+                        "measuring costs again", self._where, iteration, e)
+            return None
+        self.restarts, self.since_ns = restarts + 1, since
+        self._history_shared = False
+        return costs
 
     # ---- the step ---------------------------------------------------------------------------
     def tick(self, iteration: int) -> None:
@@ -265,55 +303,82 @@ class AutoPolicy:
         """The phases: measure ``measure_steps`` delta steps (policy "auto" with an optimizer
         replay knows), then one snapshot and ``measure_steps`` steps that write nothing, then
         plan; once planned, compare the costs with the plan's every 16 steps and re-plan when
-        one drifted (:func:`ckptstore.torch.plan.drifted`)."""
-        m = self.meter
+        one drifted (:func:`ckptstore.torch.plan.drifted`). Every decision is made from
+        :meth:`_shared` inputs, taken (on a multi-rank job store: agreed) at steps every rank
+        counts alike: each step of a measuring phase, every 16th planned one, a replan asked."""
         self._since_check += 1
+        if self.phase == "planned" and self._since_check < 16 and not self._replan_next:
+            return
+        shared = self._shared(f"iteration {iteration}, " + (
+            "replan" if self._replan_next else
+            "drift check" if self.phase == "planned" else "measuring"))
+        counts = shared.counts
         if self.phase == "deltas":
-            if m.count("delta") >= self.measure_steps or self._since_check > 4 * self.measure_steps:
+            if counts["delta"] >= self.measure_steps or self._since_check > 4 * self.measure_steps:
                 self.phase = "plain"
                 self._measure_snapshot = True  # (the switch snapshots this step)
                 self._apply(SNAPSHOTS, iteration)
         elif self.phase == "plain":
-            if m.count("plain") >= self.measure_steps or self._since_check > 4 * self.measure_steps:
-                if m.count("stall"):
-                    self._replan(iteration)
+            if counts["plain"] >= self.measure_steps or self._since_check > 4 * self.measure_steps:
+                if counts["stall"]:
+                    self._replan(iteration, shared=shared)
                 elif not self._measure_snapshot and self.snapshot_every_fixed is None:
                     # nothing snapshotted yet (a store restored from), and no interval that
                     # will: one snapshot to measure
                     self._measure_snapshot = True
                     self._snapshot_now()
-        elif self._since_check >= 16 or self._replan_next:
-            if self._replan_next:
-                self._replan_next = False
-                self._replan(iteration)
-                return
+        elif self._replan_next:
+            self._replan_next = False
+            self._replan(iteration, shared=shared)
+        else:
             self._since_check = 0
-            costs = self._costs()
+            costs = self._costs(shared.medians)
             if costs is not None and (self.plan is None or drifted(self.plan.costs, costs)):
-                self._replan(iteration)
+                self._replan(iteration, shared=shared)
 
-    def _costs(self):
-        return self.meter.costs(self.replayable and self.policy == "auto", self.group_commit)
-
-    def _replan(self, iteration: int, resumed: bool = False) -> None:
-        """Plan from the measured costs; a changed plan is logged (INFO) and, when its mode
-        differs, applied from this step on."""
-        medians = self.meter.medians()  # (once: samples from the pipeline's threads may land)
+    def _costs(self, medians: dict[str, float]):
         frozen = CostMeter()
         frozen.seed(medians)
-        costs = frozen.costs(self.replayable and self.policy == "auto", self.group_commit)
+        return frozen.costs(self.replayable and self.policy == "auto", self.group_commit)
+
+    def _shared(self, when: str) -> Shared:
+        """What a decision is made from: this process's sample counts, cost medians (once:
+        samples from the pipeline's threads may land meanwhile), failure rate, disk budget and
+        failure history; on a multi-rank job store every rank's, combined
+        (:mod:`ckptstore.torch.plan_agreement`: a collective, the same result on every rank),
+        whose failure history is then this process's too."""
+        m = self.meter
+        mtbf, source = self.failure_rate()
+        local = Shared({k: m.count(k) for k in ("delta", "plain", "stall")}, m.medians(),
+                       mtbf, source, self.disk_budget, self.budget_source, self.restarts,
+                       self.since_ns)
+        if self._agreement is None:
+            return local
+        shared = self._agreement.agree(local, when)
+        self.restarts, self.since_ns = shared.restarts, shared.since_ns
+        self._history_shared = True
+        return shared
+
+    def _replan(self, iteration: int, resumed: bool = False, shared: Shared | None = None) -> None:
+        """Plan from ``shared`` (None: taken now, :meth:`_shared`); a changed plan is logged
+        (INFO) and, when its mode differs, applied from this step on."""
+        if shared is None:
+            shared = self._shared(f"iteration {iteration}, "
+                                  f"{'resume' if resumed else 'plan'}")
+        costs = self._costs(shared.medians)
         if costs is None:
             return
-        mtbf, source = self.failure_rate()
         modes = (SNAPSHOTS, DELTAS) if self.policy == "auto" else (SNAPSHOTS,)
         fixed = {SNAPSHOTS: self.snapshot_every_fixed} if self.snapshot_every_fixed else None
-        new = make_plan(costs, mtbf, self.disk_budget, modes=modes, fixed=fixed,
-                        mtbf_source=source, budget_source=self.budget_source)
-        old, self.plan, self._plan_costs = self.plan, new, medians
+        new = make_plan(costs, shared.mtbf_s, shared.budget, modes=modes, fixed=fixed,
+                        mtbf_source=shared.mtbf_source, budget_source=shared.budget_source)
+        old, self.plan, self._plan_costs = self.plan, new, dict(shared.medians)
         self.phase, self._since_check = "planned", 0
         if old is None or (old.mode, old.chosen.interval) != (new.mode, new.chosen.interval):
-            log.info("Checkpointer %s, from iteration %d on%s: %s", self._where, iteration,
-                     " (resumed from the persisted plan)" if resumed else "", new)
+            log.info("Checkpointer %s, from iteration %d on%s%s: %s", self._where, iteration,
+                     " (resumed from the persisted plan)" if resumed else "",
+                     ' (policy="auto", the default: pass policy= to choose)'
+                     if self._defaulted and old is None else "", new)
             if new.mode != self.mode:
                 self._apply(new.mode, iteration, resumed)
         self._planned(new)
@@ -325,6 +390,11 @@ class AutoPolicy:
         if not (resumed and mode == SNAPSHOTS):
             self._switch(mode, iteration)  # (raises: the mode stays)
         self.mode = mode
+
+    def close(self) -> None:
+        """Let the agreement's rank group go (multi-rank job stores)."""
+        if self._agreement is not None:
+            self._agreement.close()
 
     def failure_rate(self) -> tuple[float, str]:
         """(MTBF seconds, where it comes from): ``mtbf_s`` when given; else learned

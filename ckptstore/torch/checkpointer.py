@@ -1,6 +1,7 @@
 """The Checkpointer: a checkpoint every iteration for the price of its gradients.
 
-    ckpt = Checkpointer(store, model, optimizer, scheduler, base_every=200, codec="exact")
+    ckpt = Checkpointer(store, model, optimizer, scheduler, policy="every-iteration",
+                        base_every=200, codec="exact")
     start = ckpt.restore()
     for it in range(start + 1, n + 1):
         loss = model(batch(it)).loss; loss.backward()
@@ -33,8 +34,9 @@ What to write is the ``policy`` (:mod:`ckptstore.torch.plan` holds the model): "
 (a delta every iteration, above), "snapshots" (an asynchronous snapshot every ``snapshot_every``
 iterations, nothing in between: any optimizer, no replay) or "auto" (costs measured over the
 first steps, then whichever of the two the goodput model prefers for the failure rate, re-planned
-when the costs drift). The default: "every-iteration" for an optimizer replay knows, else
-"snapshots".
+when the costs drift, within a disk budget). The default: "auto" (on a multi-rank job store
+"every-iteration" for an optimizer replay knows, else "snapshots"); the example above writes a
+delta every iteration with ``policy="every-iteration"``.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ from ..replay.partition import Partition, split_state
 from ..replay.shards import is_dtensor, local, localize
 from .dp_restore import can_load_in_parallel, load_in_parallel
 from .failure_policy import CheckpointerStats, FailurePolicy
-from .auto_policy import PLAN_KEY, AutoPolicy, default_budget, job_restarts
+from .auto_policy import PLAN_KEY, AutoPolicy, default_budget, default_policy, job_restarts
 from .plan import DELTAS, SNAPSHOTS, CostMeter, Plan
+from .plan_agreement import RankAgreement
 from .sharded import check_meshes, copy_into_live, load_sharded, replicas_of
 from ..replay.replayer import fingerprint, fingerprint_digest
 
@@ -252,8 +255,14 @@ class Checkpointer:
     "ckptstore", INFO, whenever it changes); costs keep being measured and a drift of more than
     30% re-plans. In the deltas mode of "auto" the base interval is the plan's. Every base carries
     the plan's inputs (format-spec/deltas.md, "Persisted plan"): a Checkpointer that restores
-    from such a base plans at once from them, without measuring again. None (default):
-    "every-iteration" when replay knows the optimizer, else "snapshots" (logged once, WARNING).
+    from such a base plans at once from them, without measuring again. On a multi-rank job
+    store every rank plans from the costs of all (the largest of each, the smallest MTBF and
+    disk budget, split over the ranks: :mod:`ckptstore.torch.plan_agreement`), so all write the
+    same plan; every rank must then step the same iterations and call :meth:`replan` together.
+    None (default): "auto", so that a run given nothing is bounded by the default disk budget
+    (its first plan is logged, INFO, saying it is the default); on a multi-rank job store
+    "every-iteration" when replay knows the optimizer, else "snapshots" (a job's retention is
+    its collective gc, which the plan does not drive: pass ``retention``).
     An optimizer replay does not know (Lion, 8-bit Adam, a custom one) is always checkpointed by
     snapshots; ``policy="every-iteration"`` with one raises UnreplayableOptimizerError.
     ``mtbf_s``: the mean time between failures (seconds) the plan assumes; None: learned from a
@@ -299,8 +308,10 @@ class Checkpointer:
                     f'policy="every-iteration": {why} (policy="snapshots" or "auto" checkpoints '
                     f"it with snapshots)")
             log.warning("Checkpointer: %s: deltas are off, checkpoints are snapshots", why)
+        job = isinstance(store, JobStore)
+        defaulted = policy is None
         if policy is None:
-            policy = "every-iteration" if replayable else "snapshots"
+            policy = default_policy(replayable, job and (store.world_size or 1) > 1)
         if base_every == "follower":
             base_every = None  # the same: the follower writes the periodic bases
         if base_every is not None and base_every != "auto" and \
@@ -314,13 +325,6 @@ class Checkpointer:
             raise ValueError("group_seconds must be a non-negative number or None")
         if capture not in ("hooks", "step"):
             raise ValueError('capture must be "hooks" or "step"')
-        job = isinstance(store, JobStore)
-        if job and (store.world_size or 1) > 1 and (
-                policy == "auto" or (policy == "snapshots" and snapshot_every is None)):
-            raise CheckpointPlanError(
-                f"policy={policy!r}: on a multi-rank job store every rank must write the same "
-                "checkpoints, and costs measured on each rank could plan differently: pass "
-                'policy="snapshots" with snapshot_every=N, or "every-iteration"')
         self.policy = FailurePolicy(on_failure, max_failures=max_failures, max_lag_s=max_lag_s)
         self.store = store
         self.model = model
@@ -423,7 +427,9 @@ class Checkpointer:
                                 measure_steps, group_commit, budget_source=budget_source,
                                 job_history=(lambda: job_restarts(store.view)) if job else None,
                                 switch=self._switch, snapshot_now=self._snapshot_now,
-                                planned=self._planned, where=str(store.path))
+                                planned=self._planned, where=str(store.path),
+                                defaulted=defaulted,
+                                agreement=RankAgreement(store) if self._world > 1 else None)
         self._wrote = "plain"
         self._capture_grads = self.asynchronous and not self.codec.lossy and policy != "snapshots"
         if self._capture_grads:
@@ -450,8 +456,8 @@ class Checkpointer:
         st["iteration"] = iteration
         st[REPLAY_KEY] = self._replay_info()
         persisted = self._auto.persisted()
-        if persisted is not None and self._world == 1:
-            st[PLAN_KEY] = persisted  # (several ranks: no planner decides, snapshot_every does)
+        if persisted is not None:
+            st[PLAN_KEY] = persisted  # (several ranks: the same on each, plan_agreement.py)
         if self._partition is not None:
             return split_state(st, self._partition, self._rank)
         if self._sharded:
@@ -755,6 +761,7 @@ class Checkpointer:
             h.remove()
         self._hooks = []
         self._drop_open_step()
+        self._auto.close()
         with self._lock:
             pipe = self.store.running_pipeline
             if self._arena is not None and pipe is not None:
