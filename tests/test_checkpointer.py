@@ -662,7 +662,7 @@ def test_multisteplr_bit_exact_and_resume(tmp_path, assert_same):
     from collections import Counter
 
     from ckptstore.torch import counters_like
-    from ckptstore.torch.checkpointer import plain_counters
+    from ckptstore.torch.live_state import plain_counters
 
     store, ck, saved, (model, opt, sched) = train(tmp_path / "full", "Adam", {"lr": 1e-2},
                                                   "multistep", n=40, base_every=15, group_commit=2)
