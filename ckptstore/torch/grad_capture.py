@@ -29,7 +29,7 @@ import torch
 
 from ..format.image import BLOCK as IMAGE_BLOCK, ChunkImage
 from ..format.manifest import INLINE_MAX
-from ..ops.pipeline import ALIGN
+from ..ops.host_staging import align
 from ..replay.shards import local
 from ..tensors import ImageTensor
 from .param_layout import ParamLayout
@@ -88,7 +88,7 @@ class GradCapture:
         """Where each parameter's captured gradient lies in an arena. Large CPU gradients get a
         chunk image each (ckptstore/format/image.py: the store writes their records straight
         from the arena, no staging copy), laid end to end from the arena's first page boundary;
-        the rest get plain ALIGN-aligned slots after them. ``_slots[i]``: (offset from that
+        the rest get plain ``ALIGN``-aligned slots (:mod:`ckptstore.ops.host_staging`) after them. ``_slots[i]``: (offset from that
         boundary, bytes, whether it is an image)."""
         params = self.layout.params
         self._stride = ChunkImage.stride_for(chunk_size)
@@ -105,7 +105,7 @@ class GradCapture:
                 rest.append((i, n))
         for i, n in rest:
             self._slots[i] = (off, n, False)
-            off += (n + ALIGN - 1) // ALIGN * ALIGN
+            off += align(n)
         self._slot_bytes = off + IMAGE_BLOCK  # + room to start at a page boundary in any arena
         self._slot_views: dict[int, tuple[Any, list[Any]]] = {}
 
