@@ -708,6 +708,7 @@ def _stepping(store, start, stop):
     """The previous replay_range (one record read at a time, in the caller's thread): the
     reference the read-ahead version must reproduce exactly."""
     from ckptstore.replay import replayer as R
+    from ckptstore.replay.report import warn_if_approximate
 
     eng = R._replayer_at(store, start)
     it = eng.iteration
@@ -720,7 +721,7 @@ def _stepping(store, start, stop):
         else:
             eng.apply(it, R._record(store, it))
         if it >= start:
-            R._warn(eng.report)
+            warn_if_approximate(eng.report)
             yield it, eng.current(clone=True)
 
 

@@ -19,7 +19,7 @@ import torch
 from ..format.delta import REPLAY_KEY, REPLAY_VERSION
 from ..replay.gradcodecs import GradCodec
 from ..replay.partition import split_state
-from ..replay.replayer import fingerprint, fingerprint_digest
+from ..replay.fingerprints import fingerprint, fingerprint_digest
 from ..replay.shards import local, localize
 from .auto_policy import PLAN_KEY
 from .live_state import capture_rng, hyperparameters, json_defaults, plain_counters
