@@ -662,7 +662,7 @@ def test_multisteplr_bit_exact_and_resume(tmp_path, assert_same):
     from collections import Counter
 
     from ckptstore.torch import counters_like
-    from ckptstore.torch.checkpointer import plain_counters
+    from ckptstore.torch.live_state import plain_counters
 
     store, ck, saved, (model, opt, sched) = train(tmp_path / "full", "Adam", {"lr": 1e-2},
                                                   "multistep", n=40, base_every=15, group_commit=2)
@@ -708,6 +708,7 @@ def _stepping(store, start, stop):
     """The previous replay_range (one record read at a time, in the caller's thread): the
     reference the read-ahead version must reproduce exactly."""
     from ckptstore.replay import replayer as R
+    from ckptstore.replay.report import warn_if_approximate
 
     eng = R._replayer_at(store, start)
     it = eng.iteration
@@ -720,7 +721,7 @@ def _stepping(store, start, stop):
         else:
             eng.apply(it, R._record(store, it))
         if it >= start:
-            R._warn(eng.report)
+            warn_if_approximate(eng.report)
             yield it, eng.current(clone=True)
 
 

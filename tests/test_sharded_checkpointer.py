@@ -113,14 +113,14 @@ def fsdp_train(rank, world, path, iterations, live_dir, tag, base_every=4, group
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
     ck = Checkpointer(store, model, opt, sched, base_every=base_every, group_commit=group_commit,
                       fingerprint_every=3, asynchronous=asynchronous)
-    out: dict = {"sharded": ck._sharded}
+    out: dict = {"sharded": ck._layout.sharded}
     if check_wrong_world:  # a part written by 2 ranks is not the part of one rank of 1
         from ckptstore.errors import ShardLayoutError
         from ckptstore.torch.sharded import copy_into_live
 
         part = store.load(store.latest(), rank=0)
         try:
-            copy_into_live(part, model, opt, ck._params, [n for g in ck._groups for n in g], world)
+            copy_into_live(part, model, opt, ck._layout.params, ck._layout.names, world)
             out["wrong_world"] = None
         except ShardLayoutError as e:
             out["wrong_world"] = [type(e).__name__, e.saved_world, e.world, str(e)]

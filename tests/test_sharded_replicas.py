@@ -120,7 +120,7 @@ def train(rank, world, path, iterations, live_dir, tag, kind="mlp", mesh_shape=(
     ``misown``: inconsistent owners (a damaged job: no part holds the replicated boxes)."""
     import torch.distributed as dist
 
-    import ckptstore.torch.checkpointer as cp
+    import ckptstore.torch.param_layout as cp
     from ckptstore.replay.shards import local
     from ckptstore.torch import Checkpointer
 
@@ -131,7 +131,7 @@ def train(rank, world, path, iterations, live_dir, tag, kind="mlp", mesh_shape=(
     ck = Checkpointer(store, model, opt, sched, base_every=base_every, group_commit=2,
                       fingerprint_every=2, asynchronous=asynchronous,
                       partition=None if dedupe else False)
-    out: dict = {"replicas": dict(ck._replicas), "aliases": dict(ck._aliases)}
+    out: dict = {"replicas": dict(ck._layout.replicas), "aliases": dict(ck._layout.aliases)}
     try:
         start = ck.restore()
     except DamagedCheckpointError as e:

@@ -119,7 +119,7 @@ def save_run(rank, world, path, live_dir):
     model, opt, sched = _fsdp(world)
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
     ck = _checkpointer(store, model, opt, sched)
-    assert ck.restore() == 0 and ck._sharded
+    assert ck.restore() == 0 and ck._layout.sharded
     for it in range(1, ITERATIONS + 1):
         _train_step(model, ck, it, rank, world)
         if it in RECORDED:

@@ -73,7 +73,8 @@ from ..errors import NotFoundError
 from ..multirank.job_store import JobStore
 from ..store import Store
 from .store_ref import StoreRef
-from ..torch.checkpointer import Checkpointer, capture_rng, restore_rng
+from ..torch.checkpointer import Checkpointer
+from ..torch.live_state import capture_rng, restore_rng
 from ..torch.dp_restore import can_load_in_parallel, load_in_parallel
 
 try:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ..errors import CkptStoreError, FollowerWarning, NotFoundError, StoreNotFoundError
 from ..format.delta import REPLAY_KEY
-from .replayer import fingerprint_digest
+from .fingerprints import fingerprint_digest
 
 #: the follower store's directory inside the primary store's directory
 FOLLOWER_DIR = "follower"

@@ -17,16 +17,13 @@ scheduler state, RNG states and non-parameter model state, and checks the record
 from __future__ import annotations
 
 import functools
-import math
-import warnings
-from dataclasses import dataclass, field
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Protocol, Sequence
 
-import xxhash
-
 from ..errors import CkptStoreError, DamagedCheckpointError, DeltaChainError, ReplayDivergenceError
 from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
+from .fingerprints import fingerprint_digest, parameter_norm
+from .report import ReplayReport, warn_if_approximate
 
 if TYPE_CHECKING:
     from .parallel import ShardedStep
@@ -40,60 +37,6 @@ def optimizer_class(name: str):
         raise CkptStoreError(f"optimizer {name!r} named by the store is not replayable (allowed: "
                              f"{', '.join(OPTIMIZER_NAMES)})")
     return getattr(torch.optim, name)
-
-
-class ApproximateReplayWarning(UserWarning):
-    """A replayed state went through lossy gradient payloads (or another device) and is not the
-    exact training state; the attached report says by how much it can differ."""
-
-
-@dataclass
-class ReplayReport:
-    """How a replayed state relates to the training state it stands for."""
-
-    base: int
-    iteration: int
-    deltas: int = 0
-    exact: bool = True
-    reasons: list[str] = field(default_factory=list)
-    lossy_steps: int = 0
-    #: largest per-entry gradient error of any lossy payload applied (measured at encode time)
-    grad_max_abs_error: float = 0.0
-    #: a per-entry bound on |replayed parameter - trained parameter| (up to float rounding); only
-    #: for optimizers whose step is affine in the gradient (SGD), else None
-    param_error_bound: float | None = 0.0
-    #: measured: largest relative difference between the replayed and the trained parameter norm
-    #: at recorded fingerprints (lossy replays only)
-    measured_norm_rel_error: float | None = None
-    fingerprints_checked: int = 0
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-    def summary(self) -> str:
-        if self.exact:
-            return f"iteration {self.iteration}: exact replay of {self.deltas} deltas from base {self.base}"
-        bound = "unbounded analytically" if self.param_error_bound is None \
-            else f"per-entry parameter error <= {self.param_error_bound:.3g}"
-        meas = "" if self.measured_norm_rel_error is None \
-            else f", measured relative norm error {self.measured_norm_rel_error:.3g}"
-        return (f"iteration {self.iteration}: APPROXIMATE replay ({'; '.join(self.reasons)}): "
-                f"{self.lossy_steps} lossy steps, gradient error <= {self.grad_max_abs_error:.3g} per "
-                f"entry, {bound}{meas}")
-
-
-def fingerprint(params) -> tuple[str, float]:
-    """xxh3-64 of the parameters' bytes in optimizer order, and their L2 norm (float32 dot
-    products over chunks of 2^16 entries, summed in float64: accurate to ~1e-7 relative without
-    a float64 copy of the parameters)."""
-    return fingerprint_digest(params), parameter_norm(params)
-
-
-def parameter_norm(params) -> float:
-    """The float64-accumulated L2 norm of the floating-point parameters (see :func:`fingerprint`)."""
-    from .gradcodecs import sum_of_squares
-
-    return math.sqrt(sum(sum_of_squares(p) for p in params if p.is_floating_point()))
 
 
 #: What the engine (and torch under it) raises on a record that has the wrong structure.
@@ -120,17 +63,6 @@ def _untrusted(what: str, it_arg: int):
                     f"{str(e)[:200]})") from e
         return checked
     return wrap
-
-
-def fingerprint_digest(params) -> str:
-    """The xxh3-64 half of :func:`fingerprint` (all an exact replay compares)."""
-    import torch
-
-    h = xxhash.xxh3_64()
-    for p in params:
-        t = p.detach().contiguous().reshape(-1)
-        h.update(memoryview(t.view(torch.uint8).numpy()))
-    return h.hexdigest()
 
 
 class _StateReplayer:
@@ -552,11 +484,6 @@ def _replayer_at(store: RecordSource, start: int) -> _StateReplayer:
     return _StateReplayer(store.load(base), base)
 
 
-def _warn(report: ReplayReport) -> None:
-    if not report.exact:
-        warnings.warn(report.summary(), ApproximateReplayWarning, stacklevel=3)
-
-
 def replay_to(store: RecordSource, iteration: int, *, threads: int | None = None,
               read_record: ReadRecord | None = None) -> dict:
     """The state at ``iteration``: its chain's base, then every delta up to it replayed.
@@ -575,7 +502,7 @@ def replay_to(store: RecordSource, iteration: int, *, threads: int | None = None
         _replay_deltas(store, eng, iteration, threads, read_record)
     finally:
         eng.close()
-    _warn(eng.report)
+    warn_if_approximate(eng.report)
     return eng.current(clone=False)
 
 
@@ -688,7 +615,7 @@ def replay_range(store: RecordSource, start: int, stop: int
                 eng.apply(it, data)
             del data
             if it >= start:
-                _warn(eng.report)
+                warn_if_approximate(eng.report)
                 yield it, eng.current(clone=True)
     finally:
         feed.close()

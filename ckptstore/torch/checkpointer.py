@@ -42,176 +42,47 @@ delta every iteration with ``policy="every-iteration"``.
 from __future__ import annotations
 
 import logging
-import math
-import random
 import threading
 import time
-import weakref
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
+from ..engine.engine import DEFAULT_CHUNK_SIZE
 from ..errors import (CheckpointPlanError, CkptStoreError, DeltaChainError, NotFoundError,
                       RankFailureError, UnreplayableOptimizerError)
+from ..format.delta import OPTIMIZER_NAMES
 from ..multirank.job_store import JobStore
-from ..engine.engine import DEFAULT_CHUNK_SIZE
-from ..format.image import BLOCK as IMAGE_BLOCK, ChunkImage
-from ..format.manifest import INLINE_MAX
-from ..ops.pipeline import ALIGN
-from ..ops.retention import KeepLast, Policy
-from ..tensors import ImageTensor
+from ..ops.retention import Policy
 from ..replay.gradcodecs import parse_codec
-from ..format.delta import OPTIMIZER_NAMES, REPLAY_KEY, REPLAY_VERSION
-from ..replay.partition import Partition, split_state
-from ..replay.shards import is_dtensor, local, localize
-from .dp_restore import can_load_in_parallel, load_in_parallel
-from .failure_policy import CheckpointerStats, FailurePolicy
+from .arguments import check_policy_args, check_step_args, is_replayable
+from .async_steps import begin_async, end_async
 from .auto_policy import PLAN_KEY, AutoPolicy, default_budget, default_policy, job_restarts
+from .failure_policy import CheckpointerStats, CheckpointHealth, FailurePolicy
+from .grad_capture import GradCapture
+from .param_layout import ParamLayout
 from .plan import DELTAS, SNAPSHOTS, CostMeter, Plan
 from .plan_agreement import RankAgreement
-from .sharded import check_meshes, copy_into_live, load_sharded, replicas_of
-from ..replay.replayer import fingerprint, fingerprint_digest
+from .plan_retention import PlanRetention
+from .records import RecordBuilder
+from .restore import restore_live
+from .step_writer import Step, StepWriter
 
-
-def capture_rng() -> dict:
-    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                           "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    return rng
-
-
-def restore_rng(rng: dict) -> None:
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-def plain_counters(state: Any) -> Any:
-    """``state`` (a scheduler's ``state_dict()``) with every ``collections.Counter`` in it (dicts,
-    lists, tuples; MultiStepLR's ``milestones``) turned into a plain dict of the same items, in the
-    same order: the state encoding holds no Counter (format-spec/deltas.md, "Scheduler state").
-    Containers on the way are copied; everything else is shared."""
-    t = type(state)
-    if t is Counter:
-        return dict(state)
-    if t is dict:
-        return {k: plain_counters(v) for k, v in state.items()}
-    if t is list:
-        return [plain_counters(v) for v in state]
-    if t is tuple:
-        return tuple(plain_counters(v) for v in state)
-    return state
-
-
-def counters_like(loaded: Any, live: Any) -> Any:
-    """Undo :func:`plain_counters` for a state read back: where the live scheduler's state holds a
-    Counter at the same place and ``loaded`` holds a plain dict, make that dict a Counter again
-    (missing keys then read as 0, ``elements()`` works), keeping its item order."""
-    if type(live) is Counter and type(loaded) is dict:
-        return Counter(loaded)
-    if type(live) is dict and type(loaded) is dict:
-        return {k: counters_like(v, live[k]) if k in live else v for k, v in loaded.items()}
-    if type(live) in (list, tuple) and type(loaded) is type(live) and len(loaded) == len(live):
-        return type(loaded)(counters_like(a, b) for a, b in zip(loaded, live))
-    return loaded
-
-
-@dataclass
-class _Step:
-    """One step between :meth:`Checkpointer._begin` and :meth:`Checkpointer._end` (for
-    :meth:`Checkpointer.before_step`, between the two halves): what the record takes from before
-    ``optimizer.step()``."""
-
-    iteration: int
-    #: False: the store could not take a record and the failure policy trains on without one
-    recorded: bool
-    t0: float = 0.0
-    rng: Any = None
-    hyper: list = field(default_factory=list)
-    grads: list = field(default_factory=list)
-    err: dict = field(default_factory=dict)
-    #: the host arena holding the captured gradients (owned until the record is submitted)
-    arena: Any = None
-    pipe: Any = None
-    #: a step of the snapshots mode (writes a snapshot when due, else nothing)
-    snap: bool = False
-
-
-#: the Checkpointer's policies (what it writes; :mod:`ckptstore.torch.plan`)
-POLICIES = ("auto", "every-iteration", "snapshots")
 log = logging.getLogger("ckptstore")
 
 
-def _replayable(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether replay knows ``optimizer``'s step: one of torch.optim's, not a subclass."""
-    name = type(optimizer).__name__
-    return name in OPTIMIZER_NAMES and type(optimizer) is getattr(torch.optim, name, None)
+class _Forward:
+    """A Checkpointer attribute kept by one of its parts (``part``: the attribute holding it),
+    read and set there: one copy of each setting."""
 
+    def __init__(self, part: str, name: str) -> None:
+        self.part, self.name = part, name
 
-def _check_policy_args(policy: str | None, snapshot_every: int | None, mtbf_s: float | None,
-                       disk_budget: int | None, measure_steps: int) -> None:
-    """CheckpointPlanError naming the first bad argument (before anything is written)."""
-    if policy is not None and policy not in POLICIES:
-        raise CheckpointPlanError(f"policy must be one of {', '.join(map(repr, POLICIES))} "
-                                  f"(or None: the default), not {policy!r}")
-    if mtbf_s is not None and (isinstance(mtbf_s, bool) or not isinstance(mtbf_s, (int, float))
-                               or not math.isfinite(mtbf_s) or mtbf_s <= 0):
-        raise CheckpointPlanError(f"mtbf_s must be a finite number of seconds > 0 or None, "
-                                  f"not {mtbf_s!r}")
-    if disk_budget is not None and (type(disk_budget) is not int or disk_budget <= 0):
-        raise CheckpointPlanError(f"disk_budget must be a positive int (bytes) or None, "
-                                  f"not {disk_budget!r}")
-    if snapshot_every is not None and (type(snapshot_every) is not int or snapshot_every < 1):
-        raise CheckpointPlanError(f"snapshot_every must be a positive int or None, "
-                                  f"not {snapshot_every!r}")
-    if snapshot_every is not None and policy == "every-iteration":
-        raise CheckpointPlanError('snapshot_every: policy="every-iteration" writes no periodic '
-                                  'snapshots (use policy="snapshots" or "auto")')
-    if type(measure_steps) is not int or measure_steps < 1:
-        raise CheckpointPlanError(f"measure_steps must be a positive int, not {measure_steps!r}")
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        return self if obj is None else getattr(getattr(obj, self.part), self.name)
 
-
-def _json_defaults(defaults: dict) -> dict:
-    return {k: v for k, v in defaults.items()
-            if v is None or type(v) in (bool, int, float, str, tuple)}
-
-
-def _storage_key(v: torch.Tensor) -> tuple | None:
-    """What two tied entries share: the (local, for a DTensor) storage address, shape and dtype.
-    None for an empty DTensor shard (its address says nothing: ties are then found by identity)."""
-    t = local(v)
-    if is_dtensor(v) and t.numel() == 0:
-        return None
-    return (t.data_ptr(), tuple(t.shape), t.dtype, is_dtensor(v))
-
-
-def _tied_entries(model: torch.nn.Module, param_names: set[str]) -> dict[str, str]:
-    """``{state_dict key: parameter name}`` for every model entry that is not one of the
-    optimizer's parameters but is one of them under another name (a tied weight: the same object,
-    or the same storage, shape and dtype; for a DTensor, of its local shard). The same on every
-    rank: ties are structural."""
-    by_id: dict[int, str] = {}
-    by_key: dict[tuple, str] = {}
-    for n, p in model.named_parameters():  # (a tied parameter once, under its first name)
-        by_id[id(p)] = n
-        key = _storage_key(p)
-        if key is not None:
-            by_key[key] = n
-    out: dict[str, str] = {}
-    for k, v in model.state_dict(keep_vars=True).items():
-        if k in param_names or not isinstance(v, torch.Tensor):
-            continue
-        key = _storage_key(v)
-        tie = by_id.get(id(v)) or (by_key.get(key) if key is not None else None)
-        if tie is not None and tie in param_names:
-            out[k] = tie
-    return out
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(getattr(obj, self.part), self.name, value)
 
 
 class Checkpointer:
@@ -284,6 +155,20 @@ class Checkpointer:
     written.
     """
 
+    # (the arguments live in the part that uses them; these read and set them there)
+    policy = _Forward("_writer", "failures")  # the FailurePolicy
+    asynchronous = _Forward("_writer", "asynchronous")
+    base_every = _Forward("_writer", "base_every")
+    group_commit = _Forward("_writer", "group_commit")
+    group_seconds = _Forward("_writer", "group_seconds")
+    target_recovery_s = _Forward("_writer", "target_recovery_s")
+    model = _Forward("_records", "model")
+    optimizer = _Forward("_records", "optimizer")
+    scheduler = _Forward("_records", "scheduler")
+    codec = _Forward("_records", "codec")
+    apply_decoded = _Forward("_records", "apply_decoded")
+    fingerprint_every = _Forward("_records", "fingerprint_every")
+
     def __init__(self, store, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any = None, *, base_every: int | str | None = 200, codec: str = "exact",
                  apply_decoded: bool = False, group_commit: int = 1, group_seconds: float | None = None,
@@ -295,11 +180,11 @@ class Checkpointer:
                  mtbf_s: float | None = None, disk_budget: int | None = None,
                  measure_steps: int = 8, retention: Policy | None = None,
                  retention_every: int = 1) -> None:
-        _check_policy_args(policy, snapshot_every, mtbf_s, disk_budget, measure_steps)
+        check_policy_args(policy, snapshot_every, mtbf_s, disk_budget, measure_steps)
         if retention is not None:
             # before anything is written; on a job store every rank sets the same (collective)
             store.set_retention(retention, retention_every)
-        replayable = _replayable(optimizer)
+        replayable = is_replayable(optimizer)
         if not replayable:
             why = (f"optimizer {type(optimizer).__qualname__} is not replayable; supported: "
                    f"{', '.join('torch.optim.' + n for n in OPTIMIZER_NAMES)}")
@@ -312,106 +197,18 @@ class Checkpointer:
         defaulted = policy is None
         if policy is None:
             policy = default_policy(replayable, job and (store.world_size or 1) > 1)
-        if base_every == "follower":
-            base_every = None  # the same: the follower writes the periodic bases
-        if base_every is not None and base_every != "auto" and \
-                (type(base_every) is not int or base_every < 1):
-            raise ValueError('base_every must be a positive int, "auto", None or "follower"')
-        if type(group_commit) is not int or group_commit < 1:
-            raise ValueError("group_commit must be a positive int")
-        if group_seconds is not None and (isinstance(group_seconds, bool) or
-                                          not isinstance(group_seconds, (int, float)) or
-                                          not group_seconds >= 0):
-            raise ValueError("group_seconds must be a non-negative number or None")
-        if capture not in ("hooks", "step"):
-            raise ValueError('capture must be "hooks" or "step"')
-        self.policy = FailurePolicy(on_failure, max_failures=max_failures, max_lag_s=max_lag_s)
+        base_every = check_step_args(base_every, group_commit, group_seconds, capture)
+        failures = FailurePolicy(on_failure, max_failures=max_failures, max_lag_s=max_lag_s)
         self.store = store
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.codec = parse_codec(codec)
-        self.apply_decoded = bool(apply_decoded)
-        self.base_every = base_every
-        self.group_commit = group_commit
-        self.group_seconds = group_seconds
-        self.fingerprint_every = fingerprint_every
-        self.target_recovery_s = target_recovery_s
-        names = {id(p): n for n, p in model.named_parameters()}
-        self._groups: list[list[str]] = []
-        self._params: list[torch.nn.Parameter] = []
-        for g in optimizer.param_groups:
-            gn = []
-            for p in g["params"]:
-                if id(p) not in names:
-                    raise ValueError("the optimizer holds a parameter that is not in the model")
-                gn.append(names[id(p)])
-                self._params.append(p)
-            self._groups.append(gn)
-        self._param_names = {n for gn in self._groups for n in gn}
-        #: data parallelism on a multi-rank store: the parameters this rank writes (replay/partition.py)
-        self._partition: Partition | None = None
-        self._rank = 0
-        self._world = store.world_size if job and store.world_size else 1
-        #: the next step writes a base (a job store's new epoch starts its own chain)
-        self._force_base = False
-        ordered = [n for gn in self._groups for n in gn]
-        #: FSDP2 / DTensor parameters: every rank writes its local shards (replay/shards.py)
-        self._sharded = any(is_dtensor(p) for p in self._params)
-        if self._sharded:
-            if partition:
-                raise ValueError("partition=True: sharded (DTensor) parameters are written as "
-                                 "each rank's local shards, not partitioned")
-            dts: list[Any] = [p for p in self._params if is_dtensor(p)]
-            meshes = [p.device_mesh for p in dts]
-            if not job and any(m.size() > 1 for m in meshes):
-                raise ValueError("sharded (DTensor) parameters over several ranks need a multi-rank "
-                                 "job store (ckptstore.open(path, process_group=...)) on every rank")
-            if job:
-                assert store.rank is not None
-                self._rank = store.rank
-                check_meshes(store, [n for n, p in zip(ordered, self._params) if is_dtensor(p)],
-                             dts)
-        elif job and store.world_size > 1 and partition is not False:
-            assert store.rank is not None and store.world_size is not None
-            self._rank = store.rank
-            self._partition = Partition.balanced(
-                [(n, p.numel() * p.element_size()) for n, p in zip(ordered, self._params)],
-                store.world_size)
-        #: tied entries: {state_dict key: the parameter it is} (plain tensors and DTensors)
-        self._aliases = _tied_entries(model, self._param_names)
-        #: sharded parameters whose box other ranks hold too: {name: the rank that writes it}
-        self._replicas: dict[str, int] = {}
-        if self._sharded and job and self._world > 1 and partition is not False:
-            self._replicas = replicas_of(store, ordered, self._params, self._rank, self._world)
-        self._owned = [(self._partition is None or self._partition.owner[n] == self._rank)
-                       and self._replicas.get(n, self._rank) == self._rank for n in ordered]
-        dev = {p.device.type for p in self._params}
-        self._device = dev.pop() if len(dev) == 1 else "mixed"
-        self._last: int | None = None
-        self._base: int | None = None
-        # cost model for base_every="auto" (exponential moving averages, seconds)
-        self._base_cost: float | None = None
-        self._delta_cost: float | None = None
-        self.last_stats = None
-        # ---- asynchronous path -------------------------------------------------------------
-        self.asynchronous = bool(asynchronous)
-        self._resync = False  # a background failure lost records: restart the chain at next step
-        self._group_n = 0
-        self._group_t0 = 0.0
+        grad_codec = parse_codec(codec)
+        #: which parameters are logged and which this rank writes (param_layout.py)
+        self._layout = ParamLayout(store, model, optimizer, partition)
+        self._records = RecordBuilder(model, optimizer, scheduler, self._layout, grad_codec,
+                                      bool(apply_decoded), fingerprint_every)
         self._lock = threading.Lock()
         self._peer_error: CkptStoreError | None = None  # (peer_failure: counted once)
-        self._arena = None  # host arena of this iteration's gradient slots (pipeline pool)
-        self._captured: list[Any] = [None] * len(self._params)
-        self._layout_slots(getattr(store, "chunk_size", None) or DEFAULT_CHUNK_SIZE)
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._ddp = False
-        #: gradients captured during backward ("hook"), from DDP buckets ("ddp"), at step ("step")
-        self.capture_counts = {"hook": 0, "ddp": 0, "step": 0}
-        self.capture_wait_s = 0.0  # backpressure met while capturing gradients
-        self._hooks: list[Any] = []
         #: a step begun with before_step() and not yet ended with after_step()
-        self._open: _Step | None = None
+        self._open: Step | None = None
         # ---- the checkpoint policy (ckptstore/torch/auto_policy.py, plan.py) --------------------
         self.checkpoint_policy = policy
         self.replayable = replayable
@@ -420,76 +217,62 @@ class Checkpointer:
         budget_source = "given"
         if disk_budget is None:
             disk_budget, budget_source = default_budget(str(store.path))
-        #: the retention this Checkpointer derives from the plan (None: the user's, or none yet)
-        self._own_retention = retention is None and not job
-        self._retention_applied: tuple[int, int] | None = None
+        #: the retention this Checkpointer derives from the plan (unless the user's, or a job's)
+        self._retention = PlanRetention(store, enabled=retention is None and not job)
         self._auto = AutoPolicy(policy, replayable, snapshot_every, mtbf_s, disk_budget,
                                 measure_steps, group_commit, budget_source=budget_source,
                                 job_history=(lambda: job_restarts(store.view)) if job else None,
                                 switch=self._switch, snapshot_now=self._snapshot_now,
-                                planned=self._planned, where=str(store.path),
+                                planned=self._retention.planned, where=str(store.path),
                                 defaulted=defaulted,
-                                agreement=RankAgreement(store) if self._world > 1 else None)
-        self._wrote = "plain"
-        self._capture_grads = self.asynchronous and not self.codec.lossy and policy != "snapshots"
-        if self._capture_grads:
+                                agreement=RankAgreement(store) if self._layout.world > 1
+                                else None)
+        # ---- the write path (grad_capture.py, step_writer.py, async_steps.py) -------------------
+        capture_grads = bool(asynchronous) and not self.codec.lossy and policy != "snapshots"
+        auto = self._auto
+        self._capture = GradCapture(store, self._layout,
+                                    getattr(store, "chunk_size", None) or DEFAULT_CHUNK_SIZE,
+                                    active=lambda: capture_grads and auto.mode == DELTAS)
+        self._writer = StepWriter(store, self._records, self._capture, self._auto, failures,
+                                  asynchronous=bool(asynchronous), base_every=base_every,
+                                  group_commit=group_commit, group_seconds=group_seconds,
+                                  target_recovery_s=target_recovery_s,
+                                  capture_grads=capture_grads)
+        if capture_grads:
             self.store.pipeline  # noqa: B018 - start it now: hooks need its pool
             if capture == "hooks":
-                for i, p in enumerate(self._params):
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+                self._capture.install_hooks()
         if group_seconds is not None:
             # the time bound holds between steps too (the store's timer stays set after close)
             self.store.set_group_seconds(group_seconds)
 
     # ---- state ----------------------------------------------------------------------------
-    def _replay_info(self) -> dict:
-        return {"v": REPLAY_VERSION, "optimizer": type(self.optimizer).__name__,
-                "defaults": _json_defaults(self.optimizer.defaults), "groups": self._groups,
-                "aliases": self._aliases, "codec": self.codec.name, "device": self._device,
-                "torch": str(torch.__version__), "scheduler": self.scheduler is not None}
-
     def state(self, iteration: int) -> dict:
-        st: dict[str, Any] = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        if self.scheduler is not None:
-            st["scheduler"] = plain_counters(self.scheduler.state_dict())
-        st["rng"] = capture_rng()
-        st["iteration"] = iteration
-        st[REPLAY_KEY] = self._replay_info()
-        persisted = self._auto.persisted()
-        if persisted is not None:
-            st[PLAN_KEY] = persisted  # (several ranks: the same on each, plan_agreement.py)
-        if self._partition is not None:
-            return split_state(st, self._partition, self._rank)
-        if self._sharded:
-            return localize(st, self._rank, self._world, self._replicas)
-        return st
+        """The live state as base snapshot ``iteration`` holds it (this rank's share of it)."""
+        return self._records.base_state(iteration, self._auto.persisted())
 
     def save_base(self, iteration: int, meta: dict | None = None):
         """Write a base snapshot of the live state as ``iteration`` (flushes pending deltas).
         Asynchronous: returns the future of :meth:`ckptstore.Store.save_async`."""
-        t0 = time.perf_counter()
-        state = self.state(iteration)
-        self.policy.check_space(self.store.path, _tensor_bytes(state), iteration)
-        if self.asynchronous:
-            fut = self.store.save_async(iteration, state, meta=meta)
-            fut.add_done_callback(self._cost_callback("_base_cost", 0.0))
-            fut.add_done_callback(self._durable_callback)
-            fut.add_done_callback(self._auto.observe_snapshot)
-            self._wrote = "base"
-            self._last = self._base = iteration
-            self._group_n = 0  # the base commits every pending delta
-            self._force_base = False
-            return fut
-        stats = self.store.save(iteration, state, meta=meta)
-        self._ema("_base_cost", time.perf_counter() - t0)
-        self._wrote = "base"
-        self._auto.observe_sync_snapshot(time.perf_counter() - t0, stats)
-        self._last = self._base = iteration
-        self._force_base = False
-        self.policy.succeeded()
-        return stats
+        return self._writer.save_base(iteration, meta)
 
-    def health(self):
+    @property
+    def last_stats(self) -> Any:
+        """What the last record written returned (SaveStats, or a future when asynchronous)."""
+        return self._writer.last_stats
+
+    @property
+    def capture_counts(self) -> dict[str, int]:
+        """Gradients captured during backward ("hook"), from DDP buckets ("ddp"), at step
+        ("step")."""
+        return self._capture.counts
+
+    @property
+    def capture_wait_s(self) -> float:
+        """Seconds of backpressure met while capturing gradients."""
+        return self._capture.wait_s
+
+    def health(self) -> CheckpointHealth:
         """How checkpointing is going: failures (total, in a row, the last), seconds since the
         last durable checkpoint, low-space warnings (:class:`~ckptstore.torch.failure_policy.
         CheckpointHealth`)."""
@@ -531,242 +314,23 @@ class Checkpointer:
         with self._lock:
             first, self._peer_error = self._peer_error is None, error
         if first:
-            self.policy.count(error, self._last + 1 if self._last is not None else 0)
+            last = self._writer.last
+            self.policy.count(error, last + 1 if last is not None else 0)
         if isinstance(store, JobStore):
             store.mark_broken(error)
         return error
 
-    def _durable_callback(self, fut) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            self.policy.succeeded()
-
-    def _cost_callback(self, attr: str, foreground: float):
-        def done(fut) -> None:
-            if not fut.cancelled() and fut.exception() is None:
-                st = fut.result()
-                self._ema(attr, foreground + st.stall_s + st.write_s)
-        return done
-
-    # ---- gradient capture (asynchronous path) -----------------------------------------------
-    def _ensure_arena(self):
-        with self._lock:
-            if self._arena is None:
-                # the running pipeline (started in __init__), not the property, which would
-                # raise a background failure inside backward (the next step raises it instead)
-                pipe = self.store.running_pipeline
-                assert pipe is not None
-                self._arena, waited = pipe.pool.acquire(self._slot_bytes)
-                self.capture_wait_s += waited
-            return self._arena
-
-    def _layout_slots(self, chunk_size: int) -> None:
-        """Where each parameter's captured gradient lies in an arena. Large CPU gradients get a
-        chunk image each (ckptstore/format/image.py: the store writes their records straight
-        from the arena, no staging copy), laid end to end from the arena's first page boundary;
-        the rest get plain ALIGN-aligned slots after them. ``_slots[i]``: (offset from that
-        boundary, bytes, whether it is an image)."""
-        self._stride = ChunkImage.stride_for(chunk_size)
-        self._slots: list[tuple[int, int, bool]] = [(0, 0, False)] * len(self._params)
-        off = 0
-        rest = []
-        for i, (p, owned) in enumerate(zip(self._params, self._owned)):
-            p = local(p)  # a DTensor's gradient is captured as its local shard
-            n = p.numel() * p.element_size() if owned else 0  # (others' gradients: never captured)
-            if n > INLINE_MAX and p.device.type == "cpu" and ImageTensor.fits(p.dtype, n, self._stride):
-                self._slots[i] = (off, n, True)
-                off += ChunkImage(n, self._stride).size
-            else:
-                rest.append((i, n))
-        for i, n in rest:
-            self._slots[i] = (off, n, False)
-            off += (n + ALIGN - 1) // ALIGN * ALIGN
-        self._slot_bytes = off + IMAGE_BLOCK  # + room to start at a page boundary in any arena
-        self._slot_views: dict[int, tuple[Any, list[Any]]] = {}
-
-    def _slot(self, i: int, arena) -> Any:
-        """Parameter ``i``'s gradient slot in ``arena``: a tensor view, or an ImageTensor."""
-        cached = self._slot_views.get(id(arena))
-        if cached is None or cached[0] is not arena:
-            if len(self._slot_views) >= 8:
-                self._slot_views.clear()
-            shift = -arena.buf.data_ptr() % IMAGE_BLOCK
-            views: list[Any] = []
-            for p, (off, n, image) in zip(self._params, self._slots):
-                p = local(p)
-                if n == 0 and p.numel() > 0:
-                    views.append(None)  # another rank's gradient: never captured here
-                elif image:
-                    views.append(ImageTensor(arena.buf, shift + off, p.dtype, tuple(p.shape),
-                                             self._stride))
-                else:
-                    views.append(arena.slice(shift + off, n).view(p.dtype).view(p.shape))
-            cached = self._slot_views[id(arena)] = (arena, views)
-        return cached[1][i]
-
-    def _capturable(self, i: int, g: torch.Tensor | None) -> bool:
-        p = local(self._params[i])
-        return g is not None and g.layout == torch.strided and g.device.type == "cpu" and \
-            g.dtype == p.dtype and g.shape == p.shape
-
-    def _hook(self, i: int):
-        def on_grad(p: torch.Tensor) -> None:
-            g = local(p.grad)
-            if self._ddp or g is None or not self._owned[i] or self._auto.mode != DELTAS or \
-                    not self._capturable(i, g):
-                return
-            self._slot(i, self._ensure_arena()).copy_(g)
-            self._captured[i] = (weakref.ref(g), g._version)
-            self.capture_counts["hook"] += 1
-        return on_grad
-
     def capture_bucket(self, params: list[torch.Tensor], flat: torch.Tensor) -> None:
         """Copy an all-reduced DDP bucket (``flat``: the bucket's gradients of ``params``, in
         order) into the gradient slots (called by :func:`ddp_comm_hook`)."""
-        self._ddp = True
-        if not self._capture_grads or self._auto.mode != DELTAS:
-            return
-        if sum(p.numel() for p in params) != flat.numel() or flat.device.type != "cpu":
-            return  # an unexpected layout: the step copies p.grad instead
-        arena = self._ensure_arena()
-        off = 0
-        for p in params:
-            n = p.numel()
-            i = self._index.get(id(p))
-            if i is not None and self._owned[i] and flat.dtype == p.dtype:
-                self._slot(i, arena).copy_(flat[off:off + n].view(p.shape))
-                self._captured[i] = "ddp"
-                with self._lock:
-                    self.capture_counts["ddp"] += 1
-            off += n
-
-    def _check_follows(self, iteration: int, top: int | None) -> None:
-        """Refuse ``iteration`` unless it follows the last logged iteration and the store holds
-        nothing at or after it (``top``: its newest committed or pending iteration). Checked
-        before ``optimizer.step()``, so a refused step leaves the live objects untouched."""
-        assert self._last is not None  # both callers resynchronise (setting it) before this check
-        if iteration != self._last + 1:
-            raise DeltaChainError(f"Checkpointer.step({iteration}): the last logged iteration is "
-                                  f"{self._last}; iterations must follow each other")
-        if top is not None and top >= iteration:
-            raise DeltaChainError(f"Checkpointer.step({iteration}): {self.store.path} already holds "
-                                  f"iteration {top} (restored {self._last}); iterations must increase")
-
-    def _encode_grads(self) -> tuple[list[Any], dict[str, Any]]:
-        """Every parameter's gradient through the codec (None where a parameter has none), and
-        the encoding error the record states for a lossy codec. With ``apply_decoded`` the
-        decoded gradient replaces ``p.grad``, so training applies exactly what is logged."""
-        grads: list[Any] = []
-        max_err: list[float] = []
-        err_l2 = g_l2 = 0.0
-        todo = [g if g is not None and (owned or self.apply_decoded and self.codec.lossy) else None
-                for g, owned in ((local(p.grad), owned) for p, owned in zip(self._params, self._owned))]
-        for grad, encoded in zip(todo, self.codec.encode_many(todo, self.apply_decoded)):
-            if grad is None or encoded is None:
-                grads.append(None)  # (not owned: dropped from the record below)
-                max_err.append(0.0)
-                continue
-            payload, dec, st = encoded
-            grads.append(payload)
-            if st is not None:
-                max_err.append(st.max_abs_error)
-                err_l2 += st.l2_error ** 2
-                g_l2 += st.l2_grad ** 2
-                if self.apply_decoded:
-                    assert dec is not None  # a lossy codec asked for its decode returns it
-                    grad.copy_(dec)
-            else:
-                max_err.append(0.0)
-        return grads, {"max_abs": max_err, "l2": err_l2 ** 0.5, "grad_l2": g_l2 ** 0.5}
-
-    def _delta_record(self, iteration: int, grads: list[Any], hyper: list[dict], rng: Any,
-                      err: dict[str, Any]) -> dict[str, Any]:
-        """The delta record of ``iteration`` (format-spec/deltas.md), built after
-        ``optimizer.step()`` and ``scheduler.step()``: ``hyper`` and ``rng`` were taken before."""
-        if not all(self._owned):  # a partition, or replicated shards other ranks write
-            grads = [g for g, owned in zip(grads, self._owned) if owned]
-            if self.codec.lossy:
-                err = dict(err, max_abs=[e for e, owned in zip(err["max_abs"], self._owned) if owned])
-        record: dict[str, Any] = {
-            "v": REPLAY_VERSION, "codec": self.codec.name, "lossy": self.codec.lossy,
-            "applied": self.apply_decoded and self.codec.lossy, "grads": grads, "hyper": hyper,
-            "groups": [{k: v for k, v in g.items() if k != "params"}
-                       for g in self.optimizer.param_groups],
-            "rng": rng,
-            "buffers": {k: local(v) for k, v in self.model.state_dict().items()
-                        if k not in self._param_names and k not in self._aliases},
-        }
-        if self.scheduler is not None:
-            record["scheduler"] = plain_counters(self.scheduler.state_dict())
-        if self.codec.lossy:
-            record["err"] = err
-        if self.fingerprint_every and iteration % self.fingerprint_every == 0:
-            # the norm serves only replays that cannot compare bits (deltas.md, "fp")
-            params = [local(p) for p, owned in zip(self._params, self._owned) if owned]
-            if self.codec.lossy or self._device != "cpu":
-                digest, norm = fingerprint(params)
-                record["fp"] = {"xxh3": digest, "norm": norm}
-            else:
-                record["fp"] = {"xxh3": fingerprint_digest(params)}
-        return record
-
-    def _apply_step(self) -> None:
-        """The optimizer's and the scheduler's step (what :meth:`step` applies itself)."""
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-
-    def base_due(self, iteration: int) -> bool:
-        """Whether the record of ``iteration``, the next step, will be a base snapshot rather
-        than a delta (the base interval, or a chain that must restart with a base). A step whose
-        chain is restarted after a failure first writes a base of ``iteration - 1``; this says
-        nothing about that one."""
-        interval = self.interval()
-        return self._force_base or (interval is not None and
-                                    iteration - (self._base if self._base is not None else 0) >= interval)
-
-    def _take_grads(self, own: bool = False) -> tuple[list[Any], Any]:
-        """Gradient payloads for the delta record, in slots of a host arena (ownership passes to
-        the caller, who hands it to the pipeline). ``own``: copy the gradients that cannot go to
-        a slot too (else the payload is the live gradient, copied when the record is submitted)."""
-        grads: list[Any] = []
-        arena = None
-        for i, p in enumerate(self._params):
-            g = local(p.grad)
-            if g is None or not self._owned[i]:  # (not owned: dropped from the record)
-                grads.append(None)
-                continue
-            if not self._capturable(i, g):
-                grads.append({"g": g.detach().clone() if own else g.detach()})  # (else copied
-                continue                                 # by the pipeline's snapshot)
-            arena = arena or self._ensure_arena()
-            slot = self._slot(i, arena)
-            c = self._captured[i]
-            if c == "ddp":
-                ok = _same_bits(slot, g) if g.is_contiguous() else False
-            else:
-                ok = c is not None and c[0]() is g and c[1] == g._version
-            if not ok:
-                slot.copy_(g)
-                self.capture_counts["step"] += 1
-            grads.append({"g": slot})
-        with self._lock:
-            if arena is not None:
-                self._arena = None
-            self._captured = [None] * len(self._params)
-        return grads, arena
+        self._capture.capture_bucket(params, flat)
 
     def close(self) -> None:
         """Remove the gradient hooks and give the capture buffer back (the store stays open)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._capture.remove_hooks()
         self._drop_open_step()
         self._auto.close()
-        with self._lock:
-            pipe = self.store.running_pipeline
-            if self._arena is not None and pipe is not None:
-                pipe.pool.release(self._arena)
-            self._arena = None
+        self._capture.release(self.store.running_pipeline)
 
     def restore(self, iteration: int | None = None, *, state: dict | None = None) -> int:
         """Load ``iteration`` (default: the latest recoverable one) into the live model, optimizer,
@@ -779,8 +343,9 @@ class Checkpointer:
             raise ValueError("restore(state=...) needs the iteration the state is of")
         self._drop_open_step()
         self.store.flush() if self.store.pending() or self.store.running_pipeline is not None else None
-        self._captured = [None] * len(self._params)
-        self._resync = False
+        self._capture.forget()
+        w = self._writer
+        w.resync = False
         self._auto.forget_step()  # (no step-time sample across a restore)
         its = self.store.iterations()
         if not its:
@@ -791,33 +356,9 @@ class Checkpointer:
                 fut.result()  # the chain's first base is durable when restore returns
             return 0
         target = its[-1] if iteration is None else iteration
-        if (state is not None or self._sharded) and target not in its:
-            raise NotFoundError(f"iteration {target} is not in {self.store.path}")
-        if self._sharded:
-            # each rank its own part (replayed) at the saved world size, else the whole state
-            if state is None:
-                state = load_sharded(self.store, target, self._rank, self._world)
-            copy_into_live(state, self.model, self.optimizer, self._params,
-                           [n for gn in self._groups for n in gn], self._world)
-        elif state is not None:
-            pass
-        elif can_load_in_parallel(self.store, target):
-            state = load_in_parallel(self.store, target)  # each rank replays its own part
-        elif self._partition is None:
-            # straight into the live parameters and optimizer state: no allocation, and
-            # load_state_dict below then copies nothing (optimizer) or onto itself (model)
-            live = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-            state = self.store.load(target, into=live)
-        else:
-            state = self.store.load(target)
-        if not self._sharded:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(counters_like(state["scheduler"],
-                                                         self.scheduler.state_dict()))
-        restore_rng(state["rng"])
-        self._continue_chain(target)
+        restore_live(self.store, target, its, state, self.model, self.optimizer, self.scheduler,
+                     self._layout)
+        w.continue_chain(target)
         self._auto.resume(lambda: self.store.load_record(self.store.base_of(target),
                                                          keys=[PLAN_KEY])[PLAN_KEY], target)
         return target
@@ -826,23 +367,7 @@ class Checkpointer:
     def interval(self) -> int | None:
         """The current base interval (fixed, or chosen from measured costs for "auto"); None with
         ``base_every=None`` (no periodic bases: a follower writes them)."""
-        planned = self._auto.base_every()
-        if planned is not None:
-            return planned  # (the deltas mode of policy="auto")
-        if self.base_every is None:
-            return None
-        if self.base_every != "auto":
-            assert isinstance(self.base_every, int)  # __init__ admits a positive int or "auto"
-            return self.base_every
-        if self._base_cost is None or not self._delta_cost:
-            return 50
-        # worst-case recovery ~ base load (~ base write) + interval * per-delta replay
-        n = int((self.target_recovery_s - self._base_cost) / self._delta_cost)
-        return max(1, min(n, 100_000))
-
-    def _ema(self, attr: str, v: float) -> None:
-        old = getattr(self, attr)
-        setattr(self, attr, v if old is None else 0.8 * old + 0.2 * v)
+        return self._writer.interval()
 
     def step(self, iteration: int, meta: dict | None = None):
         """Apply the optimizer step for ``iteration`` (gradients must be in ``p.grad``), step the
@@ -866,7 +391,7 @@ class Checkpointer:
             self._apply_step()
             self.meter.add("optimizer", time.perf_counter() - t0)
         except BaseException as e:
-            return self._failed(st, e)
+            return self._writer.failed(st, e)
         return self._tock(st, self._end(st, meta))
 
     def before_step(self, iteration: int) -> None:
@@ -909,6 +434,17 @@ class Checkpointer:
             raise DeltaChainError("Checkpointer.after_step() without before_step()")
         return self._tock(st, self._end(st, meta))
 
+    def flush(self) -> int | None:
+        """Commit pending deltas now; returns store.durable_iteration()."""
+        return self.store.flush()
+
+    def base_due(self, iteration: int) -> bool:
+        """Whether the record of ``iteration``, the next step, will be a base snapshot rather
+        than a delta (the base interval, or a chain that must restart with a base). A step whose
+        chain is restarted after a failure first writes a base of ``iteration - 1``; this says
+        nothing about that one."""
+        return self._writer.base_due(iteration)
+
     # ---- the checkpoint policy (ckptstore/torch/auto_policy.py) ------------------------------
     def plan(self) -> Plan | None:
         """The current checkpoint plan (:class:`ckptstore.torch.plan.Plan`: the mode, its interval,
@@ -943,120 +479,27 @@ class Checkpointer:
         CheckpointPlanError for a bad ``mtbf_s``, or with policy "every-iteration"."""
         if self.checkpoint_policy == "every-iteration":
             raise CheckpointPlanError('replan: policy="every-iteration" has no plan')
-        _check_policy_args(self.checkpoint_policy, self.snapshot_every, mtbf_s, self.disk_budget,
-                           self.measure_steps)
+        check_policy_args(self.checkpoint_policy, self.snapshot_every, mtbf_s, self.disk_budget,
+                          self.measure_steps)
         self._auto.replan_soon(mtbf_s)
 
+    # ---- one step (step_writer.py, async_steps.py) --------------------------------------------
     def _tick(self, iteration: int) -> None:
         """A step's start: the policy samples the previous step and moves on, which may switch
         the mode before this step."""
-        self._wrote = "plain"
+        self._writer.wrote = "plain"
         self._auto.tick(iteration)
 
-    def _tock(self, st: _Step, out: Any) -> Any:
+    def _tock(self, st: Step, out: Any) -> Any:
         """A step that ended (it may have written nothing): remembered for the next sample."""
-        self._auto.tock(st.iteration, self._wrote if st.recorded else "base")
+        self._auto.tock(st.iteration, self._writer.wrote if st.recorded else "base")
         return out
 
     def _snapshot_now(self) -> None:
-        self._force_base = True
-
-    def _planned(self, plan: Plan) -> None:
-        """A plan is in force: unless the user set a retention (or the store is a job's, whose
-        retention is collective), keep the store within the disk budget by the plan's retention
-        ``R`` (checkpoints that fit with room for the next): ``KeepLast`` of the newest
-        ``K = max(1, R // 4)`` snapshots (chains: ``(K - 1) * interval + 1`` iterations, their
-        bases closed over) after every ``E = max(1, floor(0.8 * R) - K)``-th base. The store then
-        holds at most ``K + E`` of them (``<= 0.8 * R`` from ``R = 3`` on) plus the one being
-        written (the 20% margin
-        covers record framing, manifests and the index, which the measured sizes leave out),
-        and each gc, which copies what it keeps, copies ``K`` per ``E`` written (about 0.45x)."""
-        r = plan.retention
-        if not self._own_retention or r is None or r < 1:
-            return
-        k = max(1, r // 4)
-        keep = k if plan.mode == SNAPSHOTS else (k - 1) * plan.chosen.interval + 1
-        every = max(1, math.floor(0.8 * r) - k)
-        applied = self._retention_applied
-        # (set_retention restarts its count of bases: a plan whose sizes jitter must not keep
-        # postponing the gc, so a change of less than 10% keeps the retention in force)
-        if applied is None or abs(keep - applied[0]) > 0.1 * applied[0] or \
-                (applied[0] != keep and r < 10):
-            try:
-                self.store.set_retention(KeepLast(keep), every)
-            except CkptStoreError as e:  # (a store that refuses retention: the plan still holds)
-                log.warning("Checkpointer %s: the disk budget's retention cannot be set (%s); "
-                            "the store is not bounded", self.store.path, e)
-                self._own_retention = False
-                return
-            self._retention_applied = (keep, every)
+        self._writer.force_base = True
 
     def _switch(self, mode: str, iteration: int) -> None:
-        """Write ``mode`` from step ``iteration`` on. To snapshots: this step snapshots (which
-        commits the pending deltas). To deltas: every save in flight is made durable first,
-        then the delta path restarts its chain at the live state (a base of ``iteration - 1``
-        unless the store's newest iteration is that). Nothing committed is lost either way."""
-        if mode == SNAPSHOTS:
-            pipe = self.store.running_pipeline
-            if pipe is not None:
-                self._release_captures(pipe)  # captured for a delta this step will not write
-            self._captured = [None] * len(self._params)
-            self._force_base = True
-        else:
-            try:
-                self.store.flush()
-            except BaseException as e:
-                self._policy_failed(e, iteration)  # raises unless the policy keeps training
-            self._resync = True
-
-    def _snap_begin(self, iteration: int) -> _Step:
-        """A step of the snapshots mode, before ``optimizer.step()``: an earlier background
-        failure is reported (the failed snapshot is written again at this step when the policy
-        keeps training), the first step finds where the store ends, ``iteration`` is checked."""
-        pipe = None
-        try:
-            if self.asynchronous:
-                pipe = self.store.pipeline
-                pipe.check()
-            else:
-                self.store.check()
-        except BaseException as e:
-            self._force_base = True
-            self._policy_failed(e, iteration)  # raises unless the policy keeps training
-            pipe = self.store.running_pipeline if self.asynchronous else None
-        if self._last is None:
-            try:
-                latest = self.store.latest()
-                if latest is None:
-                    self.save_base(iteration - 1)  # an empty store: the live state first
-                else:
-                    self._continue_chain(latest)
-            except BaseException as e:
-                self._policy_failed(e, iteration)
-                return _Step(iteration, recorded=False, snap=True)
-        self._check_follows(iteration, pipe.tail() if pipe is not None else self.store.tail())
-        return _Step(iteration, True, snap=True)
-
-    def _snap_end(self, st: _Step, meta: dict | None):
-        """A step of the snapshots mode, after ``optimizer.step()``: a snapshot of the live
-        state when due (the interval, or one forced), else nothing (returns None)."""
-        iteration = st.iteration
-        self._last = iteration
-        if not st.recorded:
-            self._force_base = True
-            return None
-        every = self._auto.snapshot_every()
-        since = iteration - (self._base if self._base is not None else iteration)
-        if not (self._force_base or (every is not None and since >= every)):
-            return None
-        try:
-            out = self.save_base(iteration, meta)
-        except BaseException as e:
-            self._force_base = True
-            self._policy_failed(e, iteration)  # raises unless the policy keeps training
-            return None
-        self.last_stats = out
-        return out
+        self._writer.switch(mode, iteration)
 
     def _refuse_open_step(self, what: str) -> None:
         if self._open is not None:
@@ -1065,278 +508,30 @@ class Checkpointer:
 
     def _drop_open_step(self) -> None:
         st, self._open = self._open, None
-        if st is not None and st.arena is not None and st.pipe is not None:
-            st.pipe.pool.release(st.arena)
+        if st is not None:
+            st.release()
 
-    def _begin(self, iteration: int, own_grads: bool) -> _Step:
-        """What a step does before ``optimizer.step()``: resynchronise with the store after a
-        failure, check ``iteration``, take RNG states, hyperparameters and gradients.
-        ``own_grads``: the gradient payloads must not alias the live gradients."""
+    def _begin(self, iteration: int, own_grads: bool) -> Step:
+        """What a step does before ``optimizer.step()``, on the path of the current mode."""
         if self._auto.mode == SNAPSHOTS:
-            return self._snap_begin(iteration)
+            return self._writer.snap_begin(iteration)
         if self.asynchronous:
-            return self._begin_async(iteration, own_grads)
-        try:
-            if self._resync or self._last is None:
-                self._restart_sync(iteration)
-            else:
-                try:
-                    self.store.check()  # a failed group-timer commit, before optimizer.step
-                except BaseException:
-                    self._resync = True
-                    raise
-        except BaseException as e:
-            self._policy_failed(e, iteration)  # raises unless the policy keeps training
-            return _Step(iteration, recorded=False)
-        self._check_follows(iteration, self.store.tail())
-        t0 = time.perf_counter()
-        rng = capture_rng()
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        grads, err = self._encode_grads()
-        if own_grads:
-            grads = self._own_payloads(grads)
-        return _Step(iteration, True, t0, rng, hyper, grads, err)
+            return begin_async(self._writer, iteration, own_grads)
+        return self._writer.begin_sync(iteration, own_grads)
 
-    def _own_payloads(self, grads: list[Any]) -> list[Any]:
-        """``grads`` (payloads from :meth:`_encode_grads`) with every tensor that shares memory
-        with its parameter's live gradient copied (the exact codec's payload is the gradient)."""
-        out: list[Any] = []
-        for p, payload in zip(self._params, grads):
-            g = local(p.grad)
-            if payload is not None and g is not None:
-                ptr = g.untyped_storage().data_ptr()
-                payload = {k: v.clone() if isinstance(v, torch.Tensor) and
-                           v.untyped_storage().data_ptr() == ptr else v for k, v in payload.items()}
-            out.append(payload)
-        return out
-
-    def _end(self, st: _Step, meta: dict | None):
-        """What a step does after ``optimizer.step()`` and ``scheduler.step()``: write the record
-        of ``st.iteration`` (a base when due, else a delta)."""
+    def _end(self, st: Step, meta: dict | None) -> Any:
+        """What a step does after ``optimizer.step()`` and ``scheduler.step()``: write its record
+        on the path its begin took."""
         if st.snap:
-            return self._snap_end(st, meta)
-        iteration = st.iteration
+            return self._writer.snap_end(st, meta)
         if not st.recorded:
-            # the "retry" policy's step when the store could not take a record: training went
-            # on; the next step restarts the chain with a base
-            self._last = iteration
-            self._resync = True
-            self._captured = [None] * len(self._params)
-            return None
+            return self._writer.unrecorded(st)
         if self.asynchronous:
-            return self._end_async(st, meta)
-        try:
-            if self.base_due(iteration):
-                stats = self.save_base(iteration, meta)
-            else:
-                record = self._delta_record(iteration, st.grads, st.hyper, st.rng, st.err)
-                stats = self.store.save_delta(iteration, record, meta, durable=False)
-                self._last = iteration
-                self._wrote = "delta"
-                self._auto.observe_sync_delta(stats)
-                if len(self.store.pending()) >= self.group_commit or (
-                        self.group_seconds is not None and
-                        self.store.pending_age() >= self.group_seconds):
-                    self.store.flush()
-                    self.policy.succeeded()
-                # replaying a delta costs about its read (~ its write) plus the optimizer step
-                self._ema("_delta_cost", time.perf_counter() - st.t0)
-        except BaseException as e:
-            return self._failed(st, e)
-        self.last_stats = stats
-        return stats
+            return end_async(self._writer, st, meta)
+        return self._writer.end_sync(st, meta)
 
-    def _failed(self, st: _Step, e: BaseException) -> None:
-        """The step of ``st`` failed after ``optimizer.step()`` began: the store rolled the failed
-        record (or group) back, the live objects may hold the state of ``st.iteration``: the next
-        step re-reads the store and restarts the chain with a base when records were lost."""
-        if st.arena is not None and st.pipe is not None:
-            st.pipe.pool.release(st.arena)
-            st.arena = None
-        self._last = st.iteration
-        self._resync = True
-        self._policy_failed(e, st.iteration)  # raises unless the policy keeps training
-        return None
-
-    def _policy_failed(self, error: BaseException, iteration: int) -> None:
-        """The failure policy's verdict on ``error`` (returns to keep training). When it raises,
-        this rank stops: a job store is marked broken first, so close() runs no commit round
-        that the other ranks, blocked in the training job's own collectives while they wait
-        for this rank, would never join (each waited ``commit_timeout`` before); they learn of
-        the failure from their own round's outcome or when this rank's process ends."""
-        try:
-            self.policy.failed(error, iteration)
-        except BaseException as raised:
-            if isinstance(self.store, JobStore) and isinstance(raised, CkptStoreError):
-                self.store.mark_broken(raised)
-            raise
-
-    def _check_resumes(self, iteration: int) -> None:
-        """Before a chain restart: ``iteration`` must follow the live objects' iteration, or the
-        base written for ``iteration - 1`` would be labelled with the wrong iteration."""
-        if self._last is not None and iteration != self._last + 1:
-            raise DeltaChainError(f"Checkpointer.step({iteration}): the live state is that of "
-                                  f"iteration {self._last}; iterations must follow each other")
-
-    def _restart_sync(self, iteration: int) -> None:
-        """Synchronous path, before the first step or after a failure (``_resync``): find where
-        the store's chain ends. Unless it ends at ``iteration - 1`` (a first step resumes from
-        the latest iteration instead), the live state, that of ``iteration - 1``, starts a new
-        chain as a base snapshot. Raises before ``optimizer.step()``; ``_resync`` stays set."""
-        self._check_resumes(iteration)
-        latest = self.store.latest()  # after a failed rollback this recovers (cuts pending deltas)
-        if self._resync and self.store.pending():
-            # deltas appended before the failed one are intact: commit them (chain continuity)
-            self.store.flush()
-            latest = self.store.latest()
-        if latest is None or (self._resync and latest != iteration - 1):
-            self.save_base(iteration - 1)
-        else:
-            self._continue_chain(latest)
-        self._resync = False
-
-    def _continue_chain(self, latest: int) -> None:
-        """The live state is that of ``latest``, the store's newest iteration: the next step
-        extends its chain, or, on a job store reopened by a new job (whose streams hold no chain
-        yet), starts one with a base (format-spec/format.md §22.4)."""
-        if isinstance(self.store, JobStore) and \
-                self.store.global_commit(latest).epoch != self.store.epoch:
-            self._last, self._base, self._force_base = latest, latest, True
-        else:
-            self._last, self._base = latest, self.store.base_of(latest)
-
-    def flush(self) -> int | None:
-        """Commit pending deltas now; returns store.durable_iteration()."""
-        return self.store.flush()
-
-    def _begin_async(self, iteration: int, own_grads: bool) -> _Step:
-        try:
-            pipe = self.store.pipeline  # raises an earlier background failure before any change
-            pipe.check()
-        except BaseException as e:
-            self._resync = True
-            self._policy_failed(e, iteration)  # raises unless the policy keeps training
-            pipe = self.store.running_pipeline  # reported: the store takes records again
-        tail = pipe.tail()
-        if self._resync or self._last is None or tail is None or tail < self._last:
-            # (a tail behind the last step: a failure reported through another call lost records)
-            self._check_resumes(iteration)
-            try:
-                latest = self.store.latest()
-                if latest is None or latest != iteration - 1:
-                    # empty store, or records lost to a background failure: the live state (that
-                    # of iteration - 1) starts a new chain
-                    self.save_base(iteration - 1)
-                else:
-                    self._continue_chain(latest)
-            except BaseException as e:
-                self._policy_failed(e, iteration)
-                self._release_captures(pipe)
-                return _Step(iteration, recorded=False)
-            self._resync = False
-        self._check_follows(iteration, pipe.tail())
-        t0 = time.perf_counter()
-        rng = capture_rng()
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        arena = None
-        if self._capture_grads:
-            grads, arena = self._take_grads(own_grads)
-            err = {"max_abs": [], "l2": 0.0, "grad_l2": 0.0}
-        else:
-            grads, err = self._encode_grads()
-            if own_grads:
-                grads = self._own_payloads(grads)
-        return _Step(iteration, True, t0, rng, hyper, grads, err, arena, pipe)
-
-    def _end_async(self, st: _Step, meta: dict | None):
-        iteration, pipe = st.iteration, st.pipe
-        try:
-            if self.base_due(iteration):
-                owned, st.arena = st.arena, None
-                if owned is not None:
-                    pipe.pool.release(owned)
-                self._last = iteration
-                fut = self.save_base(iteration, meta)
-            else:
-                record = self._delta_record(iteration, st.grads, st.hyper, st.rng, st.err)
-                now = time.monotonic()
-                if self._group_n and not pipe.pending_deltas():
-                    self._group_n = 0  # the group timer (or a flush) committed the group
-                if self._group_n == 0:
-                    self._group_t0 = now
-                self._group_n += 1
-                commit = self._group_n >= self.group_commit or (
-                    self.group_seconds is not None and now - self._group_t0 >= self.group_seconds)
-                if commit:
-                    self._group_n = 0
-                owned, st.arena = st.arena, None
-                self._last = iteration
-                fut = pipe.submit("delta", iteration, record, meta, commit=commit,
-                                  owned=[owned] if owned is not None else None)
-                fut.add_done_callback(self._cost_callback("_delta_cost", time.perf_counter() - st.t0))
-                fut.add_done_callback(self._durable_callback)
-                fut.add_done_callback(self._auto.observe_delta)
-                self._wrote = "delta"
-        except BaseException as e:
-            return self._failed(st, e)
-        self.last_stats = fut
-        return fut
-
-    def _release_captures(self, pipe) -> None:
-        """Give back the gradients captured for a step that records nothing."""
-        with self._lock:
-            arena, self._arena = self._arena, None
-        if arena is not None:
-            pipe.pool.release(arena)
-
-
-def _same_bits(slot: Any, g: torch.Tensor) -> bool:
-    """Whether a gradient slot (tensor or ImageTensor) holds exactly ``g``'s bits."""
-    if isinstance(slot, ImageTensor):
-        return slot.same_bits(g)
-    return torch.equal(slot.reshape(-1).view(torch.uint8), g.detach().reshape(-1).view(torch.uint8))
-
-
-def ddp_comm_hook(checkpointer: Checkpointer | None = None):
-    """A DistributedDataParallel communication hook: all-reduce (average) each gradient bucket,
-    like DDP's default hook, and hand the reduced bucket to ``checkpointer`` as it completes, so
-    the gradient the job exchanges anyway becomes the checkpoint's delta (no second pass over the
-    parameters). Ranks without a Checkpointer pass None (a single-writer store written by rank
-    0); on a multi-rank store every rank passes its own and captures only the parameters it
-    owns. The hook's state is the process group (None: the default group)::
-
-        ddp.register_comm_hook(None, ddp_comm_hook(ckpt if rank == 0 else None))
-
-    At ``ckpt.step`` each captured slot is compared bit for bit with ``p.grad`` (a read; a copy is
-    made only if the gradient was changed after the all-reduce, e.g. by clipping)."""
-    import torch.distributed as dist
-
-    def hook(state, bucket):  # unannotated: DDP checks annotations against dist.GradBucket
-        group = state if state is not None else dist.group.WORLD
-        buf = bucket.buffer()
-        buf.div_(dist.get_world_size(group))
-        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-        if checkpointer is None:
-            return fut.then(lambda f: f.value()[0])
-        params = list(bucket.parameters())
-
-        def done(f):
-            try:
-                out = f.value()[0]
-            except Exception as e:  # noqa: BLE001 - re-raised as ckptstore's typed error
-                raise checkpointer.peer_failure(e)  # (its __cause__ is the root cause)
-            checkpointer.capture_bucket(params, out)
-            return out
-        return fut.then(done)
-    return hook
-
-
-def _tensor_bytes(state: Any) -> int:
-    """Bytes of the tensors in a (nested) state: the size of a base snapshot, about."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(_tensor_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in state)
-    return 0
+    def _apply_step(self) -> None:
+        """The optimizer's and the scheduler's step (what :meth:`step` applies itself)."""
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()

@@ -1,0 +1,231 @@
+"""Host staging memory of the asynchronous pipeline (:mod:`ckptstore.ops.pipeline`): reusable
+host arenas (pinned when CUDA is available) within a byte budget (:class:`HostPool`), and the
+foreground copy of a flattened state's leaves into one arena (:func:`snapshot_leaves`: CPU
+tensors by one batched ``_foreach_copy_``, CUDA tensors on a side stream the training stream then
+waits for on the GPU).
+
+Invariants: the bytes of reserved plus cached arenas stay within the pool's budget (one
+reservation larger than the whole budget proceeds alone); an arena is reserved by one holder
+from :meth:`HostPool.acquire` until :meth:`HostPool.release`; a leaf copied by
+:func:`snapshot_leaves` views the arena from then on, never the caller's tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..tensors import TORCH_DTYPES, ArrayLeaf, ImageTensor
+
+ALIGN = 64  # leaf offsets inside an arena: any dtype can view its slice
+_ROUND = 1 << 20  # arena capacities are rounded up to 1 MiB so similar sizes reuse the same arena
+
+
+def default_host_budget() -> int:
+    """A quarter of physical memory, at most 4 GiB (at least 256 MiB)."""
+    try:
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        phys = 8 << 30
+    return max(256 << 20, min(4 << 30, phys // 4))
+
+
+def align(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN`."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Arena:
+    """One reusable host staging buffer (pinned when CUDA is available).
+
+    It caches the typed destination views of the last few :class:`ArenaLayout` s copied into it, so a
+    state whose structure repeats (every save of a training run) builds no views."""
+
+    _MAX_VIEWS = 4
+
+    def __init__(self, capacity: int, pin: bool) -> None:
+        self.capacity = capacity
+        with torch.inference_mode(False):  # a normal tensor: copies into it work in any mode
+            self.buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+        self._ptr = self.buf.untyped_storage().data_ptr()
+        self._views: dict[ArenaLayout, list] = {}
+
+    def slice(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.buf[offset:offset + nbytes]
+
+    def holds(self, t: Any) -> bool:
+        if isinstance(t, ImageTensor):
+            t = t.buffer
+        return isinstance(t, torch.Tensor) and t.device.type == "cpu" and \
+            t.untyped_storage().data_ptr() == self._ptr
+
+    def views(self, layout: "ArenaLayout") -> list:
+        """The destination of every leaf of ``layout``: a torch tensor (torch leaves) or a numpy
+        array (numpy leaves) of the leaf's dtype and shape, viewing its slice of this arena."""
+        v = self._views.get(layout)
+        if v is None:
+            if len(self._views) >= self._MAX_VIEWS:
+                self._views.clear()
+            with torch.inference_mode(False):  # cached views are used in and out of that mode
+                v = self._views[layout] = [self._view(off, leaf) for off, leaf in
+                                           zip(layout.offsets, layout.key)]
+        return v
+
+    def _view(self, offset: int, leaf: tuple) -> Any:
+        lib, dtype, shape, nbytes = leaf
+        dst = self.slice(offset, nbytes)
+        if lib == "torch":
+            return dst.view(TORCH_DTYPES[dtype]).view(shape)
+        return dst.numpy().view(np.dtype(dtype)).reshape(shape)
+
+
+@dataclass(frozen=True, eq=False)
+class ArenaLayout:
+    """Where the copied leaves of a state of one structure lie in an arena: ``key`` is each leaf's
+    (lib, dtype, shape, nbytes) in order, ``offsets`` its ALIGN-aligned offset, ``total`` the bytes
+    needed. Layouts are compared by identity (a cached layout is found by its key)."""
+
+    key: tuple
+    offsets: tuple[int, ...]
+    total: int
+
+    @classmethod
+    def of(cls, key: tuple) -> "ArenaLayout":
+        offsets = []
+        off = 0
+        for leaf in key:
+            offsets.append(off)
+            off += align(leaf[3])
+        return cls(key, tuple(offsets), off)
+
+
+class HostPool:
+    """Host staging memory: arenas are reused (best fit) and the bytes held by reserved plus cached
+    arenas stay within ``budget``; a reservation that does not fit waits until others are
+    released. One reservation larger than the whole budget proceeds when it is alone."""
+
+    def __init__(self, budget: int, pin: bool) -> None:
+        self.budget = budget
+        self.pin = pin
+        self._cond = threading.Condition()
+        self._free: list[Arena] = []
+        self.reserved = 0
+        self.cached = 0
+        self.allocations = 0
+
+    def acquire(self, nbytes: int, own: int = 0) -> tuple[Arena, float]:
+        """An arena of at least ``nbytes``, and the seconds spent waiting for it. ``own``: bytes the
+        caller already holds (they do not block its own reservation)."""
+        need = max(_ROUND, (nbytes + _ROUND - 1) // _ROUND * _ROUND)
+        t0 = time.perf_counter()
+        with self._cond:
+            while self.reserved + need > self.budget and self.reserved - own > 0:
+                self._cond.wait()
+            waited = time.perf_counter() - t0
+            fits = [a for a in self._free if a.capacity >= need]
+            if fits:
+                arena = min(fits, key=lambda a: a.capacity)
+                self._free.remove(arena)
+                self.cached -= arena.capacity
+            else:
+                while self._free and self.reserved + self.cached + need > self.budget:
+                    self.cached -= self._free.pop(0).capacity  # dropped: freed by refcount
+                arena = Arena(need, self.pin)
+                self.allocations += 1
+            self.reserved += arena.capacity
+        return arena, waited
+
+    def release(self, arena: Arena) -> None:
+        with self._cond:
+            self.reserved -= arena.capacity
+            self._free.append(arena)
+            self.cached += arena.capacity
+            while self._free and self.reserved + self.cached > self.budget:
+                self.cached -= self._free.pop(0).capacity
+            self._cond.notify_all()
+
+    def set_budget(self, budget: int) -> None:
+        with self._cond:
+            self.budget = budget
+            self._cond.notify_all()
+
+
+def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool, own_bytes: int,
+                     streams: dict, layouts: dict) -> tuple[list[ArrayLeaf], Arena | None, list, int, float]:
+    """Copy every leaf not already in an owned arena into one arena from ``pool``. Returns the
+    leaves (the same list: each copied leaf's ``value`` now views the arena; ``leaves`` is the
+    caller's fresh flatten output), the arena (None when nothing was copied), CUDA events to wait
+    for, bytes copied and the seconds spent waiting for memory. ``layouts``: the caller's cache of
+    :class:`ArenaLayout` by key, reused while the state's structure (dtypes, shapes) repeats.
+
+    CPU tensors are copied by one ``torch._foreach_copy_`` into views of their own dtype and shape
+    (no Python call per tensor; a same-dtype copy moves bits, NaN payloads included, and resolves
+    strided, conjugate and negative views)."""
+    if owned:
+        todo = [lf for lf in leaves if lf.nbytes and not any(a.holds(lf.value) for a in owned)]
+    else:
+        todo = [lf for lf in leaves if lf.nbytes]
+    if not todo:
+        return leaves, None, [], 0, 0.0
+    key = tuple([(lf.lib, lf.dtype, lf.shape, lf.nbytes) for lf in todo])
+    layout = layouts.get(key)
+    if layout is None:
+        if len(layouts) >= 16:
+            layouts.clear()
+        layout = layouts[key] = ArenaLayout.of(key)
+    arena, waited = pool.acquire(layout.total, own=own_bytes)
+    events: list = []
+    try:
+        cpu_dst: list[torch.Tensor] = []
+        cpu_src: list[torch.Tensor] = []
+        cuda_copies: dict[Any, list] = {}
+        for lf, dst in zip(todo, arena.views(layout)):
+            src = lf.value
+            if isinstance(src, ImageTensor):  # (an image of an arena not handed over)
+                src = src.to_tensor()
+            if lf.lib != "torch":
+                dst.reshape(-1).view(np.uint8)[:] = \
+                    np.ascontiguousarray(src).reshape(-1).view(np.uint8)  # a byte copy
+            elif src.is_cpu:
+                cpu_dst.append(dst)
+                cpu_src.append(src)
+            elif src.is_cuda:
+                cuda_copies.setdefault(src.device, []).append((dst, src.detach()))
+            else:
+                with torch.no_grad():
+                    dst.copy_(src)
+            lf.value = dst
+        if cpu_dst:
+            with torch.no_grad():
+                torch._foreach_copy_(cpu_dst, cpu_src)
+        for dev, pairs in cuda_copies.items():
+            events.append(_cuda_copy(dev, pairs, streams))
+    except BaseException:
+        pool.release(arena)
+        raise
+    return leaves, arena, events, layout.total, waited
+
+
+def _cuda_copy(device: Any, pairs: list, streams: dict) -> Any:
+    """Device -> pinned host copies on a side stream. The training stream is made to wait for them
+    on the GPU (so later kernels cannot overwrite a tensor before it is copied), the CPU does not
+    wait; the returned event is synchronised by the persister before it reads the arena."""
+    side = streams.get(device)
+    if side is None:
+        side = streams[device] = torch.cuda.Stream(device=device)
+    current = torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(side)  # the allocator must not reuse src's memory before the copy
+    event = torch.cuda.Event()
+    event.record(side)
+    current.wait_stream(side)
+    return event

@@ -1,0 +1,55 @@
+"""The retention a Checkpointer derives from its plan, keeping the store within the disk budget
+(:class:`PlanRetention`): set on the store whenever a plan comes into force, unless the user set
+a retention or the store is a job store (whose retention is collective)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from ..errors import CkptStoreError
+from ..ops.retention import KeepLast
+from .plan import SNAPSHOTS, Plan
+
+log = logging.getLogger("ckptstore")
+
+
+class PlanRetention:
+    """Applies the disk budget's retention to ``store`` (``enabled``: no user retention, not a
+    job store)."""
+
+    def __init__(self, store: Any, enabled: bool) -> None:
+        self.store = store
+        self.enabled = enabled
+        #: (keep, every) last set on the store (None: none yet)
+        self.applied: tuple[int, int] | None = None
+
+    def planned(self, plan: Plan) -> None:
+        """A plan is in force: keep the store within the disk budget by the plan's retention
+        ``R`` (checkpoints that fit with room for the next): ``KeepLast`` of the newest
+        ``K = max(1, R // 4)`` snapshots (chains: ``(K - 1) * interval + 1`` iterations, their
+        bases closed over) after every ``E = max(1, floor(0.8 * R) - K)``-th base. The store then
+        holds at most ``K + E`` of them (``<= 0.8 * R`` from ``R = 3`` on) plus the one being
+        written (the 20% margin
+        covers record framing, manifests and the index, which the measured sizes leave out),
+        and each gc, which copies what it keeps, copies ``K`` per ``E`` written (about 0.45x)."""
+        r = plan.retention
+        if not self.enabled or r is None or r < 1:
+            return
+        k = max(1, r // 4)
+        keep = k if plan.mode == SNAPSHOTS else (k - 1) * plan.chosen.interval + 1
+        every = max(1, math.floor(0.8 * r) - k)
+        applied = self.applied
+        # (set_retention restarts its count of bases: a plan whose sizes jitter must not keep
+        # postponing the gc, so a change of less than 10% keeps the retention in force)
+        if applied is None or abs(keep - applied[0]) > 0.1 * applied[0] or \
+                (applied[0] != keep and r < 10):
+            try:
+                self.store.set_retention(KeepLast(keep), every)
+            except CkptStoreError as e:  # (a store that refuses retention: the plan still holds)
+                log.warning("Checkpointer %s: the disk budget's retention cannot be set (%s); "
+                            "the store is not bounded", self.store.path, e)
+                self.enabled = False
+                return
+            self.applied = (keep, every)
