@@ -4,7 +4,9 @@ A thin facade. The work is done below it, each piece in one place:
 
 * :mod:`ckptstore.engine` -- the writer lock, crash recovery, the commit protocol (one
   :class:`~ckptstore.engine.transaction.Transaction` type), the read path and the reader's view;
-* :mod:`ckptstore.ops` -- the async pipeline, the group-commit timer, gc, fsck, diff;
+* :mod:`ckptstore.ops` -- the async pipeline and the group-commit timer (both held for the
+  Store by :mod:`ckptstore.ops.background`), automatic retention
+  (:mod:`ckptstore.ops.autoretention`), gc, fsck, diff;
 * :mod:`ckptstore.replay` -- rebuilding delta iterations by re-executing optimizer steps.
 
 The Store adds argument checks, flattening of user states, the ordering between the async
@@ -22,15 +24,13 @@ and a failure is logged and kept in :attr:`Store.last_retention`, never raised i
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .errors import (CkptStoreError, NotFoundError, ReadOnlyStoreError, RetentionError,
-                     StoreClosedError)
+from .errors import NotFoundError, ReadOnlyStoreError, StoreClosedError
 from .errors import RemoteUnsupportedError
 from .format.commit import KIND_DELTA, KIND_NAMES
 from .format.header import StoreHeader
@@ -41,14 +41,15 @@ from .engine.engine import Engine
 from .engine.reader_engine import ReaderEngine
 from .engine.write_path import SaveStats, flatten_meta
 from .engine.writer_engine import WriterEngine, check_features
+from .ops.autoretention import AutoRetention, RetentionRun, check_every, check_retention
 from .ops.bisect import BisectResult, Predicate, bisect as bisect_range
 from .ops.diff import TensorDiff, diff_manifests
 from .ops.gc import GcReport, collect, dry_run as gc_dry_run, gc_policy
-from .ops.grouptimer import GroupTimer
+from .ops.background import BackgroundWork, check_group_seconds
 from .ops.pipeline import AsyncStats, Pipeline
 from .ops.retention import Policy
 from .remote.uploader import RemoteStatus, Uploader
-from .replay.follower import FollowerBases, FollowerRebaser, rebased_of
+from .replay.follower import FollowerBases, FollowerRebaser, dropped_by_rebase
 from .replay.replayer import replay_range, replay_to
 from .storage.fileops import FileOps
 from .storage.index import Index
@@ -58,8 +59,6 @@ from .storage.log import Log, ScanReport
 from .tensors import leaf_hook
 
 __all__ = ["CheckpointInfo", "RetentionRun", "Store", "TensorDiff", "flatten_meta", "select_keys"]
-
-log = logging.getLogger("ckptstore")
 
 
 @dataclass(frozen=True)
@@ -74,19 +73,6 @@ class CheckpointInfo:
     kind: str
     #: xxh3-128 (hex) of the manifest the commit names (kept by gc; what identifies the commit)
     manifest_digest: str = ""
-
-
-@dataclass(frozen=True)
-class RetentionRun:
-    """One automatic retention run (:meth:`Store.set_retention`): ``after`` is the base snapshot
-    whose commit triggered it; ``report`` what the gc did (``report.compacted`` False: the policy
-    removed nothing, nothing was written), or ``error`` why it failed (nothing removed then;
-    the store stays consistent, as after any failed gc)."""
-
-    after: int
-    report: GcReport | None
-    error: BaseException | None
-    seconds: float
 
 
 class Store:
@@ -104,9 +90,9 @@ class Store:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         check_features(features)
-        _check_every(retention_every)  # (retention itself: below, before anything is opened)
+        check_every(retention_every)  # (retention itself: below, before anything is opened)
         if retention is not None:
-            _check_retention(retention, os.fspath(path), mode, commit_round)
+            check_retention(retention, os.fspath(path), mode, commit_round)
         self.path = os.fspath(path)
         self.mode = mode
         self.engine: Engine
@@ -125,20 +111,17 @@ class Store:
         self._closed = False
         #: the follower store's bases, read by load (format-spec/follower.md); opened lazily
         self._followers: FollowerBases | None = None
-        # the asynchronous pipeline (ckptstore/ops/pipeline.py), started by the first async save
-        self._pipeline: Pipeline | None = None
-        self._async_limits = (host_budget, max_inflight)
         #: how the async pipeline runs a committing job (a multi-rank store's global round)
         self._commit_round = commit_round
-        # the group-commit timer (ckptstore/ops/grouptimer.py), started by set_group_seconds
-        self._timer: GroupTimer | None = None
-        # automatic retention (set_retention): policy, every how many bases, bases counted
-        self._retention: tuple[Policy, int] | None = None
-        self._bases = 0
+        # the async pipeline, started by the first async save, and the group-commit timer,
+        # started by set_group_seconds (ckptstore/ops/background.py)
+        self._bg = BackgroundWork(self.path, host_budget, max_inflight, commit_round,
+                                  self._after_base)
         self._meta_cache: dict[int, Any] = {}
-        self._last_retention: RetentionRun | None = None
+        # automatic retention (set_retention; ckptstore/ops/autoretention.py)
+        self._auto = AutoRetention(self.path, self._meta_cache)
         if retention is not None:
-            self._retention = (retention, retention_every)
+            self._auto.set(retention, retention_every)
         # the remote tier (ckptstore/remote/): uploads commits in the background
         self._remote: Uploader | None = None
         if remote is not None:
@@ -198,12 +181,7 @@ class Store:
         commit: then it is forgotten); StoreClosedError once closed."""
         if self._closed:
             raise StoreClosedError(f"store {self.path} is closed")
-        if self._pipeline is not None:
-            self._pipeline.check()
-        if self._timer is not None and self._timer.error is not None:
-            err = self._timer.take_error()
-            if err is not None:
-                raise err
+        self._bg.check()
 
     def _writable(self) -> WriterEngine:
         self.check()
@@ -214,16 +192,8 @@ class Store:
     def close(self) -> None:
         """Wait for in-flight async saves, commit pending deltas, release the writer lock and every
         file. Idempotent. Raises a background failure not reported before (after releasing)."""
-        err: BaseException | None = None
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.stop()  # before the lock: a timer commit in progress finishes first
-            err = timer.take_error()
-        if self._pipeline is not None and not self._closed:
-            try:
-                self._pipeline.close()
-            except BaseException as e:  # noqa: BLE001 - re-raised once the files are released
-                err = err or e
+        # before the lock: a timer commit in progress finishes first; in-flight saves end
+        err = self._bg.stop(self._closed)
         if self._remote is not None and not self._closed:
             # the final upload: pending deltas committed first, so the remote copy ends where
             # the local store does (bounded by close_timeout; a remote failure is only logged)
@@ -301,8 +271,7 @@ class Store:
         deltas). Returns :meth:`durable_iteration`. Raises CheckpointAbortedError, naming them,
         when pending deltas cannot be committed because a failed save's leftovers could not be cut
         (recovery then cut the pending deltas too; what was durable stays durable)."""
-        if self._pipeline is not None:
-            self._pipeline.flush()
+        self._bg.flush()
         engine = self._writable()
         with engine.locked():
             self.check()
@@ -312,10 +281,8 @@ class Store:
     def pending(self) -> list[int]:
         """Deltas appended with durable=False, or saved asynchronously, and not yet committed
         (lost on a crash)."""
-        its = self._writer.staged_iterations() if self._writer is not None else []
-        if self._pipeline is not None:
-            its = sorted(set(its).union(self._pipeline.pending_deltas()))
-        return its
+        return self._bg.pending(self._writer.staged_iterations() if self._writer is not None
+                                else [])
 
     def tail(self) -> int | None:
         """The newest iteration written by this writer: the newest pending delta, else the latest
@@ -338,56 +305,19 @@ class Store:
         a failure of a timer commit is raised like a background failure: by the rolled-back
         deltas' futures, then once by the next call on the store, or by flush/close. See
         :mod:`ckptstore.ops.grouptimer`. Not under the engine lock: stopping joins the timer."""
-        if seconds is not None and (isinstance(seconds, bool) or
-                                    not isinstance(seconds, (int, float)) or not seconds >= 0):
-            raise ValueError(f"group_seconds must be a non-negative number or None, not {seconds!r}")
-        engine = self._writable()
-        timer = self._timer
-        if seconds is None:
-            if timer is not None:
-                self._timer = None
-                engine.on_new_group = None
-                timer.stop()
-                err = timer.take_error()
-                if err is not None:
-                    raise err
-        elif timer is not None:
-            timer.set_seconds(float(seconds))
-        else:
-            self._timer = GroupTimer(engine.group_since, self._commit_due_group, float(seconds),
-                                     name=self.path)
-            engine.on_new_group = self._timer.poke
-
-    def _commit_due_group(self, since: float) -> None:
-        """The group timer's commit of the group begun at ``since``: queued behind the async
-        pipeline's jobs when it runs (iteration order), else committed here under the lock."""
-        assert self._writer is not None
-        with self._writer.locked():
-            if self._pipeline is not None:
-                self._pipeline.request_flush()
-            else:
-                self._writer.commit_group_begun_at(since)
+        check_group_seconds(seconds)
+        self._bg.set_group_seconds(self._writable(), None if seconds is None else float(seconds))
 
     # ---- asynchronous saves (ckptstore/ops/pipeline.py) -----------------------------------------
     @property
     def pipeline(self) -> Pipeline:
         """The snapshot-then-persist pipeline of this writer (started on first use)."""
-        engine = self._writable()
-        if self._pipeline is not None:  # no lock: the persister holds it while it writes
-            return self._pipeline
-        with engine.locked():
-            if self._pipeline is None:
-                budget, inflight = self._async_limits
-                self._pipeline = Pipeline(engine, host_budget=budget, max_inflight=inflight,
-                                          commit_round=self._commit_round)
-                if self._commit_round is None:
-                    self._pipeline.after_snapshot = self._after_base
-            return self._pipeline
+        return self._bg.pipeline_of(self._writable())
 
     @property
     def running_pipeline(self) -> Pipeline | None:
         """The async pipeline if an async save started it, else None (never starts it)."""
-        return self._pipeline
+        return self._bg.running
 
     def save_async(self, iteration: int, state: Any, meta: dict | None = None):
         """Snapshot ``state`` into host buffers and return a ``concurrent.futures.Future`` at once;
@@ -408,28 +338,20 @@ class Store:
     def stats(self) -> list[AsyncStats]:
         """Per-checkpoint statistics of this writer's async saves (stall, snapshot, persist
         times, bytes, queue depth), oldest first (the last 10,000)."""
-        return [] if self._pipeline is None else self._pipeline.stats()
+        return self._bg.stats()
 
     def set_async_limits(self, host_budget: int | None = None, max_inflight: int | None = None) -> None:
         """Change the host-memory budget (bytes) and/or the maximum of checkpoints in flight."""
-        budget, inflight = self._async_limits
-        self._async_limits = (host_budget or budget, max_inflight or inflight)
-        if self._pipeline is not None:
-            self._pipeline.set_limits(host_budget, max_inflight)
+        self._bg.set_limits(host_budget, max_inflight)
 
     def _await_inflight(self, iteration: Any) -> None:
         """Writers: a read of an iteration still in the async pipeline waits until it is
         committed (flushing its delta group). Never called with the engine lock held."""
-        p = self._pipeline
-        if p is not None and type(iteration) is int and self.engine.index.get_commit(iteration) is None:
-            tail = p.tail()
-            if tail is not None and iteration <= tail:
-                p.flush()
+        self._bg.await_inflight(self.engine, iteration)
 
     def _drain_async(self) -> None:
         """Before a synchronous write: wait for the pipeline (and raise its failure)."""
-        if self._pipeline is not None:
-            self._pipeline.drain()
+        self._bg.drain()
 
     # ---- reading ------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -569,7 +491,7 @@ class Store:
         try:
             entry = self._entry(iteration)
         except NotFoundError as e:
-            dropped = self._dropped_by_rebase(iteration)
+            dropped = dropped_by_rebase(self, iteration)
             if dropped is None:
                 raise
             raise dropped from e
@@ -587,24 +509,6 @@ class Store:
             state = replay(self)
         state = select_keys(state, keys, iteration)
         return state if into is None else copy_into(state, into)
-
-    def _dropped_by_rebase(self, iteration: Any) -> NotFoundError | None:
-        """The NotFoundError for ``iteration`` when a gc with ``follower_bases`` dropped it: the
-        first snapshot after it was made from a follower base of a chain that held it
-        (format-spec/follower.md §6); None otherwise."""
-        if type(iteration) is not int:
-            return None
-        try:
-            later = [i for i in self.iterations() if i > iteration and self.kind(i) == "snapshot"]
-            r = rebased_of(self, later[0]) if later else None
-        except CkptStoreError:
-            return None
-        if r is None or not r.base < iteration:
-            return None
-        return NotFoundError(
-            f"iteration {iteration} is not in {self.path}: a gc that rebased on follower bases "
-            f"dropped it (its chain now starts at iteration {later[0]}, a snapshot made from a "
-            f"follower base; iterations from {later[0]} on are restorable)")
 
     def _follower_bases(self) -> FollowerBases:
         if self._followers is None:
@@ -724,56 +628,27 @@ class Store:
         an I/O error, damage) is logged (logger ``ckptstore``, WARNING) and kept in
         :attr:`last_retention`; nothing is removed then. A rank's stream of a job store is
         refused (RetentionError): its retention is the job's (:meth:`JobStore.set_retention`)."""
-        _check_every(every)
+        check_every(every)
         if policy is not None:
-            _check_retention(policy, self.path, self.mode, self._commit_round)
+            check_retention(policy, self.path, self.mode, self._commit_round)
         self._writable()
-        self._retention = None if policy is None else (policy, every)
-        self._bases = 0
+        self._auto.set(policy, every)
 
     @property
     def retention(self) -> Policy | None:
         """The automatic retention policy (None: off)."""
-        return None if self._retention is None else self._retention[0]
+        return self._auto.policy
 
     @property
     def last_retention(self) -> RetentionRun | None:
         """The latest automatic retention run of this writer, or None."""
-        return self._last_retention
+        return self._auto.last
 
     def _after_base(self, iteration: int) -> None:
         """Called once base snapshot ``iteration`` is committed (by :meth:`save`, or by the
         pipeline's persister between jobs): run the automatic gc when due. Never raises."""
-        ret = self._retention
-        if ret is None or self._writer is None:
-            return
-        policy, every = ret
-        self._bases += 1
-        if self._bases % every:
-            return
-        writer = self._writer
-        t0 = time.perf_counter()
-        report: GcReport | None = None
-        error: BaseException | None = None
-        try:
-            with writer.locked():
-                if self._closed or writer.closed:
-                    return
-                writer.recover_if_needed()
-                if writer.group is not None:
-                    # deltas appended after the base (not possible from the pipeline, which runs
-                    # this before its next job): never commit them on the trainer's behalf
-                    return
-                report = writer.read(lambda: collect(writer, policy=policy, only_if_removing=True,
-                                                     meta_cache=self._meta_cache))
-        except Exception as e:  # noqa: BLE001 - logged and kept: retention never fails a save
-            error = e
-            log.warning("ckptstore: automatic retention after base %d of %s failed, nothing "
-                        "removed: %s", iteration, self.path, e)
-        self._last_retention = RetentionRun(iteration, report, error, time.perf_counter() - t0)
-        if report is not None and report.removed:
-            log.info("ckptstore: retention after base %d removed %d checkpoints of %s",
-                     iteration, len(report.removed), self.path)
+        if self._writer is not None:
+            self._auto.after_base(self._writer, iteration, lambda: self._closed)
 
 
 def select_keys(state: Any, keys: Sequence[Any] | None, iteration: int) -> Any:
@@ -786,22 +661,6 @@ def select_keys(state: Any, keys: Sequence[Any] | None, iteration: int) -> Any:
         raise NotFoundError(f"iteration {iteration}: keys {missing} are not in the state (it has "
                             f"{list(state)})")
     return {k: state[k] for k in keys}
-
-
-def _check_retention(policy: Any, path: str, mode: str, commit_round: Any) -> None:
-    if not isinstance(policy, Policy):
-        raise TypeError(f"retention must be a retention policy (ckptstore.ops.retention), "
-                        f"not {policy!r}")
-    if mode != "a":
-        raise ReadOnlyStoreError(f'store {path} is open read-only (mode="r"): no retention')
-    if commit_round is not None:
-        raise RetentionError(f"{path}: a rank's stream of a multi-rank job store: retention "
-                             "is the job's (JobStore.set_retention, collective on every rank)")
-
-
-def _check_every(every: Any) -> None:
-    if type(every) is not int or every < 1:
-        raise ValueError(f"retention_every must be an int >= 1 (bases between runs), not {every!r}")
 
 
 def _check_iteration(iteration: Any, low: int, what: str) -> None:

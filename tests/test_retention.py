@@ -449,17 +449,17 @@ def test_automatic_retention_with_an_async_checkpointer(tmp_path, assert_same, m
     """Bases 0, 5, ..., 30; a run after every 2nd base (5, 15, 25) in the persister thread,
     between jobs: never with a delta group open (group_commit 3: the base commits the pending
     delta 4, 14, 24 first), and deltas queued behind the base wait."""
-    import ckptstore.store as store_mod
+    import ckptstore.ops.autoretention as auto_mod
 
     calls = []
-    real = store_mod.collect
+    real = auto_mod.collect
 
     def spy(engine, **kw):
         calls.append((threading.current_thread().name, engine.group is None,
                       engine.index.latest()))
         return real(engine, **kw)
 
-    monkeypatch.setattr(store_mod, "collect", spy)
+    monkeypatch.setattr(auto_mod, "collect", spy)
     store, live = train(tmp_path / "s", n=30, asynchronous=True, group_commit=group_commit,
                         retention=KeepLast(3), retention_every=2)
     try:

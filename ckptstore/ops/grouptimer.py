@@ -9,7 +9,7 @@ waiting for another call.
 
 The timer knows nothing of stores: it is given ``group_since`` (when the open group's first delta
 was staged, None when no group is open) and ``commit(since)``, which its owner implements
-(:meth:`ckptstore.Store._commit_due_group`).
+(:meth:`ckptstore.ops.background.BackgroundWork.set_group_seconds` gives it one).
 
 Invariants:
   * Commits stay in iteration order and are serialised with every other write: the owner's

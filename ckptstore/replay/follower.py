@@ -105,6 +105,8 @@ class Primary(Protocol):
 
     def latest(self) -> int | None: ...
 
+    def iterations(self) -> list[int]: ...
+
     def load(self, iteration: int, keys: Sequence[Any] | None = None) -> Any: ...
 
     def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
@@ -150,6 +152,26 @@ def rebased_of(primary: Primary, iteration: int) -> Rebased | None:
     """The provenance of the primary's snapshot ``iteration`` when gc made it from a follower
     base, else None."""
     return Rebased.from_extra(primary.manifest(iteration).extra, iteration)
+
+
+def dropped_by_rebase(primary: Primary, iteration: Any) -> NotFoundError | None:
+    """The NotFoundError for ``iteration`` when a gc with ``follower_bases`` dropped it: the
+    first snapshot after it was made from a follower base of a chain that held it
+    (format-spec/follower.md §6); None otherwise."""
+    if type(iteration) is not int:
+        return None
+    try:
+        later = [i for i in primary.iterations()
+                 if i > iteration and primary.kind(i) == "snapshot"]
+        r = rebased_of(primary, later[0]) if later else None
+    except CkptStoreError:
+        return None
+    if r is None or not r.base < iteration:
+        return None
+    return NotFoundError(
+        f"iteration {iteration} is not in {primary.path}: a gc that rebased on follower bases "
+        f"dropped it (its chain now starts at iteration {later[0]}, a snapshot made from a "
+        f"follower base; iterations from {later[0]} on are restorable)")
 
 
 #: (store id, snapshot, its manifest digest) -> its chain origin; committed manifests never change
