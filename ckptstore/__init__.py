@@ -21,7 +21,8 @@ from .errors import (BisectError, BisectPredicateError, CheckpointAbortedError, 
 from .errors import (RemoteConflictError, RemoteError, RemoteIntegrityError,
                      RemoteStreamMissingError, RemoteUnsupportedError)
 from .errors import FollowerError, FollowerMismatchError, FollowerWarning
-from .errors import ShardCoverageError, ShardDamagedError, ShardLayoutError, ShardMismatchError
+from .errors import (ShardCoverageError, ShardDamagedError, ShardLayoutError, ShardMismatchError,
+                     ShardedStateError)
 import os as _os
 from typing import Any as _Any
 
@@ -146,4 +147,5 @@ __all__ += ["RemoteError", "RemoteIntegrityError", "RemoteConflictError", "Remot
             "RemoteStreamMissingError"]
 __all__ += ["FollowerError", "FollowerMismatchError", "FollowerWarning"]
 __all__ += ["CheckpointPlanError", "UnreplayableOptimizerError"]
-__all__ += ["ShardCoverageError", "ShardMismatchError", "ShardDamagedError", "ShardLayoutError"]
+__all__ += ["ShardCoverageError", "ShardMismatchError", "ShardDamagedError", "ShardLayoutError",
+            "ShardedStateError"]
