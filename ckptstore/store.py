@@ -341,7 +341,9 @@ class Store:
         return self._bg.stats()
 
     def set_async_limits(self, host_budget: int | None = None, max_inflight: int | None = None) -> None:
-        """Change the host-memory budget (bytes) and/or the maximum of checkpoints in flight."""
+        """Change the host-memory budget (bytes) and/or the maximum of checkpoints in flight
+        (writers; ReadOnlyStoreError on a reader, which has no pipeline)."""
+        self._writable()
         self._bg.set_limits(host_budget, max_inflight)
 
     def _await_inflight(self, iteration: Any) -> None:

@@ -233,6 +233,15 @@ class StoreKindTests:
         report = verify_remote(url, opts)
         assert report.clean and report.head.recoverable == ITERATIONS + 1
 
+    def test_sizes_and_where_a_load_starts(self, store):
+        assert store.chunk_size > 0 and store.segment_size >= store.chunk_size
+        assert store.load_base(6, **self.part) == ("primary", 4)
+        assert store.load_base(4, **self.part) == ("primary", 4)
+        with pytest.raises(ckptstore.ReadOnlyStoreError):
+            store.set_async_limits(host_budget=1 << 20)
+        with pytest.raises(ckptstore.RemoteUnsupportedError):
+            store.remote_iteration()
+
     def test_info(self, store):
         info = store.info(6, **self.part)
         assert info.iteration == 6 and info.kind == "delta" and info.written_bytes > 0

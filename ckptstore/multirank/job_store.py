@@ -227,6 +227,15 @@ class JobStore:
         return self._group
 
     @property
+    def chunk_size(self) -> int:
+        """The job's chunk size (its STORE file's; every stream is created with it)."""
+        return int(self.header.chunk_size)
+
+    @property
+    def segment_size(self) -> int:
+        return int(self.header.segment_size)
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -398,6 +407,12 @@ class JobStore:
             raise
         return pipe.submit("snapshot", iteration, part, meta)
 
+    def set_async_limits(self, host_budget: int | None = None, max_inflight: int | None = None) -> None:
+        """:meth:`ckptstore.Store.set_async_limits` of this rank's stream (each rank its own
+        host memory; not collective)."""
+        own, _ = self._writer()
+        own.set_async_limits(host_budget, max_inflight)
+
     def save_delta_async(self, iteration: int, record: Any, meta: dict | None = None, *,
                          durable: bool = True) -> Any:
         return self._pipe().submit("delta", iteration, record, meta, commit=durable)
@@ -566,6 +581,11 @@ class JobStore:
     def meta(self, iteration: int, *, rank: int | None = None) -> Any:
         return self.stream(iteration, rank).meta(iteration)
 
+    def load_base(self, iteration: int, *, rank: int | None = None) -> tuple[str, int]:
+        """:meth:`ckptstore.Store.load_base` within ``rank``'s stream of ``iteration`` (default:
+        this process's rank; a reader of a 1-rank job: rank 0): where its load starts."""
+        return self.stream(iteration, rank).load_base(iteration)
+
     def base_of(self, iteration: int, *, rank: int | None = None) -> int:
         """The base snapshot ``iteration`` replays from. Every rank saves its bases at the same
         iterations (saves are collective, and each epoch's streams begin with one), so without
@@ -579,6 +599,11 @@ class JobStore:
     def remote_status(self) -> Any:
         """As :meth:`ckptstore.Store.remote_status`, of the job's copy (JobRemote.status)."""
         return JobRemote.of(self._remote, self.path).status(self._own, self.latest())
+
+    def remote_iteration(self) -> int | None:
+        """As :meth:`ckptstore.Store.remote_iteration`: the newest iteration of the newest job
+        HEAD, what survives losing this job's machines (:meth:`remote_status`)."""
+        return self.remote_status().iteration
 
     def remote_flush(self, timeout: float | None = None) -> int | None:
         """Collective: :meth:`ckptstore.Store.remote_flush` of the job's copy (JobRemote.flush)."""
