@@ -194,3 +194,76 @@ def test_a_failed_vote_names_the_root_error_and_peers_rebuild_its_type():
     for text in ("ValueError: bad", "os: x", "JobStreamError: x", "no colon"):
         err = rebuild(1, text)
         assert type(err) is ckptstore.RankFailureError and str(err) == f"rank 1: {text}", text
+
+
+def test_a_ranks_own_failure_is_kept_before_its_failed_vote_goes_out(tmp_path):
+    """The persister keeps its own failure before the round's FAILED vote tells the other ranks:
+    they may stop at once, and this rank's training loop, seeing them gone, asks check() why
+    (Checkpointer.peer_failure): it gets its own DiskFullError, never "nothing failed here"."""
+    import threading
+
+    from ckptstore.store import Store
+    from test_faults import FaultyOps
+
+    seen: list = []
+    askers: list = []
+
+    def commit_round(operation):  # stands for a job store's round, at the point it votes FAILED
+        try:
+            return operation()
+        except BaseException:
+            started = threading.Event()
+
+            def ask():
+                started.set()
+                try:
+                    store.pipeline.check()
+                    seen.append(None)
+                except BaseException as e:  # noqa: BLE001 - what check() reports
+                    seen.append(e)
+            asker = threading.Thread(target=ask)
+            asker.start()
+            askers.append(asker)
+            started.wait(30)
+            # (before the fix check() returned at once; now it waits for this job to end)
+            asker.join(0.2)
+            raise
+
+    ops = FaultyOps()
+    store = Store(str(tmp_path / "s"), "a", file_ops=ops, commit_round=commit_round)
+    try:
+        ops.arm("write", 1, errno.ENOSPC)
+        fut = store.save_async(0, {"w": torch.ones(4)})
+        assert type(fut.exception(timeout=30)) is ckptstore.DiskFullError
+        askers[0].join(30)
+        assert len(seen) == 1 and type(seen[0]) is ckptstore.DiskFullError, seen
+        assert seen[0] is fut.exception()  # reported once, to the check that asked first
+        store.check()
+    finally:
+        store.close()
+
+
+def test_peer_failure_returns_the_error_it_returned_first(tmp_path):
+    """DDP re-raises the comm hook's error as RuntimeError; the loop calls peer_failure again to
+    get the type back. Meanwhile the store may have learnt of another failure (its persister's
+    next round failing on the peer that left): the second call still returns the first error,
+    this rank's own, counted once."""
+    from ckptstore.torch import Checkpointer
+    from test_faults import FaultyOps
+
+    ops = FaultyOps()
+    model, opt = _model()
+    with ckptstore.open(str(tmp_path / "s"), "a", file_ops=ops) as store:
+        ck = Checkpointer(store, model, opt, base_every=8, group_commit=1, asynchronous=True)
+        ck.restore()
+        ops.arm("write", 1, errno.ENOSPC)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        fut = ck.step(1)
+        assert type(fut.exception(timeout=30)) is ckptstore.DiskFullError
+        first = ck.peer_failure(RuntimeError("Connection closed by peer"))
+        assert type(first) is ckptstore.DiskFullError, first  # the store's own failure
+        again = ck.peer_failure(RuntimeError("the RuntimeError DDP re-raised"))
+        assert again is first
+        assert ck.health().failures_total == 1
+        ck.close()
