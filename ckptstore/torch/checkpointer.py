@@ -538,12 +538,13 @@ class Checkpointer:
             first = self._peer_error is None
             if first:
                 self._peer_error = error
-            error = self._peer_error
+            kept = self._peer_error
+        assert kept is not None
         if first:
-            self.policy.count(error, self._last + 1 if self._last is not None else 0)
+            self.policy.count(kept, self._last + 1 if self._last is not None else 0)
         if isinstance(store, JobStore):
-            store.mark_broken(error)
-        return error
+            store.mark_broken(kept)
+        return kept
 
     def _durable_callback(self, fut) -> None:
         if not fut.cancelled() and fut.exception() is None:
