@@ -81,6 +81,20 @@ def disk_full_on_rank_0(rank, world, path, policy, asynchronous):
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_one_ranks_full_disk_reaches_every_rank_with_its_cause(tmp_path, asynchronous):
+    _full_disk_run(tmp_path, asynchronous)
+
+
+@pytest.mark.slow
+def test_every_async_full_disk_run_reports_each_ranks_own_failure(tmp_path):
+    """The async scenario again and again: a race once told a rank a peer's or a round's failure
+    instead of its own (about 1 run in 25 on a loaded machine; fixed in Checkpointer.peer_failure
+    and Pipeline._record, each pinned by a deterministic test below). ``CKPTSTORE_RANK_ERROR_RUNS``
+    runs (default 5, ~3.5 s each on 2 cores: CI time; 40 to hunt for a race)."""
+    for i in range(int(os.environ.get("CKPTSTORE_RANK_ERROR_RUNS", "5"))):
+        _full_disk_run(tmp_path / str(i), asynchronous=True)
+
+
+def _full_disk_run(tmp_path, asynchronous):
     path = str(tmp_path / "job")
     res = run_ranks(2, MOD, "disk_full_on_rank_0", path, str(tmp_path / "w"), deadline=120,
                     policy="raise", asynchronous=asynchronous)
