@@ -281,3 +281,41 @@ def test_peer_failure_returns_the_error_it_returned_first(tmp_path):
         assert again is first
         assert ck.health().failures_total == 1
         ck.close()
+
+
+def test_a_vote_behind_an_earlier_failure_names_the_root_error(tmp_path):
+    """A committing job queued behind this rank's failed one votes FAILED too: its vote must
+    describe the root error (DiskFullError), not "CheckpointAbortedError: ... was not written",
+    so the other ranks rebuild the failing rank's own type."""
+    import threading
+
+    from ckptstore.errors import describe
+    from ckptstore.store import Store
+    from test_faults import FaultyOps
+
+    go = threading.Event()
+    votes: list[str] = []
+
+    def commit_round(operation):  # stands for a job store's round: records each FAILED vote
+        go.wait(30)
+        try:
+            return operation()
+        except BaseException as e:
+            votes.append(describe(e))
+            raise
+
+    ops = FaultyOps()
+    store = Store(str(tmp_path / "s"), "a", file_ops=ops, commit_round=commit_round)
+    try:
+        ops.arm("write", 1, errno.ENOSPC)
+        first = store.save_async(1, {"w": torch.ones(4)})
+        second = store.save_async(2, {"w": torch.zeros(4)})  # queued before the first fails
+        go.set()
+        assert type(first.exception(timeout=30)) is ckptstore.DiskFullError
+        assert type(second.exception(timeout=30)) is ckptstore.CheckpointAbortedError
+        assert len(votes) == 2 and all(v.startswith("DiskFullError: ") for v in votes), votes
+    finally:
+        try:
+            store.close()
+        except ckptstore.DiskFullError:
+            pass

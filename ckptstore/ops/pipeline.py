@@ -628,10 +628,12 @@ class Pipeline:
                 continue
 
             def attempt(job: _Job = job) -> list[_Job]:
-                if self._error is not None:
+                earlier = self._error
+                if earlier is not None:
+                    # (from: a round's FAILED vote describes the root error, errors.describe)
                     raise CheckpointAbortedError(
                         f"{self._what(job)} was not written: an earlier checkpoint failed "
-                        f"({self._error})")
+                        f"({earlier})") from earlier
                 try:
                     return self._persist(job)
                 except BaseException as e:
