@@ -30,17 +30,52 @@ def _model():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def _segment_write_faults():
+    """A FaultyOps whose write faults hit only writes into a stream's segments: the scenario's
+    disk fills up under a checkpoint's records, whichever thread writes next (the async
+    persister may be appending the previous round's global commit at the moment the fault is
+    armed, and a global-log failure is another scenario, whose error names that log)."""
+    import threading
+
+    from test_faults import FaultyOps
+
+    class SegmentWriteFaults(FaultyOps):
+        def __init__(self) -> None:
+            self.writing = threading.local()
+            super().__init__()
+
+        def writev(self, fd, path, buffers, offset):
+            self.writing.segment = f"{os.sep}segments{os.sep}" in path
+            try:
+                return super().writev(fd, path, buffers, offset)
+            finally:
+                self.writing.segment = False
+
+        def write_direct(self, fd, path, buffer, offset):
+            self.writing.segment = f"{os.sep}segments{os.sep}" in path
+            try:
+                return super().write_direct(fd, path, buffer, offset)
+            finally:
+                self.writing.segment = False
+
+        def _hit(self, op):
+            if op == "write" and not getattr(self.writing, "segment", False):
+                return None
+            return super()._hit(op)
+
+    return SegmentWriteFaults()
+
+
 def disk_full_on_rank_0(rank, world, path, policy, asynchronous):
     """Train 12 iterations; rank 0's disk fills up at iteration 5's first write."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ckptstore.torch import Checkpointer, ddp_comm_hook
-    from test_faults import FaultyOps
 
     model, opt = _model()
     ddp = DDP(model)
-    ops = FaultyOps() if rank == 0 else None
+    ops = _segment_write_faults() if rank == 0 else None
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=TIMEOUT,
                            file_ops=ops)
     ck = Checkpointer(store, model, opt, base_every=8, group_commit=4,
@@ -81,6 +116,20 @@ def disk_full_on_rank_0(rank, world, path, policy, asynchronous):
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_one_ranks_full_disk_reaches_every_rank_with_its_cause(tmp_path, asynchronous):
+    _full_disk_run(tmp_path, asynchronous)
+
+
+@pytest.mark.slow
+def test_every_async_full_disk_run_reports_each_ranks_own_failure(tmp_path):
+    """The async scenario again and again: a race once told a rank a peer's or a round's failure
+    instead of its own (about 1 run in 25 on a loaded machine; fixed in Checkpointer.peer_failure
+    and Pipeline._record, each pinned by a deterministic test below). ``CKPTSTORE_RANK_ERROR_RUNS``
+    runs (default 5, ~3.5 s each on 2 cores: CI time; 40 to hunt for a race)."""
+    for i in range(int(os.environ.get("CKPTSTORE_RANK_ERROR_RUNS", "5"))):
+        _full_disk_run(tmp_path / str(i), asynchronous=True)
+
+
+def _full_disk_run(tmp_path, asynchronous):
     path = str(tmp_path / "job")
     res = run_ranks(2, MOD, "disk_full_on_rank_0", path, str(tmp_path / "w"), deadline=120,
                     policy="raise", asynchronous=asynchronous)
@@ -194,3 +243,114 @@ def test_a_failed_vote_names_the_root_error_and_peers_rebuild_its_type():
     for text in ("ValueError: bad", "os: x", "JobStreamError: x", "no colon"):
         err = rebuild(1, text)
         assert type(err) is ckptstore.RankFailureError and str(err) == f"rank 1: {text}", text
+
+
+def test_a_ranks_own_failure_is_kept_before_its_failed_vote_goes_out(tmp_path):
+    """The persister keeps its own failure before the round's FAILED vote tells the other ranks:
+    they may stop at once, and this rank's training loop, seeing them gone, asks check() why
+    (Checkpointer.peer_failure): it gets its own DiskFullError, never "nothing failed here"."""
+    import threading
+
+    from ckptstore.store import Store
+    from test_faults import FaultyOps
+
+    seen: list = []
+    askers: list = []
+
+    def commit_round(operation):  # stands for a job store's round, at the point it votes FAILED
+        try:
+            return operation()
+        except BaseException:
+            started = threading.Event()
+
+            def ask():
+                started.set()
+                try:
+                    store.pipeline.check()
+                    seen.append(None)
+                except BaseException as e:  # noqa: BLE001 - what check() reports
+                    seen.append(e)
+            asker = threading.Thread(target=ask)
+            asker.start()
+            askers.append(asker)
+            started.wait(30)
+            # (before the fix check() returned at once; now it waits for this job to end)
+            asker.join(0.2)
+            raise
+
+    ops = FaultyOps()
+    store = Store(str(tmp_path / "s"), "a", file_ops=ops, commit_round=commit_round)
+    try:
+        ops.arm("write", 1, errno.ENOSPC)
+        fut = store.save_async(0, {"w": torch.ones(4)})
+        assert type(fut.exception(timeout=30)) is ckptstore.DiskFullError
+        askers[0].join(30)
+        assert len(seen) == 1 and type(seen[0]) is ckptstore.DiskFullError, seen
+        assert seen[0] is fut.exception()  # reported once, to the check that asked first
+        store.check()
+    finally:
+        store.close()
+
+
+def test_peer_failure_returns_the_error_it_returned_first(tmp_path):
+    """DDP re-raises the comm hook's error as RuntimeError; the loop calls peer_failure again to
+    get the type back. Meanwhile the store may have learnt of another failure (its persister's
+    next round failing on the peer that left): the second call still returns the first error,
+    this rank's own, counted once."""
+    from ckptstore.torch import Checkpointer
+    from test_faults import FaultyOps
+
+    ops = FaultyOps()
+    model, opt = _model()
+    with ckptstore.open(str(tmp_path / "s"), "a", file_ops=ops) as store:
+        ck = Checkpointer(store, model, opt, base_every=8, group_commit=1, asynchronous=True)
+        ck.restore()
+        ops.arm("write", 1, errno.ENOSPC)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        fut = ck.step(1)
+        assert type(fut.exception(timeout=30)) is ckptstore.DiskFullError
+        first = ck.peer_failure(RuntimeError("Connection closed by peer"))
+        assert type(first) is ckptstore.DiskFullError, first  # the store's own failure
+        again = ck.peer_failure(RuntimeError("the RuntimeError DDP re-raised"))
+        assert again is first
+        assert ck.health().failures_total == 1
+        ck.close()
+
+
+def test_a_vote_behind_an_earlier_failure_names_the_root_error(tmp_path):
+    """A committing job queued behind this rank's failed one votes FAILED too: its vote must
+    describe the root error (DiskFullError), not "CheckpointAbortedError: ... was not written",
+    so the other ranks rebuild the failing rank's own type."""
+    import threading
+
+    from ckptstore.errors import describe
+    from ckptstore.store import Store
+    from test_faults import FaultyOps
+
+    go = threading.Event()
+    votes: list[str] = []
+
+    def commit_round(operation):  # stands for a job store's round: records each FAILED vote
+        go.wait(30)
+        try:
+            return operation()
+        except BaseException as e:
+            votes.append(describe(e))
+            raise
+
+    ops = FaultyOps()
+    store = Store(str(tmp_path / "s"), "a", file_ops=ops, commit_round=commit_round)
+    try:
+        ops.arm("write", 1, errno.ENOSPC)
+        first = store.save_async(1, {"w": torch.ones(4)})
+        second = store.save_async(2, {"w": torch.zeros(4)})  # queued before the first fails
+        go.set()
+        assert type(first.exception(timeout=30)) is ckptstore.DiskFullError
+        assert type(second.exception(timeout=30)) is ckptstore.CheckpointAbortedError
+        assert len(votes) == 2 and all(v.startswith("DiskFullError: ") for v in votes), votes
+    finally:
+        try:
+            store.close()
+        except ckptstore.DiskFullError:
+            pass

@@ -422,11 +422,20 @@ class Pipeline:
                 continue
 
             def attempt(job: _Job = job) -> list[_Job]:
-                if self._error is not None:
+                earlier = self._error
+                if earlier is not None:
+                    # (from: a round's FAILED vote describes the root error, errors.describe)
                     raise CheckpointAbortedError(
                         f"{self._what(job)} was not written: an earlier checkpoint failed "
-                        f"({self._error})")
-                return self._persist(job)
+                        f"({earlier})") from earlier
+                try:
+                    return self._persist(job)
+                except BaseException as e:
+                    # kept before commit_round re-raises it: the round has told the other ranks
+                    # already (a FAILED vote), they may stop, and this rank's training loop,
+                    # seeing them gone, asks check() why: it must get this rank's own failure
+                    self._record(e)
+                    raise
 
             try:
                 if self.commit_round is not None and (job.kind != "delta" or job.commit):
@@ -526,18 +535,24 @@ class Pipeline:
         if job.kind == "flush":
             job.future.set_result(None)
 
+    def _record(self, err: BaseException) -> bool:
+        """Keep ``err`` as the failure check() reports (the first one only), unless it only
+        aborts a job queued behind an earlier failure (that one is reported); a global round's
+        abort is a failure of its own on this rank, as on every other. Returns whether ``err``
+        is a failure of its own. Called by the persister while the failed job is still queued,
+        so check() (which waits for the queue) cannot report it before the job is settled."""
+        if isinstance(err, CheckpointAbortedError) and not isinstance(err, GlobalCommitAbortedError):
+            return False
+        with self._cond:
+            if self._error is None:
+                self._error, self._reported = err, False
+        return True
+
     def _fail(self, job: _Job, err: BaseException) -> None:
-        # queued behind an earlier failure (that one is reported); a global round's abort is a
-        # failure of its own on this rank, as on every other
-        aborted = isinstance(err, CheckpointAbortedError) and \
-            not isinstance(err, GlobalCommitAbortedError)
         with self._cond:
             lost, self._uncommitted = self._uncommitted, []
-        if not aborted:
+        if self._record(err):
             self.engine.abandon_group()
-            with self._cond:
-                if self._error is None:
-                    self._error, self._reported = err, False
         for j in lost:
             e = CheckpointAbortedError(f"{self._what(j)} was rolled back before its commit: "
                                        f"{self._what(job)} failed ({err})")

@@ -297,7 +297,13 @@ class Checkpointer:
         the same error.)
 
         The store's error keeps its own ``__cause__`` (the failing rank's error); a new
-        RankFailureError has ``cause``. The first call counts the failure in :meth:`health`."""
+        RankFailureError has ``cause``. The first call counts the failure in :meth:`health`;
+        every later call returns the first call's error (the store may have learnt of another
+        failure meanwhile, e.g. its persister's next round failing on the dead peer: this rank
+        still reports the failure it reported first)."""
+        with self._lock:
+            if self._peer_error is not None:
+                return self._peer_error
         error: CkptStoreError | None = None
         try:
             self.store.check()
@@ -312,13 +318,17 @@ class Checkpointer:
                 f"({type(cause).__name__}: {cause})")
             error.__cause__ = cause
         with self._lock:
-            first, self._peer_error = self._peer_error is None, error
+            first = self._peer_error is None
+            if first:
+                self._peer_error = error
+            kept = self._peer_error
+        assert kept is not None
         if first:
             last = self._writer.last
-            self.policy.count(error, last + 1 if last is not None else 0)
+            self.policy.count(kept, last + 1 if last is not None else 0)
         if isinstance(store, JobStore):
-            store.mark_broken(error)
-        return error
+            store.mark_broken(kept)
+        return kept
 
     def capture_bucket(self, params: list[torch.Tensor], flat: torch.Tensor) -> None:
         """Copy an all-reduced DDP bucket (``flat``: the bucket's gradients of ``params``, in
