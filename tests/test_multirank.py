@@ -620,6 +620,50 @@ def test_a_global_log_that_cannot_be_cut_back_keeps_every_ranks_records(tmp_path
             assert same(rank_state(2, r), reader.load(2, rank=r))
 
 
+def global_log_full(rank, world, path):
+    """Rank 0's global log: the append of iteration 2's GLOBAL_COMMIT fails (ENOSPC) and is cut
+    back. Every rank's error carries the coordinator's typed failure as its cause."""
+    import errno
+
+    from ckptstore.storage.fileops import FileOps
+
+    class Faulty(FileOps):
+        armed = False
+
+        def writev(self, fd, p, buffers, offset):
+            if self.armed and p.endswith(".log"):
+                self.armed = False
+                from ckptstore.storage.fileops import io_errors
+                with io_errors("write", p):
+                    raise OSError(errno.ENOSPC, "injected")
+            return super().writev(fd, p, buffers, offset)
+
+    ops = Faulty() if rank == 0 else None
+    s = ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0, file_ops=ops)
+    s.save(1, rank_state(1, rank))
+    if ops is not None:
+        ops.armed = True
+    try:
+        s.save(2, rank_state(2, rank))
+        out = None
+    except ckptstore.CkptStoreError as e:
+        cause = e.__cause__
+        out = [type(e).__name__, type(cause).__name__, getattr(cause, "rank", None),
+               ".log" in str(cause)]
+    s.save(3, rank_state(3, rank))  # the job goes on
+    its = s.iterations()
+    s.close()
+    return {"error": out, "iterations": its}
+
+
+def test_a_global_log_that_fails_and_is_cut_back_names_its_typed_error_on_every_rank(tmp_path):
+    res = ok(run_ranks(2, MOD, "global_log_full", str(tmp_path / "job"), str(tmp_path / "w")))
+    assert [r["error"] for r in res] == [
+        ["GlobalCommitAbortedError", "DiskFullError", None, True],
+        ["GlobalCommitAbortedError", "DiskFullError", 0, True]], res
+    assert all(r["iterations"] == [1, 3] for r in res), res
+
+
 def local_failure_then_flush(rank, world, path):
     """Rank 1's async delta (durable=False: no round) fails on its own; then every rank
     flushes. The flush round must run on both (rank 1 votes FAILED), not leave rank 0 waiting

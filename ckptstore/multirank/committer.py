@@ -70,6 +70,8 @@ class GlobalCommitter:
         self.adopted_latest: int | None = None
         #: (rank, what it said) of the FAILED votes of the latest round (errors.describe)
         self._failures: tuple[tuple[int, str], ...] = ()
+        #: the coordinator: its global log's failure in the latest round it cut back
+        self._log_failure: CkptStoreError | None = None
 
     # ---- one commit operation as one round --------------------------------------------------
     def around(self, operation: Callable[[], T]) -> T:
@@ -186,8 +188,9 @@ class GlobalCommitter:
             self.log.append_commits(self._global_commits(votes_raw, votes))
         except Exception as e:  # noqa: BLE001 - decided below by whether the log was cut back
             if isinstance(e, CkptStoreError) and not self.log.broken:
+                self._log_failure = e  # (this rank's refusal: its own error as the cause)
                 return Outcome(OutcomeCode.ABORTED, Reason.GLOBAL_LOG,
-                               f"the global log failed (cut back): {e}")
+                               f"{_LOG_CUT_BACK}{describe(e)}")
             return Outcome(OutcomeCode.UNKNOWN, Reason.GLOBAL_LOG,
                            f"the global log failed and may hold the commit ({e}): every rank "
                            "keeps its records; reopen the store")
@@ -262,7 +265,17 @@ class GlobalCommitter:
         peers = [(r, text) for r, text in failures if r != self.group.rank]
         if peers:  # the first other failing rank's own typed error (this rank raises its own)
             error.__cause__ = rebuild(*peers[0])
+        elif outcome.reason == Reason.GLOBAL_LOG and outcome.message.startswith(_LOG_CUT_BACK):
+            # the coordinator's (rank 0's) global log failed: its typed error, e.g. DiskFullError
+            own, self._log_failure = self._log_failure, None
+            error.__cause__ = own if own is not None else \
+                rebuild(0, outcome.message[len(_LOG_CUT_BACK):])
         return error
+
+
+#: how an ABORTED outcome whose global log append failed and was cut back begins; the failure's
+#: one-line description (errors.describe) follows, rebuilt typed by every other rank
+_LOG_CUT_BACK = "the global log failed (cut back): "
 
 
 def _failures_of(votes_raw: list[bytes]) -> tuple[tuple[int, str], ...]:
