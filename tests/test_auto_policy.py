@@ -480,6 +480,9 @@ def killed_while_planning(rank, world, path, kill_at, log):
                 _step(model, ck, opt, it)
                 f.write(f"{it} {_digest(model, opt)}\n")
                 f.flush()
+            # (a plan with a long snapshot interval may leave steps 6-11 without a collective:
+            # the next one, this flush's round, is where a survivor must get its typed error)
+            store.flush()
         except ckptstore.CkptStoreError as e:
             error = type(e).__name__
     return {"error": error}
