@@ -593,21 +593,26 @@ def global_log_fails(rank, world, path):
                     raise OSError(errno.EIO, "injected")
             return super().truncate(fd, p, length)
 
-    ops = Faulty() if rank == 0 else None
+    s, error = _second_save_with_rank_0_faulty(rank, path, Faulty() if rank == 0 else None)
+    try:
+        s.close()
+    except ckptstore.CkptStoreError:
+        pass
+    return None if error is None else type(error).__name__
+
+
+def _second_save_with_rank_0_faulty(rank, path, ops):
+    """Open the job (rank 0 with ``ops``), save iteration 1, arm ``ops``, save iteration 2:
+    (the open store, the error the second save raised or None)."""
     s = ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0, file_ops=ops)
     s.save(1, rank_state(1, rank))
     if ops is not None:
         ops.armed = True
     try:
         s.save(2, rank_state(2, rank))
-        err = None
     except ckptstore.CkptStoreError as e:
-        err = type(e).__name__
-    try:
-        s.close()
-    except ckptstore.CkptStoreError:
-        pass
-    return err
+        return s, e
+    return s, None
 
 
 def test_a_global_log_that_cannot_be_cut_back_keeps_every_ranks_records(tmp_path):
@@ -638,15 +643,9 @@ def global_log_full(rank, world, path):
                     raise OSError(errno.ENOSPC, "injected")
             return super().writev(fd, p, buffers, offset)
 
-    ops = Faulty() if rank == 0 else None
-    s = ckptstore.open(path, "a", process_group=_pg(), commit_timeout=30.0, file_ops=ops)
-    s.save(1, rank_state(1, rank))
-    if ops is not None:
-        ops.armed = True
-    try:
-        s.save(2, rank_state(2, rank))
-        out = None
-    except ckptstore.CkptStoreError as e:
+    s, e = _second_save_with_rank_0_faulty(rank, path, Faulty() if rank == 0 else None)
+    out = None
+    if e is not None:
         cause = e.__cause__
         out = [type(e).__name__, type(cause).__name__, getattr(cause, "rank", None),
                ".log" in str(cause)]
