@@ -215,6 +215,18 @@ class CheckpointAbortedError(CkptStoreError):
     rolled the group back. ``__cause__`` is the original failure."""
 
 
+class LiveStateChangedError(CkptStoreError):
+    """A tensor handed to an overlapped snapshot (``save_async(..., deferred=...)``, the
+    Checkpointer's snapshots) changed in place before its background copy had finished: the
+    checkpoint would not be the state of its iteration, so it is not written (``path``: the
+    tensor's path in the state). Change such tensors only after ``future.copied()`` returned (the
+    Checkpointer waits before its next ``optimizer.step()``), or copy at once (``overlap=False``)."""
+
+    def __init__(self, message: str, path: str) -> None:
+        self.path = path
+        super().__init__(message)
+
+
 class DamagedIndexWarning(UserWarning):
     """A read through the index (a cache of the log) failed a check and succeeded once the writer
     rebuilt the index, or the reader read from the log instead. No data is lost and the load is

@@ -82,7 +82,7 @@ class Store:
                  segment_size: int | None = None, file_ops: FileOps | None = None,
                  load_threads: int = 2, host_budget: int | None = None,
                  max_inflight: int | None = None, use_index: bool = True,
-                 evict_written: bool = True, direct_io: bool | str = "deltas",
+                 evict_written: bool = True, direct_io: bool | str = "async",
                  commit_round: Callable[[Callable[[], Any]], Any] | None = None,
                  retention: Policy | None = None, retention_every: int = 1,
                  remote: str | None = None, remote_options: dict | None = None,
@@ -319,15 +319,21 @@ class Store:
         """The async pipeline if an async save started it, else None (never starts it)."""
         return self._bg.running
 
-    def save_async(self, iteration: int, state: Any, meta: dict | None = None):
+    def save_async(self, iteration: int, state: Any, meta: dict | None = None, *,
+                   deferred: Callable[[Any], bool] | None = None):
         """Snapshot ``state`` into host buffers and return a ``concurrent.futures.Future`` at once;
         hashing, compression, writing, fsync and commit run in a background thread, in iteration
         order. The future's result (an :class:`ckptstore.ops.pipeline.AsyncStats`) is set when the
         checkpoint is durable. Mutating the live tensors after this returns does not affect what
         is stored. A background failure is raised by the future, by the next call on the store
         and by flush/close; the failed checkpoint (and anything queued after it) is rolled back.
-        See :mod:`ckptstore.ops.pipeline`."""
-        return self.pipeline.submit("snapshot", iteration, state, meta)
+        See :mod:`ckptstore.ops.pipeline`.
+
+        ``deferred`` (an overlapped snapshot, CheckFreq's rule): CPU tensors for which it returns
+        True are copied by a background thread after this returns; the caller must not change
+        them until the future's ``copied()`` returns (a change seen meanwhile fails the
+        checkpoint with LiveStateChangedError). :mod:`ckptstore.ops.deferred_copy`."""
+        return self.pipeline.submit("snapshot", iteration, state, meta, deferred=deferred)
 
     def save_delta_async(self, iteration: int, record: Any, meta: dict | None = None, *,
                          durable: bool = True):

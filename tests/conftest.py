@@ -167,3 +167,15 @@ def pytest_terminal_summary(terminalreporter) -> None:
         for r in cells:
             terminalreporter.write_line("  ".join(
                 c.ljust(w) if k == 0 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths))))
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one intra-op thread for the test (restored after): bit-exact comparisons with a
+    reference computed on one thread, and forked children that must not use an OpenMP pool."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -59,7 +59,7 @@ class WriterEngine(Engine):
 
     def __init__(self, path: str, *, chunk_size: int | None = None, segment_size: int | None = None,
                  file_ops: FileOps | None = None, load_threads: int = 2,
-                 evict_written: bool = True, direct_io: bool | str = "deltas",
+                 evict_written: bool = True, direct_io: bool | str = "async",
                  features: str = "current", job_stream: bool = False) -> None:
         # job_stream: opened by its job store (multirank/job_store.py, multirank/fsck.py), which
         # commits and repairs every rank's stream together; anyone else is refused before
@@ -71,9 +71,10 @@ class WriterEngine(Engine):
         #: see :func:`check_features`
         self.features = features
         #: append through O_DIRECT where the file system takes it (storage/direct.py): True for
-        #: every record, "deltas" for delta checkpoints only (snapshots buffered), False never
-        if direct_io not in (True, False, "deltas"):
-            raise ValueError(f'direct_io must be True, False or "deltas", not {direct_io!r}')
+        #: every record, "async" for deltas and the asynchronous pipeline's snapshots
+        #: (synchronous snapshots buffered), "deltas" for delta checkpoints only, False never
+        if direct_io not in (True, False, "async", "deltas"):
+            raise ValueError(f'direct_io must be True, False, "async" or "deltas", not {direct_io!r}')
         self.direct_io = direct_io
         #: which chunks of imaged delta tensors skip their compression trial (write_path.py)
         self.delta_trials = CompressionTrials()
@@ -300,9 +301,10 @@ class WriterEngine(Engine):
     # ---- saves -------------------------------------------------------------------------------
     def save_snapshot(self, iteration: int, skeleton: Any, meta: Any, leaves: list[ArrayLeaf], *,
                       progress: Callable[[int], None] | None = None, extra: dict | None = None,
-                      stats_field: str | None = None) -> SaveStats:
+                      stats_field: str | None = None, background: bool = False) -> SaveStats:
         """Commit one snapshot durably (committing a pending delta group first). Raises
-        IterationOrderError unless ``iteration`` is after every committed one."""
+        IterationOrderError unless ``iteration`` is after every committed one. ``background``:
+        written by the asynchronous pipeline (O_DIRECT under ``direct_io="async"``)."""
         with self._mutex:
             self.check_open()
             if self.group is not None:
@@ -314,7 +316,8 @@ class WriterEngine(Engine):
                     f"in {self.path}")
             txn = self.begin()
             try:
-                self.log.use_direct(self.direct_io is True)
+                self.log.use_direct(self.direct_io is True or
+                                    (background and self.direct_io == "async"))
                 staged, stats = append_checkpoint(txn, self.index, iteration, skeleton, meta, leaves,
                                                   chunk_size=self.chunk_size, progress=progress,
                                                   extra=extra, stats_field=stats_field)

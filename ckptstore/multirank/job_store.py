@@ -78,7 +78,7 @@ class JobStore:
                  commit_timeout: float = DEFAULT_COMMIT_TIMEOUT, chunk_size: int | None = None,
                  segment_size: int | None = None, file_ops: FileOps | None = None,
                  load_threads: int = 2, evict_written: bool = True,
-                 direct_io: bool | str = "deltas",
+                 direct_io: bool | str = "async",
                  host_budget: int | None = None, max_inflight: int | None = None,
                  features: str = "current", retention: Policy | None = None,
                  retention_every: int = 1, remote: str | None = None,
@@ -394,7 +394,8 @@ class JobStore:
     def running_pipeline(self) -> Any:
         return self._own.running_pipeline if self._own is not None else None
 
-    def save_async(self, iteration: int, state: Any, meta: dict | None = None) -> Any:
+    def save_async(self, iteration: int, state: Any, meta: dict | None = None, *,
+                   deferred: Callable[[Any], bool] | None = None) -> Any:
         """:meth:`ckptstore.Store.save_async` on every rank: the future resolves once the
         iteration is committed globally (its round runs in the background)."""
         self._writer()
@@ -405,7 +406,7 @@ class JobStore:
         except BaseException as e:
             pipe.fail_round(e)  # (as a failed submit does: the other ranks abort at once)
             raise
-        return pipe.submit("snapshot", iteration, part, meta)
+        return pipe.submit("snapshot", iteration, part, meta, deferred=deferred)
 
     def set_async_limits(self, host_budget: int | None = None, max_inflight: int | None = None) -> None:
         """:meth:`ckptstore.Store.set_async_limits` of this rank's stream (each rank its own

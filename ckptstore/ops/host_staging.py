@@ -2,7 +2,7 @@
 host arenas (pinned when CUDA is available) within a byte budget (:class:`HostPool`), and the
 foreground copy of a flattened state's leaves into one arena (:func:`snapshot_leaves`: CPU
 tensors by one batched ``_foreach_copy_``, CUDA tensors on a side stream the training stream then
-waits for on the GPU).
+waits for on the GPU; CPU tensors the caller defers are left to :mod:`ckptstore.ops.deferred_copy`).
 
 Invariants: the bytes of reserved plus cached arenas stay within the pool's budget (one
 reservation larger than the whole budget proceeds alone); an arena is reserved by one holder
@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -156,13 +156,28 @@ class HostPool:
             self._cond.notify_all()
 
 
+@dataclass
+class Staged:
+    """What :func:`snapshot_leaves` did: ``arena`` (None when nothing needed one), CUDA ``events``
+    to wait for, ``copied`` bytes reserved for the copies, ``waited`` seconds for memory, and the
+    ``deferred`` (destination view, live tensor, path name) triples it left to copy later."""
+
+    arena: Arena | None = None
+    events: list = field(default_factory=list)
+    copied: int = 0
+    waited: float = 0.0
+    deferred: list = field(default_factory=list)
+
+
 def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool, own_bytes: int,
-                     streams: dict, layouts: dict) -> tuple[list[ArrayLeaf], Arena | None, list, int, float]:
-    """Copy every leaf not already in an owned arena into one arena from ``pool``. Returns the
-    leaves (the same list: each copied leaf's ``value`` now views the arena; ``leaves`` is the
-    caller's fresh flatten output), the arena (None when nothing was copied), CUDA events to wait
-    for, bytes copied and the seconds spent waiting for memory. ``layouts``: the caller's cache of
-    :class:`ArenaLayout` by key, reused while the state's structure (dtypes, shapes) repeats.
+                     streams: dict, layouts: dict,
+                     deferred: Callable[[torch.Tensor], bool] | None = None) -> Staged:
+    """Copy every leaf not already in an owned arena into one arena from ``pool``; each such
+    leaf's ``value`` then views the arena (``leaves`` is the caller's fresh flatten output).
+    ``layouts``: the caller's cache of :class:`ArenaLayout` by key, reused while the state's
+    structure (dtypes, shapes) repeats. ``deferred``: CPU tensors for which it returns True get
+    their place in the arena but are not copied: :attr:`Staged.deferred` lists them for the
+    caller's overlapped copy (:mod:`ckptstore.ops.deferred_copy`).
 
     CPU tensors are copied by one ``torch._foreach_copy_`` into views of their own dtype and shape
     (no Python call per tensor; a same-dtype copy moves bits, NaN payloads included, and resolves
@@ -172,7 +187,7 @@ def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool,
     else:
         todo = [lf for lf in leaves if lf.nbytes]
     if not todo:
-        return leaves, None, [], 0, 0.0
+        return Staged()
     key = tuple([(lf.lib, lf.dtype, lf.shape, lf.nbytes) for lf in todo])
     layout = layouts.get(key)
     if layout is None:
@@ -181,6 +196,7 @@ def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool,
         layout = layouts[key] = ArenaLayout.of(key)
     arena, waited = pool.acquire(layout.total, own=own_bytes)
     events: list = []
+    later: list = []
     try:
         cpu_dst: list[torch.Tensor] = []
         cpu_src: list[torch.Tensor] = []
@@ -192,6 +208,8 @@ def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool,
             if lf.lib != "torch":
                 dst.reshape(-1).view(np.uint8)[:] = \
                     np.ascontiguousarray(src).reshape(-1).view(np.uint8)  # a byte copy
+            elif src.is_cpu and deferred is not None and deferred(src):
+                later.append((dst, src, lf.name))
             elif src.is_cpu:
                 cpu_dst.append(dst)
                 cpu_src.append(src)
@@ -209,7 +227,7 @@ def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool,
     except BaseException:
         pool.release(arena)
         raise
-    return leaves, arena, events, layout.total, waited
+    return Staged(arena, events, layout.total, waited, later)
 
 
 def _cuda_copy(device: Any, pairs: list, streams: dict) -> Any:

@@ -11,8 +11,12 @@ Foreground, in the caller (its duration is the *stall* training sees):
      destination views cached per arena and state structure, so a repeated structure costs no
      per-tensor Python work beyond flattening; CUDA tensors: a pinned arena, copies issued on a
      side stream after it waits for the training stream, which then waits for the copies on the
-     GPU, not on the CPU; the persister synchronises on the copy event before reading);
-  4. enqueue the job and return a :class:`concurrent.futures.Future`.
+     GPU, not on the CPU; the persister synchronises on the copy event before reading). CPU
+     tensors the caller defers (``deferred``) only get their place in the arena: their copy runs
+     on a background thread while the caller goes on (:mod:`ckptstore.ops.deferred_copy`: the
+     Checkpointer's overlapped snapshots), and the persister waits for it before reading;
+  4. enqueue the job and return a :class:`~ckptstore.ops.deferred_copy.SaveFuture` (a
+     ``concurrent.futures.Future`` whose ``copied()`` waits for the deferred copy).
 
 Background, one persister thread, FIFO (so commits happen in iteration order):
   5. hash, compress and append (the engine's write path, under the engine's lock), then fsync and
@@ -27,7 +31,9 @@ Invariants:
     resolved future names survives a crash.
   * Nothing the caller does to its tensors after ``submit`` returns reaches the store: every tensor
     leaf is copied, except leaves that already live in an arena handed over with ``owned`` (the
-    Checkpointer's gradient captures, whose ownership passes to the job).
+    Checkpointer's gradient captures, whose ownership passes to the job). Deferred tensors: after
+    the future's ``copied()`` returns; a change seen before (their version counters) fails the
+    checkpoint with LiveStateChangedError instead of writing a torn state.
   * Tensors are always copied. Skipping the copy of a tensor whose ``_version`` and ``data_ptr`` are
     unchanged since the previous snapshot is NOT done: writes through ``.data``, numpy or DLPack
     aliases do not bump ``_version``, so it cannot prove the bytes unchanged. Unchanged bytes are
@@ -45,7 +51,6 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -57,6 +62,7 @@ from ..format.state import flatten
 from ..tensors import leaf_hook
 from ..engine.write_path import SaveStats, flatten_meta
 from . import shutdown
+from .deferred_copy import Copier, DeferredCopy, SaveFuture
 from .host_staging import Arena, ArenaLayout, HostPool, default_host_budget, snapshot_leaves
 
 if TYPE_CHECKING:
@@ -78,7 +84,9 @@ class AsyncStats:
     background work until it was durable (for a delta in a group: until the group's commit);
     ``write_s``: hashing, compressing and appending (before the manifest); ``cpu_s``: CPU time
     the background thread spent on it (``time.thread_time``; its share of a group's commit
-    included), the cost per iteration that competes with training for the cores.
+    included, and an overlapped copy's time), the cost per iteration that competes with training
+    for the cores; ``overlap_bytes``: bytes whose copy was deferred (:mod:`ckptstore.ops.deferred_copy`),
+    ``overlap_s``: how long that copy ran, after the submitting call returned (not in ``stall_s``).
     """
 
     iteration: int
@@ -94,13 +102,18 @@ class AsyncStats:
     written_bytes: int = 0
     dedup_bytes: int = 0
     cpu_s: float = 0.0
+    overlap_bytes: int = 0
+    overlap_s: float = 0.0
     save: SaveStats | None = None
 
     def to_manifest(self) -> dict:
         """The part known before the manifest is written (format.md section 10, "pipeline")."""
-        return {"stall_s": round(self.stall_s, 6), "wait_s": round(self.wait_s, 6),
-                "snapshot_s": round(self.snapshot_s, 6), "queue_depth": self.queue_depth,
-                "snapshot_bytes": self.snapshot_bytes}
+        out = {"stall_s": round(self.stall_s, 6), "wait_s": round(self.wait_s, 6),
+               "snapshot_s": round(self.snapshot_s, 6), "queue_depth": self.queue_depth,
+               "snapshot_bytes": self.snapshot_bytes}
+        if self.overlap_bytes:
+            out["overlap_s"] = round(self.overlap_s, 6)
+        return out
 
 
 @dataclass
@@ -113,7 +126,9 @@ class _Job:
     commit: bool = True
     arenas: list = field(default_factory=list)
     events: list = field(default_factory=list)
-    future: Future = field(default_factory=Future)
+    future: SaveFuture = field(default_factory=SaveFuture)
+    #: the overlapped part of its copy (None: everything was copied by submit)
+    copy: DeferredCopy | None = None
     stats: AsyncStats | None = None
     t_start: float = 0.0
     #: "vote-failed": why the caller's submit failed (this rank's vote in that job's round)
@@ -158,6 +173,7 @@ class Pipeline:
         self._current: _Job | None = None
         #: stopped at interpreter exit (stop_at_exit): nothing is queued or run any more
         self._abandoned = False
+        self._copier = Copier(f"ckptstore-copy:{engine.path}")
         self._thread = threading.Thread(target=self._run, name=f"ckptstore-persist:{engine.path}",
                                         daemon=True)
         self._thread.start()
@@ -165,12 +181,15 @@ class Pipeline:
 
     # ---- foreground -------------------------------------------------------------------------
     def submit(self, kind: str, iteration: int, state: Any, meta: dict | None = None, *,
-               commit: bool = True, owned: list[Arena] | None = None) -> Future:
+               commit: bool = True, owned: list[Arena] | None = None,
+               deferred: Callable[[torch.Tensor], bool] | None = None) -> SaveFuture:
         """Snapshot ``state`` and queue it; see the module docstring. ``owned``: arenas holding
         tensors of ``state`` already copied by the caller; they pass to the job (released by the
-        pipeline whatever happens)."""
+        pipeline whatever happens). ``deferred``: CPU tensors for which it returns True are copied
+        in the background (:mod:`ckptstore.ops.deferred_copy`); the caller changes them only after
+        the future's ``copied()``."""
         try:
-            return self._submit(kind, iteration, state, meta, commit, owned)
+            return self._submit(kind, iteration, state, meta, commit, owned, deferred)
         except BaseException as e:
             if kind != "delta" or commit:
                 self.fail_round(e)
@@ -193,7 +212,8 @@ class Pipeline:
         return True
 
     def _submit(self, kind: str, iteration: int, state: Any, meta: dict | None, commit: bool,
-                owned: list[Arena] | None) -> Future:
+                owned: list[Arena] | None,
+                deferred: Callable[[torch.Tensor], bool] | None) -> SaveFuture:
         t0 = time.perf_counter()
         owned = list(owned or [])
         try:
@@ -229,12 +249,13 @@ class Pipeline:
         try:
             ts = time.perf_counter()
             own = sum(a.capacity for a in owned)
-            job.leaves, arena, job.events, copied, waited = snapshot_leaves(
-                leaves, owned, self.pool, own, self._streams, self._layouts)
-            if arena is not None:
-                job.arenas.append(arena)
-            wait += waited
-            snap = time.perf_counter() - ts - waited
+            staged = snapshot_leaves(leaves, owned, self.pool, own, self._streams, self._layouts,
+                                     deferred)
+            job.leaves, job.events = leaves, staged.events
+            if staged.arena is not None:
+                job.arenas.append(staged.arena)
+            wait += staged.waited
+            snap = time.perf_counter() - ts - staged.waited
         except BaseException:
             for a in job.arenas:
                 self.pool.release(a)
@@ -245,7 +266,12 @@ class Pipeline:
                 self._cond.notify_all()
             raise
         job.future.set_running_or_notify_cancel()
-        job.stats = AsyncStats(iteration, kind, time.perf_counter() - t0, wait, snap, depth, copied)
+        job.stats = AsyncStats(iteration, kind, time.perf_counter() - t0, wait, snap, depth,
+                               staged.copied)
+        if staged.deferred:
+            job.copy = job.future.deferred = DeferredCopy(iteration, staged.deferred)
+            job.stats.overlap_bytes = job.copy.nbytes
+            self._copier.put(job.copy)
         if not self._queue_job(job):  # stopped at exit meanwhile
             self._drop([job], "the store's async saves were stopped at interpreter exit")
         return job.future
@@ -335,6 +361,7 @@ class Pipeline:
             shutdown.forget(self)
             self._queue_job(_Job("stop"))  # (not queued once stopped at exit: it has ended)
             self._thread.join()
+            self._copier.stop()
 
     def stop_at_exit(self) -> str | None:
         """Stop as a crash would, the interpreter exiting with the store open
@@ -356,6 +383,7 @@ class Pipeline:
             self._cond.notify_all()
         self._drop(dropped, why)
         self._thread.join()
+        self._copier.stop()
         with self._cond:
             lost, self._uncommitted = self._uncommitted, []
         self._drop(lost, why + " before their group's commit", queued=False)
@@ -371,6 +399,8 @@ class Pipeline:
         """Fail jobs that will never run (their futures raise CheckpointAbortedError);
         ``queued``: they were still counted in flight (not yet persisted)."""
         for j in jobs:
+            if j.copy is not None:
+                j.copy.wait()  # (no arena is released while a copy into it may run)
             for a in j.arenas:
                 self.pool.release(a)
             j.arenas, j.leaves = [], []
@@ -449,6 +479,8 @@ class Pipeline:
             except BaseException as e:  # noqa: BLE001 - handed to the future and the store
                 self._fail(job, e)
             finally:
+                if job.copy is not None:
+                    job.copy.wait()  # (a job failed before its copy ended: not released under it)
                 for a in job.arenas:
                     self.pool.release(a)
                 job.arenas = []
@@ -498,13 +530,20 @@ class Pipeline:
         cpu0 = time.thread_time()
         for ev in job.events:
             ev.synchronize()
+        copy = job.copy
+        if copy is not None:
+            copy.wait()
+            if copy.error is not None:
+                raise copy.error
+            if job.stats is not None:
+                job.stats.overlap_s = copy.seconds
         engine = self.engine
         committed = True
         save: SaveStats | None = None
         extra = {STATS_FIELD: job.stats.to_manifest()} if job.stats is not None else None
         if job.kind == "snapshot":
             save = engine.save_snapshot(job.iteration, job.skeleton, job.meta, job.leaves,
-                                        extra=extra, stats_field=STATS_FIELD)
+                                        extra=extra, stats_field=STATS_FIELD, background=True)
         elif job.kind == "delta":
             save = engine.append_delta(job.iteration, job.skeleton, job.meta, job.leaves,
                                        job.commit, extra=extra, stats_field=STATS_FIELD)
@@ -515,7 +554,7 @@ class Pipeline:
             s = job.stats
             s.save, s.logical_bytes, s.written_bytes = save, save.logical_bytes, save.written_bytes
             s.dedup_bytes, s.write_s = save.dedup_bytes, save.seconds
-            s.cpu_s = time.thread_time() - cpu0
+            s.cpu_s = time.thread_time() - cpu0 + (copy.seconds if copy is not None else 0.0)
         with self._cond:
             if job.kind != "flush":
                 self._uncommitted.append(job)

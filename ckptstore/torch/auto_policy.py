@@ -418,7 +418,8 @@ class AutoPolicy:
         if fut.cancelled() or fut.exception() is not None:
             return
         st = fut.result()
-        self.meter.add("stall", getattr(st, "stall_s", 0.0))
+        if not getattr(st, "overlap_bytes", 0):  # (overlapped: sampled by StepWriter.await_copy)
+            self.meter.add("stall", getattr(st, "stall_s", 0.0))
         self.meter.add("persist", getattr(st, "persist_s", 0.0))
         self.meter.add("snapshot_bytes", getattr(st, "written_bytes", 0) or
                        getattr(st, "snapshot_bytes", 0))

@@ -151,6 +151,14 @@ class Checkpointer:
     base this Checkpointer writes (:meth:`ckptstore.Store.set_retention`; on a job store
     :meth:`ckptstore.JobStore.set_retention`, the job's collective gc), so that a run's disk use
     stays bounded: what it keeps loads bit for bit, delta chains included.
+    ``overlap``: an asynchronous base (a snapshot) copies the parameters and the optimizer
+    state in the background while the next step's forward and backward run, and the next
+    ``optimizer.step()`` (``step`` or ``before_step``) first waits for that copy (CheckFreq's
+    rule, :mod:`ckptstore.ops.deferred_copy`): the stall is the rest of the state (buffers, RNG,
+    scheduler) plus whatever of the copy is left then. Between steps, change the parameters and
+    the optimizer state only through the step (an in-place change the tensors' version counters
+    see fails that checkpoint with LiveStateChangedError; a write through ``.data`` is not seen).
+    False: everything is copied before ``step`` returns.
     Bad values raise CheckpointPlanError (a ValueError) naming the argument, before anything is
     written.
     """
@@ -179,8 +187,10 @@ class Checkpointer:
                  policy: str | None = None, snapshot_every: int | None = None,
                  mtbf_s: float | None = None, disk_budget: int | None = None,
                  measure_steps: int = 8, retention: Policy | None = None,
-                 retention_every: int = 1) -> None:
+                 retention_every: int = 1, overlap: bool = True) -> None:
         check_policy_args(policy, snapshot_every, mtbf_s, disk_budget, measure_steps)
+        if type(overlap) is not bool:
+            raise CheckpointPlanError(f"overlap must be True or False, not {overlap!r}")
         if retention is not None:
             # before anything is written; on a job store every rank sets the same (collective)
             store.set_retention(retention, retention_every)
@@ -237,7 +247,7 @@ class Checkpointer:
                                   asynchronous=bool(asynchronous), base_every=base_every,
                                   group_commit=group_commit, group_seconds=group_seconds,
                                   target_recovery_s=target_recovery_s,
-                                  capture_grads=capture_grads)
+                                  capture_grads=capture_grads, overlap=overlap)
         if capture_grads:
             self.store.pipeline  # noqa: B018 - start it now: hooks need its pool
             if capture == "hooks":
@@ -337,6 +347,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Remove the gradient hooks and give the capture buffer back (the store stays open)."""
+        self._writer.await_copy()
         self._capture.remove_hooks()
         self._drop_open_step()
         self._auto.close()
@@ -352,6 +363,7 @@ class Checkpointer:
         if state is not None and iteration is None:
             raise ValueError("restore(state=...) needs the iteration the state is of")
         self._drop_open_step()
+        self._writer.await_copy()  # (the live objects are about to change)
         self.store.flush() if self.store.pending() or self.store.running_pipeline is not None else None
         self._capture.forget()
         w = self._writer
@@ -522,12 +534,17 @@ class Checkpointer:
             st.release()
 
     def _begin(self, iteration: int, own_grads: bool) -> Step:
-        """What a step does before ``optimizer.step()``, on the path of the current mode."""
-        if self._auto.mode == SNAPSHOTS:
-            return self._writer.snap_begin(iteration)
-        if self.asynchronous:
-            return begin_async(self._writer, iteration, own_grads)
-        return self._writer.begin_sync(iteration, own_grads)
+        """What a step does before ``optimizer.step()``, on the path of the current mode; it
+        ends with the overlapped copy of any base written so far complete, also when it fails
+        (the caller may step the optimizer after an error)."""
+        try:
+            if self._auto.mode == SNAPSHOTS:
+                return self._writer.snap_begin(iteration)
+            if self.asynchronous:
+                return begin_async(self._writer, iteration, own_grads)
+            return self._writer.begin_sync(iteration, own_grads)
+        finally:
+            self._writer.await_copy()
 
     def _end(self, st: Step, meta: dict | None) -> Any:
         """What a step does after ``optimizer.step()`` and ``scheduler.step()``: write its record

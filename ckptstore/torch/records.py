@@ -12,7 +12,7 @@ writes to a store.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -68,6 +68,19 @@ class RecordBuilder:
         if lay.sharded:
             return localize(st, lay.rank, lay.world, lay.replicas)
         return st
+
+    def changed_only_by_step(self) -> Callable[[Any], bool]:
+        """Whether a tensor shares memory with what only ``optimizer.step()`` changes: the
+        parameters (local shards) and the optimizer state's tensors, less anything that shares
+        memory with a model buffer (a forward in training mode updates buffers). An overlapped
+        base copies these while the next forward and backward run (step_writer.py, step 4)."""
+        ptrs = {local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
+        for per_param in self.optimizer.state.values():
+            for v in per_param.values():
+                if isinstance(v, torch.Tensor):
+                    ptrs.add(local(v).untyped_storage().data_ptr())
+        ptrs -= {local(b).untyped_storage().data_ptr() for b in self.model.buffers()}
+        return lambda t: isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ptrs
 
     def encode_grads(self) -> tuple[list[Any], dict[str, Any]]:
         """Every parameter's gradient through the codec (None where a parameter has none), and

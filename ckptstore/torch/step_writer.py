@@ -11,6 +11,10 @@ Call sequence of one step (:class:`StepWriter`):
 2. the caller applies ``optimizer.step()`` and ``scheduler.step()``;
 3. :meth:`StepWriter.end_sync`: write the record (a base when due, else a delta; in the snapshots
    mode a snapshot when due, else nothing), or :meth:`StepWriter.failed` when the step failed.
+4. Before the next ``optimizer.step()`` (and before a restore changes the live objects):
+   :meth:`StepWriter.await_copy`. An asynchronous base is an *overlapped* snapshot
+   (:mod:`ckptstore.ops.deferred_copy`): the parameters and the optimizer state are copied in the
+   background while the next forward and backward run, which do not change them.
 
 The snapshots mode's pair is :meth:`StepWriter.snap_begin` / :meth:`StepWriter.snap_end`, the
 asynchronous delta path's :func:`ckptstore.torch.async_steps.begin_async` / ``end_async``; the
@@ -72,8 +76,12 @@ class StepWriter:
     def __init__(self, store: Any, records: RecordBuilder, capture: GradCapture,
                  auto: AutoPolicy, failures: FailurePolicy, *, asynchronous: bool,
                  base_every: int | str | None, group_commit: int, group_seconds: float | None,
-                 target_recovery_s: float, capture_grads: bool) -> None:
+                 target_recovery_s: float, capture_grads: bool, overlap: bool = True) -> None:
         self.store = store
+        #: asynchronous bases copy the parameters and optimizer state while the next step runs
+        self.overlap = overlap
+        #: the last overlapped base's future and its submit stall, until :meth:`await_copy`
+        self.pending_copy: tuple[Any, float] | None = None
         self.records = records
         self.capture = capture
         self.auto = auto
@@ -149,7 +157,10 @@ class StepWriter:
         state = self.records.base_state(iteration, self.auto.persisted())
         self.failures.check_space(self.store.path, tensor_bytes(state), iteration)
         if self.asynchronous:
-            fut = self.store.save_async(iteration, state, meta=meta)
+            deferred = self.records.changed_only_by_step() if self.overlap else None
+            fut = self.store.save_async(iteration, state, meta=meta, deferred=deferred)
+            if deferred is not None:
+                self.pending_copy = (fut, time.perf_counter() - t0)
             fut.add_done_callback(self.cost_callback("base_cost", 0.0))
             fut.add_done_callback(self.durable_callback)
             fut.add_done_callback(self.auto.observe_snapshot)
@@ -166,6 +177,15 @@ class StepWriter:
         self.force_base = False
         self.failures.succeeded()
         return stats
+
+    def await_copy(self) -> None:
+        """Step 4: the overlapped copy of the last base is complete, so ``optimizer.step()`` (or
+        a restore) may change what it copies. Its stall (the submit plus this wait) is the
+        snapshot's stall sample (AutoPolicy leaves an overlapped one's AsyncStats out)."""
+        pending, self.pending_copy = self.pending_copy, None
+        if pending is not None:
+            fut, submit_s = pending
+            self.auto.meter.add("stall", submit_s + fut.copied())
 
     # ---- where the chain stands ----------------------------------------------------------------
     def check_follows(self, iteration: int, top: int | None) -> None:
