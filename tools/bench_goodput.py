@@ -854,6 +854,8 @@ def job_summary(r: JobResult, step_plain_s: float) -> dict:
     """Per-job figures: goodput and the simulator's inputs (medians/means over the job)."""
     plain_dt = [dt for _, dt, ck in r.steps if not ck]
     ck_dt = [dt for _, dt, ck in r.steps if ck]
+    if ck_dt and not plain_dt:  # a checkpoint every step (deltas): its cost is in the step
+        plain_dt, ck_dt = ck_dt, []
     after = [x for x in r.restores if x["after_failure"]]
     step_mean = statistics.fmean(plain_dt) if plain_dt else math.nan
     return {
