@@ -167,6 +167,8 @@ def test_open_url_of_a_job_and_the_cli(server, url, tmp_path, capsys, monkeypatc
     cache = str(tmp_path / "cache")
     with ckptstore.open(url, "r", storage_options=opts, cache_dir=cache) as job:
         assert job.iterations() == [0, 1, 2, 3]
+        st = job.remote_read_stats()  # pulled whole: the pull's bytes
+        assert (st.mode, st.index) == ("whole", "skipped") and job.remote_bytes_read > 0
     assert cli(["pull", url, str(tmp_path / "pulled"), *args]) == 0
     assert cli(["fsck", url, *args]) == 0  # every object the job HEAD names, streams' included
     out = capsys.readouterr().out
