@@ -318,8 +318,10 @@ def _lit_module(perturb: bool = False) -> Any:
 
 
 def _lit_fit(work: str, name: str, model: Any, max_epochs: int, io: Any = None,
-             ckpt_path: str | None = None, callbacks: tuple = (), job: bool = False) -> Any:
-    """A DDP fit (``job``: with ckptstore's StoreDDPStrategy: every rank saves)."""
+             ckpt_path: str | None = None, callbacks: tuple = (), job: bool = False,
+             ckpts: str | None = None) -> Any:
+    """A DDP fit (``job``: with ckptstore's StoreDDPStrategy: every rank saves), checkpoint
+    names under ``ckpts`` (default: ``work/ckpts``)."""
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -330,7 +332,7 @@ def _lit_fit(work: str, name: str, model: Any, max_epochs: int, io: Any = None,
                                        batch_size=8, shuffle=True)
     cbs = list(callbacks)
     if io is not None:
-        cbs.append(ModelCheckpoint(dirpath=os.path.join(work, "ckpts"), monitor="train_loss",
+        cbs.append(ModelCheckpoint(dirpath=ckpts or os.path.join(work, "ckpts"), monitor="train_loss",
                                    mode="min", save_top_k=2, every_n_epochs=1,
                                    save_on_train_epoch_end=True, save_last=True))
     from ckptstore.lightning import StoreDDPStrategy
@@ -364,17 +366,20 @@ def _lit_kill(rank: int, at_step: int) -> Any:
     return Kill()
 
 
-def _lit_io(store: str, job: bool = False) -> Any:
+def _lit_io(store: str, job: bool = False, retention_every: int | None = None) -> Any:
     """The plugin (``job``: every rank waits at most 60 s for the others in a commit)."""
     from ckptstore.lightning import StoreCheckpointIO
 
-    return StoreCheckpointIO(store, commit_timeout=60.0) if job else StoreCheckpointIO(store)
+    return StoreCheckpointIO(store, retention_every=retention_every,
+                             **({"commit_timeout": 60.0} if job else {}))
 
 
-def _lit_resume(work: str, store: str, job: bool = False) -> tuple[Any, str | None, Any]:
-    io = _lit_io(store, job)
+def _lit_resume(work: str, store: str, job: bool = False, retention_every: int | None = None,
+                ckpts: str | None = None) -> tuple[Any, str | None, Any]:
+    io = _lit_io(store, job, retention_every)
     path = io.latest_path()  # every rank reads the store
-    resumed = _lit_fit(work, "resumed", _lit_module(perturb=True), LIT_EPOCHS, io, path, job=job)
+    resumed = _lit_fit(work, "resumed", _lit_module(perturb=True), LIT_EPOCHS, io, path, job=job,
+                       ckpts=ckpts)
     return resumed, path, io
 
 
@@ -408,16 +413,19 @@ def lit_kill(rank: int, cfg: dict) -> dict:
     rank saving into a job store)."""
     job = cfg.get("job", False)
     trainer = _lit_fit(cfg["work"], "killed", _lit_module(), LIT_EPOCHS, _lit_io(cfg["store"], job),
-                       callbacks=(_lit_kill(rank, cfg["kill_at"]),), job=job)
+                       callbacks=(_lit_kill(rank, cfg["kill_at"]),), job=job,
+                       ckpts=cfg.get("ckpts"))
     return {"finished": trainer.global_step}
 
 
 def lit_after_kill(rank: int, cfg: dict) -> dict:
     """Resume the killed fit from the store, then an uninterrupted fit to compare with."""
-    resumed, path, io = _lit_resume(cfg["work"], cfg["store"], cfg.get("job", False))
+    resumed, path, io = _lit_resume(cfg["work"], cfg["store"], cfg.get("job", False),
+                                    cfg.get("retention_every"), cfg.get("ckpts"))
     out = _lit_compare(_lit_fit(cfg["work"], "plain", _lit_module(), LIT_EPOCHS), resumed)
     out["resumed_from"] = path
     io.teardown()
+    out["names"] = io.names()
     return out
 
 
@@ -797,19 +805,27 @@ def test_lightning_store_ddp_strategy_writes_a_job_store_and_a_killed_fit_resume
     import ckptstore
 
     store = str(tmp_path / "store")
-    cfg = {"store": store, "kill_at": 7, "job": True}
+    # (one ModelCheckpoint dirpath for both fits: the resumed one goes on removing the top-k's)
+    cfg = {"store": store, "kill_at": 7, "job": True, "ckpts": str(tmp_path / "ckpts")}
     killed = launch("lit_kill", cfg, str(tmp_path / "killed"), 240)
     assert killed == [{"died": -signal.SIGKILL}] * WORLD, killed
     with ckptstore.open(store, mode="r") as js:
         assert isinstance(js, ckptstore.JobStore) and js.iterations() == [3, 6]
         assert js.global_commit(6).world_size == WORLD
-    work = str(tmp_path / "relaunch")
-    for rank, res in enumerate(_ok(launch("lit_after_kill", cfg, work, 360), work)):
+    work = str(tmp_path / "relaunch")  # with the plugin's retention after every save
+    results = _ok(launch("lit_after_kill", dict(cfg, retention_every=1), work, 360), work)
+    for rank, res in enumerate(results):
         _bit_exact(res)
         assert res["resumed_from"].endswith("last.ckpt"), (rank, res)
+    names = results[0]["names"]  # top-2 and last.ckpt: the others were removed on every rank
+    assert names == results[1]["names"] and len(names) == 3, results
     with ckptstore.open(store, mode="r") as js:
         last = 3 * LIT_EPOCHS
-        assert js.iterations()[-1] == last and js.global_commit(last).world_size == WORLD
+        its = js.iterations()
+        assert its[-1] == last and js.global_commit(last).world_size == WORLD
+        # the job's automatic gc (before the save of 12) collected the iteration the removal
+        # after the save of 9 left unnamed: 3 of the 4 kept, every name among them
+        assert len(its) == 3 and set(names.values()) <= set(its), (its, names)
         held = js.load(last, rank=0)
         assert held["global_step"] == last and "state_dict" in held
         assert js.load(last, rank=1) == {"lightning": {"held_by": 0}}
