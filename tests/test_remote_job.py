@@ -419,6 +419,10 @@ def test_remote_gc_after_a_job_gc_deletes_unnamed_streams_and_survives_sigkill(
     with ckptstore.open(path, "r") as job:
         job.gc(keep_last=1)
         assert job.iterations() == [3]
+    # compared with the gc'd job, the copy is older: what the gc removed is a note, not differs
+    report = verify_remote(url, two, local=path)
+    assert report.clean and report.behind and not report.problems, report.lines()
+    assert any("collected by a job gc" in n for n in report.notes), report.notes
     second = push(path, url, two).head
     assert second.epoch > 1 and second.generation == first.generation + 1
     assert _keys(server, url, "streams/0000000001-") == old  # the older kept job HEAD names them
