@@ -182,10 +182,11 @@ class StoreCheckpointIO(CheckpointIO):
     def _view(self) -> Iterator[tuple[Any, dict[str, int]]]:
         """(store, names) for a read: the plugin's writer when it holds one, else a reader opened
         for the call (None and no names when there is no store yet)."""
-        if self.store is not None:
-            self._writer()
-            assert self._names is not None
-            yield self.store, self._names
+        store = self.store
+        if store is not None:  # (a JobStore handed in reads before the strategy's first save)
+            if self._names is None:
+                self._names, self.seen = _scan_names(store, self.names_path)
+            yield store, self._names
             return
         import ckptstore
         try:
