@@ -122,7 +122,8 @@ def _open_remote_job(url: str, mode: str, options: dict) -> JobStore:
     engines = copy.streams
     try:
         job = JobStore(copy.path, "r", **copy.options, _streams=None if engines is None else
-                       (lambda epoch, rank: _reader_on(engines(epoch, rank))))
+                       (lambda epoch, rank: _reader_on(engines(epoch, rank))),
+                       _read_stats=copy.read_stats)
     except BaseException:
         if copy.temporary:
             shutil.rmtree(copy.path, ignore_errors=True)

@@ -511,3 +511,14 @@ def test_lightning_refuses_what_the_store_cannot_hold(tmp_path, one_thread):
     with pytest.raises(ckptstore.NotFoundError):
         io.load_checkpoint(tmp_path / "a.ckpt")
     io.teardown()
+    # StoreDDPStrategy saves on every rank through a StoreCheckpointIO only
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    from ckptstore.lightning import StoreDDPStrategy
+
+    strategy = StoreDDPStrategy(checkpoint_io=TorchCheckpointIO())
+    with pytest.raises(TypeError, match="StoreCheckpointIO only.*TorchCheckpointIO"):
+        strategy.save_checkpoint({"global_step": 6}, tmp_path / "d.ckpt")
+    with pytest.raises(TypeError, match="StoreCheckpointIO only"):
+        strategy.remove_checkpoint(tmp_path / "d.ckpt")
+    assert not (tmp_path / "d.ckpt").exists()

@@ -11,7 +11,8 @@ does not finish in time is killed and reported as "hang", never waited for.
   job store; each rank writes its part of every step's record.
 * Lightning: Lightning saves a checkpoint from global rank 0 only (``Strategy.save_checkpoint``),
   so :class:`ckptstore.lightning.StoreCheckpointIO` writes a single-writer store on rank 0 and
-  every rank reads it to resume.
+  every rank reads it to resume; with ``strategy=StoreDDPStrategy()`` every rank saves, into a
+  multi-rank job store (rank 0's part carries the checkpoint).
 
 Run a rank by hand: ``python tests/test_integrations_multiproc.py SCENARIO CONFIG_JSON`` with the
 environment above. The tiny models are random-weight ones from configs: nothing downloads.
@@ -317,7 +318,10 @@ def _lit_module(perturb: bool = False) -> Any:
 
 
 def _lit_fit(work: str, name: str, model: Any, max_epochs: int, io: Any = None,
-             ckpt_path: str | None = None, callbacks: tuple = ()) -> Any:
+             ckpt_path: str | None = None, callbacks: tuple = (), job: bool = False,
+             ckpts: str | None = None) -> Any:
+    """A DDP fit (``job``: with ckptstore's StoreDDPStrategy: every rank saves), checkpoint
+    names under ``ckpts`` (default: ``work/ckpts``)."""
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -328,10 +332,13 @@ def _lit_fit(work: str, name: str, model: Any, max_epochs: int, io: Any = None,
                                        batch_size=8, shuffle=True)
     cbs = list(callbacks)
     if io is not None:
-        cbs.append(ModelCheckpoint(dirpath=os.path.join(work, "ckpts"), monitor="train_loss",
+        cbs.append(ModelCheckpoint(dirpath=ckpts or os.path.join(work, "ckpts"), monitor="train_loss",
                                    mode="min", save_top_k=2, every_n_epochs=1,
                                    save_on_train_epoch_end=True, save_last=True))
-    trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=WORLD, strategy="ddp",
+    from ckptstore.lightning import StoreDDPStrategy
+
+    trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=WORLD,
+                        strategy=StoreDDPStrategy() if job else "ddp",
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=os.path.join(work, name), callbacks=cbs,
                         plugins=[io] if io is not None else [], enable_checkpointing=io is not None,
@@ -359,12 +366,20 @@ def _lit_kill(rank: int, at_step: int) -> Any:
     return Kill()
 
 
-def _lit_resume(work: str, store: str) -> tuple[Any, str | None, Any]:
+def _lit_io(store: str, job: bool = False, retention_every: int | None = None) -> Any:
+    """The plugin (``job``: every rank waits at most 60 s for the others in a commit)."""
     from ckptstore.lightning import StoreCheckpointIO
 
-    io = StoreCheckpointIO(store)
+    return StoreCheckpointIO(store, retention_every=retention_every,
+                             **({"commit_timeout": 60.0} if job else {}))
+
+
+def _lit_resume(work: str, store: str, job: bool = False, retention_every: int | None = None,
+                ckpts: str | None = None) -> tuple[Any, str | None, Any]:
+    io = _lit_io(store, job, retention_every)
     path = io.latest_path()  # every rank reads the store
-    resumed = _lit_fit(work, "resumed", _lit_module(perturb=True), LIT_EPOCHS, io, path)
+    resumed = _lit_fit(work, "resumed", _lit_module(perturb=True), LIT_EPOCHS, io, path, job=job,
+                       ckpts=ckpts)
     return resumed, path, io
 
 
@@ -394,38 +409,43 @@ def lit_resume(rank: int, cfg: dict) -> dict:
 
 
 def lit_kill(rank: int, cfg: dict) -> dict:
-    from ckptstore.lightning import StoreCheckpointIO
-
-    trainer = _lit_fit(cfg["work"], "killed", _lit_module(), LIT_EPOCHS,
-                       StoreCheckpointIO(cfg["store"]), callbacks=(_lit_kill(rank, cfg["kill_at"]),))
+    """Fit until every rank SIGKILLs itself at step ``kill_at`` (``job``: StoreDDPStrategy, every
+    rank saving into a job store)."""
+    job = cfg.get("job", False)
+    trainer = _lit_fit(cfg["work"], "killed", _lit_module(), LIT_EPOCHS, _lit_io(cfg["store"], job),
+                       callbacks=(_lit_kill(rank, cfg["kill_at"]),), job=job,
+                       ckpts=cfg.get("ckpts"))
     return {"finished": trainer.global_step}
 
 
 def lit_after_kill(rank: int, cfg: dict) -> dict:
-    resumed, path, io = _lit_resume(cfg["work"], cfg["store"])
+    """Resume the killed fit from the store, then an uninterrupted fit to compare with."""
+    resumed, path, io = _lit_resume(cfg["work"], cfg["store"], cfg.get("job", False),
+                                    cfg.get("retention_every"), cfg.get("ckpts"))
     out = _lit_compare(_lit_fit(cfg["work"], "plain", _lit_module(), LIT_EPOCHS), resumed)
     out["resumed_from"] = path
     io.teardown()
+    out["names"] = io.names()
     return out
 
 
 def lit_fail(rank: int, cfg: dict) -> dict:
     """Rank 0's save fails (a value the store cannot hold): rank 0 raises the typed error; the
-    other rank, in Lightning's barrier after the save, must fail too (not hang)."""
+    other rank, in Lightning's barrier after the save (``job``: in the job store's commit round),
+    must fail too (not hang)."""
     import lightning as L
-
-    from ckptstore.lightning import StoreCheckpointIO
 
     class Poison(L.Callback):
         def on_save_checkpoint(self, trainer, pl_module, checkpoint):
             checkpoint["poison"] = {1, 2}  # a set: not JSON-like
 
     try:
-        _lit_fit(cfg["work"], "fail", _lit_module(), 1, StoreCheckpointIO(cfg["store"]),
-                 callbacks=(Poison(),))
+        job = cfg.get("job", False)
+        _lit_fit(cfg["work"], "fail", _lit_module(), 1, _lit_io(cfg["store"], job),
+                 callbacks=(Poison(),), job=job)
         return {"fit": None}
     except Exception as e:  # noqa: BLE001 - reported to the test
-        return {"fit": _error(e)}
+        return {"fit": _error(e), "failures": [list(f) for f in getattr(e, "failures", ())]}
 
 
 SCENARIOS: dict[str, Callable[[int, dict], dict]] = {
@@ -581,6 +601,9 @@ def test_hf_trainer_on_two_ranks_writes_a_job_store_and_resumes_bit_exact(tmp_pa
     if StoreCheckpointIO is not None:
         io = StoreCheckpointIO(store)
         with pytest.raises(ValueError, match="multi-rank job store.*rank 0 only"):
+            io.save_checkpoint({"global_step": 100, "w": torch.ones(2)}, tmp_path / "x.ckpt")
+        io.every_rank = True  # (as StoreDDPStrategy drives it): still one process here
+        with pytest.raises(ValueError, match="multi-rank job store.*every rank"):
             io.save_checkpoint({"global_step": 100, "w": torch.ones(2)}, tmp_path / "x.ckpt")
     with ckptstore.open(store, mode="r") as js:
         assert js.iterations() == its
@@ -747,6 +770,66 @@ def test_lightning_killed_ddp_fit_resumes_bit_exact(tmp_path):
     for rank, res in enumerate(_ok(launch("lit_after_kill", {"store": store}, work, 360), work)):
         _bit_exact(res)
         assert res["resumed_from"].endswith("last.ckpt"), (rank, res)
+
+
+@pytest.mark.slow  # ~28 s on 2 cores (2 Lightning processes); the single-store twin is default
+@pytest.mark.timeout(300)
+def test_lightning_store_ddp_strategy_failed_save_fails_every_rank_naming_rank_0(tmp_path):
+    """StoreDDPStrategy: rank 0's part of the first save holds a value the store cannot hold.
+    Rank 0 raises UnsupportedTypeError naming it, rank 1 GlobalCommitAbortedError naming rank 0
+    and its error (the job store's commit round); nothing is committed."""
+    pytest.importorskip("lightning")
+    import ckptstore
+
+    store, work = str(tmp_path / "store"), str(tmp_path / "job")
+    results = _ok(launch("lit_fail", {"store": store, "job": True}, work, 240), work)
+    fit0, fit1 = results[0]["fit"], results[1]["fit"]
+    assert fit0 is not None and fit0["error"] == "UnsupportedTypeError", fit0
+    assert "poison" in fit0["message"]
+    assert fit1 is not None and fit1["error"] == "GlobalCommitAbortedError", fit1
+    assert [r for r, _ in results[1]["failures"]] == [0], results[1]
+    assert "UnsupportedTypeError" in results[1]["failures"][0][1]
+    with ckptstore.open(store, mode="r") as js:
+        assert isinstance(js, ckptstore.JobStore) and js.iterations() == []
+
+
+@pytest.mark.slow  # ~49 s on 2 cores: two launches of 2 Lightning processes
+@pytest.mark.timeout(700)
+def test_lightning_store_ddp_strategy_writes_a_job_store_and_a_killed_fit_resumes_bit_exact(
+        tmp_path):
+    """strategy=StoreDDPStrategy(): every rank saves ModelCheckpoint's checkpoints into a job
+    store of 2 ranks (rank 0's part carries the checkpoint). SIGKILL of both ranks in epoch 3;
+    the relaunched fit resumes from the job store on both ranks and ends bit for bit where an
+    uninterrupted fit does; the resumed checkpoints are global commits of both ranks."""
+    pytest.importorskip("lightning")
+    import ckptstore
+
+    store = str(tmp_path / "store")
+    # (one ModelCheckpoint dirpath for both fits: the resumed one goes on removing the top-k's)
+    cfg = {"store": store, "kill_at": 7, "job": True, "ckpts": str(tmp_path / "ckpts")}
+    killed = launch("lit_kill", cfg, str(tmp_path / "killed"), 240)
+    assert killed == [{"died": -signal.SIGKILL}] * WORLD, killed
+    with ckptstore.open(store, mode="r") as js:
+        assert isinstance(js, ckptstore.JobStore) and js.iterations() == [3, 6]
+        assert js.global_commit(6).world_size == WORLD
+    work = str(tmp_path / "relaunch")  # with the plugin's retention after every save
+    results = _ok(launch("lit_after_kill", dict(cfg, retention_every=1), work, 360), work)
+    for rank, res in enumerate(results):
+        _bit_exact(res)
+        assert res["resumed_from"].endswith("last.ckpt"), (rank, res)
+    names = results[0]["names"]  # top-2 and last.ckpt: the others were removed on every rank
+    assert names == results[1]["names"] and len(names) == 3, results
+    with ckptstore.open(store, mode="r") as js:
+        last = 3 * LIT_EPOCHS
+        its = js.iterations()
+        assert its[-1] == last and js.global_commit(last).world_size == WORLD
+        # the job's automatic gc (before the save of 12) collected the iteration the removal
+        # after the save of 9 left unnamed: 3 of the 4 kept, every name among them
+        assert len(its) == 3 and set(names.values()) <= set(its), (its, names)
+        held = js.load(last, rank=0)
+        assert held["global_step"] == last and "state_dict" in held
+        assert js.load(last, rank=1) == {"lightning": {"held_by": 0}}
+        assert js.meta(last, rank=1)["lightning"]["global_step"] == last
 
 
 if __name__ == "__main__":

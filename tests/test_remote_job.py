@@ -7,7 +7,8 @@ and loaded bit-exact at world size 1 (no group) and resumed at 1 and 4 ranks (el
 the new streams' bytes, no new job HEAD for an unchanged job); no regress (an older local copy
 never moves the remote back); a pull into a copy that a job wrote to since is refused; a job HEAD
 that names a stream whose objects are missing (RemoteStreamMissingError naming rank and object);
-the push SIGKILLed between two streams' HEADs, before and after the job HEAD: the remote
+fsck of the copy compared with the local job (behind, matching, missing, damaged, differing
+bytes); the push SIGKILLed between two streams' HEADs, before and after the job HEAD: the remote
 still restores the previous cut bit-exact, and a re-push completes; damaged job objects and the
 job HEAD codec; the background tier (``remote=`` beside ``process_group=``) over two jobs, and a
 rank SIGKILLed while it uploads; lazy reads of one rank's part; fsck of the remote copy (rank and
@@ -166,6 +167,8 @@ def test_open_url_of_a_job_and_the_cli(server, url, tmp_path, capsys, monkeypatc
     cache = str(tmp_path / "cache")
     with ckptstore.open(url, "r", storage_options=opts, cache_dir=cache) as job:
         assert job.iterations() == [0, 1, 2, 3]
+        st = job.remote_read_stats()  # pulled whole: the pull's bytes
+        assert (st.mode, st.index) == ("whole", "skipped") and job.remote_bytes_read > 0
     assert cli(["pull", url, str(tmp_path / "pulled"), *args]) == 0
     assert cli(["fsck", url, *args]) == 0  # every object the job HEAD names, streams' included
     out = capsys.readouterr().out
@@ -173,6 +176,7 @@ def test_open_url_of_a_job_and_the_cli(server, url, tmp_path, capsys, monkeypatc
     assert cli(["fsck", path, "--remote", url, *args]) == 0  # the local job, then its copy
     out = capsys.readouterr().out
     assert "remote job" in out and out.count("clean") >= 2
+    assert "the remote copy holds what" in out  # compared with the local job: the same cut
     _check_job(str(tmp_path / "pulled"), [0, 1, 2, 3])
 
 
@@ -240,6 +244,72 @@ def test_a_job_head_naming_a_missing_stream_object_names_rank_and_object(server,
     report = verify_remote(url, opts)
     assert report.ranks == [0, 1] and any(keys[-1] in p.url and p.rank == 0
                                           for p in report.problems), report.lines()
+
+
+def test_verify_remote_compares_the_copy_with_the_local_job(server, url, tmp_path):
+    """verify_remote(URL, local=JOB): a copy older than the job is clean and behind; once pushed
+    again it matches; a missing or damaged remote object is named with its rank (the local job
+    holds it: no mismatch); a local byte the copy does not hold is a "differs" problem naming
+    the rank, the object and the local file; a path without a store is StoreNotFoundError."""
+    from ckptstore import StoreNotFoundError
+
+    opts = server.options()
+    path = str(tmp_path / "job")
+    pushed = _job_pushed(tmp_path, path, push_at=1, url=url, opts=opts)
+    assert pushed in (0, 1)  # (0: rank 1 had not indexed its commit of 1 yet)
+    report = verify_remote(url, opts, local=path)  # the job went on to iteration 3
+    assert report.clean and report.behind and report.local_iteration == 3, report.lines()
+    assert (f"BEHIND: the remote copy holds iteration {pushed}, the local job store 3"
+            in report.lines())
+    head = push(path, url, opts).head
+    report = verify_remote(url, opts, local=path)
+    assert report.clean and not report.behind and not report.problems, report.lines()
+    assert any("holds what" in n for n in report.notes)
+
+    bucket, prefix = url.split("/")[2], url.split("/", 3)[3]
+    s3 = server.s3()
+
+    def extents(rank):
+        return sorted(o["Key"] for o in s3.list_objects_v2(
+            Bucket=bucket, Prefix=f"{prefix}/streams/0000000001-{rank:05d}/segments/")["Contents"])
+
+    gone, bad = extents(1)[-1], extents(0)[0]
+    kept = {k: s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in (gone, bad)}
+    s3.delete_object(Bucket=bucket, Key=gone)
+    s3.put_object(Bucket=bucket, Key=bad, Body=kept[bad][:-1] + bytes([kept[bad][-1] ^ 1]))
+    report = verify_remote(url, opts, local=path)
+    assert not report.clean and not report.differs, report.lines()
+    got = sorted((p.kind, p.rank, p.epoch, p.url.split("/", 3)[3]) for p in report.problems)
+    assert got == [("damaged", 0, 1, bad), ("missing", 1, 1, gone)], report.lines()
+    for k, body in kept.items():
+        s3.put_object(Bucket=bucket, Key=k, Body=body)
+    assert verify_remote(url, opts, local=path).clean
+
+    seg = os.path.join(JobLayout(path).stream_dir(1, 1), "segments")
+    seg = os.path.join(seg, sorted(os.listdir(seg))[0])
+    with open(seg, "r+b") as f:  # a local byte the copy does not hold: the pair differs
+        at = os.path.getsize(seg) // 2
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 1]))
+    report = verify_remote(url, opts, local=path)
+    assert not report.clean and report.ranks == [1], report.lines()
+    [p] = report.problems
+    assert (p.kind, p.rank, p.epoch, p.local) == ("differs", 1, 1, seg), report.lines()
+    assert f"{prefix}/streams/0000000001-00001/segments/" in p.url and "rank 1" in report.differs[0]
+    with open(seg, "r+b") as f:
+        f.seek(at)
+        f.write(byte)
+    assert verify_remote(url, opts, local=path).clean and head.latest == 3
+
+    single = str(tmp_path / "single")
+    with ckptstore.open(single, "a") as s:
+        s.save(0, {"w": torch.zeros(2)})
+    report = verify_remote(url, opts, local=single)  # another kind of store
+    assert [(p.kind, p.rank) for p in report.problems] == [("differs", None)], report.lines()
+    with pytest.raises(StoreNotFoundError):
+        verify_remote(url, opts, local=tmp_path / "nothing")
 
 
 # ---- a push SIGKILLed at chosen points ----------------------------------------------------------
@@ -349,6 +419,10 @@ def test_remote_gc_after_a_job_gc_deletes_unnamed_streams_and_survives_sigkill(
     with ckptstore.open(path, "r") as job:
         job.gc(keep_last=1)
         assert job.iterations() == [3]
+    # compared with the gc'd job, the copy is older: what the gc removed is a note, not differs
+    report = verify_remote(url, two, local=path)
+    assert report.clean and report.behind and not report.problems, report.lines()
+    assert any("collected by a job gc" in n for n in report.notes), report.notes
     second = push(path, url, two).head
     assert second.epoch > 1 and second.generation == first.generation + 1
     assert _keys(server, url, "streams/0000000001-") == old  # the older kept job HEAD names them

@@ -8,7 +8,8 @@ operation and gc against those live states, once per kind (zarr-python's ``Store
 dulwich's ``ObjectStoreTests``): an operation that lands for one kind only fails here for the
 others. ``part`` is the only difference the class knows of: the per-part operations of a job
 store (``meta``, ``manifest``, ``load_record``, ``diff``) take the rank whose part is meant.
-The remote tier's operations (push, pull, ``open("s3://...")``, fsck of the copy, a writer's
+The remote tier's operations (push, pull, ``open("s3://...")`` and its ``remote_read_stats``,
+fsck of the copy alone and compared with the local store, a writer's
 ``remote_flush``/``remote_status``) run against one moto S3 server per module (tests/test_remote.py).
 """
 
@@ -195,18 +196,29 @@ class StoreKindTests:
         opts = server.options()
         assert push(built[self.kind][0], url, opts).head.latest == ITERATIONS
         assert verify_remote(url, opts).clean
+        report = verify_remote(url, opts, local=built[self.kind][0])  # and the local store
+        assert report.clean and not report.behind, report.lines()
+        assert report.local_iteration == ITERATIONS
         pulled = str(tmp_path / "pulled")
         pull(url, pulled, opts)
         with ckptstore.open(pulled, "r") as s, \
                 ckptstore.open(url, "r", storage_options=opts) as lazy:
             want = ckptstore.Store if self.kind == "single" else ckptstore.JobStore
             assert type(s) is want and type(lazy) is want
+            opened = lazy.remote_read_stats()
             for store in (s, lazy):
                 assert store.iterations() == list(range(ITERATIONS + 1))
                 for it in (ITERATIONS, 7):
                     state = store.load(it)
                     _same(live(it)["model"], state["model"], f"{self.kind} remote {it}")
                     _same(live(it)["optimizer"], state["optimizer"], f"{self.kind} remote {it}")
+            with pytest.raises(ckptstore.RemoteUnsupportedError):
+                s.remote_read_stats()  # a local store (pulled): nothing read remotely
+            read = lazy.remote_read_stats()  # range GETs through the index, counted
+            assert type(read) is type(opened) and read.generation == report.head.generation
+            assert (read.mode, read.index) == ("ranges", "used"), read
+            assert read.bytes_read == lazy.remote_bytes_read > opened.bytes_read > 0
+            assert read.requests > opened.requests > 0 and read.cache_size > 0
 
     def test_remote_flush_and_status_of_a_writer(self, built, server, url, tmp_path, store):
         """remote_flush (collective on a job store: every rank gets the iteration) and

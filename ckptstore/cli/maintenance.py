@@ -32,9 +32,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
                 print(printable(line))
             clean = local_report.clean
         with progress("fsck remote", None) as tick:
-            # (a job's remote copy is checked on its own: no comparison with the local job)
-            remote_report = verify_remote(url, remote_options(args), progress=tick, local=None
-                                          if local is None or is_job_store(local) else local)
+            remote_report = verify_remote(url, remote_options(args), progress=tick, local=local)
         for line in remote_report.lines():
             print(printable(line))
         return 0 if clean and remote_report.clean else 1

@@ -1,4 +1,5 @@
-"""Lightning checkpoints in a ckptstore store: a ``CheckpointIO`` plugin.
+"""Lightning checkpoints in a ckptstore store: a ``CheckpointIO`` plugin (and, for a job of
+several processes writing a multi-rank job store, a DDP strategy that saves on every rank).
 
     from ckptstore.lightning import StoreCheckpointIO
 
@@ -39,9 +40,31 @@ any gc. ``ckptstore gc`` from the command line does not read ``lightning.json``.
 ``remove_checkpoint`` on global rank 0 only (``Strategy.save_checkpoint``; DDP's checkpoint dict
 is the same on every rank), so rank 0 alone opens the store for writing, a single-writer store,
 and every rank reads it to resume (``latest_path()``, ``load_checkpoint``: readers, beside rank
-0's writer). A multi-rank job store is refused (ValueError): no other rank would ever join its
-collective commits. A save that fails raises on rank 0; the other ranks, waiting in Lightning's
-barrier after the save, fail with torch.distributed's error once rank 0's process ends.
+0's writer). A multi-rank job store is refused there (ValueError): no other rank would ever join
+its collective commits. A save that fails raises on rank 0; the other ranks, waiting in
+Lightning's barrier after the save, fail with torch.distributed's error once rank 0's process
+ends.
+
+**Every rank writes a job store** with ``strategy=StoreDDPStrategy()`` (DDP whose
+``save_checkpoint`` and ``remove_checkpoint`` call this plugin on every rank:
+:class:`EveryRankCheckpoints`). The plugin then opens the store on every rank, collectively, as
+a multi-rank job store over torch.distributed's default group (format-spec/format.md §22), and
+each checkpoint is one global commit: visible once every rank's part is durable. DDP's state is
+the same on every rank, so **rank 0's part carries the checkpoint** (the dict Lightning made on
+rank 0, as with one writer) and every other rank's part is ``{"lightning": {"held_by": 0}}``;
+``load_checkpoint`` on any rank (and ``store.load(t, rank=0)`` of a reader) returns rank 0's.
+Only rank 0 writes ``lightning.json``; every rank keeps the same names in memory (the same calls
+in the same order). Call sequence on every rank:
+
+1. ``io = StoreCheckpointIO(path)``; ``Trainer(strategy=StoreDDPStrategy(), plugins=[io], ...)``;
+2. ``trainer.fit(model, ckpt_path=io.latest_path())``: every rank reads the store (a reader) to
+   resume; the first save opens the job store for writing (collective, a new epoch), each
+   later save and removal is collective too;
+3. the strategy's teardown closes it (collective).
+
+A rank whose save fails (a value the store cannot hold, on rank 0) makes that save fail on
+every rank: the others raise GlobalCommitAbortedError naming the rank and its error. A rank that
+dies makes the others raise RankFailureError (or torch's own error from DDP's all-reduce).
 
 ``lightning`` is imported by this module, never by ``import ckptstore``.
 """
@@ -56,17 +79,20 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..errors import IterationOrderError, NotFoundError, StoreNotFoundError, UnsupportedTypeError
-from ..ops.gc import GcReport
+from ..multirank.job_store import JobStore
 from ..ops.retention import Checkpoint, Policy
+from ..storage.job_log import is_job_store
 from ..store import Store
 from .store_ref import StoreRef
 
 try:
     from lightning.fabric.plugins import CheckpointIO
+    from lightning.pytorch.strategies import DDPStrategy
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ckptstore.lightning needs lightning: pip install 'ckptstore[lightning]'") from e
 
-__all__ = ["StoreCheckpointIO", "NamedCheckpoints", "META_KEY", "NAMES_FILE"]
+__all__ = ["StoreCheckpointIO", "NamedCheckpoints", "EveryRankCheckpoints", "StoreDDPStrategy",
+           "META_KEY", "NAMES_FILE"]
 
 #: the key of this plugin's entry in each iteration's meta
 META_KEY = "lightning"
@@ -98,32 +124,49 @@ class StoreCheckpointIO(CheckpointIO):
     """Lightning's ``CheckpointIO`` over a ckptstore store (see the module's documentation).
 
     ``store``: a path (opened with ``ckptstore.open(path, "a")`` when first needed, closed at
-    ``teardown``) or an open writable :class:`~ckptstore.Store` (left open).
-    ``retention_every``: run the store's automatic retention with :meth:`retention_policy`
-    after every that many saves (None: only when :meth:`gc` is called).
-    One process writes (Lightning saves on global rank 0 only); other ranks never open the
-    store unless they load, and then read it. A job store (a path holding one, or a JobStore)
-    is refused with ValueError."""
+    ``teardown``) or an open writable :class:`~ckptstore.Store` or :class:`~ckptstore.JobStore`
+    (left open). ``retention_every``: run the store's automatic retention with
+    :meth:`retention_policy` after every that many saves (None: only when :meth:`gc` is called).
+    ``commit_timeout``: how long a rank waits for the others in a job store's commit (default
+    the job store's).
 
-    def __init__(self, store: str | os.PathLike | Store, *, retention_every: int | None = None) -> None:
-        self._ref = StoreRef(store, "StoreCheckpointIO",
-                             single="Lightning saves checkpoints from global rank 0 only")
+    With Lightning's own strategies one process writes (Lightning saves on global rank 0 only);
+    other ranks never open the store unless they load, and then read it; a job store (a path
+    holding one, or a JobStore) is refused with ValueError at the first save. Driven by
+    :class:`StoreDDPStrategy` (:attr:`every_rank`), every rank calls it and a job of several
+    ranks writes a multi-rank job store (the module's documentation)."""
+
+    def __init__(self, store: str | os.PathLike | Store | JobStore, *,
+                 retention_every: int | None = None,
+                 commit_timeout: float | None = None) -> None:
+        self._ref = StoreRef(store, "StoreCheckpointIO")
         self._path = self._ref.path
         if retention_every is not None and (type(retention_every) is not int or retention_every < 1):
             raise ValueError(f"retention_every must be an int >= 1 or None, not {retention_every!r}")
         self.retention_every = retention_every
+        self._open_options = {} if commit_timeout is None else {"commit_timeout": commit_timeout}
+        #: set by :class:`EveryRankCheckpoints`: every rank calls ``save_checkpoint`` and
+        #: ``remove_checkpoint`` (False: global rank 0 alone, Lightning's own strategies)
+        self.every_rank = False
         self._names: dict[str, int] | None = None  # name -> iteration (None: not read yet)
         #: the newest iteration the names account for (-1: none)
         self.seen = -1
         self._policy = NamedCheckpoints(self)
 
     # ---- the store and the names --------------------------------------------------------------
-    def _writer(self) -> Store:
-        """The store, opened for writing if needed, with the names read."""
+    def _writer(self) -> Store | JobStore:
+        """The store, opened for writing if needed (on every rank at once, collectively, as a
+        job store when :attr:`every_rank` and torch.distributed runs several ranks), with the
+        names read. ValueError, nothing opened, for a job store without :attr:`every_rank`."""
         if self._ref.store is None:
             self._names = None  # (re)opened: read the names again
-        store = self._ref.writer()
-        assert isinstance(store, Store)  # (the ref refuses job stores: single=)
+        if not self.every_rank and (isinstance(self._ref.store, JobStore) or (
+                self._ref.store is None and is_job_store(self._path))):
+            raise ValueError(
+                f"{self._path} is a multi-rank job store: StoreCheckpointIO writes one from every "
+                "rank, with a strategy that saves on every rank (strategy=ckptstore.lightning."
+                "StoreDDPStrategy()); Lightning's own strategies save from global rank 0 only")
+        store = self._ref.writer(distributed=self.every_rank, **self._open_options)
         if self._names is None:
             self._names, self.seen = _scan_names(store, self.names_path)
         if self.retention_every is not None and store.retention is not self._policy:
@@ -131,20 +174,19 @@ class StoreCheckpointIO(CheckpointIO):
         return store
 
     @property
-    def store(self) -> Store | None:
+    def store(self) -> Store | JobStore | None:
         """The store while it is open (None before the first use of a path, and after teardown)."""
-        store = self._ref.store
-        assert store is None or isinstance(store, Store)  # (the ref refuses job stores)
-        return store
+        return self._ref.store
 
     @contextmanager
     def _view(self) -> Iterator[tuple[Any, dict[str, int]]]:
         """(store, names) for a read: the plugin's writer when it holds one, else a reader opened
         for the call (None and no names when there is no store yet)."""
-        if self.store is not None:
-            self._writer()
-            assert self._names is not None
-            yield self.store, self._names
+        store = self.store
+        if store is not None:  # (a JobStore handed in reads before the strategy's first save)
+            if self._names is None:
+                self._names, self.seen = _scan_names(store, self.names_path)
+            yield store, self._names
             return
         import ckptstore
         try:
@@ -161,8 +203,12 @@ class StoreCheckpointIO(CheckpointIO):
     def names_path(self) -> str:
         return os.path.join(self._path, NAMES_FILE)
 
-    def _write_names(self) -> None:
+    def _write_names(self, store: Store | JobStore) -> None:
+        """Rewrite ``lightning.json`` (a job store's rank 0 only: the other ranks keep the same
+        names in memory)."""
         assert self._names is not None
+        if isinstance(store, JobStore) and store.rank != 0:
+            return
         doc = {"format": _FORMAT, "v": 1, "seen": self.seen, "names": self._names}
         tmp = self.names_path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -216,13 +262,14 @@ class StoreCheckpointIO(CheckpointIO):
                     f"iteration of {store.path} ({latest}): iterations only increase (training "
                     "resumed from an older checkpoint needs another store)")
             names[name] = step  # another name of the newest iteration
-            self._write_names()
+            self._write_names(store)
             return
         meta = {META_KEY: {"name": name, "global_step": step,
                            "epoch": checkpoint.get("epoch") if type(checkpoint.get("epoch")) is int
                            else None}}
+        part = checkpoint if _holds_checkpoint(store) else {META_KEY: {"held_by": 0}}
         try:
-            store.save(step, checkpoint, meta=meta)
+            store.save(step, part, meta=meta)
         except UnsupportedTypeError as e:
             raise UnsupportedTypeError(
                 f"Lightning checkpoint {name}: {e} (values other than tensors, e.g. "
@@ -230,7 +277,7 @@ class StoreCheckpointIO(CheckpointIO):
                 "tuples and dicts of them)") from e
         names[name] = step
         self.seen = step
-        self._write_names()
+        self._write_names(store)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
@@ -242,7 +289,7 @@ class StoreCheckpointIO(CheckpointIO):
             if name not in names:
                 raise NotFoundError(f"no Lightning checkpoint named {name} in {self._path} "
                                     f"(it has {sorted(names)})")
-            state = store.load(names[name])
+            state = store.load(names[name], **_carrier(store))
         device = _device(map_location)
         if device is not None:
             state = _to(state, device)
@@ -252,10 +299,10 @@ class StoreCheckpointIO(CheckpointIO):
         """Forget the name; its iteration is dropped by the next gc unless another name points
         to it (see :meth:`retention_policy`). A name not saved is ignored."""
         name = _name(path)
-        self._writer()
+        store = self._writer()
         assert self._names is not None
         if self._names.pop(name, None) is not None:
-            self._write_names()
+            self._write_names(store)
 
     def teardown(self) -> None:
         """Close the store if this plugin opened it (it is opened again when needed)."""
@@ -269,10 +316,56 @@ class StoreCheckpointIO(CheckpointIO):
         alone or combined with ``|``)."""
         return self._policy
 
-    def gc(self) -> GcReport:
+    def gc(self) -> Any:
         """Drop the iterations no checkpoint name points to now (a gc of the store with
-        :meth:`retention_policy`; compacts, so it costs about the bytes kept)."""
+        :meth:`retention_policy`; compacts, so it costs about the bytes kept): a
+        :class:`~ckptstore.ops.gc.GcReport`, a job store's JobGcReport (a job store's gc is
+        collective: every rank calls it)."""
         return self._writer().gc(policy=self._policy)
+
+
+class EveryRankCheckpoints:
+    """A Lightning ``Strategy`` mix-in: ``save_checkpoint`` and ``remove_checkpoint`` call the
+    strategy's :class:`StoreCheckpointIO` on every rank (Lightning's own call it on global rank
+    0 only), marking it :attr:`~StoreCheckpointIO.every_rank`, so that every rank writes its
+    part of a multi-rank job store (the module's documentation). Put it before the strategy
+    class: ``class MyStrategy(EveryRankCheckpoints, DDPStrategy)``. Any other CheckpointIO is
+    refused (TypeError): it would write the same file from every rank."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any = None) -> None:
+        _every_rank_io(self).save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        _every_rank_io(self).remove_checkpoint(filepath)
+
+
+class StoreDDPStrategy(EveryRankCheckpoints, DDPStrategy):
+    """``DDPStrategy`` (the same arguments and training) whose checkpoints every rank saves into
+    the :class:`StoreCheckpointIO` given as ``plugins=[io]`` or ``checkpoint_io=io``: a job of
+    several processes writes a multi-rank job store."""
+
+
+def _every_rank_io(strategy: Any) -> StoreCheckpointIO:
+    io = strategy.checkpoint_io
+    if not isinstance(io, StoreCheckpointIO):
+        raise TypeError(f"{type(strategy).__name__} saves checkpoints on every rank through a "
+                        f"ckptstore.lightning.StoreCheckpointIO only (plugins=[StoreCheckpointIO("
+                        f"path)]), not {type(io).__name__}, which would write the same file "
+                        "from every rank")
+    io.every_rank = True
+    return io
+
+
+def _holds_checkpoint(store: Store | JobStore) -> bool:
+    """Whether this process's part of a save holds the checkpoint: a single store's writer, a
+    job store's rank 0 (DDP's state is the same on every rank)."""
+    return not isinstance(store, JobStore) or store.rank == 0
+
+
+def _carrier(store: Any) -> dict[str, int]:
+    """The keyword that reads the part holding the checkpoint: rank 0's of a job store."""
+    return {"rank": 0} if isinstance(store, JobStore) else {}
 
 
 def _name(path: Any) -> str:
@@ -304,7 +397,7 @@ def _scan_names(store: Any, names_path: str) -> tuple[dict[str, int], int]:
     names = {k: v for k, v in names.items() if v in present}
     for it in its:
         if it > seen:
-            name = _meta_name(store.meta(it))
+            name = _meta_name(store.meta(it, **_carrier(store)))
             if name is not None:
                 names[name] = it
     return names, (its[-1] if its else seen)

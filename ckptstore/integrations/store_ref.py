@@ -33,16 +33,11 @@ def default_group(path: str) -> Any:
 
 class StoreRef:
     """Either an open writable :class:`Store` or :class:`JobStore`, or a path, opened for writing
-    on first use. ``user`` names the integration in errors; ``single``: why it writes
-    single-writer stores only (None: it writes job stores too)."""
+    on first use. ``user`` names the integration in errors."""
 
-    def __init__(self, store: str | os.PathLike | Store | JobStore, user: str,
-                 single: str | None = None) -> None:
-        self.user, self.single = user, single
+    def __init__(self, store: str | os.PathLike | Store | JobStore, user: str) -> None:
+        self.user = user
         self.store: Store | JobStore | None
-        if isinstance(store, JobStore) and single is not None:
-            raise ValueError(f"{user} writes single-writer stores only ({single}), not the "
-                             f"job store {store.path}")
         if isinstance(store, (Store, JobStore)):
             self.owned, self.store, self.path = False, store, store.path
         else:
@@ -60,12 +55,10 @@ class StoreRef:
             job = is_job_store(self.path)
             process_group = default_group(self.path) if distributed else None
             if process_group is None and job:
-                how = f"it writes single-writer stores only ({self.single})" \
-                    if self.single is not None else \
-                    ("it writes one from every rank of a training job (torch.distributed "
-                     "initialized with several ranks, or an open JobStore passed in)")
                 raise ValueError(f"{self.path} is a multi-rank job store: {self.user} cannot "
-                                 f"write it from one process: {how}")
+                                 "write it from one process: it writes one from every rank of a "
+                                 "training job (torch.distributed initialized with several "
+                                 "ranks, or an open JobStore passed in)")
             if process_group is not None and not job and \
                     os.path.exists(os.path.join(self.path, "STORE")):
                 raise ValueError(f"{self.path} is a single-writer store: a training job of "

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from ..errors import (CkptStoreError, NotFoundError, RankMismatchError, ReadOnlyStoreError,
-                      StoreClosedError, StoreFeaturesError, StoreNotFoundError)
+                      RemoteUnsupportedError, StoreClosedError, StoreFeaturesError,
+                      StoreNotFoundError)
 from ..engine.writer_engine import WriterEngine, check_features
 from ..format.job import GlobalCommit
 from ..tensors.inplace import copy_into
@@ -83,7 +84,8 @@ class JobStore:
                  features: str = "current", retention: Policy | None = None,
                  retention_every: int = 1, remote: str | None = None,
                  remote_options: dict | None = None,
-                 _streams: Callable[[int, int], Store] | None = None) -> None:
+                 _streams: Callable[[int, int], Store] | None = None,
+                 _read_stats: Callable[[list[Any]], Any] | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f'mode must be "r" or "a", not {mode!r}')
         check_features(features)
@@ -99,6 +101,8 @@ class JobStore:
         #: readers of rank streams (the argument _streams opens one: a remote job's lazy reader,
         #: ckptstore/remote/job_pull.py; None: the stream directory under path)
         self._streams = StreamReaders(self.layout, load_threads, _streams)
+        #: a job opened from an object store: what it fetched, given its streams' stats
+        self._read_stats = _read_stats
         self._own: Store | None = None
         self._group: RankGroup | None = None
         self._committer: GlobalCommitter | None = None
@@ -612,6 +616,18 @@ class JobStore:
                                                            timeout)
 
     # ---- maintenance ------------------------------------------------------------------------
+    def remote_read_stats(self) -> Any:
+        """As :meth:`ckptstore.Store.remote_read_stats`, of a job opened from an object store:
+        its own objects plus every rank stream read so far (``job_pull.job_read_stats``)."""
+        if self._read_stats is None:
+            raise RemoteUnsupportedError(f"{self.path} was not opened from an object store")
+        return self._read_stats(self._streams.remote_stats())
+
+    @property
+    def remote_bytes_read(self) -> int:
+        """Bytes fetched from the object store since open (:meth:`remote_read_stats`)."""
+        return int(self.remote_read_stats().bytes_read)
+
     def gc(self, keep_last: int | None = None, keep_every: int | None = None,
            progress: Callable[[int], None] | None = None, *, policy: Any = None,
            dry_run: bool = False, now_ns: int | None = None) -> Any:

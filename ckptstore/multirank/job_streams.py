@@ -5,7 +5,7 @@ visible; a read of that rank's records at that iteration must find exactly that 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import CkptStoreError, DamagedCheckpointError, NotFoundError
 from ..format.job import GlobalCommit
@@ -24,6 +24,8 @@ class StreamReaders:
         self.load_threads = load_threads
         self.source = source
         self.readers: dict[tuple[int, int], Store] = {}
+        #: what the streams opened from ``source`` and closed since fetched (remote_stats)
+        self.retired: list[Any] = []
 
     def open(self, epoch: int, rank: int) -> Store:
         """``rank``'s stream of ``epoch`` (DamagedCheckpointError: missing or unreadable)."""
@@ -43,12 +45,21 @@ class StreamReaders:
             self.readers[(epoch, rank)] = store
         return store
 
+    def remote_stats(self) -> list[Any]:
+        """What each stream opened from ``source`` fetched from the object store
+        (:meth:`ckptstore.Store.remote_read_stats`): those closed first, then the open ones by
+        (epoch, rank); none without a source."""
+        if self.source is None:
+            return []
+        return self.retired + [self.readers[k].remote_read_stats() for k in sorted(self.readers)]
+
     def refresh(self) -> None:
         for s in self.readers.values():
             s.refresh()
 
     def close(self) -> None:
         """Close every stream read so far (errors closing a reader are of no consequence)."""
+        self.retired = self.remote_stats()
         for s in self.readers.values():
             try:
                 s.close()

@@ -20,7 +20,9 @@ object's URL) for a stream's, RemoteIntegrityError for the job's own.
 
 :func:`open_remote_job` (``ckptstore.open("s3://...", "r")`` of a job) reads lazily instead: the
 job's STORE and global logs into a private directory, and each rank's stream only when a load
-needs it, as the single store's lazy remote reader of the pinned stream HEAD.
+needs it, as the single store's lazy remote reader of the pinned stream HEAD. What such a reader
+fetched (``JobStore.remote_read_stats()``) is :func:`job_read_stats`: the job's own objects plus
+the sum over the rank streams it opened.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ from ..storage.fileops import FileOps, io_errors
 from ..storage.job_log import STREAM_RE, JobLayout, refuse_job_part
 from .client import ObjectStore
 from .head import STORE_OBJECT, Head, digest
-from .job_head import (JobHead, LogEntry, StreamRef, is_remote_job, log_extent_name,
-                       newest_job_head, stream_store, stream_url)
-from .reader import READER_KEYS, RemoteReaderEngine, open_lazy, reader_options
+from .job_head import (JobHead, LogEntry, StreamRef, encode_job_head, is_remote_job,
+                       log_extent_name, newest_job_head, stream_store, stream_url)
+from .pieces import DEFAULT_BLOCK
+from .reader import READER_KEYS, RemoteReaderEngine, RemoteReadStats, open_lazy, reader_options
 from .replicate import fetch_head, split_options
 from .restore import PullStats, check_store_object, pull_head
 
@@ -223,10 +226,13 @@ class RemoteJob:
     """What ``open("s3://job", "r")`` reads, for the API layer to open as a JobStore reader:
     the local job directory ``path`` (the cut pulled whole, or only the job's STORE and global
     logs when ``streams`` opens each rank stream's lazy reader engine on demand), whether that
-    directory is ``temporary`` (it goes when the JobStore does) and the other open() options."""
+    directory is ``temporary`` (it goes when the JobStore does), the other open() options, and
+    ``read_stats``: what the reader fetched, given the stats of the lazy rank streams it opened
+    (:func:`job_read_stats`)."""
 
     path: str
     options: dict[str, Any]
+    read_stats: Callable[[list[RemoteReadStats]], RemoteReadStats]
     streams: Callable[[int, int], Any] | None = None
     temporary: bool = False
 
@@ -245,27 +251,59 @@ def open_remote_job(url: str, mode: str, options: dict[str, Any]) -> RemoteJob:
     if not is_remote_job(root):
         raise StoreNotFoundError(f"no ckptstore store at {url} (no HEAD and no job HEAD)")
     if cache is not None:
-        pull_job(url, os.fspath(cache), client_opts)
-        return RemoteJob(os.fspath(cache), rest)
+        pulled = pull_job(url, os.fspath(cache), client_opts)
+        return RemoteJob(os.fspath(cache), rest, _pulled_stats(pulled))
     tmp = tempfile.mkdtemp(prefix="ckptstore-pull-")
     try:
         if lazy:
             head = newest_job_head(root)
-            _fetch_metadata(root, head, tmp)
-            return RemoteJob(tmp, rest, _lazy_streams(url, root, head, storage), temporary=True)
-        pull_job(url, tmp, client_opts)
-        return RemoteJob(tmp, rest, temporary=True)
+            own = _fetch_metadata(root, head, tmp)
+            own.downloaded += len(encode_job_head(head))  # (as a lazy store reader counts its HEAD)
+            own.objects += 1
+            block = int(storage.get("block_size", DEFAULT_BLOCK))
+            return RemoteJob(tmp, rest, lambda parts: job_read_stats(
+                str(root.where), head.generation, own, block, parts),
+                _lazy_streams(url, root, head, storage), temporary=True)
+        pulled = pull_job(url, tmp, client_opts)
+        return RemoteJob(tmp, rest, _pulled_stats(pulled), temporary=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _fetch_metadata(root: ObjectStore, head: JobHead, path: str) -> None:
-    """The job's STORE and global logs of ``head`` into the private directory ``path``."""
+def _pulled_stats(pulled: JobPullResult) -> Callable[[list[RemoteReadStats]], RemoteReadStats]:
+    """The read stats of a job pulled whole (its streams are local stores: no parts)."""
+    return lambda parts: RemoteReadStats(pulled.url, pulled.head.generation, "whole", "skipped",
+                                         pulled.downloaded_bytes, pulled.downloaded_objects, 0,
+                                         0, 0)
+
+
+def job_read_stats(url: str, generation: int, own: PullStats, block: int,
+                   parts: list[RemoteReadStats]) -> RemoteReadStats:
+    """What a lazy reader of the job at ``url`` (job HEAD ``generation``) fetched: its own
+    objects (``own``: the job HEAD, STORE, the global logs) plus every rank stream it opened
+    (``parts``, by epoch and rank). ``mode`` is "whole" when some stream fetched its segments
+    whole, else "ranges"; ``index`` the streams' when they agree, else the first that is not
+    "used", "skipped" while no stream was opened; ``cache_size`` the sum of the streams' caches
+    (each has its own)."""
+    states = [p.index for p in parts]
+    index = ("skipped" if not parts else states[0] if len(set(states)) == 1 else
+             next(s for s in states if s != "used"))
+    return RemoteReadStats(url, generation,
+                           "whole" if any(p.mode == "whole" for p in parts) else "ranges", index,
+                           own.downloaded + sum(p.bytes_read for p in parts),
+                           own.objects + sum(p.requests for p in parts),
+                           sum(p.cache_hits for p in parts), block,
+                           sum(p.cache_size for p in parts))
+
+
+def _fetch_metadata(root: ObjectStore, head: JobHead, path: str) -> PullStats:
+    """The job's STORE and global logs of ``head`` into the private directory ``path``; the
+    bytes and GETs it took."""
     layout = JobLayout(path)
     store_bytes = root.get(STORE_OBJECT, 0, 65)
     check_store_object(root, head, store_bytes)
-    stats = PullStats()
+    stats = PullStats(len(store_bytes), 1)
     for d in (layout.global_dir, layout.streams_dir):
         os.makedirs(d, exist_ok=True)
     for lg in head.logs:
@@ -273,6 +311,7 @@ def _fetch_metadata(root: ObjectStore, head: JobHead, path: str) -> None:
             f.write(_fetch_log(root, lg, stats, None))
     with open(layout.store_file, "wb") as f:
         f.write(store_bytes)
+    return stats
 
 
 def _lazy_streams(url: str, root: ObjectStore, head: JobHead,

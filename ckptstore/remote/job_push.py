@@ -214,26 +214,9 @@ class JobReplicator:
             if short:
                 break  # a live job: that stream was captured before it indexed the commit
             visible.append(g)
-        lengths = self._lengths(view, visible, current)
+        lengths = cut_lengths(view, visible, current)
         return _Cut(tuple(refs), lengths, current, visible[-1].iteration if visible else None,
                     len(visible))
-
-    @staticmethod
-    def _lengths(view: JobView, visible: list[GlobalCommit], current: int) -> dict[int, int]:
-        """Bytes of each chain epoch's global log the cut holds: an older epoch's visible prefix
-        (up to its successor's ``adopted_end``), the current one's up to the cut's last commit."""
-        out: dict[int, int] = {}
-        shown = {g.iteration for g in visible}
-        for i, e in enumerate(view.chain):
-            scan = view.logs[e]
-            if e != current:
-                nxt = view.logs[view.chain[i + 1]].epoch
-                assert nxt is not None
-                out[e] = min(scan.valid_end, nxt.adopted_end)
-                continue
-            ends = [end for g, end in scan.commits if g.iteration in shown]
-            out[e] = ends[-1] if ends else min(scan.valid_end, EPOCH_END)
-        return out
 
     def _sync_stream(self, path: str, layout: JobLayout, key: tuple[int, int],
                      pinned: frozenset[int]) -> tuple[Head | None, bytes]:
@@ -359,6 +342,24 @@ class JobReplicator:
                 f"{n}heads/"))
             if listed:
                 self.root.delete(listed)
+
+
+def cut_lengths(view: JobView, visible: list[GlobalCommit], current: int) -> dict[int, int]:
+    """Bytes of each chain epoch's global log a cut of ``view`` holds whose visible commits are
+    ``visible`` (``current``: the chain's last epoch): an older epoch's visible prefix (up to its
+    successor's ``adopted_end``), the current one's up to the cut's last commit."""
+    out: dict[int, int] = {}
+    shown = {g.iteration for g in visible}
+    for i, e in enumerate(view.chain):
+        scan = view.logs[e]
+        if e != current:
+            nxt = view.logs[view.chain[i + 1]].epoch
+            assert nxt is not None
+            out[e] = min(scan.valid_end, nxt.adopted_end)
+            continue
+        ends = [end for g, end in scan.commits if g.iteration in shown]
+        out[e] = ends[-1] if ends else min(scan.valid_end, EPOCH_END)
+    return out
 
 
 def push_job(path: str | os.PathLike, url: str, options: dict | None = None, *,

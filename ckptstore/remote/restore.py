@@ -207,7 +207,7 @@ def _pull_segment(store: ObjectStore, ops: FileOps, layout: Layout, seg: Segment
             rfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         at = 0
         for e in seg.extents:
-            if e.end <= size and _local_digest(rfd, path, e) == e.digest:
+            if e.end <= size and local_digest(rfd, path, e) == e.digest:
                 at = e.end
                 stats.kept += e.length
                 continue
@@ -237,7 +237,9 @@ def _pull_segment(store: ObjectStore, ops: FileOps, layout: Layout, seg: Segment
             os.close(rfd)
 
 
-def _local_digest(fd: int, path: str, e: Extent) -> bytes:
+def local_digest(fd: int, path: str, e: Extent) -> bytes:
+    """The xxh3-128 of bytes [``e.offset``, ``e.end``) of the open file ``fd`` (at ``path``);
+    of fewer bytes where the file ends before ``e.end``."""
     h = xxhash.xxh3_128()
     pos = e.offset
     with io_errors("read", path):
@@ -326,6 +328,10 @@ class FsckFindings:
     damage: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: compared with a local store: its newest recoverable iteration, and whether the remote
+    #: copy lags it
+    local_iteration: int | None = None
+    behind: bool = False
 
     def read_heads(self, gens: list[int], read: Callable[[int], H], what: str) -> list[H]:
         """The valid ones of HEAD-like generations ``gens`` (newest first) read with ``read``; a
@@ -349,6 +355,12 @@ class FsckFindings:
         return ([f"MISSING {m}" for m in self.missing] + [f"DAMAGE {d}" for d in self.damage]
                 + [f"note: {n}" for n in self.notes])
 
+    def behind_lines(self, remote_iteration: int | None, local: str) -> list[str]:
+        """The BEHIND line when the remote copy (at ``remote_iteration``) lags the ``local``
+        store ("the local store", "the local job store") it was compared with."""
+        return ([f"BEHIND: the remote copy holds iteration {remote_iteration}, {local} "
+                 f"{self.local_iteration}"] if self.behind else [])
+
 
 @dataclass
 class RemoteFsckReport(FsckFindings):
@@ -356,9 +368,6 @@ class RemoteFsckReport(FsckFindings):
     present, whole and matches its digest."""
 
     head: Head | None = None
-    #: with a local store: its newest recoverable iteration, and whether the remote lags it
-    local_iteration: int | None = None
-    behind: bool = False
 
     @property
     def clean(self) -> bool:
@@ -371,10 +380,7 @@ class RemoteFsckReport(FsckFindings):
             f"{len(h.segments)} segments, {self.objects} objects, {self.bytes_verified} bytes "
             "verified" if h is not None else "no valid HEAD")]
         out += self.found()
-        if self.behind:
-            out.append(f"BEHIND: the remote copy holds iteration "
-                       f"{None if h is None else h.recoverable}, the local store "
-                       f"{self.local_iteration}")
+        out += self.behind_lines(None if h is None else h.recoverable, "the local store")
         out.append("clean" if self.clean else f"NOT CLEAN: {len(self.missing)} missing objects, "
                    f"{len(self.damage)} damaged" + ("" if h is not None else ", no valid HEAD"))
         return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from ..errors import RemoteUnsupportedError
 from ..storage.job_log import is_job_store, refuse_job_part
 from .client import ObjectStore
 from .job_fsck import JobFsckReport, verify_job
@@ -50,12 +49,11 @@ def verify_remote(url: str, options: dict | None = None, *, local: str | os.Path
     """fsck of the remote copy at ``url`` (``ckptstore fsck s3://...``): a remote job store's
     (job HEADs under ``jobheads/``: :func:`~.job_fsck.verify_job`, every object the newest valid
     job HEAD names, its streams' included, problems named with their rank) or else a single
-    store's (:func:`~.restore.verify_store`; with ``local``, compared with that local store).
-    ``local`` of a job store: RemoteUnsupportedError (compare with ``ckptstore fsck JOB``)."""
+    store's (:func:`~.restore.verify_store`). With ``local``, also compared with that local
+    store: a single store's position (is the remote copy older?), a job's bytes as well (every
+    object the job HEAD names, :mod:`.job_compare`)."""
     client_opts, _ = split_options(options)
     if is_remote_job(ObjectStore(url, client_opts)):
-        if local is not None:
-            raise RemoteUnsupportedError(f"fsck of the remote job store {url} against a local "
-                                         "store is not supported")
-        return verify_job(url, options, progress=progress)
+        return verify_job(url, options, progress=progress,
+                          local=None if local is None else os.fspath(local))
     return verify_store(url, options, local=local, progress=progress)
