@@ -2,8 +2,9 @@
 retention schedule (format-spec/format.md §22.7; :meth:`JobStore.gc` on a writer,
 :meth:`JobStore.set_retention`).
 
-The steps that open and close streams stay in :class:`~.job_store.JobStore`
-(``_collect_while_writing``); the exchanges between them live here:
+:func:`collect_while_writing` runs the steps; the job store passes in how its own stream is
+closed and its next epoch started (what touches its writer's state stays in
+:class:`~.job_store.JobStore`). The exchanges between the steps:
 
 1. :func:`agree_gc_plan`: rank 0 plans over its view and tells every rank whether the gc runs
    (a report to return at once when the plan removes nothing, or the planning error, raised on
@@ -12,20 +13,27 @@ The steps that open and close streams stay in :class:`~.job_store.JobStore`
    broadcasts its report (JSON) or its error (one line, rebuilt typed on the other ranks:
    :func:`~ckptstore.errors.rebuild`).
 
+:class:`GcTrash` deletes what a gc moved off every chain while the job trains on.
+
 :class:`RetentionSchedule` counts the bases a job saves and says when retention is due.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import describe, rebuild
 from ..ops.retention import Policy
+from ..storage.fileops import FileOps
 from .group import RankGroup
-from .job_gc import JobGcReport, job_bytes, plan_job_gc, report_from_json, report_to_json
+from .job_gc import (JobGcReport, collect_job, job_bytes, plan_job_gc, report_from_json,
+                     report_to_json)
 
 if TYPE_CHECKING:
     from .job_store import JobStore
@@ -80,6 +88,77 @@ def run_and_tell(group: RankGroup, collect: Callable[[], JobGcReport]
         return None, e
     group.broadcast(b"\x01" + report_to_json(report), "the job's gc")
     return report, None
+
+
+class GcTrash:
+    """A job's ``gc-trash/`` (what its own gc moved off every chain): deleted in a thread while
+    the job trains on (:meth:`empty`), joined before the next gc and at close (:meth:`join`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.thread: threading.Thread | None = None
+
+    def empty(self) -> None:
+        if os.path.isdir(self.path):
+            self.thread = threading.Thread(target=shutil.rmtree, args=(self.path,),
+                                           kwargs={"ignore_errors": True},
+                                           name="ckptstore-gc-trash")
+            self.thread.start()
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
+def collect_while_writing(job: "JobStore", group: RankGroup, policy: Policy, now_ns: int | None,
+                          progress: Callable[[int], None] | None, *, trash: GcTrash,
+                          close_writer: Callable[[], None], start_epoch: Callable[[], None],
+                          open_reader: Callable[[str], Any], file_ops: FileOps) -> JobGcReport:
+    """A writing job's own gc (:meth:`JobStore.gc` on a writer; collective: every rank, the
+    same policy, between saves). In order:
+
+    1. every rank commits what it has pending (one round: ``job.flush()``);
+    2. rank 0 plans (:func:`~ckptstore.multirank.job_gc.plan_job_gc`, over its view) and
+       tells the others whether the gc runs (:func:`agree_gc_plan`); when the plan removes
+       nothing, or fails (RetentionError: the policy selects nothing), nothing more happens:
+       the job writes on in its epoch, every rank returns that report or raises that error;
+    3. every rank closes its stream, rank 0 its epoch's log (``close_writer``; the rank group
+       stays), and the ranks tell each other (a gather): from here no stream of the job is open
+       for writing on any rank, so rank 0's gc finds no LOCK held by the job;
+    4. rank 0 runs the offline protocol (:func:`~ckptstore.multirank.job_gc.collect_job`,
+       format §22.7: its crash guarantees are those of any job-store gc, readers opened with
+       ``open_reader``), starts emptying ``trash`` and broadcasts its report or its error
+       (:func:`run_and_tell`). The other ranks wait up to the group's ``commit_timeout``;
+    5. every rank starts a new writer epoch as a job open does (``start_epoch``): it adopts
+       the gc's epoch (or, when the gc failed before its commit point, the old state). Its
+       streams are new: as after any open, each rank's next checkpoint must be a snapshot
+       (automatic retention runs right before one).
+
+    Returns the gc's :class:`~ckptstore.multirank.job_gc.JobGcReport` on every rank; raises
+    the gc's error on every rank (after step 5: the store stays writable), or what a round,
+    a collective or step 5 raise (a dead rank: the store is then broken, as after a failed
+    open)."""
+    job.flush()
+    skip = agree_gc_plan(group, job, policy, now_ns)
+    if skip is not None:
+        return skip
+    trash.join()  # the previous gc's (rank 0)
+    close_writer()
+    group.all_gather(b"", "the job's gc (every stream closed)")
+
+    def collect() -> JobGcReport:
+        report = collect_job(job.path, policy, open_reader, file_ops=file_ops, now_ns=now_ns,
+                             progress=progress, remove_trash=False)
+        trash.empty()
+        return report
+
+    report, outcome = run_and_tell(group, collect)
+    start_epoch()
+    if outcome is not None:
+        raise outcome
+    assert report is not None
+    return report
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """A job store's history as a whole: replay over its global commits, diffs of two iterations,
-the sharded layout an iteration was saved in. Functions over a :class:`~.job_store.JobStore`'s
+bisection, the sharded layout an iteration was saved in. Functions over a :class:`~.job_store.JobStore`'s
 public reads (``iterations``, ``global_commit``, ``stream``, ``reading_rank``,
 ``combine_parts``); its methods of the same names delegate here."""
 
@@ -120,3 +120,18 @@ def shard_sections(job: "JobStore", iteration: int) -> list[dict] | None:
                                          f"a sharded part, rank {r} (base {base}) did not")
         sections.append(section)
     return sections
+
+
+def bisect_job(job: "JobStore", predicate: Any, start: int | None, end: int | None,
+               rank: int | None) -> Any:
+    """:meth:`ckptstore.Store.bisect` over the job's global commits. States are those
+    :meth:`JobStore.load` returns (with ``rank``: that rank's part); meta conditions read
+    ``rank``'s meta (default: the job's own rank, else rank 0). The one interval walked is
+    replayed (:func:`replay_job`, with ``rank``; :mod:`ckptstore.ops.bisect`)."""
+    from ..ops.bisect import bisect
+
+    meta_rank = rank if rank is not None else (job.rank or 0)
+    return bisect(job, predicate, start, end,
+                  meta=lambda it: job.meta(it, rank=meta_rank),
+                  load=lambda it: job.load(it, rank=rank),
+                  replay=lambda lo, hi: replay_job(job, lo, hi, rank))

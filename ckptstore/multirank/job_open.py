@@ -8,8 +8,8 @@ also run by a writer after its own gc:
    exclusively created global log) and writes its EPOCH record;
 2. :func:`agree_epoch` broadcasts the epoch and the latest iteration it continues from (or rank
    0's error, raised on every rank: no rank waits for a broadcast that never comes);
-3. each rank creates its stream (with :func:`stream_features`), and :func:`open_streams` tells
-   every rank whether all did, in the same store.
+3. each rank creates its stream (:meth:`StreamOptions.open`, with :func:`stream_features`),
+   and :func:`open_streams` tells every rank whether all did, in the same store.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from __future__ import annotations
 import os
 import struct
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from ..errors import CkptStoreError, FormatError, RankMismatchError, StoreFeaturesError
 from ..engine.engine import DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE
-from ..format.header import feature_names
+from ..format.header import StoreHeader, feature_names
 from ..format.job import Epoch
 from ..storage.fileops import FileOps
 from ..storage.job_log import (EpochLog, JobLayout, claim_next_epoch, create_job_store,
@@ -119,6 +120,33 @@ def stream_features(layout: JobLayout, epoch: int, requested: str) -> str:
                 "a store is created and never removed")
         return "current" if flags else "compatible"
     return requested
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """What a writer opens each of its streams with (at open, and after each of its gcs)."""
+
+    chunk_size: int | None
+    segment_size: int | None
+    evict_written: bool
+    direct_io: bool | str
+    host_budget: int | None
+    max_inflight: int | None
+    features: str
+
+    def open(self, layout: JobLayout, epoch: int, rank: int, header: StoreHeader, ops: FileOps,
+             load_threads: int, commit_round: Callable[..., Any], remote: dict) -> Store:
+        """Create and open ``rank``'s stream of ``epoch`` for writing; sizes not given are the
+        job's (``header``, its STORE file's), features :func:`stream_features`; ``remote``:
+        the remote tier's stream options (empty without one)."""
+        return Store(layout.stream_dir(epoch, rank), "a",
+                     chunk_size=self.chunk_size or header.chunk_size,
+                     segment_size=self.segment_size or header.segment_size,
+                     file_ops=ops, load_threads=load_threads,
+                     evict_written=self.evict_written, direct_io=self.direct_io,
+                     host_budget=self.host_budget,
+                     features=stream_features(layout, epoch, self.features),
+                     max_inflight=self.max_inflight, commit_round=commit_round, **remote)
 
 
 def open_streams(group: RankGroup, path: str, open_own: Callable[[], Store],

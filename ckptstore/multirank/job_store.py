@@ -23,53 +23,34 @@ checking that the stream's local COMMIT is the one the global commit recorded.
 
 from __future__ import annotations
 
-import logging
 import os
-import shutil
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-from ..errors import (CkptStoreError, NotFoundError, RankMismatchError, ReadOnlyStoreError,
-                      RemoteUnsupportedError, StoreClosedError, StoreFeaturesError,
-                      StoreNotFoundError)
+from ..errors import (CkptStoreError, NotFoundError, ReadOnlyStoreError, RemoteUnsupportedError,
+                      StoreClosedError, StoreNotFoundError)
 from ..engine.writer_engine import WriterEngine, check_features
 from ..format.job import GlobalCommit
-from ..tensors.inplace import copy_into
 from ..storage.fileops import FileOps
 from ..storage.job_log import EpochLog, JobLayout, JobView, read_job_header, read_job_view
 from ..store import CheckpointInfo, SaveStats, Store
 from ..ops.retention import Policy
 from ..remote.job_uploader import JobRemote
 from .committer import GlobalCommitter
-from .combine import combine
-from .dtensor_state import is_sharded, load_into, rank_part
+from .dtensor_state import rank_part
 from .group import RankGroup
-from .job_collect import (JobRetentionRun, RetentionSchedule, agree_gc_plan,
-                          check_retention_args, run_and_tell)
-from .job_history import diff_job, replay_job, shard_sections
+from .job_collect import (GcTrash, JobRetentionRun, RetentionSchedule, check_retention_args,
+                          collect_while_writing)
+from .job_history import bisect_job, diff_job, replay_job, shard_sections
+from .job_load import base_rank, combine_parts, load_job, reading_rank
 from .job_streams import StreamReaders, check_stream
-from .job_open import agree_epoch, claim_epoch, open_streams, stream_features
+from .job_open import StreamOptions, agree_epoch, claim_epoch, open_streams
 from .prepared import PreparedCommits
 
 T = TypeVar("T")
-log = logging.getLogger("ckptstore")
 
 #: default bound on how long a rank waits for the others in a commit round (seconds)
 DEFAULT_COMMIT_TIMEOUT = 300.0
-
-
-@dataclass(frozen=True)
-class _StreamOptions:
-    """What a writer opens each of its streams with (at open, and after each of its gcs)."""
-
-    chunk_size: int | None
-    segment_size: int | None
-    evict_written: bool
-    direct_io: bool | str
-    host_budget: int | None
-    max_inflight: int | None
-    features: str
 
 
 class JobStore:
@@ -115,8 +96,8 @@ class JobStore:
         #: automatic retention (set_retention; None: off)
         self._schedule: RetentionSchedule | None = None
         self._last_retention: JobRetentionRun | None = None
-        #: rank 0: the thread deleting the last gc's gc-trash/ (None: none running)
-        self._trash: threading.Thread | None = None
+        #: rank 0: what the last gc moved to gc-trash/, deleted in a thread
+        self._trash = GcTrash(self.layout.gc_trash_dir)
         if retention is not None or retention_every != 1:
             check_retention_args(retention, retention_every)
         #: the remote tier (format-spec/remote.md §8.3; None: opened without remote=)
@@ -129,8 +110,8 @@ class JobStore:
         if mode == "a":
             if process_group is None:
                 raise ValueError("writing a multi-rank store needs process_group=...")
-            self._stream_options = _StreamOptions(chunk_size, segment_size, evict_written,
-                                                  direct_io, host_budget, max_inflight, features)
+            self._stream_options = StreamOptions(chunk_size, segment_size, evict_written,
+                                                 direct_io, host_budget, max_inflight, features)
             self._open_writer(process_group, commit_timeout)
             if retention is not None:
                 self._schedule = RetentionSchedule(retention, retention_every)
@@ -161,11 +142,10 @@ class JobStore:
         open this rank's stream for it, install the committer. Also how a writer goes on after
         its own gc (:meth:`_collect_while_writing`). Collective."""
         opts = self._stream_options
-        chunk_size, segment_size = opts.chunk_size, opts.segment_size
         epoch_log, epoch, adopted = agree_epoch(
             group, self.path,
-            lambda: claim_epoch(self.layout, self._ops, group.world_size, chunk_size,
-                                segment_size))
+            lambda: claim_epoch(self.layout, self._ops, group.world_size, opts.chunk_size,
+                                opts.segment_size))
         if epoch_log is not None:
             self._epoch_log = epoch_log
         self.epoch = epoch
@@ -176,16 +156,10 @@ class JobStore:
 
         def open_own() -> Store:
             self.header = read_job_header(self.layout)
-            return Store(self.layout.stream_dir(epoch, group.rank), "a",
-                         chunk_size=chunk_size or self.header.chunk_size,
-                         segment_size=segment_size or self.header.segment_size,
-                         file_ops=self._ops, load_threads=self._load_threads,
-                         evict_written=opts.evict_written, direct_io=opts.direct_io,
-                         host_budget=opts.host_budget,
-                         features=stream_features(self.layout, epoch, opts.features),
-                         max_inflight=opts.max_inflight, commit_round=committer.around,
-                         **(self._remote.stream_options(epoch, group.rank)
-                            if self._remote is not None else {}))
+            remote = (self._remote.stream_options(epoch, group.rank)
+                      if self._remote is not None else {})
+            return opts.open(self.layout, epoch, group.rank, self.header, self._ops,
+                             self._load_threads, committer.around, remote)
 
         self._own = open_streams(group, self.path, open_own, lambda: self.header.store_id)
         assert self._own is not None and isinstance(self._own.engine, WriterEngine)
@@ -286,7 +260,7 @@ class JobStore:
             err = e
         finally:
             self._closed = True
-            self._join_trash()
+            self._trash.join()
             self._release()
         if err is not None:
             raise err
@@ -504,19 +478,9 @@ class JobStore:
         return check_stream(store, g, r, self.path, self.layout.stream_dir(g.epoch, r))
 
     def reading_rank(self, rank: int | None, g: GlobalCommit) -> int:
-        """The rank whose records a read of ``g``'s iteration with ``rank=`` reads: ``rank``, else
-        this process's, else 0 on a 1-rank commit (ValueError: a reader must choose; 
-        RankMismatchError: no such rank in that commit)."""
-        r = self.rank if rank is None else rank
-        if r is None:
-            if g.world_size == 1:
-                return 0
-            raise ValueError(f"{self.path} holds {g.world_size} ranks' states at iteration "
-                             f"{g.iteration}: pass rank= (0..{g.world_size - 1})")
-        if type(r) is not int or not 0 <= r < g.world_size:
-            raise RankMismatchError(f"rank {r!r} is not among the {g.world_size} ranks that "
-                                    f"committed iteration {g.iteration} in {self.path}")
-        return r
+        """The rank whose records a read of ``g``'s iteration with ``rank=`` reads
+        (:func:`~.job_load.reading_rank`)."""
+        return reading_rank(self, rank, g)
 
     def load(self, iteration: int, keys: Sequence[Any] | None = None, *,
              rank: int | None = None, into: Any = None) -> Any:
@@ -528,26 +492,15 @@ class JobStore:
         Without: the job's state. When the ranks' states are parts of one data-parallel state
         (:mod:`ckptstore.replay.partition`) or sharded parts (FSDP2: every tensor assembled
         whole from its shards, :mod:`ckptstore.replay.shards`), every part is loaded and they
-        are merged, with this
-        rank's own RNG and scheduler states (rank 0's for a reader without a group); otherwise
-        this process's rank's state."""
-        if into is not None and rank is None and is_sharded(self, iteration):
-            return load_into(self, iteration, into, keys)[0]  # reads only the targets' boxes
-        state = self._load(iteration, keys, rank)
-        return state if into is None else copy_into(state, into)
-
-    def _load(self, iteration: int, keys: Sequence[Any] | None, rank: int | None) -> Any:
-        if rank is not None:
-            return self.stream(iteration, rank).load(iteration, keys)
-        g = self.global_commit(iteration)
-        return self.combine_parts(g, lambda r: self.stream(iteration, r).load(iteration), keys)
+        are merged, with this rank's own RNG and scheduler states (rank 0's for a reader
+        without a group); otherwise this process's rank's state (:func:`~.job_load.load_job`)."""
+        return load_job(self, iteration, keys, rank, into)
 
     def combine_parts(self, g: GlobalCommit, part: Callable[[int], Any],
                       keys: Sequence[Any] | None) -> Any:
-        """The job's state at ``g.iteration`` from its ranks' states (:func:`.combine.combine`;
-        shared by :meth:`load` and :meth:`replay`)."""
-        mine = self.rank if self.rank is not None and self.rank < g.world_size else None
-        return combine(part, g.world_size, mine, g.iteration, keys, lambda: self.reading_rank(None, g))
+        """The job's state at ``g.iteration`` from its ranks' states (shared by :meth:`load` and
+        :meth:`replay`; :func:`~.job_load.combine_parts`)."""
+        return combine_parts(self, g, part, keys)
 
     def replay(self, start: int, stop: int, *, rank: int | None = None
                ) -> Iterator[tuple[int, Any]]:
@@ -592,13 +545,9 @@ class JobStore:
         return self.stream(iteration, rank).load_base(iteration)
 
     def base_of(self, iteration: int, *, rank: int | None = None) -> int:
-        """The base snapshot ``iteration`` replays from. Every rank saves its bases at the same
-        iterations (saves are collective, and each epoch's streams begin with one), so without
-        ``rank`` any rank answers: this process's when it took part, else rank 0."""
-        if rank is None:
-            g = self.global_commit(iteration)
-            rank = self.rank if self.rank is not None and self.rank < g.world_size else 0
-        return self.stream(iteration, rank).base_of(iteration)
+        """The base snapshot ``iteration`` replays from; without ``rank`` any rank answers
+        (:func:`~.job_load.base_rank`)."""
+        return self.stream(iteration, base_rank(self, iteration, rank)).base_of(iteration)
 
     # ---- the remote tier (remote=...): ckptstore/remote/job_uploader.py's JobRemote ------------
     def remote_status(self) -> Any:
@@ -664,46 +613,23 @@ class JobStore:
 
     def _collect_while_writing(self, policy: Policy, now_ns: int | None,
                                progress: Callable[[int], None] | None) -> Any:
-        """The job's own gc (collective: every rank, the same policy, between saves). In order:
-
-        1. every rank commits what it has pending (one round);
-        2. rank 0 plans (:func:`~ckptstore.multirank.job_gc.plan_job_gc`, over its view) and
-           tells the others whether the gc runs; when the plan removes nothing, or fails
-           (RetentionError: the policy selects nothing), nothing more happens: the job writes on
-           in its epoch, every rank returns that report or raises that error;
-        3. every rank closes its stream, rank 0 its epoch's log (the rank group stays), and the
-           ranks tell each other (a gather): from here no stream of the job is open for writing
-           on any rank, so rank 0's gc finds no LOCK held by the job;
-        4. rank 0 runs the offline protocol (:func:`~ckptstore.multirank.job_gc.collect_job`,
-           format §22.7: its crash guarantees are those of any job-store gc) and broadcasts its
-           report (JSON) or its error (one line, rebuilt typed on the other ranks:
-           :func:`~ckptstore.errors.rebuild`). The other ranks wait up to the group's
-           ``commit_timeout`` for it;
-        5. every rank starts a new writer epoch as a job open does (:meth:`_start_epoch`): it
-           adopts the gc's epoch (or, when the gc failed before its commit point, the old
-           state). Its streams are new: as after any open, each rank's next checkpoint must be
-           a snapshot (automatic retention runs right before one).
-
-        Returns the gc's :class:`~ckptstore.multirank.job_gc.JobGcReport` on every rank; raises
-        the gc's error on every rank (after step 5: the store stays writable), or what a round,
-        a collective or step 5 raise (a dead rank: the store is then broken, as after a failed
-        open)."""
-        from .job_gc import JobGcReport, collect_job
-
-        own, committer = self._writer()
+        """The job's own gc (collective: every rank, the same policy, between saves; the steps:
+        :func:`~.job_collect.collect_while_writing`); the job writes on in a new epoch."""
+        _, committer = self._writer()
         if committer.broken is not None:
             raise committer.broken
         group = self._group
         assert group is not None
-        if self._async():
-            self._pipe().flush()
-        else:
-            self._round(own.flush)
-        skip = agree_gc_plan(group, self, policy, now_ns)
-        if skip is not None:
-            return skip
-        self._join_trash()  # the previous gc's (rank 0)
-        own.close()  # nothing pending: no round
+        return collect_while_writing(self, group, policy, now_ns, progress, trash=self._trash,
+                                     close_writer=self._close_writer,
+                                     start_epoch=lambda: self._start_epoch(group),
+                                     open_reader=lambda p: JobStore(p, "r"), file_ops=self._ops)
+
+    def _close_writer(self) -> None:
+        """Step 3 of the job's own gc: close this rank's stream (nothing pending: no round) and
+        rank 0 its epoch's log; the rank group stays."""
+        assert self._own is not None
+        self._own.close()
         self._own = None
         self._committer = None
         self._prepared = None
@@ -711,19 +637,6 @@ class JobStore:
             self._epoch_log.close()
             self._epoch_log = None
         self._streams.close()
-        group.all_gather(b"", "the job's gc (every stream closed)")
-
-        def collect() -> JobGcReport:
-            report = collect_job(self.path, policy, lambda p: JobStore(p, "r"), file_ops=self._ops,
-                                 now_ns=now_ns, progress=progress, remove_trash=False)
-            self._empty_trash()
-            return report
-
-        report, outcome = run_and_tell(group, collect)
-        self._start_epoch(group)
-        if outcome is not None:
-            raise outcome
-        return report
 
     # ---- automatic retention ------------------------------------------------------------------
     def set_retention(self, policy: Policy | None, every: int = 1) -> None:
@@ -768,21 +681,6 @@ class JobStore:
                 bool(self._committer.broken), self.path)
             self._last_retention = run or self._last_retention
 
-    def _empty_trash(self) -> None:
-        """Delete ``gc-trash/`` (what the job's gc moved off every chain) in a thread, while the
-        job trains on; joined before the next gc and at close."""
-        trash = self.layout.gc_trash_dir
-        if os.path.isdir(trash):
-            self._trash = threading.Thread(target=shutil.rmtree, args=(trash,),
-                                           kwargs={"ignore_errors": True},
-                                           name="ckptstore-gc-trash")
-            self._trash.start()
-
-    def _join_trash(self) -> None:
-        if self._trash is not None:
-            self._trash.join()
-            self._trash = None
-
     def _reopen_view(self) -> None:
         """Readers: drop the streams read so far and read the global logs again (after a gc
         the old epochs' streams are gone)."""
@@ -793,15 +691,6 @@ class JobStore:
 
     def bisect(self, predicate: Any, start: int | None = None, end: int | None = None, *,
                rank: int | None = None) -> Any:
-        """:meth:`ckptstore.Store.bisect` over the job's global commits. States are those
-        :meth:`load` returns (with ``rank``: that rank's part); meta conditions read ``rank``'s
-        meta (default: this process's rank, else rank 0). The one interval walked is replayed
-        (:meth:`replay`, with ``rank``; :mod:`ckptstore.ops.bisect`)."""
-        from ..ops.bisect import bisect
-
-        meta_rank = rank if rank is not None else (self.rank or 0)
-        return bisect(self, predicate, start, end,
-                      meta=lambda it: self.meta(it, rank=meta_rank),
-                      load=lambda it: self.load(it, rank=rank),
-                      replay=lambda lo, hi: self.replay(lo, hi, rank=rank))
-
+        """:meth:`ckptstore.Store.bisect` over the job's global commits, states as :meth:`load`
+        returns them (with ``rank``: that rank's part; :func:`~.job_history.bisect_job`)."""
+        return bisect_job(self, predicate, start, end, rank)

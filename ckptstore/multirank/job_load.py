@@ -1,0 +1,77 @@
+"""Reading one iteration of a job store: whose records a read takes, and how the ranks' parts
+become the job's state. Functions over a :class:`~.job_store.JobStore`'s public reads
+(``rank``, ``path``, ``global_commit``, ``stream``); its methods of the same names delegate here.
+
+A load without ``rank`` (:func:`load_job`), in order:
+
+1. into preallocated targets of a sharded (FSDP2 / DTensor) iteration: only the boxes the
+   targets need are read (:func:`~.dtensor_state.load_into`), nothing else;
+2. otherwise every rank's state the combination needs is loaded from the stream its global
+   commit names (each checked against that commit: :meth:`JobStore.stream`);
+3. the parts are combined (:func:`combine_parts`, :func:`~.combine.combine`), then copied
+   into ``into`` when given.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from ..errors import RankMismatchError
+from ..format.job import GlobalCommit
+from ..tensors.inplace import copy_into
+from .combine import combine
+from .dtensor_state import is_sharded, load_into
+
+if TYPE_CHECKING:
+    from .job_store import JobStore
+
+
+def reading_rank(job: "JobStore", rank: int | None, g: GlobalCommit) -> int:
+    """The rank whose records a read of ``g``'s iteration with ``rank=`` reads: ``rank``, else
+    the job's own rank, else 0 on a 1-rank commit (ValueError: a reader must choose;
+    RankMismatchError: no such rank in that commit)."""
+    r = job.rank if rank is None else rank
+    if r is None:
+        if g.world_size == 1:
+            return 0
+        raise ValueError(f"{job.path} holds {g.world_size} ranks' states at iteration "
+                         f"{g.iteration}: pass rank= (0..{g.world_size - 1})")
+    if type(r) is not int or not 0 <= r < g.world_size:
+        raise RankMismatchError(f"rank {r!r} is not among the {g.world_size} ranks that "
+                                f"committed iteration {g.iteration} in {job.path}")
+    return r
+
+
+def combine_parts(job: "JobStore", g: GlobalCommit, part: Callable[[int], Any],
+                  keys: Sequence[Any] | None) -> Any:
+    """The job's state at ``g.iteration`` from its ranks' states (``part(r)``: rank r's), with
+    the job's own rank's RNG and scheduler states when it took part (:func:`.combine.combine`)."""
+    mine = job.rank if job.rank is not None and job.rank < g.world_size else None
+    return combine(part, g.world_size, mine, g.iteration, keys,
+                   lambda: reading_rank(job, None, g))
+
+
+def load_job(job: "JobStore", iteration: int, keys: Sequence[Any] | None, rank: int | None,
+             into: Any) -> Any:
+    """The state at ``iteration``, bit-exact (a delta is replayed within its stream); with
+    ``rank``: what that rank saved, else the job's state (steps 1-3 of the module docstring).
+    ``into``: tensors to fill, as in :meth:`ckptstore.Store.load` (here always copied into once
+    the state is combined)."""
+    if into is not None and rank is None and is_sharded(job, iteration):
+        return load_into(job, iteration, into, keys)[0]  # reads only the targets' boxes
+    if rank is not None:
+        state = job.stream(iteration, rank).load(iteration, keys)
+    else:
+        g = job.global_commit(iteration)
+        state = combine_parts(job, g, lambda r: job.stream(iteration, r).load(iteration), keys)
+    return state if into is None else copy_into(state, into)
+
+
+def base_rank(job: "JobStore", iteration: int, rank: int | None) -> int:
+    """The rank whose stream answers where ``iteration``'s load starts: ``rank``; without it
+    any rank answers (every rank saves its bases at the same iterations: saves are collective,
+    and each epoch's streams begin with one), so the job's own rank when it took part, else 0."""
+    if rank is not None:
+        return rank
+    g = job.global_commit(iteration)
+    return job.rank if job.rank is not None and job.rank < g.world_size else 0
