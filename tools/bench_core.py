@@ -47,10 +47,10 @@ The 1-minute load average is sampled after every child and printed: other proces
 they were competing. ``--prefault`` touches and frees 2x the state before each clock (it makes
 anonymous allocations fast, not new page cache).
 
-Every timed measurement is repeated ``--repeat`` times (fresh processes, a fresh store or file
-each time, engines in a rotated order) and **medians** are quoted; throughput is logical state
-bytes / seconds in GB/s (1e9). Ratios ``x peer`` are this row's throughput divided by the peer's
-(> 1: faster). The tool re-executes itself with ``MALLOC_MMAP_THRESHOLD_=268435456
+Every timed measurement is repeated ``--rounds`` (``--repeat``) times (fresh processes, a fresh
+store or file each time, engines in a rotated order) and **medians** are quoted (the JSON also
+has min-max and stdev); throughput is logical state bytes / seconds in GB/s (1e9). Ratios
+``x peer`` are this row's throughput divided by the peer's (> 1: faster). The tool re-executes itself with ``MALLOC_MMAP_THRESHOLD_=268435456
 MALLOC_TRIM_THRESHOLD_=1073741824`` unless they are set or ``--no-malloc-env`` is given (see
 shared/MEASUREMENTS.md: this VM's fresh allocations are slow and bimodal) and prints the setting.
 Work files live in a temporary directory under ``--dir`` (default: the current directory; tmpfs
@@ -59,6 +59,7 @@ is refused) and are removed at the end.
     python tools/bench_core.py                      # ~1 GiB, 100 tensors, 3 repeats
     python tools/bench_core.py --quick              # ~64 MiB, 1 repeat (CI)
     python tools/bench_core.py --json out.json --profile
+    python tools/bench_core.py --rounds 5              # (--repeat 5: the same)
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ import json
 import math
 import mmap
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -78,12 +78,14 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
-MiB = 1 << 20
-GB = 1e9
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
-REEXEC_MARK = "BENCH_CORE_REEXECUTED"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness
+
+from harness import (GB, MiB, Stats, add_standard_args, ensure_malloc_env, evict_files,  # noqa: E402
+                     filesystem_type, fmt, fsync_path, fsync_tree, header, load_summary, log,
+                     machine, parser, quick, read_text, rotated, table, write_json)
+
 RESULT_PREFIX = "BENCH_CORE_RESULT "
 WRITE_SIZES_MIB = (4, 16, 64)
 READ_SIZE = 16 * MiB
@@ -180,21 +182,6 @@ def drop_caches() -> bool:
         return False
 
 
-def evict_files(*paths: str) -> None:
-    """Drop the page cache of every file under ``paths`` (posix_fadvise DONTNEED after a sync:
-    clean pages go; works without privileges, unlike drop_caches)."""
-    os.sync()
-    for top in paths:
-        files = [top] if os.path.isfile(top) else \
-            [os.path.join(r, f) for r, _, fs in os.walk(top) for f in fs]
-        for name in files:
-            fd = os.open(name, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def make_cold(*paths: str) -> str:
     """Empty the page cache for a cold read: drop_caches where the kernel allows it, else evict
     the files that will be read (both sides' the same way). Returns the method used."""
@@ -202,26 +189,6 @@ def make_cold(*paths: str) -> str:
         return "drop_caches"
     evict_files(*paths)
     return "fadvise"
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: str) -> None:
-    """fsync every file under ``path`` (or ``path`` itself), its directories and its parent."""
-    if os.path.isdir(path):
-        for root, _, files in os.walk(path):
-            for name in files:
-                fsync_path(os.path.join(root, name))
-            fsync_path(root)
-    else:
-        fsync_path(path)
-    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 class ThreadWatch:
@@ -664,82 +631,18 @@ def child_main(a: argparse.Namespace) -> None:
 # ================================================================================================
 # Parent side: environment, orchestration, aggregation, report
 # ================================================================================================
-def ensure_malloc_env(a: argparse.Namespace) -> str:
-    """Re-exec with the MALLOC_* settings unless set or refused; return a line describing them."""
-    missing = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
-    if missing and not a.no_malloc_env and not os.environ.get(REEXEC_MARK):
-        env = dict(os.environ, **missing, **{REEXEC_MARK: "1"})
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
-    values = " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in MALLOC_ENV)
-    if os.environ.get(REEXEC_MARK):
-        return f"{values}  (bench_core re-executed itself with these set)"
-    if missing:
-        return f"{values}  (--no-malloc-env: glibc defaults where unset)"
-    return f"{values}  (inherited from the environment)"
-
-
-def filesystem_type(path: str) -> str:
-    """The file system type of the mount holding ``path`` (from /proc/self/mountinfo)."""
-    real = os.path.realpath(path)
-    best, fstype = "", "unknown"
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                mnt = left.split()[4]
-                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, fstype = mnt, right.split()[0]
-    except OSError:
-        pass
-    return fstype
-
-
 def environment(a: argparse.Namespace, malloc: str, fstype: str) -> dict[str, Any]:
-    import torch
-
-    import ckptstore
-
+    """The machine header (:func:`harness.machine`) and this tool's settings."""
     try:
         import safetensors
         st_version = safetensors.__version__
     except ImportError:
         st_version = "missing"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(ckptstore.__file__)))
-    try:
-        rev = subprocess.run(["git", "-C", repo, "describe", "--always", "--dirty"],
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = "?"
-    thp = read_text("/sys/kernel/mm/transparent_hugepage/enabled")
-    load1, load5, _ = os.getloadavg()
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "safetensors": st_version, "ckptstore": f"{ckptstore.__version__} ({rev})",
-            "cpus": os.cpu_count(), "loadavg_at_start": f"{load1:.2f} (1 min), {load5:.2f} (5 min)",
-            "torch_threads": torch.get_num_threads(), "malloc": malloc,
-            "thp": thp, "dir": a.dir, "filesystem": fstype,
-            "prefault": f"{a.prefault_bytes / MiB:.0f} MiB touched+freed before each clock" if a.prefault
-            else "off"}
-
-
-def contention(samples: dict[str, list[dict]]) -> str:
-    """The 1-minute load average seen after each child; a warning when others used the CPUs."""
-    loads = [r["loadavg1"] for rows in samples.values() for r in rows if "loadavg1" in r]
-    if not loads:
-        return "?"
-    line = f"median {statistics.median(loads):.2f}, max {max(loads):.2f} (1 min, after each child)"
-    if statistics.median(loads) > (os.cpu_count() or 1) + 0.5:
-        line += "  WARNING: other processes competed for the CPUs; treat the numbers with care"
-    return line
-
-
-def read_text(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return "?"
+    return machine(safetensors=st_version, malloc=malloc,
+                   thp=read_text("/sys/kernel/mm/transparent_hugepage/enabled"), dir=a.dir,
+                   filesystem=fstype,
+                   prefault=f"{a.prefault_bytes / MiB:.0f} MiB touched+freed before each clock"
+                   if a.prefault else "off")
 
 
 def run_child(a: argparse.Namespace, op: str, path: str, scratch: str, r: int, engine: str = "",
@@ -766,12 +669,6 @@ def run_child(a: argparse.Namespace, op: str, path: str, scratch: str, r: int, e
                        f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
-def rotated(items: Iterable[Any], r: int) -> list[Any]:
-    items = list(items)
-    k = r % len(items)
-    return items[k:] + items[:k]
-
-
 def settle() -> None:
     """Flush dirty pages and let discards of deleted files finish before the next measurement."""
     os.sync()
@@ -784,37 +681,33 @@ def run_repeat(a: argparse.Namespace, work: str, r: int, samples: dict[str, list
     scratch = os.path.join(work, "scratch")
     os.makedirs(rdir)
     os.makedirs(scratch, exist_ok=True)
-    log(f"  repeat {r + 1}/{a.repeat}: limits")
+    log(f"  repeat {r + 1}/{a.rounds}: limits")
     samples["limits"].append(run_child(a, "limits", rdir, scratch, r))
     paths = {e: os.path.join(rdir, f"{e}.ckpt") for e in SAVE_ENGINES}
     paths["ckptstore_into"] = paths["ckptstore"]
     for engine in rotated(SAVE_ENGINES, r):
         settle()
-        log(f"  repeat {r + 1}/{a.repeat}: save {engine}")
+        log(f"  repeat {r + 1}/{a.rounds}: save {engine}")
         samples[f"save:{engine}"].append(run_child(a, "save", paths[engine], scratch, r, engine))
     for engine in rotated(LOAD_ENGINES, r):
         for cache in caches:
             settle()
-            log(f"  repeat {r + 1}/{a.repeat}: load {engine} ({cache})")
+            log(f"  repeat {r + 1}/{a.rounds}: load {engine} ({cache})")
             res = run_child(a, "load", paths[engine], scratch, r, engine, cold=cache == "cold")
             samples.setdefault(f"load:{engine}:{res['cache']}", []).append(res)
     if a.restore_mib > 0:
         rpath = os.path.join(rdir, "restore")
         os.makedirs(rpath)
-        log(f"  repeat {r + 1}/{a.repeat}: restore: saving model + AdamW with both engines")
+        log(f"  repeat {r + 1}/{a.rounds}: restore: saving model + AdamW with both engines")
         run_child(a, "restore_prep", rpath, scratch, r)
         for engine in rotated(RESTORE_ENGINES, r):
             for cache in caches:
                 settle()
-                log(f"  repeat {r + 1}/{a.repeat}: restore {engine} ({cache})")
+                log(f"  repeat {r + 1}/{a.rounds}: restore {engine} ({cache})")
                 res = run_child(a, "restore", rpath, scratch, r, engine, cold=cache == "cold")
                 samples.setdefault(f"restore:{engine}:{res['cache']}", []).append(res)
     shutil.rmtree(rdir)
     settle()
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ---- aggregation -------------------------------------------------------------------------------
@@ -839,7 +732,9 @@ def aggregate(samples: dict[str, list[dict]], total: int) -> dict[str, Any]:
             continue
         s = med(rows, "seconds")
         ops[key] = {"n": len(rows), "seconds": s, "gbps": gbps(total, s),
-                    "peak_extra": med(rows, "peak_extra"), "workers": max(r.get("workers", 1) for r in rows)}
+                    "peak_extra": med(rows, "peak_extra"),
+                    "workers": max(r.get("workers", 1) for r in rows),
+                    "spread": Stats.of(r["seconds"] for r in rows).as_dict()}
     ck = samples["save:ckptstore"]
     incr = {"seconds": med(ck, "incr_seconds"), "written": med(ck, "incr_written"),
             "full_written": med(ck, "written"), "peak_extra": med(ck, "incr_peak_extra"),
@@ -895,21 +790,6 @@ def target(name: str, actual: float, op: str, limit: float, detail: str) -> dict
 
 
 # ---- report ------------------------------------------------------------------------------------
-def fmt(x: float | None, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
-    """A plain-text table; the first ``left`` columns are left-aligned, the rest right-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
-
-
 LIMIT_NAMES = {
     **{f"write_{m}_s": f"disk write+fsync, {m} MiB writes" for m in WRITE_SIZES_MIB},
     "write_direct_s": "disk write+fsync, O_DIRECT 16 MiB (info)",
@@ -949,10 +829,11 @@ def ops_table(agg: dict[str, Any], kind: str, cache: str = "") -> str:
         for peer, _ in PEERS:
             p = ops.get(f"{kind}:{peer}{suffix}")
             ratios.append(fmt(op["gbps"] / p["gbps"]) if p and p["gbps"] else "-")
-        rows.append([labels[e], fmt(op["seconds"], ".3f"), fmt(op["gbps"]), *ratios,
+        spread = Stats(**op["spread"]).spread()
+        rows.append([labels[e], fmt(op["seconds"], ".3f"), spread, fmt(op["gbps"]), *ratios,
                      fmt(op["gbps"] / ref if ref else None), fmt(op["peak_extra"] / MiB, ".1f")])
     mem = "peak extra MiB" if kind == "save" else "peak - state MiB"
-    return table([f"{kind} ({cache})" if cache else kind, "median s", "GB/s",
+    return table([f"{kind} ({cache})" if cache else kind, "median s", "min-max s", "GB/s",
                   *(h for _, h in PEERS), ref_name, mem], rows)
 
 
@@ -998,9 +879,10 @@ def profile_text(samples: dict[str, list[dict]]) -> str:
 
 def report(env: dict[str, Any], a: argparse.Namespace, total: int, agg: dict[str, Any],
            ts: list[dict[str, Any]], caches_note: str, samples: dict[str, list[dict]]) -> str:
-    head = [f"bench_core: {a.tensors} float32 tensors, {total / MiB:.1f} MiB ({total / GB:.3f} GB), "
-            f"repeat {a.repeat}, medians; ratios 'x peer' = throughput / the peer's (>1 faster)",
-            *(f"  {k}: {v}" for k, v in env.items()), f"  load caches: {caches_note}", ""]
+    head = [header(f"bench_core: {a.tensors} float32 tensors, {total / MiB:.1f} MiB "
+                   f"({total / GB:.3f} GB), {a.rounds} rounds, medians; ratios 'x peer' = "
+                   "throughput / the peer's (>1 faster)", env),
+            f"  load caches: {caches_note}", ""]
     parts = [limits_table(agg), "", f"disk fsync'd bandwidth (best write size): {agg['disk_fsync_gbps']:.2f} GB/s",
              "", ops_table(agg, "save"), "", incremental_table(agg), ""]
     for cache in ("cold", "warm"):
@@ -1018,14 +900,13 @@ def report(env: dict[str, Any], a: argparse.Namespace, total: int, agg: dict[str
 
 # ---- main --------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=float, default=None, help="state size in MiB (default 1024)")
+    p = parser(__doc__)
+    p.add_argument("--size-mib", type=float, default=1024.0,
+                   help="state size in MiB (default 1024)")
     p.add_argument("--tensors", type=int, default=100, help="number of tensors (default 100)")
-    p.add_argument("--repeat", type=int, default=None, help="repeats per measurement (default 3)")
-    p.add_argument("--quick", action="store_true", help="~64 MiB, 1 repeat: a CI-sized run")
+    add_standard_args(p, rounds=3, rounds_help="repeats per measurement", aliases=("--repeat",),
+                      quick_help="~64 MiB, 1 repeat, 16 MiB restore: a CI-sized run")
     p.add_argument("--dir", default=os.getcwd(), help="where the temporary work dir goes (not tmpfs)")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--cache", choices=("cold", "warm", "both"), default="both",
                    help="loads after dropping the page cache, without, or both (default)")
     p.add_argument("--dcp-threads", type=int, default=2, help="FileSystemWriter thread_count (default 2)")
@@ -1036,7 +917,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-malloc-env", action="store_true", help="do not re-exec with MALLOC_* set")
     p.add_argument("--allow-tmpfs", action="store_true", help="allow --dir on tmpfs")
     p.add_argument("--child-timeout", type=int, default=900, help=argparse.SUPPRESS)
-    p.add_argument("--restore-mib", type=float, default=None,
+    p.add_argument("--restore-mib", type=float, default=128.0,
                    help="MiB of parameters of the model + AdamW restored into a live model "
                         "(default 128; 16 with --quick; 0 skips)")
     p.add_argument("--child", choices=("limits", "save", "load", "restore_prep", "restore"),
@@ -1047,14 +928,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    a.size_mib = a.size_mib if a.size_mib is not None else (64.0 if a.quick else 1024.0)
-    a.repeat = a.repeat if a.repeat is not None else (1 if a.quick else 3)
-    a.restore_mib = a.restore_mib if a.restore_mib is not None else (16.0 if a.quick else 128.0)
+    quick(a, p, size_mib=64.0, rounds=1, restore_mib=16.0)
     a.dir = os.path.abspath(a.dir)
     state = state_bytes(tensor_specs(a.size_mib, a.tensors))
     a.prefault_bytes = 2 * state + 256 * MiB if a.prefault else 0
-    if a.repeat < 1 or a.tensors < 1 or a.size_mib <= 0:
-        p.error("--repeat, --tensors and --size-mib must be positive")
+    if a.rounds < 1 or a.tensors < 1 or a.size_mib <= 0:
+        p.error("--rounds, --tensors and --size-mib must be positive")
     return a
 
 
@@ -1063,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         child_main(a)
         return 0
-    malloc = ensure_malloc_env(a)
+    malloc = ensure_malloc_env(__file__, a.no_malloc_env)
     fstype = filesystem_type(a.dir)
     if fstype in ("tmpfs", "ramfs") and not a.allow_tmpfs:
         print(f"bench_core: {a.dir} is on {fstype}; give --dir on a real disk", file=sys.stderr)
@@ -1075,7 +954,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list[dict]] = {"limits": [], **{f"save:{e}": [] for e in SAVE_ENGINES}}
     work = tempfile.mkdtemp(prefix="bench_core-", dir=a.dir)
     try:
-        for r in range(a.repeat):
+        for r in range(a.rounds):
             run_repeat(a, work, r, samples, caches)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -1086,14 +965,14 @@ def main(argv: list[str] | None = None) -> int:
                              f"{' / '.join(methods)}, the same way for every engine)"
                              if methods else "")
     agg = aggregate(samples, total)
-    env["loadavg_during_run"] = contention(samples)
+    env["load average during"] = load_summary(
+        [r["loadavg1"] for rows in samples.values() for r in rows if "loadavg1" in r])
     ts = targets(agg, got)
     print(report(env, a, total, agg, ts, note, samples))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(a).items() if k not in (
-                "child", "engine", "path", "scratch", "cold", "round")}, "state_bytes": total,
-                "environment": env, "aggregate": agg, "targets": ts, "samples": samples}, f, indent=1)
+    # ("aggregate" and "environment": what goodput.py --from-bench reads)
+    write_json(a.json, "bench_core", {k: v for k, v in vars(a).items() if k not in (
+        "child", "engine", "path", "scratch", "cold", "round")}, env, samples, agg,
+        state_bytes=total, targets=ts, aggregate=agg, environment=env)
     return 0
 
 

@@ -57,7 +57,8 @@ end, also on an error, Ctrl-C or SIGTERM. Like bench_core the tool re-executes i
 ``--no-malloc-env`` is given.
 
     python tools/bench_dcp.py                                  # ~160 MiB state, 5 rounds, 10 checkpoints
-    python tools/bench_dcp.py --size 8 --rounds 2 --checkpoints 3 --steps 1 --settle 0   # a smoke run
+    python tools/bench_dcp.py --quick     # a smoke run: --size 8 --rounds 2 --checkpoints 3
+                                          # --steps 1 --settle 0
     python tools/bench_dcp.py --parts io --size 512 --json out.json
 """
 
@@ -66,13 +67,9 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import json
 import os
-import platform
 import shutil
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -84,14 +81,14 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_core
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # ckptstore, if not installed
 
-from bench_core import MALLOC_ENV, evict_files, filesystem_type, fsync_path, read_text, table
+from harness import (GB, MiB, Stats, add_standard_args, ensure_malloc_env, evict_files,  # noqa: E402
+                     filesystem_type, fmt, fsync_path, header, load_average, load_summary, log,
+                     machine, median as med, parser, quick, ratio, read_tree, rotated, table,
+                     timed, tree_bytes, write_json)
 
-MiB = 1 << 20
-GB = 1e9
-REEXEC_MARK = "BENCH_DCP_REEXECUTED"
 SIDES = ("ckptstore", "dcp")
 PARTS = ("io", "train", "frozen")
 SEED = 1234
@@ -388,45 +385,9 @@ class Run:
             time.sleep(self.a.settle)
 
     def timed(self, fn: Callable[[], Any]) -> tuple[float, Any]:
-        t0 = time.perf_counter()
-        result = fn()
-        seconds = time.perf_counter() - t0
+        out = timed(fn)
         self.loads.append(os.getloadavg()[0])
-        return seconds, result
-
-
-def tree_bytes(path: str) -> tuple[int, int]:
-    """(apparent bytes: sum of file sizes, allocated bytes: st_blocks x 512) under ``path``."""
-    apparent = allocated = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            st = os.lstat(os.path.join(root, name))
-            apparent += st.st_size
-            allocated += st.st_blocks * 512
-    return apparent, allocated
-
-
-def read_tree(path: str) -> None:
-    """Read every file under ``path`` once (into the page cache): the warm case."""
-    buf = bytearray(16 * MiB)
-    for root, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(root, name), "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
-
-
-def order(r: int) -> tuple[str, ...]:
-    """ABAB with the first side alternating: ckptstore first in even rounds, DCP in odd ones."""
-    return SIDES if r % 2 == 0 else SIDES[::-1]
-
-
-def med(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+        return out
 
 
 # ================================================================================================
@@ -450,7 +411,7 @@ def part_io(run: Run, work: str) -> dict[str, Any]:
         rdir = os.path.join(work, f"io-{r}")
         os.makedirs(rdir)
         paths = {"ckptstore": os.path.join(rdir, "store"), "dcp": os.path.join(rdir, "dcp")}
-        sides = order(r)
+        sides = rotated(SIDES, r)
         info["order"].append(list(sides))
         for side in sides:
             log(f"  io round {r + 1}/{a.rounds}: save {side}")
@@ -522,7 +483,7 @@ def part_train(run: Run, work: str, variant: str) -> dict[str, Any]:
             state = tr.state()
             nbytes, zeros = state_bytes(state), zero_bytes(state)
             fps[k] = fingerprint(state)  # outside the clocks
-            sides = order(k - 1)
+            sides = rotated(SIDES, k - 1)
             orders.append(list(sides))
             for side in sides:
                 log(f"  {variant}: checkpoint {k}/{a.checkpoints}: save {side}")
@@ -576,14 +537,6 @@ def part_train(run: Run, work: str, variant: str) -> dict[str, Any]:
 # ================================================================================================
 # Report
 # ================================================================================================
-def fmt(x: float | None, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def ratio(x: float | None, y: float | None) -> str:
-    return f"{x / y:.2f}x" if x is not None and y else "-"
-
-
 def pct(x: float, total: float) -> str:
     return f"{100 * x / total:.1f}%" if total else "-"
 
@@ -599,7 +552,7 @@ def io_table(res: dict[str, Any], n: int) -> str:
                       ("load_warm", "full load, warm")):
         ours = med(res["samples"][f"{op}:ckptstore"])
         theirs = med(res["samples"][f"{op}:dcp"])
-        rows.append([label, fmt(ours), fmt(theirs), ratio(ours, theirs),
+        rows.append([label, fmt(ours, ".3f"), fmt(theirs, ".3f"), ratio(ours, theirs),
                      fmt(nb / ours / GB if ours else None, ".2f"),
                      fmt(nb / theirs / GB if theirs else None, ".2f")])
     d_ours = med(res["info"]["disk_ckptstore"])
@@ -614,15 +567,15 @@ def train_table(res: dict[str, Any]) -> str:
     s_ours, s_theirs = res["samples"]["ckptstore"], res["samples"]["dcp"]
     n = len(s_ours)
     rows = [
-        [f"save, median of {n}", fmt(med(s_ours)), fmt(med(s_theirs)),
+        [f"save, median of {n}", fmt(med(s_ours), ".3f"), fmt(med(s_theirs), ".3f"),
          ratio(med(s_ours), med(s_theirs))],
-        ["save, first checkpoint", fmt(s_ours[0] if s_ours else None),
-         fmt(s_theirs[0] if s_theirs else None),
+        ["save, first checkpoint", fmt(s_ours[0] if s_ours else None, ".3f"),
+         fmt(s_theirs[0] if s_theirs else None, ".3f"),
          ratio(s_ours[0] if s_ours else None, s_theirs[0] if s_theirs else None)],
     ]
     if n > 1:
-        rows.append([f"save, median of checkpoints 2-{n}", fmt(med(s_ours[1:])),
-                     fmt(med(s_theirs[1:])), ratio(med(s_ours[1:]), med(s_theirs[1:]))])
+        rows.append([f"save, median of checkpoints 2-{n}", fmt(med(s_ours[1:]), ".3f"),
+                     fmt(med(s_theirs[1:]), ".3f"), ratio(med(s_ours[1:]), med(s_theirs[1:]))])
     later_w = [x["written"] for x in res["ours_saves"][1:]]
     later_d = res["dcp_dir_bytes"][1:]
     if later_w:
@@ -658,11 +611,11 @@ def train_heading(res: dict[str, Any], a: argparse.Namespace) -> str:
 
 
 def report(env: dict[str, Any], a: argparse.Namespace, results: dict[str, Any]) -> str:
-    out = [("bench_dcp: dcp.save / dcp.load through ckptstore.dcp (one store) vs DCP's "
-            f"FileSystemWriter(thread_count={a.dcp_threads}, sync_files=True) / FileSystemReader "
-            "(one directory per checkpoint); one process, sides interleaved ABAB (first side "
-            "alternating), medians; ours/DCP < 1: ckptstore takes less time or bytes"),
-           *(f"  {k}: {v}" for k, v in env.items()), ""]
+    out = [header("bench_dcp: dcp.save / dcp.load through ckptstore.dcp (one store) vs DCP's "
+                  f"FileSystemWriter(thread_count={a.dcp_threads}, sync_files=True) / "
+                  "FileSystemReader (one directory per checkpoint); one process, sides "
+                  "interleaved ABAB (first side alternating), medians; ours/DCP < 1: ckptstore "
+                  "takes less time or bytes", env), ""]
     if "io" in results:
         r = results["io"]
         written = med(r["info"]["ours_written"])
@@ -689,43 +642,10 @@ def report(env: dict[str, Any], a: argparse.Namespace, results: dict[str, Any]) 
 # ================================================================================================
 # Environment and main
 # ================================================================================================
-def ensure_malloc_env(a: argparse.Namespace) -> str:
-    """Re-exec with bench_core's MALLOC_* settings unless set or refused; describe them."""
-    missing = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
-    if missing and not a.no_malloc_env and not os.environ.get(REEXEC_MARK):
-        env = dict(os.environ, **missing, **{REEXEC_MARK: "1"})
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
-    values = " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in MALLOC_ENV)
-    if os.environ.get(REEXEC_MARK):
-        return f"{values} (re-executed with these set)"
-    if missing:
-        return f"{values} (--no-malloc-env: glibc defaults where unset)"
-    return f"{values} (inherited)"
-
-
-def loadavg() -> str:
-    l1, l5, l15 = os.getloadavg()
-    return f"{l1:.2f} {l5:.2f} {l15:.2f} (1/5/15 min)"
-
-
 def environment(a: argparse.Namespace, malloc: str, fstype: str) -> dict[str, Any]:
-    import ckptstore
-
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        rev = subprocess.run(["git", "-C", repo, "describe", "--always", "--dirty"], check=False,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = "?"
+    """The machine header (:func:`harness.machine`) and this run's settings."""
     total = param_count(a.vocab, a.dim, a.layers, a.ctx)
-    return {
-        "python": platform.python_version(), "torch": torch.__version__,
-        "ckptstore": f"{ckptstore.__version__} ({rev or '?'})",
-        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "load average before": loadavg(),
-        "memory": read_text("/proc/meminfo").splitlines()[0] if os.path.exists("/proc/meminfo") else "?",
+    return machine(**{
         "malloc": malloc, "dir": a.dir, "filesystem": fstype,
         "model": f"GPT {a.layers} layers, dim {a.dim}, {heads_for(a.dim)} heads, vocab {a.vocab}, "
                  f"ctx {a.ctx}, untied head: {total / 1e6:.2f}M parameters "
@@ -733,12 +653,11 @@ def environment(a: argparse.Namespace, malloc: str, fstype: str) -> dict[str, An
                  f"{12 * total / MiB:.1f} MiB; --size {a.size:g})",
         "training": f"AdamW lr 3e-4 wd 0.1, batch {a.batch} x {a.ctx} random tokens",
         "settle": f"gc + os.sync + {a.settle:g} s sleep before each clock",
-    }
+    })
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--size", type=float, default=160.0,
                    help="MiB of state (parameters + both AdamW moments, float32) the model is "
                         "sized for; the width is picked to come closest (default 160)")
@@ -751,7 +670,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated, of io (full save/load), train (checkpoints of a run "
                         "training every parameter), frozen (the same with the embeddings and "
                         "first blocks frozen); default all")
-    p.add_argument("--rounds", type=int, default=5, help="part 1 rounds (default 5)")
+    add_standard_args(p, rounds=5, rounds_help="part 1 rounds",
+                      quick_help="a smoke run: --size 8 --rounds 2 --checkpoints 3 --steps 1 "
+                                 "--settle 0")
     p.add_argument("--checkpoints", type=int, default=10, help="part 2 checkpoints (default 10)")
     p.add_argument("--steps", type=int, default=3,
                    help="AdamW steps before each part-2 checkpoint (default 3)")
@@ -766,9 +687,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", default=os.getcwd(),
                    help="where the temporary work directory goes (default: the current one)")
     p.add_argument("--allow-tmpfs", action="store_true", help="allow --dir on tmpfs/ramfs")
-    p.add_argument("--json", metavar="FILE", help="also write everything (every sample) as JSON")
     p.add_argument("--no-malloc-env", action="store_true", help="do not re-exec with MALLOC_* set")
     a = p.parse_args(argv)
+    quick(a, p, size=8.0, rounds=2, checkpoints=3, steps=1, settle=0.0)
     a.dir = os.path.abspath(a.dir)
     a.parts = [x.strip() for x in a.parts.split(",") if x.strip()]
     if not a.parts or any(x not in PARTS for x in a.parts):
@@ -804,7 +725,7 @@ def _terminate(signum: int, _frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    malloc = ensure_malloc_env(a)
+    malloc = ensure_malloc_env(__file__, a.no_malloc_env)
     os.makedirs(a.dir, exist_ok=True)
     fstype = filesystem_type(a.dir)
     if fstype in ("tmpfs", "ramfs") and not a.allow_tmpfs:
@@ -831,29 +752,22 @@ def main(argv: list[str] | None = None) -> int:
                 results[v] = part_train(run, work, v)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    env["load average after"] = loadavg()
-    if run.loads:
-        line = (f"median {statistics.median(run.loads):.2f}, max {max(run.loads):.2f} (1 min, "
-                "after each timed operation)")
-        if statistics.median(run.loads) > (os.cpu_count() or 1) + 0.5:
-            line += "  WARNING: other processes competed for the CPUs; treat the numbers with care"
-        env["load average during"] = line
+    env["load average after"] = load_average()
+    env["load average during"] = load_summary(run.loads)
     print(report(env, a, results))
     failed = any(r["verify_failures"] for r in results.values())
     if a.json:
         summary: dict[str, Any] = {}
         if "io" in results:
-            summary["io"] = {op: {s: med(results["io"]["samples"][f"{op}:{s}"]) for s in SIDES}
-                             for op in ("save", "load_cold", "load_warm")}
+            summary["io"] = {op: {s: Stats.of(results["io"]["samples"][f"{op}:{s}"]).as_dict()
+                                  for s in SIDES} for op in ("save", "load_cold", "load_warm")}
         for v in ("train", "frozen"):
             if v in results:
                 r = results[v]
-                summary[v] = {"save_s_median": {s: med(r["samples"][s]) for s in SIDES},
+                summary[v] = {"save_s": {s: Stats.of(r["samples"][s]).as_dict() for s in SIDES},
                               "disk": r["disk"]}
-        with open(a.json, "w") as f:
-            json.dump({"config": vars(a), "environment": env, "summary": summary,
-                       "results": results, "load_samples": run.loads, "verified": not failed},
-                      f, indent=1)
+        write_json(a.json, "bench_dcp", a, env, {k: r["samples"] for k, r in results.items()},
+                   summary, results=results, load_samples=run.loads, verified=not failed)
     return 1 if failed else 0
 
 

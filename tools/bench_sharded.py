@@ -57,7 +57,8 @@ machine's limits (CPUs, MemAvailable, the work directory's O_DIRECT write bandwi
 averages) head the report.
 
     python tools/bench_sharded.py                            # 1, 2, 4 ranks, 144 MiB, 3 repeats
-    python tools/bench_sharded.py --vocab 2048 --layers 1 --repeat 1   # a smoke run
+    python tools/bench_sharded.py --quick                    # a smoke run: 1 and 2 ranks, small
+                                                             # model (vocab 2048, 1 layer), 1 repeat
     python tools/bench_sharded.py --deltas                   # per-iteration deltas, ~2-3 min
 """
 
@@ -69,18 +70,21 @@ import functools
 import json
 import os
 import shutil
-import statistics
+from statistics import median as med
 import sys
 import tempfile
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-MiB = 1 << 20
+from harness import (MiB, Stats, add_standard_args, dir_bytes, direct_write_bandwidth,  # noqa: E402
+                     evict_files, fsync_path, header, load_summary, machine, parser, quick,
+                     rotated, table, timed_between, write_json)
+
 SIDES = ("ckptstore", "dcp")
 DEFAULT_PAIRS = "1:1,2:2,4:4,1:4,4:1,2:4,4:2"
 DEFAULT_DELTA_PAIRS = "1:1,2:2,4:4,1:2,2:4,4:1"
@@ -215,19 +219,7 @@ def rchar() -> int:
     return 0
 
 
-def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
 # ---- one rank of a job -------------------------------------------------------------------------
-
-def _timed(fn, barrier) -> float:
-    barrier()
-    t0 = time.perf_counter()
-    fn()
-    barrier()
-    return time.perf_counter() - t0
-
 
 def save_job(rank: int, world: int, args: argparse.Namespace, work: str) -> dict:
     import torch.distributed as dist
@@ -236,19 +228,18 @@ def save_job(rank: int, world: int, args: argparse.Namespace, work: str) -> dict
 
     import ckptstore
     import ckptstore.dcp as cdcp
-    from bench_core import fsync_path
 
     _, _, state = build_state(world, args)
     out: dict = {"ckptstore": [], "dcp": [], "state_bytes": None}
     base = os.path.join(work, f"save{world}")
     for rep in range(args.repeat):
-        order = SIDES if rep % 2 == 0 else SIDES[::-1]
+        order = rotated(SIDES, rep)
         for side in order:
             target = os.path.join(base, f"{side}-{rep}")
             if side == "ckptstore":
                 js = ckptstore.open(target, "a", process_group=dist.group.WORLD,
                                     commit_timeout=600.0)
-                s = _timed(lambda: dcp.save(state, storage_writer=cdcp.StorageWriter(js, 1)),
+                s = timed_between(lambda: dcp.save(state, storage_writer=cdcp.StorageWriter(js, 1)),
                            dist.barrier)
                 js.close()
             else:
@@ -257,13 +248,13 @@ def save_job(rank: int, world: int, args: argparse.Namespace, work: str) -> dict
                     if rank == 0:
                         fsync_path(target)
                         fsync_path(os.path.dirname(target))
-                s = _timed(save, dist.barrier)
+                s = timed_between(save, dist.barrier)
             out[side].append(s)
         dist.barrier()
         if rank == 0:
             out.setdefault("disk", {})
             for side in SIDES:
-                out["disk"][side] = _dir_bytes(os.path.join(base, f"{side}-{rep}"))
+                out["disk"][side] = dir_bytes(os.path.join(base, f"{side}-{rep}"))
             if rep < args.repeat - 1:  # keep the last repeat's checkpoints for the loads
                 for side in SIDES:
                     shutil.rmtree(os.path.join(base, f"{side}-{rep}"))
@@ -279,7 +270,6 @@ def load_job(rank: int, world: int, args: argparse.Namespace, work: str) -> dict
 
     import ckptstore
     import ckptstore.dcp as cdcp
-    from bench_core import evict_files
 
     _, _, state = build_state(world, args)
     ideal = ideal_bytes(state)
@@ -289,7 +279,7 @@ def load_job(rank: int, world: int, args: argparse.Namespace, work: str) -> dict
         src = {side: os.path.join(base, f"{side}-{args.repeat - 1}") for side in SIDES}
         res: dict = {side: {"s": [], "rchar": [], "tensor_bytes": [], "bad": []} for side in SIDES}
         for rep in range(args.repeat):
-            order = SIDES if rep % 2 == 0 else SIDES[::-1]
+            order = rotated(SIDES, rep)
             for side in order:
                 zero(state)
                 if rank == 0:
@@ -306,7 +296,7 @@ def load_job(rank: int, world: int, args: argparse.Namespace, work: str) -> dict
                 else:
                     def load() -> None:
                         dcp.load(state, storage_reader=FileSystemReader(src[side]))
-                s = _timed(load, dist.barrier)
+                s = timed_between(load, dist.barrier)
                 res[side]["s"].append(s)
                 res[side]["rchar"].append(rchar() - r0)
                 res[side]["tensor_bytes"].append(holder.get("tensor_bytes"))
@@ -436,7 +426,6 @@ def train_job(rank: int, world: int, args: argparse.Namespace, work: str) -> dic
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import DTensor
 
-    from bench_core import fsync_path
 
     base = os.path.join(work, f"deltas{world}")
     last = 2 + args.rounds * args.block  # T
@@ -445,7 +434,7 @@ def train_job(rank: int, world: int, args: argparse.Namespace, work: str) -> dic
     for r in runs:  # warm-up, untimed
         r.block(2, rank, args, timed=False)
     for rnd in range(args.rounds):
-        for r in (runs if rnd % 2 == 0 else runs[::-1]):
+        for r in rotated(runs, rnd):
             r.block(args.block, rank, args, timed=True)
     plain, ckr = runs
     assert ckr.ck is not None and ckr.store is not None
@@ -472,8 +461,8 @@ def train_job(rank: int, world: int, args: argparse.Namespace, work: str) -> dic
             "written": [s.written_bytes for s in stats], "cpu": [s.cpu_s for s in stats],
             "grad_bytes": sum(t.numel() * t.element_size() for t in local),
             "params": sum(p.numel() for p in ckr.model.parameters()), "iteration": last,
-            "store_bytes": _dir_bytes(os.path.join(base, "store")) if rank == 0 else 0,
-            "dcp_bytes": _dir_bytes(os.path.join(base, "dcp")) if rank == 0 else 0}
+            "store_bytes": dir_bytes(os.path.join(base, "store")) if rank == 0 else 0,
+            "dcp_bytes": dir_bytes(os.path.join(base, "dcp")) if rank == 0 else 0}
 
 
 def _restore_ckptstore(path: str, model: Any, opt: Any, iteration: int | None = None) -> int:
@@ -513,7 +502,6 @@ def restore_job(rank: int, world: int, args: argparse.Namespace, work: str) -> d
     import torch
     import torch.distributed as dist
 
-    from bench_core import evict_files
 
     last = 2 + args.rounds * args.block
     first = os.path.join(work, f"deltas{args.delta_sources[world][0]}")
@@ -532,12 +520,13 @@ def restore_job(rank: int, world: int, args: argparse.Namespace, work: str) -> d
             "dcp": (functools.partial(_restore_dcp, ckpt), last + 1)}
         res: dict = {kind: {"s": [], "bad": 0} for kind in RESTORES}
         for rep in range(args.repeat):
-            for kind in RESTORES[rep % 3:] + RESTORES[:rep % 3]:
+            for kind in rotated(RESTORES, rep):
                 fn, it = runs[kind]
                 model, opt = build_lm(world, args)
                 if rank == 0:
                     evict_files(store, ckpt)
-                res[kind]["s"].append(_timed(functools.partial(fn, model, opt), dist.barrier))
+                res[kind]["s"].append(timed_between(functools.partial(fn, model, opt),
+                                                    dist.barrier))
                 got = full_state(model, opt)
                 res[kind]["bad"] += int(rank == 0 and not same_state(want[it], got))
         out[str(n)] = res
@@ -576,57 +565,54 @@ def run_job(job: str, world: int, args: argparse.Namespace, work: str) -> list[d
     return out
 
 
-# ---- the report --------------------------------------------------------------------------------
+def run_jobs(args: argparse.Namespace, pair_spec: str, sources: str, jobs: tuple[str, str],
+             prefix: str, before: Callable[[str], Any] | None = None
+             ) -> tuple[list[int], list[tuple[int, ...]], dict, dict, list[float], Any]:
+    """The two phases of a run, in a temporary work directory (removed after):
 
-def loadavg() -> float:
-    return os.getloadavg()[0]
+    1. ``before(work)`` (a machine limit measured there), when given;
+    2. job ``jobs[0]`` (a save, a training) at every world size N of ``--ranks``;
+    3. job ``jobs[1]`` (the loads, the restores) at every world size M that a pair N:M of
+       ``pair_spec`` names, reading what each N wrote (``args.<sources>``: M -> those Ns).
 
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def mem_available() -> int:
-    """MemAvailable of /proc/meminfo, bytes (0 where unknown): bench_delta's."""
-    from bench_delta import mem_available as of_bench_delta  # (tools/ is this script's path)
-
-    return of_bench_delta()
-
-
-def main_deltas(args: argparse.Namespace) -> int:
-    """--deltas: per-iteration training cost, bytes per iteration and restores (see the module
-    docstring); prints the machine's limits and two tables."""
-    import torch
-
-    from bench_core import table
-    from bench_delta import direct_write_bandwidth
-
+    Returns (ranks, pairs, phase 2's results and phase 3's by world size, the 1-minute load
+    averages sampled before, between and after the jobs, ``before``'s result)."""
     ranks = [int(x) for x in args.ranks.split(",")]
-    pairs = [tuple(int(v) for v in x.split(":")) for x in args.delta_pairs.split(",")]
+    pairs = [tuple(int(v) for v in x.split(":")) for x in pair_spec.split(",")]
     pairs = [(n, m) for n, m in pairs if n in ranks and m in ranks]
-    args.delta_sources = {m: [n for n, mm in pairs if mm == m] for m in ranks}
-    work = tempfile.mkdtemp(prefix="bench_sharded-deltas-", dir=args.dir)
-    loads = [loadavg()]
+    setattr(args, sources, {m: [n for n, mm in pairs if mm == m] for m in ranks})
+    work = tempfile.mkdtemp(prefix=prefix, dir=args.dir)
+    loads = [os.getloadavg()[0]]
     try:
-        bandwidth = direct_write_bandwidth(work)
-        trained = {}
+        limit = before(work) if before is not None else None
+        first, second = {}, {}
         for n in ranks:
-            trained[n] = run_job("train", n, args, work)
-            loads.append(loadavg())
-        restored = {}
+            first[n] = run_job(jobs[0], n, args, work)
+            loads.append(os.getloadavg()[0])
         for m in ranks:
-            if args.delta_sources[m]:
-                restored[m] = run_job("restore", m, args, work)
-                loads.append(loadavg())
+            if getattr(args, sources)[m]:
+                second[m] = run_job(jobs[1], m, args, work)
+                loads.append(os.getloadavg()[0])
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    loads.append(loadavg())
+    loads.append(os.getloadavg()[0])
+    return ranks, pairs, first, second, loads, limit
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+def main_deltas(args: argparse.Namespace, mach: dict) -> int:
+    """--deltas: per-iteration training cost, bytes per iteration and restores (see the module
+    docstring); prints the machine's limits and two tables."""
+    ranks, pairs, trained, restored, loads, bandwidth = run_jobs(
+        args, args.delta_pairs, "delta_sources", ("train", "restore"), "bench_sharded-deltas-",
+        direct_write_bandwidth)
     t0 = trained[ranks[0]][0]
-    bw = f"{bandwidth / 1e9:.2f} GB/s" if bandwidth else "unknown (O_DIRECT refused)"
-    print(f"bench_sharded --deltas: {os.cpu_count()} CPUs, MemAvailable "
-          f"{mem_available() / 2**30:.1f} GiB, disk O_DIRECT write+fsync {bw}; load average "
-          f"(1 min) before {loads[0]:.2f}, during max {max(loads[1:-1] or loads):.2f}, after "
-          f"{loads[-1]:.2f}; torch {torch.__version__}")
+    mach["disk O_DIRECT write+fsync"] = (f"{bandwidth / 1e9:.2f} GB/s" if bandwidth
+                                         else "unknown (O_DIRECT refused)")
+    mach["load average during"] = load_summary(loads)
+    mach["load average after"] = f"{loads[-1]:.2f} (1 min)"
+    print(header("bench_sharded --deltas", mach))
     print(f"model: FSDP2 MLP LM vocab={args.vocab} dim={args.dim} layers={args.layers} "
           f"(untied head), {t0['params'] / 1e6:.2f}M parameters, AdamW; per rank "
           f"{args.batch}x{args.ctx} tokens per step; {args.rounds} rounds x {args.block} steps per "
@@ -664,19 +650,19 @@ def main_deltas(args: argparse.Namespace) -> int:
           "medians of rank 0")
     print("correctness: every restored state (gathered) bit-exact with the trained one"
           if not bad else "MISMATCHES: " + "; ".join(bad))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"trained": trained, "restored": restored, "loadavg": loads,
-                       "args": {k: v for k, v in vars(args).items() if k != "delta_sources"}}, f)
+    write_json(args.json, "bench_sharded --deltas",
+               {k: v for k, v in vars(args).items() if k != "delta_sources"}, mach,
+               {"trained": trained, "restored": restored},
+               {"steps": {n: {k: Stats.of(trained[n][0][k]).as_dict() for k in ("plain", "ckpt")}
+                          for n in ranks},
+                "restores": {f"{n}->{m}": {k: Stats.of(restored[m][0][str(n)][k]["s"]).as_dict()
+                                           for k in RESTORES} for n, m in pairs}},
+               loadavg=loads)
     return 1 if bad else 0
 
 
 def main() -> int:
-    import torch
-
-    from bench_core import table
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--pairs", default=DEFAULT_PAIRS, help="N:M pairs: saved at N, loaded at M")
     p.add_argument("--repeat", type=int, default=3)
@@ -684,49 +670,37 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=None, help="default 512 (256 with --deltas)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
-    p.add_argument("--json", default=None, help="write every sample to this file")
     p.add_argument("--deltas", action="store_true",
                    help="per-iteration sharded training through the Checkpointer instead")
     p.add_argument("--delta-pairs", default=DEFAULT_DELTA_PAIRS,
                    help="--deltas: N:M pairs: trained at N, restored at M")
-    p.add_argument("--rounds", type=int, default=6, help="--deltas: interleaved rounds")
+    add_standard_args(p, rounds=6, rounds_help="--deltas: interleaved rounds",
+                      quick_help="a smoke run: 1 and 2 ranks, a small model, 1 repeat (with "
+                                 "--deltas: 2 rounds of 2 steps)")
     p.add_argument("--block", type=int, default=5, help="--deltas: timed steps per side per round")
     p.add_argument("--batch", type=int, default=4, help="--deltas: sequences per rank per step")
     p.add_argument("--ctx", type=int, default=64, help="--deltas: tokens per sequence")
     args = p.parse_args()
+    quick(args, p, ranks="1,2", pairs="1:1,2:2,1:2,2:1", delta_pairs="1:1,2:2,1:2,2:1",
+          repeat=1, layers=1, rounds=2, block=2)
+    if args.quick and args.vocab is None:
+        args.vocab = 2048
     if args.vocab is None:
         args.vocab = 4096 if args.deltas else 16384
     if args.dim is None:
         args.dim = 256 if args.deltas else 512
+    mach = machine()
     if args.deltas:
-        return main_deltas(args)
-    ranks = [int(x) for x in args.ranks.split(",")]
-    pairs = [tuple(int(v) for v in x.split(":")) for x in args.pairs.split(",")]
-    pairs = [(n, m) for n, m in pairs if n in ranks and m in ranks]
-    args.sources = {m: [n for n, mm in pairs if mm == m] for m in ranks}
-
-    work = tempfile.mkdtemp(prefix="bench_sharded-", dir=args.dir)
-    loads = [loadavg()]
-    try:
-        saves = {}
-        for n in ranks:
-            saves[n] = run_job("save", n, args, work)
-            loads.append(loadavg())
-        loaded = {}
-        for m in ranks:
-            if args.sources[m]:
-                loaded[m] = run_job("load", m, args, work)
-                loads.append(loadavg())
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    loads.append(loadavg())
+        return main_deltas(args, mach)
+    ranks, pairs, saves, loaded, loads, _ = run_jobs(args, args.pairs, "sources",
+                                                     ("save", "load"), "bench_sharded-")
 
     state_bytes = sum(r["ideal"] for r in saves[ranks[0]])
-    print(f"bench_sharded: {os.cpu_count()} CPUs, load average (1 min) before {loads[0]:.2f}, "
-          f"during max {max(loads[1:-1] or loads):.2f}, after {loads[-1]:.2f}; torch "
-          f"{torch.__version__}; state {state_bytes / MiB:.1f} MiB (FSDP2 model "
-          f"vocab={args.vocab} dim={args.dim} layers={args.layers} + AdamW, DTensors Shard(0)); "
-          f"{args.repeat} repeats, medians; loads cold")
+    mach["load average during"] = load_summary(loads)
+    mach["load average after"] = f"{loads[-1]:.2f} (1 min)"
+    print(header(f"bench_sharded: state {state_bytes / MiB:.1f} MiB (FSDP2 model "
+                 f"vocab={args.vocab} dim={args.dim} layers={args.layers} + AdamW, DTensors "
+                 f"Shard(0)); {args.repeat} repeats, medians; loads cold", mach))
     rows = []
     for n in ranks:
         r0 = saves[n][0]
@@ -759,10 +733,14 @@ def main() -> int:
                  "ckptstore rchar/ideal", "DCP rchar/ideal"], rows))
     print("correctness: every destination shard bit-exact on both sides" if not bad
           else "MISMATCHES: " + "; ".join(bad))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"saves": saves, "loads": loaded, "loadavg": loads,
-                       "args": {k: v for k, v in vars(args).items() if k != "sources"}}, f)
+    write_json(args.json, "bench_sharded", {k: v for k, v in vars(args).items() if k != "sources"},
+               mach, {"saves": saves, "loads": loaded},
+               {"saves": {n: {side: Stats.of(saves[n][0][side]).as_dict() for side in SIDES}
+                          for n in ranks},
+                "loads": {f"{n}->{m}": {side: Stats.of(
+                    loaded[m][0]["pairs"][str(n)][side]["s"]).as_dict() for side in SIDES}
+                    for n, m in pairs}},
+               loadavg=loads)
     return 1 if bad else 0
 
 
