@@ -11,16 +11,16 @@ The GPT-style model of tools/bench_delta.py (~27M parameters by default) trained
    plain copy of the same tensors into preallocated buffers               -> ratio (target <= 1.2)
 
 Step time = forward + backward + checkpoint call + optimizer step, median over the iterations of
-``--passes`` passes run in ABBA order (the checkpointing peers' medians hide their periodic
-spikes, so the mean is printed too). For ckptstore also the background persister's CPU per
-iteration and per MB, and the share of the disk's O_DIRECT write bandwidth its deltas use.
+``--rounds`` (``--passes``) passes, the peers' order rotated each pass (the checkpointing peers'
+medians hide their periodic spikes, so the mean, min-max and stdev are printed too). For ckptstore
+also the background persister's CPU per iteration and per MB, and the share of the disk's O_DIRECT write bandwidth its deltas use.
 
-    python tools/bench_async.py [--iters 120] [--every 100] [--passes 2] [--dir /tmp/bench_async] [--layers 6 --dim 512]
+    python tools/bench_async.py [--iters 120] [--every 100] [--rounds 2] [--dir /tmp/bench_async] [--layers 6 --dim 512]
+                                [--json OUT] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -33,18 +33,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ckptstore  # noqa: E402
-from bench_delta import add_model_args, build, direct_write_bandwidth, fwd_bwd, setup  # noqa: E402
+from bench_delta import add_model_args, build, fwd_bwd, setup  # noqa: E402
 from ckptstore.torch import Checkpointer  # noqa: E402
-
-
-def _fsync_tree(path: str) -> None:
-    for d, _, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+from harness import (Stats, add_standard_args, direct_write_bandwidth, fsync_path,  # noqa: E402
+                     interleave, parser, quick, table, write_json)
 
 
 def loop(args, step_fn, label: str):
@@ -107,9 +99,7 @@ class TorchSaveStep:
         opt.step()
         if it % self.args.every == 0:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, self.path)
-            fd = os.open(self.path, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            fsync_path(self.path)
 
 
 class DcpAsyncStep:
@@ -180,16 +170,20 @@ def _tensors(x):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--iters", type=int, default=120)
     ap.add_argument("--every", type=int, default=100, help="base / full checkpoint interval")
     ap.add_argument("--group-commit", type=int, default=10, help="deltas per fsync group")
     ap.add_argument("--dir", default="/tmp/bench_async")
     add_model_args(ap)
     ap.add_argument("--skip-dcp", action="store_true")
-    ap.add_argument("--passes", type=int, default=2, help="passes over the peers, in ABBA order")
+    add_standard_args(ap, rounds=2, aliases=("--passes",),
+                      rounds_help="passes over the peers, the order rotated each pass",
+                      quick_help="a smoke run: a 2-layer model of dim 128, 12 iterations, a "
+                                 "checkpoint every 5, 1 pass")
     args = ap.parse_args()
-    setup(args, f", {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
+    quick(args, ap, layers=2, dim=128, vocab=2048, iters=12, every=5, rounds=1)
+    mach = setup(args, "bench_async")
     print(f"{args.iters} iterations per peer; checkpoint interval {args.every}; ckptstore group "
           f"commit {args.group_commit}", flush=True)
 
@@ -198,23 +192,30 @@ def main() -> None:
              (f"torch.save every {args.every}", lambda: TorchSaveStep(args), "torch.save")]
     if not args.skip_dcp:
         peers.append((f"DCP async_save every {args.every}", lambda: DcpAsyncStep(args), "dcp"))
-    runs: dict[str, list[float]] = {name: [] for name, _, _ in peers}
-    ck_stats, ck = [], None
-    for p in range(args.passes):  # ABBA: a shared machine's drift hits every peer alike
-        for name, make, label in (peers if p % 2 == 0 else peers[::-1]):
-            step = make()
-            runs[name] += loop(args, step, f"{label} (pass {p + 1})")
-            if isinstance(step, CkptStep):
-                ck = step
-                ck_stats += step.stats
+    makers = {name: (make, label) for name, make, label in peers}
+    ck_steps: list[CkptStep] = []
+
+    def one(name: str, p: int) -> list[float]:
+        make, label = makers[name]
+        step = make()
+        times = loop(args, step, f"{label} (pass {p + 1})")
+        if isinstance(step, CkptStep):
+            ck_steps.append(step)
+        return times
+
+    # the peers' order rotated each pass: a shared machine's drift hits every peer alike
+    res = interleave(list(makers), args.rounds, one)
+    runs = {name: res.values(name) for name in makers}
+    ck = ck_steps[-1]
+    ck_stats = [st for step in ck_steps for st in step.stats]
 
     base = statistics.median(runs["no checkpointing"])
+    stats = {name: Stats.of(ts) for name, ts in runs.items()}
     print()
-    print(f"{'peer':42s} {'median ms':>10s} {'mean ms':>9s} {'max ms':>8s} {'ratio (median)':>15s}")
-    for name, ts in runs.items():
-        med = statistics.median(ts)
-        print(f"{name:42s} {med * 1e3:10.0f} {statistics.mean(ts) * 1e3:9.0f} {max(ts) * 1e3:8.0f} "
-              f"{med / base:15.3f}")
+    print(table(["peer", "median ms", "mean ms", "min-max ms", "sd ms", "ratio (median)"],
+                [[name, f"{st.median * 1e3:.0f}", f"{st.mean * 1e3:.0f}",
+                  f"{st.min * 1e3:.0f}-{st.max * 1e3:.0f}", f"{st.stdev * 1e3:.0f}",
+                  f"{st.median / base:.3f}"] for name, st in stats.items()]))
     st = ck_stats
     deltas = [s for s in st if s.kind == "delta"]
     bases = [s for s in st if s.kind == "snapshot"]
@@ -243,6 +244,9 @@ def main() -> None:
     print(f"base snapshot stall (save_async of {nbytes / 2**20:.0f} MiB model+optimizer state): "
           f"{stall_s * 1e3:.1f} ms vs plain copy into preallocated buffers {copy_s * 1e3:.1f} ms: "
           f"ratio {stall_s / copy_s:.2f} (target <= 1.2)")
+    write_json(args.json, "bench_async", args, mach, res,
+               {name: st.as_dict() for name, st in stats.items()},
+               stall={"copy_s": copy_s, "stall_s": stall_s, "bytes": nbytes})
     print("CAVEAT: this machine has 2 cores shared by training, the background persister "
           "(hashing, lz4 probes, writes) and other processes; on 2 cores the persister competes "
           "with training's own threads, so the step-time ratio here bounds from above what a "

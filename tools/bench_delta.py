@@ -14,7 +14,7 @@ A GPT-style model (~25M parameters by default) trained with AdamW on CPU:
    both from a warm page cache and from a cold one (files evicted first, as after a crash)
 
     python tools/bench_delta.py [--rounds 4 --block 15] [--k 50] [--dir /tmp/bench_delta] [--layers 6 --dim 512]
-                                [--restore-only] [--codecs exact,topk:0.01]
+                                [--restore-only] [--codecs exact,topk:0.01] [--json OUT] [--quick]
 
 ``--restore-vs-recompute`` (issue 17) measures instead what restoring base+k costs against the
 honest alternative, recomputing: torch.load of the full base checkpoint + k real training steps
@@ -50,9 +50,13 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ckptstore  # noqa: E402
 from ckptstore.torch import Checkpointer  # noqa: E402
+from harness import (Stats, add_standard_args, dir_bytes, direct_write_bandwidth,  # noqa: E402
+                     evict_files as evict, header, load_average, machine, median, mem_available,
+                     parser, quick, read_tree, rotated, table, write_json)
 
 
 class Block(torch.nn.Module):
@@ -113,32 +117,9 @@ def fwd_bwd(model, args, it):
     return loss.item()
 
 
-def dir_bytes(path):
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
-def evict(path):
-    """Drop ``path`` (a file, or every file under a directory) from the page cache, so the next
-    read comes from the disk: a restore after a crash usually starts cold."""
-    files = [path] if os.path.isfile(path) else \
-        [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def seg_bytes(path):
     return dir_bytes(os.path.join(path, "segments")) if os.path.isdir(os.path.join(path, "segments")) \
         else dir_bytes(path)
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else float("nan")
 
 
 def run_plain(args):
@@ -176,35 +157,6 @@ def run_ckpt(args, codec, path, iters, group_commit=1):
     written = [f.result().written_bytes for f in futs]
     store.close()
     return median(times), written, base_bytes, (model, opt)
-
-
-def direct_write_bandwidth(directory: str, total: int = 256 << 20) -> float | None:
-    """Bytes/s of O_DIRECT writes of 8 MiB from a page-aligned reused buffer + fsync in
-    ``directory`` (the disk's limit for the writer's path); None where O_DIRECT is refused."""
-    import mmap
-
-    buf = mmap.mmap(-1, 8 << 20)
-    buf[:] = os.urandom(8 << 20)
-    path = os.path.join(directory, "direct-bandwidth.tmp")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
-    except OSError:
-        return None
-    try:
-        best = None
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for off in range(0, total, 8 << 20):
-                os.pwrite(fd, memoryview(buf), off)
-            os.fsync(fd)
-            dt = time.perf_counter() - t0
-            best = dt if best is None else min(best, dt)
-        return total / best
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-        os.unlink(path)
 
 
 class _Variant:
@@ -260,10 +212,10 @@ class _Variant:
 
 
 def interleaved_steps(args, codecs: list[str], rounds: int, block: int) -> list[_Variant]:
-    """Plain training and training with a Checkpointer per codec, in alternating blocks of
-    ``block`` iterations for ``rounds`` rounds (a shared machine's drift hits every variant
-    alike). Each checkpointed block ends with an untimed flush, so no persister work spills into
-    the next variant's block; its duration (the backlog at the block's end) is kept."""
+    """Plain training and training with a Checkpointer per codec, in blocks of ``block``
+    iterations for ``rounds`` rounds, the order rotated each round (a shared machine's drift hits
+    every variant alike). Each checkpointed block ends with an untimed flush, so no persister work
+    spills into the next variant's block; its duration (the backlog at the block's end) is kept."""
     variants = [_Variant(args, None, "")] + [
         _Variant(args, c, os.path.join(args.dir, f"steps-{c.replace(':', '')}")) for c in codecs]
     for v in variants:  # warm-up, untimed: allocator, first base snapshot
@@ -273,8 +225,7 @@ def interleaved_steps(args, codecs: list[str], rounds: int, block: int) -> list[
     for v in variants:
         v.drains.clear()
     for r in range(rounds):
-        order = variants if r % 2 == 0 else variants[::-1]
-        for v in order:
+        for v in rotated(variants, r):
             for _ in range(block):
                 v.step(args, timed=True)
             v.drain()
@@ -283,12 +234,13 @@ def interleaved_steps(args, codecs: list[str], rounds: int, block: int) -> list[
     return variants
 
 
-def report_steps(variants: list["_Variant"], bandwidth: float | None, full_bytes: int) -> None:
+def report_steps(variants: list["_Variant"], bandwidth: float | None, full_bytes: int) -> dict:
     """Print step-time ratios, the persister's CPU per iteration and per MB, bytes per iteration and
-    the fraction of the disk's O_DIRECT bandwidth the checkpoints use."""
+    the fraction of the disk's O_DIRECT bandwidth the checkpoints use. Returns each variant's
+    step-time :class:`~harness.Stats` (for JSON)."""
     plain = median(variants[0].times)
     plain_mean = sum(variants[0].times) / len(variants[0].times)
-    print(f"plain step (median of {len(variants[0].times)}, interleaved): {plain * 1e3:.0f} ms")
+    print(f"plain step (interleaved): {Stats.of(variants[0].times).show(1e3, '.0f', ' ms')}")
 
     def phases(v: "_Variant") -> list[float]:
         return [median([p[k] for p in v.phases]) for k in range(3)]
@@ -320,6 +272,8 @@ def report_steps(variants: list["_Variant"], bandwidth: float | None, full_bytes
         print(f"  [{v.codec}] phases against plain (difference of medians): " + ", ".join(
             f"{name} {(t - b) * 1e3:+.1f} ms" for name, t, b in
             zip(("forward", "backward", "step"), phases(v), base)), flush=True)
+        print(f"  [{v.codec}] step: {Stats.of(v.times).show(1e3, '.0f', ' ms')}", flush=True)
+    return {v.codec or "plain": Stats.of(v.times).as_dict() for v in variants}
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -333,32 +287,18 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=0)
 
 
-def setup(args, extra: str = "") -> None:
-    """Apply the thread count, create ``args.dir`` and print the model line (shared with
-    bench_async.py); ``extra`` is appended to that line."""
+def setup(args, title: str) -> dict:
+    """Apply the thread count, create ``args.dir``, print the machine header (``title`` first)
+    and the model line (shared with bench_async.py). Returns the machine header (for JSON)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.dir, exist_ok=True)
     model, _ = build(args)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}: {n_params / 1e6:.1f}M "
-          f"parameters; AdamW; torch {torch.__version__}, {torch.get_num_threads()} threads{extra}")
-
-
-def _load_avg() -> str:
-    return "load avg " + "/".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def mem_available() -> int:
-    """MemAvailable of /proc/meminfo, bytes (0 where unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    mach = machine(model=f"GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}: "
+                         f"{n_params / 1e6:.1f}M parameters; AdamW")
+    print(header(title, mach), flush=True)
+    return mach
 
 
 def _same_state(live, st) -> bool:
@@ -376,16 +316,6 @@ def _same_state(live, st) -> bool:
         same(live["optimizer"]["state"], st["optimizer"]["state"])
 
 
-def _read_all(path: str) -> None:
-    """Read every file under ``path`` once (into the page cache, as far as it fits)."""
-    buf = bytearray(8 << 20)
-    for d, _, fs in os.walk(path):
-        for f in fs:
-            with open(os.path.join(d, f), "rb", buffering=0) as fh:
-                while fh.readinto(buf):
-                    pass
-
-
 def _timed_load(path: str, it: int):
     """A fresh read-only open + store.load(it): (wall s, process CPU s, state, start)."""
     with ckptstore.open(path, "r") as r, warnings.catch_warnings():
@@ -396,7 +326,7 @@ def _timed_load(path: str, it: int):
         return time.perf_counter() - t0, time.process_time() - c0, st, start
 
 
-def restore_vs_recompute(args) -> None:
+def restore_vs_recompute(args) -> dict:
     ks = sorted({int(x) for x in args.ks.split(",")})
     kmax = ks[-1]
     model, opt = build(args)
@@ -426,7 +356,7 @@ def restore_vs_recompute(args) -> None:
     ck.close()
     store.close()
     print(f"store: base 0 + {kmax} exact deltas, {seg_bytes(path) / 2**30:.1f} GiB, written in "
-          f"{time.perf_counter() - t0:.0f} s of training with the Checkpointer ({_load_avg()}); "
+          f"{time.perf_counter() - t0:.0f} s of training with the Checkpointer ({load_average()}); "
           f"full checkpoint (torch.save of model + optimizer) {full_mib:.0f} MiB", flush=True)
 
     # ---- recompute: torch.load of the base + load_state_dict + real training steps from it
@@ -443,7 +373,7 @@ def restore_vs_recompute(args) -> None:
             ts.append(time.perf_counter() - t0)
         loads[cache] = median(ts)
         print(f"recompute: torch.load of the base checkpoint, {cache}: {loads[cache] * 1e3:.0f} ms "
-              f"(median of 3; {_load_avg()})", flush=True)
+              f"(median of 3; {load_average()})", flush=True)
     m2, o2 = build(args)
     sd = torch.load(base_pt, weights_only=False)
     t0 = time.perf_counter()
@@ -462,7 +392,7 @@ def restore_vs_recompute(args) -> None:
     exact_recompute = n in live and _same_state(live[n], {"model": m2.state_dict(),
                                                            "optimizer": o2.state_dict()})
     print(f"recompute: {n} training steps from the base: {cum[n]:.1f} s ({cum[n] / n * 1e3:.0f} ms "
-          f"per step; {_load_avg()}); load_state_dict {t_sd * 1e3:.0f} ms; iteration {n} "
+          f"per step; {load_average()}); load_state_dict {t_sd * 1e3:.0f} ms; iteration {n} "
           f"{'reproduced bit for bit' if exact_recompute else 'not compared'}", flush=True)
     del m2, o2
 
@@ -477,11 +407,11 @@ def restore_vs_recompute(args) -> None:
     t0 = time.perf_counter()
     _timed_load(path, ks[0])  # once per process: the native kernel's calibration (untimed)
     print(f"process warm-up: a first restore of {ks[0]} took {time.perf_counter() - t0:.2f} s "
-          f"(native Adam kernel calibrated against torch once per process; {_load_avg()})",
+          f"(native Adam kernel calibrated against torch once per process; {load_average()})",
           flush=True)
     for cache in ("warm", "cold"):
         if cache == "warm":
-            _read_all(path)  # the writer evicted what it wrote
+            read_tree(path)  # the writer evicted what it wrote
         for k in ks:
             reps = 1 if k == kmax and k >= 100 else args.reps
             ts, cpu, exact = [], [], True
@@ -496,7 +426,7 @@ def restore_vs_recompute(args) -> None:
                 cpu.append(c)
             rc, scaled = recompute(k, cache)
             t = median(ts)
-            la = _load_avg()
+            la = load_average()
             rows.append((k, cache, t, median(cpu), rc, scaled, exact, la, reps))
             print(f"[k={k}, {cache}] restore base+{k}: {t:.2f} s (CPU {median(cpu):.2f} s, "
                   f"{'median of ' + str(reps) if reps > 1 else 'one run'}; "
@@ -507,12 +437,15 @@ def restore_vs_recompute(args) -> None:
     print(f"\n(warm: every file read once before; the store is {store_gib:.1f} GiB against "
           f"{mem / 2**30:.1f} GiB available memory, so a warm restore of k deltas finds the "
           "newest ones in the page cache only as far as it holds them)")
-    print("\n| k | page cache | restore base+k (store.load) | recompute (torch.load + k steps) | ratio | load avg |")
-    print("|---|---|---|---|---|---|")
-    for k, cache, t, c, rc, scaled, exact, la, reps in rows:
-        print(f"| {k} | {cache} | {t:.2f} s{'' if exact else ' (NOT EXACT)'} | {rc:.1f} s"
-              f"{' (steps scaled)' if scaled else ''} | **{t / rc:.3f}x** | {la.split()[-1]} |")
+    print()
+    print(table(["k", "page cache", "restore base+k (store.load)",
+                 "recompute (torch.load + k steps)", "ratio", "load avg"],
+                [[k, cache, f"{t:.2f} s{'' if exact else ' (NOT EXACT)'}",
+                  f"{rc:.1f} s{' (steps scaled)' if scaled else ''}", f"**{t / rc:.3f}x**",
+                  la.split(" (")[0]] for k, cache, t, c, rc, scaled, exact, la, reps in rows],
+                left=2))
 
+    frows = []
     if args.follower_every:
         from ckptstore.follow import Follower
 
@@ -522,11 +455,10 @@ def restore_vs_recompute(args) -> None:
             f.run(until=kmax)
             bases = f.stats.bases
         print(f"\nfollower (every {K}): replayed {kmax} deltas and wrote bases {bases} in "
-              f"{time.perf_counter() - t0:.0f} s ({_load_avg()})", flush=True)
-        frows = []
+              f"{time.perf_counter() - t0:.0f} s ({load_average()})", flush=True)
         for cache in ("warm", "cold"):
             if cache == "warm":
-                _read_all(os.path.join(path, "follower"))
+                read_tree(os.path.join(path, "follower"))
                 torch.load(base_pt, weights_only=False)
             for it in (kmax, kmax - 1):
                 ts, tl = [], []
@@ -542,24 +474,29 @@ def restore_vs_recompute(args) -> None:
                     ts.append(wall)
                 exact = it not in live or _same_state(live[it], st)
                 del st
-                la = _load_avg()
+                la = load_average()
                 frows.append((it, cache, median(ts), median(tl), start, exact, la))
                 print(f"[follower, {cache}] restore {it} from {start[0]} base {start[1]}: "
                       f"{median(ts):.2f} s vs torch.load of the full checkpoint "
                       f"{median(tl) * 1e3:.0f} ms (same run): {median(ts) / median(tl):.2f}x "
                       f"({la})", flush=True)
-        print("\n| restore | page cache | starts from | store.load | torch.load (full checkpoint) | ratio | load avg |")
-        print("|---|---|---|---|---|---|---|")
-        for it, cache, t, tl, start, exact, la in frows:
-            print(f"| {it} | {cache} | {start[0]} base {start[1]} ({it - start[1]} deltas) | "
-                  f"{t:.2f} s{'' if exact else ' (NOT EXACT)'} | {tl * 1e3:.0f} ms | "
-                  f"**{t / tl:.2f}x** | {la.split()[-1]} |")
+        print()
+        print(table(["restore", "page cache", "starts from", "store.load",
+                     "torch.load (full checkpoint)", "ratio", "load avg"],
+                    [[it, cache, f"{start[0]} base {start[1]} ({it - start[1]} deltas)",
+                      f"{t:.2f} s{'' if exact else ' (NOT EXACT)'}", f"{tl * 1e3:.0f} ms",
+                      f"**{t / tl:.2f}x**", la.split(" (")[0]]
+                     for it, cache, t, tl, start, exact, la in frows], left=3))
     if not args.keep:
         shutil.rmtree(path, ignore_errors=True)
+    return {"restores": [dict(zip(("k", "cache", "seconds", "cpu_s", "recompute_s", "scaled",
+                                   "exact", "load_average", "reps"), r)) for r in rows],
+            "follower": [dict(zip(("iteration", "cache", "seconds", "torch_load_s", "start",
+                                   "exact", "load_average"), r)) for r in frows]}
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--k", type=int, default=50)
     ap.add_argument("--dir", default="/tmp/bench_delta")
     ap.add_argument("--restore-only", action="store_true", help="skip the step-time runs")
@@ -567,7 +504,9 @@ def main():
     ap.add_argument("--codecs", default="exact,topk:0.01",
                     help="comma-separated; a codec@buffered variant appends without O_DIRECT "
                          "(step measurement only)")
-    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds of the step measurement")
+    add_standard_args(ap, rounds=4, rounds_help="interleaved rounds of the step measurement",
+                      quick_help="a smoke run: a 2-layer model of dim 128, 2 rounds of 3 "
+                                 "iterations, k 4 (ks 2,4)")
     ap.add_argument("--block", type=int, default=15, help="iterations per variant and round")
     ap.add_argument("--restore-vs-recompute", action="store_true",
                     help="restore base+k against torch.load + k training steps (module docstring)")
@@ -583,10 +522,16 @@ def main():
     ap.add_argument("--keep", action="store_true", help="--restore-vs-recompute: keep the store")
     add_model_args(ap)
     args = ap.parse_args()
-    setup(args)
+    quick(args, ap, layers=2, dim=128, vocab=2048, rounds=2, block=3, k=4, ks="2,4",
+          recompute_steps=4, warmup=1, follower_every=2, reps=1)
+    rvr = args.restore_vs_recompute
+    mach = setup(args, f"bench_delta{' --restore-vs-recompute' if rvr else ''}")
     if args.restore_vs_recompute:
-        restore_vs_recompute(args)
+        rows = restore_vs_recompute(args)
+        write_json(args.json, "bench_delta --restore-vs-recompute", args, mach, rows, None)
         return
+    samples: dict = {"steps": {}, "restores": []}
+    aggregates: dict = {}
 
     _, model, opt = run_plain(argparse.Namespace(**{**vars(args), "iters": 2}))
     full = os.path.join(args.dir, "full.pt")
@@ -604,7 +549,9 @@ def main():
     codecs = args.codecs.split(",")
     if not args.restore_only:
         variants = interleaved_steps(args, codecs, args.rounds, args.block)
-        report_steps(variants, bandwidth, full_bytes)
+        aggregates["steps"] = report_steps(variants, bandwidth, full_bytes)
+        samples["steps"] = {v.codec or "plain": {"seconds": v.times, "flush_s": v.drains}
+                            for v in variants}
         for v in variants[1:]:
             shutil.rmtree(os.path.join(args.dir, f"steps-{v.codec.replace(':', '')}"),
                           ignore_errors=True)
@@ -640,7 +587,10 @@ def main():
                   f"torch.load of the full checkpoint ({median(loads) * 1e3:.0f} ms, same run, {cache}); "
                   f"{'bit-exact' if exact else 'approximate (lossy codec)'}; store "
                   f"{seg_bytes(path) / 2**20:.0f} MiB", flush=True)
+            samples["restores"].append({"codec": codec, "cache": cache, "seconds": times,
+                                        "cpu_s": cpu, "torch_load_s": loads, "exact": exact})
         shutil.rmtree(path, ignore_errors=True)
+    write_json(args.json, "bench_delta", args, mach, samples, aggregates)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ trained ``--iters`` iterations three ways, each in a fresh store:
 3. ``deltas``:   ``base_every=None``, no follower (base 0 and deltas only: the floor of the
                  trainer's own cost, and the worst restore).
 
-Reported: the trainer's median step time (forward + backward + ``ckpt.step``) and its ratio to
-``deltas``; the follower's lag at steady state (the primary's durable iteration minus the
+With ``--rounds N`` the three runs repeat N times, the order rotated each round. Reported: the
+trainer's step time (forward + backward + ``ckpt.step``: median, mean, min-max) and its median's
+ratio to ``deltas``'s; the follower's lag at steady state (the primary's durable iteration minus the
 replica's iteration, sampled at every step after the first quarter; the follower publishes its
 iteration after each ``step_once``, which replays what is committed in runs that end at each
 base, so a catch-up shows as one jump); and the
@@ -23,11 +24,11 @@ the follower competes with the trainer for CPU: the step-time ratio then measure
 contention, not what a follower on its own hardware costs.
 
     python tools/bench_follower.py [--iters 200] [--every 50] [--width 512] [--layers 4] [--dir /tmp/bench_follower]
+                                   [--rounds 1] [--json OUT] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import shutil
@@ -38,8 +39,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ckptstore  # noqa: E402
+from harness import (add_standard_args, header, interleave, machine, parser, quick,  # noqa: E402
+                     table, write_json)
 from ckptstore.follow import Follower  # noqa: E402
 from ckptstore.torch import Checkpointer  # noqa: E402
 
@@ -111,9 +115,7 @@ def train(args, mode: str) -> dict:
         proc.join(600)
     ck.close()
     store.close()
-    out = {"step": statistics.median(times), "mean": statistics.fmean(times),
-           "lag_med": statistics.median(lags) if lags else None,
-           "lag_max": max(lags) if lags else None, "tail_s": wait_s}
+    out: dict = {"seconds": times, "lags": lags, "tail_s": wait_s}
     for key, t in (("latest", args.iters), ("worst", worst_iteration(args))):
         restores = []
         for _ in range(3):
@@ -122,7 +124,7 @@ def train(args, mode: str) -> dict:
                 r.load(t)
                 restores.append(time.perf_counter() - t0)
                 where = r.load_base(t)
-        out[key] = (t, statistics.median(restores), where)
+        out[key] = {"iteration": t, "seconds": statistics.median(restores), "from": list(where)}
     shutil.rmtree(path, ignore_errors=True)  # (the 4.2 M-parameter runs leave ~3 GiB each)
     return out
 
@@ -132,31 +134,47 @@ def worst_iteration(args) -> int:
     return max(args.every - 1, (args.iters + 1) // args.every * args.every - 1)
 
 
+MODES = ("deltas", "bases", "follower")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--every", type=int, default=50, help="K: base interval (trainer or follower)")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--dir", default="/tmp/bench_follower")
+    add_standard_args(p, rounds=1, rounds_help="rounds over the three modes, the order rotated "
+                      "each round", quick_help="a smoke run: 24 iterations, K=8, a 2x64 MLP")
     args = p.parse_args(argv)
+    quick(args, p, iters=24, every=8, width=64, layers=2, batch=8)
     os.makedirs(args.dir, exist_ok=True)
     model, _ = build(args)
     n = sum(q.numel() for q in model.parameters())
-    print(f"MLP {args.layers}x{args.width}: {n / 1e6:.2f} M parameters (base ~{n * 12 / 2**20:.0f} MiB "
-          f"with AdamW state), {args.iters} iterations, K={args.every}, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}")
-    res = {m: train(args, m) for m in ("deltas", "bases", "follower")}
-    floor = res["deltas"]["step"]
-    print(f"{'mode':<10} {'step ms':>8} {'mean ms':>8} {'ratio':>6} {'lag med':>8} {'lag max':>8} "
-          f"{'tail s':>7}  restore (s, from which base)")
-    for m, r in res.items():
-        lag = (f"{r['lag_med']:>8.1f} {r['lag_max']:>8d}" if r["lag_med"] is not None
-               else f"{'-':>8} {'-':>8}")
-        rest = "  ".join(f"{t}: {s:.3f} ({w[0]} {w[1]})" for t, s, w in (r["latest"], r["worst"]))
-        print(f"{m:<10} {r['step'] * 1e3:>8.2f} {r['mean'] * 1e3:>8.2f} {r['step'] / floor:>6.2f} "
-              f"{lag} {r['tail_s']:>7.2f}  {rest}")
+    mach = machine()
+    print(header(f"bench_follower: MLP {args.layers}x{args.width}: {n / 1e6:.2f} M parameters "
+                 f"(base ~{n * 12 / 2**20:.0f} MiB with AdamW state), {args.iters} iterations, "
+                 f"K={args.every}, {args.rounds} round(s)", mach))
+    res = interleave(MODES, args.rounds, lambda mode, r: train(args, mode))
+    step = {m: res.stats(m) for m in MODES}
+    floor = step["deltas"].median
+    rows = []
+    for m in MODES:
+        lags = res.values(m, "lags")
+        restore = {key: [row[key] for row in res.rows[m]] for key in ("latest", "worst")}
+        rows.append([m, f"{step[m].median * 1e3:.2f}", f"{step[m].mean * 1e3:.2f}",
+                     f"{step[m].min * 1e3:.2f}-{step[m].max * 1e3:.2f}",
+                     f"{step[m].median / floor:.2f}",
+                     f"{statistics.median(lags):.1f}" if lags else "-",
+                     f"{max(lags)}" if lags else "-",
+                     f"{statistics.median(res.values(m, 'tail_s')):.2f}",
+                     *(f"{x[0]['iteration']}: {statistics.median(y['seconds'] for y in x):.3f} "
+                       f"({x[-1]['from'][0]} {x[-1]['from'][1]})"
+                       for x in (restore["latest"], restore["worst"]))])
+    print(table(["mode", "step ms", "mean ms", "min-max ms", "ratio", "lag med", "lag max",
+                 "tail s", "restore latest (s, from)", "restore worst (s, from)"], rows))
+    write_json(args.json, "bench_follower", args, mach, res, res.aggregates())
     return 0
 
 

@@ -13,7 +13,7 @@ rank, parts merged) to the state the job had at that iteration, bit for bit.
 
     python tools/bench_job_retention.py [--iterations 5000] [--world 2] [--keep-last 50]
         [--keep-every 500] [--base-every 100] [--retention-every 1] [--dim 256] [--json OUT]
-        [--dir DIR]
+        [--dir DIR] [--quick]
 
 Output: the size over time (a Markdown table), the retention runs summed, the check's result.
 Nothing here is a peer comparison: it measures whether the disk stays bounded and what bounding
@@ -38,11 +38,14 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
 import ckptstore  # noqa: E402
 from ckptstore.multirank.job_gc import job_bytes  # noqa: E402
 from ckptstore.ops.retention import KeepEvery, KeepLast  # noqa: E402
 from ckptstore.storage.job_log import JobLayout  # noqa: E402
+from harness import (Stats, add_standard_args, header, machine, parser, quick, table,  # noqa: E402
+                     write_json)
 
 
 def state_digest(state: Any) -> str:
@@ -142,7 +145,7 @@ def expected_kept(iterations: int, keep_last: int, keep_every: int, base_every: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--iterations", type=int, default=5000)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--keep-last", type=int, default=50)
@@ -153,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--sample", type=int, default=250, help="record the size every N iterations")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
-    ap.add_argument("--json", default=None, help="write the results here")
+    add_standard_args(ap, rounds=None, quick_help="a smoke run: 60 iterations, a base every 10, "
+                      "KeepLast(5) | KeepEvery(20), an MLP of d=32")
     args = ap.parse_args(argv)
+    quick(args, ap, iterations=60, keep_last=5, keep_every=20, base_every=10, sample=10, dim=32)
+    mach = machine()
     work = args.dir or tempfile.mkdtemp(prefix="bench_job_retention-")
     os.makedirs(work, exist_ok=True)
     args.store = os.path.join(work, "job")
@@ -184,14 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     gc_steps = {run["step"] for run in r0["runs"]}
     plain = [s for i, s in enumerate(steps, 1) if i not in gc_steps]
     with_gc = [s for i, s in enumerate(steps, 1) if i in gc_steps]
-    print(f"# bench_job_retention: {args.world} ranks, {args.iterations} iterations, exact delta "
-          f"every iteration, base every {args.base_every}, retention before every "
-          f"{args.retention_every}. base, KeepLast({args.keep_last}) | "
-          f"KeepEvery({args.keep_every}); MLP d={args.dim}; "
-          f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {os.cpu_count()} cores\n")
-    print("| iteration | job store on disk (MB) | elapsed (s) |\n|---:|---:|---:|")
-    for s in r0["samples"]:
-        print(f"| {s['iteration']} | {s['bytes'] / 1e6:.2f} | {s['seconds']:.1f} |")
+    print(header(f"# bench_job_retention: {args.world} ranks, {args.iterations} iterations, exact "
+                 f"delta every iteration, base every {args.base_every}, retention before every "
+                 f"{args.retention_every}. base, KeepLast({args.keep_last}) | "
+                 f"KeepEvery({args.keep_every}); MLP d={args.dim}", mach) + "\n")
+    print(table(["iteration", "job store on disk (MB)", "elapsed (s)"],
+                [[s["iteration"], f"{s['bytes'] / 1e6:.2f}", f"{s['seconds']:.1f}"]
+                 for s in r0["samples"]], left=0))
     half = len(sizes) // 2
     print(f"\nsize: max {max(sizes) / 1e6:.2f} MB over the run, max {max(sizes[:half]) / 1e6:.2f} "
           f"MB in its first half and {max(sizes[half:]) / 1e6:.2f} MB in its second; "
@@ -202,18 +207,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(run['seconds'] for run in r0['runs']):.1f} s in all "
           f"(median {statistics.median([run['seconds'] for run in r0['runs']] or [0]) * 1e3:.0f} "
           "ms per run)")
-    print(f"step time (rank 0): median {statistics.median(plain) * 1e3:.2f} ms without a "
-          f"retention run, {statistics.median(with_gc or [0]) * 1e3:.1f} ms with one; "
-          f"whole job {wall:.1f} s")
+    print(f"step time (rank 0): {Stats.of(plain).show(1e3, '.2f', ' ms')} without a retention "
+          f"run, {Stats.of(with_gc).show(1e3, '.1f', ' ms')} with one; whole job {wall:.1f} s")
     print(f"kept: {len(kept)} iterations; expected by the policy and the chains: {len(want)}; "
           f"{'the same' if kept == want else 'DIFFERENT: ' + str(sorted(set(kept) ^ set(want))[:20])}")
     print(f"check: {len(kept)} kept iterations loaded in {check_s:.1f} s, "
           f"{'every one bit-exact' if not bad else f'{len(bad)} DIFFER: {bad[:10]}'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "samples": r0["samples"],
-                       "runs": r0["runs"], "kept": kept, "expected": want, "bad": bad,
-                       "wall_s": wall}, f, indent=1)
+    write_json(args.json, "bench_job_retention", args, mach, r0["samples"],
+               {"steps_without_retention": Stats.of(plain).as_dict(),
+                "steps_with_retention": Stats.of(with_gc).as_dict(), "max_bytes": max(sizes)},
+               runs=r0["runs"], kept=kept, expected=want, bad=bad, wall_s=wall)
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if not bad and kept == want else 1

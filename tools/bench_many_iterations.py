@@ -16,22 +16,26 @@ The build runs on /dev/shm by default (fsync is nearly free there), so the figur
 the store's code, not disk latency. They are noisy on a shared machine: take the median of a few runs.
 
     python tools/bench_many_iterations.py [--n 100000] [--base-every 100] [--dir /dev/shm/bench_many]
+                                          [--rounds 1] [--json OUT] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ckptstore  # noqa: E402
+from harness import (Stats, add_standard_args, header, interleave, machine, parser,  # noqa: E402
+                     quick, table, timed, write_json)
 from ckptstore.storage.layout import Layout  # noqa: E402
 
 
@@ -55,25 +59,31 @@ def build(path: str, n: int, base_every: int) -> float:
     return time.perf_counter() - t0
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+def open_and_list(path: str, mode: str, prefix: str, out: dict) -> tuple[Any, int, list[int]]:
+    """Open the store in ``mode`` (its index warm), then time ``latest()`` (first and repeated
+    calls) and ``iterations()``; the figures go in ``out`` (``prefix``: the reader's). Returns
+    the open store, its latest iteration and its iterations."""
+    t, s = timed(lambda: ckptstore.open(path, mode))
+    out[f"open_{mode}_warm_s"] = t
+    out[f"open_{mode}_warm_commits_replayed"] = s.last_scan.commits if s.last_scan else -1
+    try:
+        t, latest = timed(s.latest)
+        out[f"{prefix}latest_first_s"] = t
+        t, _ = timed(lambda: [s.latest() for _ in range(100)])
+        out[f"{prefix}latest_repeat_s"] = t / 100
+        t, its = timed(s.iterations)
+        out[f"{prefix}iterations_s"] = t
+    except BaseException:
+        s.close()
+        raise
+    return s, latest, its
 
 
 def measure(path: str, n: int, loads: int) -> dict[str, float | int]:
     rng = random.Random(0)
     out: dict[str, float | int | bool] = {}
-    t, w = timed(lambda: ckptstore.open(path, "a"))
-    out["open_a_warm_s"] = t
-    out["open_a_warm_commits_replayed"] = w.last_scan.commits if w.last_scan else -1
+    w, latest, its = open_and_list(path, "a", "", out)
     try:
-        t, latest = timed(w.latest)
-        out["latest_first_s"] = t
-        t, _ = timed(lambda: [w.latest() for _ in range(100)])
-        out["latest_repeat_s"] = t / 100
-        t, its = timed(w.iterations)
-        out["iterations_s"] = t
         out["iterations_n"] = len(its)
         assert latest == its[-1] == n, (latest, its[-1:], n)
         sample = rng.sample(its, min(len(its), loads))
@@ -92,16 +102,8 @@ def measure(path: str, n: int, loads: int) -> dict[str, float | int]:
         out["save_median_s"] = sorted(saves[1:])[5]
     finally:
         w.close()
-    t, r = timed(lambda: ckptstore.open(path, "r"))
-    out["open_r_warm_s"] = t
-    out["open_r_warm_commits_replayed"] = r.last_scan.commits if r.last_scan else -1
+    r, latest, its = open_and_list(path, "r", "reader_", out)
     try:
-        t, latest = timed(r.latest)
-        out["reader_latest_first_s"] = t
-        t, _ = timed(lambda: [r.latest() for _ in range(100)])
-        out["reader_latest_repeat_s"] = t / 100
-        t, its = timed(r.iterations)
-        out["reader_iterations_s"] = t
         assert latest == its[-1], (latest, its[-1:])
         sample = rng.sample(its, min(len(its), loads))
         t, _ = timed(lambda: [r.load_record(i) for i in sample])
@@ -123,22 +125,40 @@ def measure(path: str, n: int, loads: int) -> dict[str, float | int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--base-every", type=int, default=100, help="1: snapshots only")
     ap.add_argument("--loads", type=int, default=20)
     ap.add_argument("--dir", default="/dev/shm/bench_many" if os.path.isdir("/dev/shm") else
                     "/tmp/bench_many")
     ap.add_argument("--reuse", action="store_true", help="measure an existing store (skip build)")
+    add_standard_args(ap, rounds=1, rounds_help="measurements of the store (each appends 11 "
+                      "iterations)", quick_help="a smoke run: 2000 iterations")
     args = ap.parse_args()
+    quick(args, ap, n=2000)
+    mach = machine(dir=args.dir)
     if not args.reuse:
         secs = build(args.dir, args.n, args.base_every)
-        print(f"build: {args.n} iterations in {secs:.1f} s ({secs / args.n * 1e6:.0f} us each)")
-    res = measure(args.dir, args.n, args.loads)
-    load = os.getloadavg()[0]
-    print(f"n={args.n} base_every={args.base_every} dir={args.dir} (load average {load:.2f})")
-    for k, v in res.items():
-        print(f"  {k:32s} {v * 1e3:10.2f} ms" if isinstance(v, float) else f"  {k:32s} {v!s:>10}")
+        mach["build"] = f"{args.n} iterations in {secs:.1f} s ({secs / args.n * 1e6:.0f} us each)"
+    # (every measure() saves 11 iterations more: round r finds n + 11 r)
+    res = interleave(["measure"], args.rounds,
+                     lambda name, r: measure(args.dir, args.n + 11 * r, args.loads))
+    print(header(f"bench_many_iterations: n={args.n} base_every={args.base_every}, {args.rounds} "
+                 "round(s): median (min-max)", mach))
+    rows = []
+    for k in res.rows["measure"][0]:
+        if k == "round":
+            continue
+        v = res.values("measure", k)
+        if isinstance(v[0], float):
+            st = Stats.of(v)
+            rows.append([k, f"{st.median * 1e3:.2f} ms", f"{st.min * 1e3:.2f}-{st.max * 1e3:.2f}"])
+        else:
+            rows.append([k, f"{v[0]!s}", ""])
+    print(table(["figure", "median", "min-max"], rows))
+    write_json(args.json, "bench_many_iterations", args, mach, res,
+               {k: Stats.of(res.values("measure", k)).as_dict()
+                for k in res.rows["measure"][0] if k.endswith("_s")})
     if not args.reuse:
         shutil.rmtree(args.dir, ignore_errors=True)
 

@@ -14,12 +14,12 @@ in one process per rank, interleaved where it matters:
    every rank's part and merges) against ``dcp.load`` in place; and restoring a delta iteration
    (base + ``--k`` deltas replayed).
 
-Times are medians over ``--repeat`` repeats; each collective operation is timed on rank 0 between
-two barriers. On a 2-core machine 2 and 4 ranks oversubscribe the cores (each rank gets
+Times are medians over ``--rounds`` (``--repeat``) repeats; each collective operation is timed on
+rank 0 between two barriers. On a 2-core machine 2 and 4 ranks oversubscribe the cores (each rank gets
 max(1, cores // world) torch threads): the ratios say how the store's costs compare with the
 job's own at the same contention, not how a real cluster scales.
 
-    python tools/bench_multirank.py [--ranks 1,2,4] [--iters 8] [--k 8] [--repeat 3]
+    python tools/bench_multirank.py [--ranks 1,2,4] [--iters 8] [--k 8] [--rounds 3] [--json OUT] [--quick]
                                     [--dir /tmp/bench_multirank] [--layers 4 --dim 256 --vocab 8192]
 """
 
@@ -41,18 +41,8 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import ckptstore  # noqa: E402
-
-
-def _timed(fn, barrier) -> float:
-    barrier()
-    t0 = time.perf_counter()
-    fn()
-    barrier()
-    return time.perf_counter() - t0
-
-
-def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+from harness import (add_standard_args, dir_bytes, header, machine, parser, quick,  # noqa: E402
+                     table, timed_between, write_json)
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace, work: str) -> None:
@@ -125,18 +115,18 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, work: str) -> Non
     # full checkpoints: ckptstore (a partitioned base, one global commit) vs DCP
     saves, dcp_saves, dcp_bytes = [], [], 0
     base_bytes = []
-    for r in range(args.repeat):
+    for r in range(args.rounds):
         it += 1
         train_step(it)  # every tensor changes: each save below writes a whole base
         it += 1
-        saves.append(_timed(lambda: ck.save_base(it).result(), barrier))  # durable
+        saves.append(timed_between(lambda: ck.save_base(it).result(), barrier))  # durable
         base_bytes.append(store.info(it, rank=rank).written_bytes)
         d = os.path.join(work, f"dcp-{r}")
-        dcp_saves.append(_timed(lambda: dcp.save({"model": model.state_dict(),
+        dcp_saves.append(timed_between(lambda: dcp.save({"model": model.state_dict(),
                                                   "optim": opt.state_dict()}, checkpoint_id=d),
                                 barrier))
         if rank == 0:
-            dcp_bytes = _dir_bytes(d)
+            dcp_bytes = dir_bytes(d)
     base_it = it
     out["save_s"] = statistics.median(saves)
     out["dcp_save_s"] = statistics.median(dcp_saves)
@@ -145,14 +135,20 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, work: str) -> Non
 
     # restore into the live objects: ckptstore (reads every part, merges) vs dcp.load in place
     loads, dcp_loads = [], []
-    for r in range(args.repeat):
-        loads.append(_timed(lambda: ck.restore(base_it), barrier))
+    for r in range(args.rounds):
+        loads.append(timed_between(lambda: ck.restore(base_it), barrier))
         sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-        dcp_loads.append(_timed(lambda: (dcp.load(sd, checkpoint_id=os.path.join(work, f"dcp-{r}")),
-                                         model.load_state_dict(sd["model"]),
-                                         opt.load_state_dict(sd["optim"])), barrier))
+
+        def dcp_restore() -> None:
+            dcp.load(sd, checkpoint_id=os.path.join(work, f"dcp-{r}"))
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["optim"])
+
+        dcp_loads.append(timed_between(dcp_restore, barrier))
     out["load_s"] = statistics.median(loads)
     out["dcp_load_s"] = statistics.median(dcp_loads)
+    out["samples"] = {"plain_step": plain + plain2, "ckpt_step": ckpt, "save_s": saves,
+                      "dcp_save_s": dcp_saves, "load_s": loads, "dcp_load_s": dcp_loads}
     # a delta iteration: the live state is base_it's again; the first step after a restore
     # writes a base (a new chain), then k deltas; restoring the last replays all k
     for _ in range(args.k + 1):
@@ -160,7 +156,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, work: str) -> Non
         train_step(it, ck)
     ck.flush()
     out["k"] = args.k
-    out["delta_restore_s"] = _timed(lambda: ck.restore(it), barrier)
+    out["delta_restore_s"] = timed_between(lambda: ck.restore(it), barrier)
     store.close()
     with open(os.path.join(work, f"result-{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -169,25 +165,30 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, work: str) -> Non
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--k", type=int, default=8, help="deltas replayed by the delta restore")
-    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--group", type=int, default=10, help="deltas per group commit")
     ap.add_argument("--dir", default="/tmp/bench_multirank")
     from bench_delta import add_model_args, build
 
     add_model_args(ap)  # the model of bench_delta.py, smaller by default (ranks share 2 cores)
     ap.set_defaults(layers=4, dim=256, vocab=8192)
+    add_standard_args(ap, rounds=3, aliases=("--repeat",),
+                      rounds_help="repeats of the full save and restore, ckptstore and DCP in turn",
+                      quick_help="a smoke run: 1 and 2 ranks, a 2-layer model of dim 64, 3 "
+                                 "iterations, k 2, 1 repeat")
     args = ap.parse_args()
+    quick(args, ap, ranks="1,2", iters=3, k=2, rounds=1, layers=2, dim=64, vocab=1024)
     import torch.multiprocessing as mp
 
     model, _ = build(args)
     n = sum(p.numel() for p in model.parameters())
-    print(f"model: GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}: {n / 1e6:.1f}M "
-          f"parameters, AdamW, DDP over gloo; {os.cpu_count()} cores; torch {torch.__version__}; "
-          f"load average {os.getloadavg()[0]:.1f}")
+    mach = machine()
+    print(header(f"bench_multirank: GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}: "
+                 f"{n / 1e6:.1f}M parameters, AdamW, DDP over gloo; medians of {args.rounds}",
+                 mach), flush=True)
     rows = []
     for world in [int(w) for w in args.ranks.split(",")]:
         work = os.path.join(args.dir, f"w{world}")
@@ -211,19 +212,22 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
         print(f"  {world} ranks done (load average {os.getloadavg()[0]:.1f})", flush=True)
     mib = 2**20
-    print(f"\n{'ranks':>5} {'plain step':>10} {'ckpt step':>10} {'ratio':>6} "
-          f"{'delta/rank max (mean)':>22} {'base/rank max (mean)':>21} {'save':>7} "
-          f"{'DCP save':>8} {'load':>7} {'DCP load':>8} {'restore base+k':>14}")
-    for r in rows:
-        print(f"{r['world']:>5} {r['plain_step'] * 1e3:>8.0f}ms {r['ckpt_step'] * 1e3:>8.0f}ms "
-              f"{r['ckpt_step'] / r['plain_step']:>6.2f} "
-              f"{r['delta_bytes_rank'] / mib:>10.2f} ({r['delta_bytes_mean'] / mib:5.2f}) MiB "
-              f"{r['base_bytes_rank'] / mib:>9.1f} ({r['base_bytes_mean'] / mib:5.1f}) MiB "
-              f"{r['save_s']:>6.2f}s {r['dcp_save_s']:>7.2f}s "
-              f"{r['load_s']:>6.2f}s {r['dcp_load_s']:>7.2f}s {r['delta_restore_s']:>12.2f}s")
+    print()
+    print(table(["ranks", "plain step", "ckpt step", "ratio", "delta/rank max (mean)",
+                 "base/rank max (mean)", "save", "DCP save", "load", "DCP load",
+                 "restore base+k"],
+                [[r["world"], f"{r['plain_step'] * 1e3:.0f} ms", f"{r['ckpt_step'] * 1e3:.0f} ms",
+                  f"{r['ckpt_step'] / r['plain_step']:.2f}",
+                  f"{r['delta_bytes_rank'] / mib:.2f} ({r['delta_bytes_mean'] / mib:.2f}) MiB",
+                  f"{r['base_bytes_rank'] / mib:.1f} ({r['base_bytes_mean'] / mib:.1f}) MiB",
+                  f"{r['save_s']:.2f} s", f"{r['dcp_save_s']:.2f} s", f"{r['load_s']:.2f} s",
+                  f"{r['dcp_load_s']:.2f} s", f"{r['delta_restore_s']:.2f} s"] for r in rows],
+                left=0))
     print(f"(DCP checkpoint size, all ranks: {rows[-1]['dcp_bytes_total'] / mib:.1f} MiB; "
           f"restore base+k: k = {rows[-1]['k']} deltas; whole parameters are owned by one rank, "
           "so the largest parameter bounds how evenly bytes split)")
+    write_json(args.json, "bench_multirank", args, mach,
+               {r["world"]: r.pop("samples") for r in rows}, rows)
     return 0
 
 

@@ -3,7 +3,8 @@
 The writer trains a model with the Checkpointer (a base snapshot every 4th iteration, exact
 gradient deltas between them group-committed by 2 through the async pipeline, gc every
 ``--gc-every`` iterations) for ``--seconds`` alone, then again with ``--readers`` reader processes
-that loop: open (a fresh reader every other round, else a long-lived one), list, load the latest
+(``--rounds`` times each, the order rotated each round) that loop: open (a fresh reader every
+other round, else a long-lived one), list, load the latest
 and a random listed iteration (a delta iteration is replayed from its base), then replay a range
 of up to 5 iterations (``Store.replay``) from a random listed one; every state is checked bit for
 bit (an xxh3 digest of model and optimizer state) against the run computed beforehand in this
@@ -13,12 +14,11 @@ states they yielded), with the machine's core count and load average. Nothing is
 tests/test_concurrency.py checks correctness under the same load.
 
     python tools/bench_readers.py [--readers 8] [--seconds 10] [--gc-every 6] [--width 256]
-                                  [--dir /tmp/bench_readers]
+                                  [--dir /tmp/bench_readers] [--rounds 1] [--json OUT] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import random
@@ -32,12 +32,15 @@ import torch
 import xxhash
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ckptstore  # noqa: E402
+from harness import (add_standard_args, header, interleave, machine, parser, quick,  # noqa: E402
+                     write_json)
 from ckptstore.torch import Checkpointer  # noqa: E402
 
 CHUNK = 64 << 10
-#: the writer's iterations at most (both runs together): the reference is computed up to here
+#: the writer's iterations per second at most: the reference is computed for every run together
 MAX_PER_SECOND = 150
 
 
@@ -177,46 +180,62 @@ def run(path: str, readers: int, seconds: float, gc_every: int, width: int,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--readers", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--gc-every", type=int, default=6)
     ap.add_argument("--width", type=int, default=256, help="the model: Linear(width, width)")
     ap.add_argument("--dir", default="/tmp/bench_readers")
+    add_standard_args(ap, rounds=1, rounds_help="rounds of the writer alone and beside the "
+                      "readers, the order rotated each round",
+                      quick_help="a smoke run: 2 readers, 2 s per run, Linear(64, 64)")
     args = ap.parse_args()
+    quick(args, ap, readers=2, seconds=2.0, width=64)
     torch.set_num_threads(1)  # (as in the forked children: one intra-op thread everywhere)
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     path = os.path.join(args.dir, "s")
     t0 = time.monotonic()
-    ref = reference(args.width, int(2 * args.seconds * MAX_PER_SECOND))
+    ref = reference(args.width, int(2 * args.rounds * args.seconds * MAX_PER_SECOND))
     ref_s = time.monotonic() - t0
     with ckptstore.open(path, "a", chunk_size=CHUNK) as s:
         Checkpointer(s, *model(args.width), asynchronous=False).restore()  # base 0
     params = (args.width + 1) * args.width * 4
-    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; Linear({args.width}, "
-          f"{args.width}) with AdamW: {3 * params / 2**20:.2f} MiB per base, {params / 2**20:.2f} "
-          f"MiB per delta; gc every {args.gc_every} iterations; reference of {len(ref)} "
-          f"iterations computed in {ref_s:.1f} s")
-    alone, _ = run(path, 0, args.seconds, args.gc_every, args.width, ref)
-    loaded, rs = run(path, args.readers, args.seconds, args.gc_every, args.width, ref)
-    if alone["its"] + loaded["its"] >= len(ref) - 1:
+    mach = machine()
+    print(header(f"bench_readers: Linear({args.width}, {args.width}) with AdamW: "
+                 f"{3 * params / 2**20:.2f} MiB per base, {params / 2**20:.2f} MiB per delta; gc "
+                 f"every {args.gc_every} iterations; reference of {len(ref)} iterations computed "
+                 f"in {ref_s:.1f} s", mach))
+    names = ("alone", f"beside {args.readers} readers")
+
+    def one(name: str, r: int) -> dict:
+        wr, rs = run(path, 0 if name == "alone" else args.readers, args.seconds, args.gc_every,
+                     args.width, ref)
+        return {"writer": wr, "readers": rs}
+
+    res = interleave(names, args.rounds, one)
+    writes = {n: [row["writer"] for row in res.rows[n]] for n in names}
+    if sum(w["its"] for ws in writes.values() for w in ws) >= len(ref) - 1:
         print(f"(the writer reached the reference's end, iteration {len(ref) - 1}: raise "
               f"MAX_PER_SECOND)")
-    a = alone["its"] / alone["seconds"]
-    b = max(loaded["its"], 1) / loaded["seconds"]
-    secs = max(r["seconds"] for r in rs)
+    a, b = (max(sum(w["its"] for w in writes[n]), 1) / sum(w["seconds"] for w in writes[n])
+            for n in names)
+    rs = [r for row in res.rows[names[1]] for r in row["readers"]]
+    secs = sum(max(r["seconds"] for r in row["readers"]) for row in res.rows[names[1]])
 
     def total(k: str) -> int:
         return sum(r[k] for r in rs)
 
-    print(f"writer alone: {a:.1f} iterations/s ({alone['gcs']} gcs)")
-    print(f"writer beside {args.readers} readers: {b:.1f} iterations/s ({loaded['gcs']} gcs): "
-          f"{a / b:.2f}x slower")
+    print(f"writer alone: {a:.1f} iterations/s ({sum(w['gcs'] for w in writes[names[0]])} gcs)")
+    print(f"writer beside {args.readers} readers: {b:.1f} iterations/s "
+          f"({sum(w['gcs'] for w in writes[names[1]])} gcs): {a / b:.2f}x slower")
     print(f"readers: {total('loads') / secs:.1f} verified loads/s in all "
           f"({total('bytes') / 1e6 / secs:.0f} MB/s of state), {total('replays') / secs:.1f} "
           f"replays/s ({total('replayed') / secs:.1f} replayed states/s), {total('errors')} wrong; "
           f"load average {os.getloadavg()[0]:.1f}")
+    write_json(args.json, "bench_readers", args, mach, res,
+               {"writer_its_per_s": dict(zip(names, (a, b))),
+                "reader_loads_per_s": total("loads") / secs, "wrong": total("errors")})
     return 1 if total("errors") else 0
 
 

@@ -1,6 +1,6 @@
 """Benchmark: upload lag of a job store's remote tier at one delta per iteration.
 
-Starts moto's S3 server on 127.0.0.1 (as bench_remote.py), then, ``--rounds`` times, alternating,
+Starts moto's S3 server on 127.0.0.1 (as bench_remote.py), then, ``--rounds`` times, rotating,
 a real gloo job of ``--ranks`` ranks training bench_multirank's model (bench_delta.py's GPT at 4
 layers, dim 256, vocab 8192, AdamW) under DistributedDataParallel with a Checkpointer writing an
 exact delta every iteration, each one durable (``group_commit=1``: one global commit per
@@ -19,6 +19,7 @@ machines). Reported: median and max lag over the iterations, the step time of bo
 moto is a Python server sharing this machine's cores with the ranks: the lag includes its CPU.
 
     python tools/bench_remote_job.py [--ranks 2] [--iters 30] [--rounds 2] [--head-interval 1]
+                                     [--json OUT] [--quick]
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import ckptstore  # noqa: E402
+from harness import (Stats, add_standard_args, header, interleave, machine, parser,  # noqa: E402
+                     quick, write_json)
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace, work: str, url: str | None,
@@ -129,61 +132,64 @@ def lags(result: dict) -> list[float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--head-interval", type=float, default=1.0)
     ap.add_argument("--dir", default="/tmp/bench_remote_job")
     from bench_delta import add_model_args, build
-    from bench_remote import start_moto
+    from bench_remote import moto_s3
 
     add_model_args(ap)
     ap.set_defaults(layers=4, dim=256, vocab=8192)  # bench_multirank's model
+    add_standard_args(ap, rounds=2, rounds_help="rounds of local and remote, the order rotated "
+                      "each round", quick_help="a smoke run: 8 iterations, 1 round, a 2-layer "
+                      "model of dim 64")
     args = ap.parse_args()
-    import boto3
+    quick(args, ap, iters=8, rounds=1, layers=2, dim=64, vocab=1024)
+    from ckptstore.remote.client import ObjectStore
+    from ckptstore.remote.job_head import newest_job_head
 
     os.makedirs(args.dir, exist_ok=True)
-    proc, endpoint = start_moto(os.path.join(args.dir, "moto.log"))
-    try:
-        opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
-                "region_name": "us-east-1", "head_interval": args.head_interval}
-        s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
-                          aws_secret_access_key="testing", region_name="us-east-1")
+    with moto_s3(args.dir, bucket=None) as (s3, _, opts, _):
+        opts["head_interval"] = args.head_interval
         model, _ = build(args)
         n = sum(p.numel() for p in model.parameters())
-        print(f"model: GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}: "
-              f"{n / 1e6:.1f}M parameters, AdamW, DDP over gloo, {args.ranks} ranks; one durable "
-              f"exact delta per iteration; head_interval {args.head_interval} s; "
-              f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
-        rows: dict[str, list[dict]] = {"local": [], "remote": []}
-        for r in range(args.rounds):
-            for name in ("local", "remote") if r % 2 == 0 else ("remote", "local"):
-                url = None
-                if name == "remote":
-                    bucket = f"bench-{os.getpid()}-{r}"
-                    s3.create_bucket(Bucket=bucket)
-                    url = f"s3://{bucket}/job"
-                res = run(args, os.path.join(args.dir, name), url, opts)
-                if url is not None:
-                    from ckptstore.remote.client import ObjectStore
-                    from ckptstore.remote.job_head import newest_job_head
+        mach = machine()
+        print(header(f"bench_remote_job: GPT {args.layers} layers, dim {args.dim}, vocab "
+                     f"{args.vocab}: {n / 1e6:.1f}M parameters, AdamW, DDP over gloo, "
+                     f"{args.ranks} ranks; one durable exact delta per iteration; head_interval "
+                     f"{args.head_interval} s", mach), flush=True)
 
-                    res["final"] = newest_job_head(ObjectStore(url, opts)).latest
-                    objs = s3.list_objects_v2(Bucket=bucket).get("Contents", [])
-                    res["remote_bytes"] = sum(o["Size"] for o in objs)
-                rows[name].append(res)
-                print(f"  round {r + 1} {name} done (load average {os.getloadavg()[0]:.1f})",
-                      flush=True)
-        step = {k: statistics.median(s for x in v for s in x["steps"][2:]) for k, v in rows.items()}
-        all_lags = [lag for x in rows["remote"] for lag in lags(x)]
-        print(f"\nstep (median, first 2 left out): local {step['local'] * 1e3:.0f} ms, remote "
-              f"{step['remote'] * 1e3:.0f} ms (ratio {step['remote'] / step['local']:.2f})")
+        def one(name: str, r: int) -> dict:
+            url = None
+            if name == "remote":
+                bucket = f"bench-{os.getpid()}-{r}"
+                s3.create_bucket(Bucket=bucket)
+                url = f"s3://{bucket}/job"
+            res = run(args, os.path.join(args.dir, name), url, opts)
+            if url is not None:
+                res["final"] = newest_job_head(ObjectStore(url, opts)).latest
+                objs = s3.list_objects_v2(Bucket=bucket).get("Contents", [])
+                res["remote_bytes"] = sum(o["Size"] for o in objs)
+                res["lags"] = lags(res)
+            res["seconds"] = res["steps"][2:]  # (the first 2 steps left out)
+            print(f"  round {r + 1} {name} done (load average {os.getloadavg()[0]:.1f})",
+                  flush=True)
+            return res
+
+        samples = interleave(("local", "remote"), args.rounds, one)
+        rows = samples.rows
+        step = {k: samples.stats(k) for k in rows}
+        all_lags = samples.values("remote", "lags")
+        print(f"\nstep (first 2 left out): local {step['local'].show(1e3, '.0f', ' ms')}, remote "
+              f"{step['remote'].show(1e3, '.0f', ' ms')} (ratio of the medians "
+              f"{step['remote'].median / step['local'].median:.2f})")
         print(f"upload lag, committed -> in a job HEAD: median "
               f"{statistics.median(all_lags):.2f} s, max {max(all_lags):.2f} s over "
               f"{len(all_lags)} iterations")
         for x in rows["remote"]:
-            lx = lags(x)
+            lx = x["lags"]
             half = len(lx) // 2
             if half:  # a lag that grows means the upload falls behind
                 print(f"  lag, first half of the iterations: median "
@@ -196,9 +202,9 @@ def main() -> int:
                   f"{x['remote_bytes'] / 2**20:.1f} MiB "
                   f"({x['remote_bytes'] / args.iters / 2**20:.2f} MiB per iteration, the base "
                   "included)")
-    finally:
-        proc.kill()
-        proc.wait()
+        write_json(args.json, "bench_remote_job", args, mach, samples,
+                   {"step": {k: v.as_dict() for k, v in step.items()},
+                    "lag": Stats.of(all_lags).as_dict()})
     return 0
 
 
