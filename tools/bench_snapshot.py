@@ -35,14 +35,12 @@ then waits until its last snapshot is durable. Per strategy:
 
     python tools/bench_snapshot.py                 # ~3 min on the project's 2-core VM
     python tools/bench_snapshot.py --json /tmp/snap.json
+    python tools/bench_snapshot.py --quick         # a smoke run: a tiny model, 1 round of 8 steps
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -60,6 +58,8 @@ import torch  # noqa: E402
 
 from bench_delta import add_model_args, build, fwd_bwd  # noqa: E402
 from bench_goodput import PCcheck, adam_state_tensors  # noqa: E402
+from harness import (add_standard_args, header, machine, parser, quick, rotated,  # noqa: E402
+                     table, write_json)
 
 STRATEGIES = ("plain", "pccheck", "checkfreq", "ckpt", "ckpt-copy")
 
@@ -208,16 +208,18 @@ def summarise(blocks: dict[str, list[dict]], every: int, nbytes: int) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     add_model_args(ap)
     ap.set_defaults(layers=3, dim=256, heads=4, vocab=8192, ctx=32, batch=4, threads=1)
     ap.add_argument("--every", type=int, default=4, help="steps between snapshots (default 4)")
-    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--block", type=int, default=24, help="steps per strategy per round")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--dir", default=None, help="parent of the temp dir (default: the system's)")
-    ap.add_argument("--json", metavar="OUT")
+    add_standard_args(ap, rounds=6, rounds_help="rounds, the order rotated each round (after an "
+                      "uncounted warm-up round)", quick_help="a smoke run: a 1-layer model of dim "
+                      "64, 1 round of 8 steps")
     a = ap.parse_args(argv)
+    quick(a, ap, layers=1, dim=64, heads=2, vocab=1024, rounds=1, block=8)
     names = a.strategies.split(",")
     if "plain" not in names:
         names.insert(0, "plain")
@@ -227,33 +229,28 @@ def main(argv: list[str] | None = None) -> int:
         model, opt = build(a)
         nbytes = sum(t.numel() * t.element_size() for t in adam_state_tensors(model, opt))
         runners = {n: Runner(n, model, opt, a.every, os.path.join(work, n)) for n in names}
-        la = os.getloadavg()
-        print(f"bench_snapshot: {os.cpu_count()} CPUs, load {la[0]:.2f}, python "
-              f"{platform.python_version()}, torch {torch.__version__}, {a.threads} training "
-              f"thread(s); {nbytes / 1e6:.1f} MB of parameters + AdamW state, a snapshot every "
-              f"{a.every} steps, {a.rounds} rounds of {a.block} steps per strategy")
+        mach = machine()
+        print(header(f"bench_snapshot: {a.threads} training thread(s); {nbytes / 1e6:.1f} MB of "
+                     f"parameters + AdamW state, a snapshot every {a.every} steps, {a.rounds} "
+                     f"rounds of {a.block} steps per strategy", mach))
         blocks: dict[str, list[dict]] = {n: [] for n in names}
         it = 1
         for r in range(a.rounds + 1):  # round 0 warms every strategy up and is not counted
-            order = names[r % len(names):] + names[:r % len(names)]
-            for n in order:
+            for n in rotated(names, r):
                 b = run_block(runners[n], model, a, it, a.block)
                 it += a.block
                 if r:
                     blocks[n].append(b)
         res = summarise(blocks, a.every, nbytes)
         print(f"load average at the end {os.getloadavg()[0]:.2f}")
-        print("| strategy | step ms (mean) | x plain (median, min-max) | per snapshot ms | "
-              "stall ms (median) | background CPU ms/MB |")
-        print("|---|---:|---|---:|---:|---:|")
-        for n in names:
-            s = res[n]
-            print(f"| {n} | {s['step_ms_mean']:.1f} | {s['ratio_median']:.3f} "
-                  f"({s['ratio_min']:.3f}-{s['ratio_max']:.3f}) | {s['per_snapshot_ms']:.1f} | "
-                  f"{s['stall_ms_median']:.1f} | {s['background_cpu_ms_per_mb']:.2f} |")
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump({"args": vars(a), "bytes": nbytes, "results": res, "blocks": blocks}, f)
+        print(table(["strategy", "step ms (mean)", "x plain (median, min-max)", "per snapshot ms",
+                     "stall ms (median)", "background CPU ms/MB"],
+                    [[n, f"{s['step_ms_mean']:.1f}",
+                      f"{s['ratio_median']:.3f} ({s['ratio_min']:.3f}-{s['ratio_max']:.3f})",
+                      f"{s['per_snapshot_ms']:.1f}", f"{s['stall_ms_median']:.1f}",
+                      f"{s['background_cpu_ms_per_mb']:.2f}"] for n, s in
+                     ((n, res[n]) for n in names)]))
+        write_json(a.json, "bench_snapshot", a, mach, blocks, res, bytes=nbytes)
         for rn in runners.values():
             if rn.ck is not None:
                 rn.ck.close()
