@@ -93,6 +93,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import goodput  # noqa: E402  (tools/goodput.py: scenarios, traces, Young/Daly)
+import harness  # noqa: E402  (tools/harness.py: machine header, tables, fsync)
 
 STRATEGIES = ("torch.save", "dcp-async", "pccheck", "ckpt-snapshots", "ckpt-deltas", "ckpt-topk",
               "ckpt-auto")
@@ -193,14 +194,6 @@ def params_hash(model) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def adam_state_tensors(model, opt) -> list:
     """The tensors of a checkpoint in a fixed order: each parameter, then per parameter (in the
     optimizer's order) AdamW's step, exp_avg, exp_avg_sq; missing optimizer state is created
@@ -263,7 +256,7 @@ class TorchSave:
         finally:
             os.close(fd)
         os.replace(tmp, self.path)
-        _fsync_dir(os.path.dirname(self.path))
+        harness.fsync_path(os.path.dirname(self.path))
         self.emit("durable", i=it)
         return True
 
@@ -316,7 +309,7 @@ class DcpAsync:
 
     def _durable(self, fut, it: int) -> None:
         if fut.exception() is None:
-            _fsync_dir(self.dir)
+            harness.fsync_path(self.dir)
             self.emit("durable", i=it)
             for old in self._done():
                 if old < it:
@@ -405,7 +398,7 @@ class PCcheck:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.meta)
-            _fsync_dir(self.dir)
+            harness.fsync_path(self.dir)
             self.emit("durable", i=it)
 
 
@@ -918,9 +911,9 @@ def markdown_table(agg: dict[tuple[str, str], dict], order: Sequence[str]) -> st
                          f"{a['failures']}", f"{a['lost_s']['mean']:.2f}",
                          f"{a['lost_it']['mean']:.1f}", f"{a['resume_s']['mean']:.2f}",
                          f"{a['bytes']['median'] / 1e6:.0f}"])
-    return goodput.format_table(["scenario", "strategy", "every", "goodput (median)", "range",
-                                 "failures", "lost s/failure", "lost it/failure",
-                                 "resume s/failure", "MB written/job"], rows)
+    return harness.table(["scenario", "strategy", "every", "goodput (median)", "range",
+                          "failures", "lost s/failure", "lost it/failure",
+                          "resume s/failure", "MB written/job"], rows, left=3)
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -968,9 +961,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def machine_line() -> str:
-    la = os.getloadavg()
-    return (f"{os.cpu_count()} CPUs, load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}, "
-            f"python {sys.version.split()[0]}")
+    m = harness.machine()
+    return f"{m['cpus']} CPUs, load average {m['load average']}, python {m['python']}, " \
+           f"torch {m['torch']}, ckptstore {m['ckptstore']}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

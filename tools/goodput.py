@@ -117,6 +117,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (tools/harness.py: the benchmarks' tables)
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_COSTS = Path(__file__).resolve().parent / "goodput_costs.json"
 DEFAULT_TRACES = ROOT.parent / "shared" / "traces"
@@ -727,9 +730,9 @@ def e2e_report(doc: dict, rows: list[dict]) -> str:
              f"pooled per strategy (medians over its jobs), 'own': each job's own costs; 'phase "
              f"sd': how far apart the two would be from where failures land in a checkpoint "
              f"interval alone (sd of the difference of two uniform draws per failure)", "",
-             format_table(["scenario", "strategy", "e2e goodput", "sim", "sim - e2e", "own",
+             harness.table(["scenario", "strategy", "e2e goodput", "sim", "sim - e2e", "own",
                            "own - e2e", "phase sd", "failures e2e/sim", "lost s e2e/sim", "resume s e2e/sim"],
-                          table), "",
+                          table, left=None), "",
              f"|sim - e2e|: mean {sum(errs) / len(errs):.3f}, max {max(errs):.3f}, within 0.01: "
              f"{sum(e <= 0.01 for e in errs)} of {len(errs)}; |own - e2e|: mean "
              f"{sum(errs_own) / len(errs_own):.3f}, max {max(errs_own):.3f}, within 0.01: "
@@ -866,28 +869,6 @@ def run_scenario(scenario: Scenario, strategy: Strategy, iterations: int, step_p
 
 
 # ---- output --------------------------------------------------------------------------------------
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A Markdown table with aligned columns (text left, numbers right)."""
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    numeric = [all(_is_number(r[k]) for r in rows) if rows else False for k in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(str(c).rjust(w) if num else str(c).ljust(w)
-                                 for c, w, num in zip(cells, widths, numeric, strict=True)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 1) + ":" if num else "-" * (w + 2)
-                         for w, num in zip(widths, numeric, strict=True)) + "|"
-    return "\n".join([line(header), sep, *(line(r) for r in rows)])
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s.replace(",", ""))
-        return True
-    except ValueError:
-        return False
-
-
 def plot(path: str | os.PathLike, sweep: dict[str, list[tuple[float, RunResult]]],
          points: dict[str, list[tuple[str, float, RunResult]]], title: str) -> None:
     """Goodput and lost work per failure against the failure rate: one line per strategy over the
@@ -1049,8 +1030,8 @@ def run(a: argparse.Namespace) -> int:
     notes += [f"trace {t.name} has no failure: skipped" for t in traces if not t.failures]
     print(f"scenarios: {', '.join(s.name for s in scenarios)}" + "".join(f" ({n})" for n in notes))
     print()
-    print(format_table(["scenario", "failures/h", "strategy", "every (it)", "goodput",
-                        "lost per failure (s)", "resume (s)", "failures per run"], table))
+    print(harness.table(["scenario", "failures/h", "strategy", "every (it)", "goodput",
+                        "lost per failure (s)", "resume (s)", "failures per run"], table, left=None))
     if a.plot:
         try:
             plot(a.plot, sweep, at_traces, f"{a.hours:g} h of useful work, step {step_plain * 1e3:.0f} ms, "

@@ -296,19 +296,32 @@ def ratio(x: float | None, y: float | None, spec: str = ".2f") -> str:
     return fmt(x / y if x is not None and y else None, spec)
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], left: int = 1) -> str:
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], left: int | None = 1) -> str:
     """A Markdown table, columns padded to their widths; the first ``left`` columns are
-    left-aligned, the rest right-aligned (numbers)."""
+    left-aligned, the rest right-aligned (numbers). ``left=None``: each column is right-aligned
+    when every cell of it reads as a number, else left-aligned."""
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(3, len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    if left is None:
+        right = [bool(cells) and all(_is_number(r[i]) for r in cells) for i in range(len(headers))]
+    else:
+        right = [i >= left for i in range(len(headers))]
 
     def line(row: Sequence[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) if i < left else c.rjust(w)
-                                 for i, (c, w) in enumerate(zip(row, widths))) + " |"
+        return "| " + " | ".join(c.rjust(w) if r else c.ljust(w)
+                                 for c, w, r in zip(row, widths, right)) + " |"
 
-    rule = "|" + "|".join("-" * (w + 1) + ":" if i >= left else "-" * (w + 2)
-                          for i, w in enumerate(widths)) + "|"
+    rule = "|" + "|".join("-" * (w + 1) + ":" if r else "-" * (w + 2)
+                          for w, r in zip(widths, right)) + "|"
     return "\n".join([line(list(headers)), rule, *map(line, cells)])
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s.replace(",", ""))
+    except ValueError:
+        return False
+    return True
 
 
 def write_json(path: str | None, tool: str, a: argparse.Namespace | dict, m: dict[str, Any],
