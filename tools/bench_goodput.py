@@ -361,22 +361,31 @@ class PCcheck:
         return int(meta["iteration"])
 
     def step(self, it: int) -> bool:
-        import torch
         self.opt.step()
         if it % self.every:
             return False
+        k, slot = self.reserve()
+        self.copy(it, k, slot)
+        return True
+
+    def reserve(self) -> tuple[int, int]:
+        """A staging buffer (waits while K checkpoints are in flight) and the slot file to use."""
         if self.bufs is None:
             self._layout()
-        k = self.free.get()  # waits while K checkpoints are in flight
+        k = self.free.get()
+        self.count += 1
+        return k, (self.count - 1) % 2
+
+    def copy(self, it: int, k: int, slot: int) -> None:
+        """Copy the state into buffer ``k`` and hand it to the writer (the stall)."""
+        import torch
         flat = self.bufs[k][1]
         off = 0
         with torch.no_grad():
             for t in self.tensors:
                 flat[off:off + t.numel()].view_as(t).copy_(t)
                 off += t.numel()
-        self.jobs.put((it, k, self.count % 2))
-        self.count += 1
-        return True
+        self.jobs.put((it, k, slot))
 
     def _writer(self) -> None:
         while True:

@@ -81,22 +81,8 @@ class CheckFreq(PCcheck):
         self.opt.step()
         if it % self.every:
             return False
-        if self.bufs is None:
-            self._layout()
-        k = self.free.get()  # waits while K checkpoints are in flight
-        slot = self.count % 2
-        self.count += 1
-
-        def copy() -> None:
-            flat = self.bufs[k][1]
-            off = 0
-            with torch.no_grad():
-                for t in self.tensors:
-                    flat[off:off + t.numel()].view_as(t).copy_(t)
-                    off += t.numel()
-            self.jobs.put((it, k, slot))
-
-        self.copying = threading.Thread(target=copy, daemon=True)
+        k, slot = self.reserve()
+        self.copying = threading.Thread(target=self.copy, args=(it, k, slot), daemon=True)
         self.copying.start()
         return True
 
