@@ -46,6 +46,7 @@ from .dtensor_state import is_sharded, load_into, rank_part
 from .group import RankGroup
 from .job_collect import (JobRetentionRun, RetentionSchedule, agree_gc_plan,
                           check_retention_args, run_and_tell)
+from .job_follower import JobFollowerBases, load_part
 from .job_history import diff_job, replay_job, shard_sections
 from .job_streams import StreamReaders, check_stream
 from .job_open import agree_epoch, claim_epoch, open_streams, stream_features
@@ -99,6 +100,8 @@ class JobStore:
         #: readers of rank streams (the argument _streams opens one: a remote job's lazy reader,
         #: ckptstore/remote/job_pull.py; None: the stream directory under path)
         self._streams = StreamReaders(self.layout, load_threads, _streams)
+        #: the shadow follower's bases (<path>/follower/, format-spec/follower.md §7), read by load
+        self._followers = JobFollowerBases(self)
         self._own: Store | None = None
         self._group: RankGroup | None = None
         self._committer: GlobalCommitter | None = None
@@ -200,6 +203,7 @@ class JobStore:
             except CkptStoreError:
                 pass
         self._streams.close()
+        self._followers.close()
         if self._epoch_log is not None:
             self._epoch_log.close()
         if self._group is not None:
@@ -462,6 +466,7 @@ class JobStore:
             view = read_job_view(self.layout, self.header.store_id)
             with self._view_lock:
                 self._view = view
+            self._streams.retain(set(view.chain))  # (a gc's: the old epochs' streams are gone)
             self._streams.refresh()
 
     def iterations(self) -> list[int]:
@@ -532,10 +537,10 @@ class JobStore:
         return state if into is None else copy_into(state, into)
 
     def _load(self, iteration: int, keys: Sequence[Any] | None, rank: int | None) -> Any:
-        if rank is not None:
-            return self.stream(iteration, rank).load(iteration, keys)
         g = self.global_commit(iteration)
-        return self.combine_parts(g, lambda r: self.stream(iteration, r).load(iteration), keys)
+        if rank is not None:
+            return load_part(self, self._followers, g, self.reading_rank(rank, g), keys)
+        return self.combine_parts(g, lambda r: load_part(self, self._followers, g, r, None), keys)
 
     def combine_parts(self, g: GlobalCommit, part: Callable[[int], Any],
                       keys: Sequence[Any] | None) -> Any:
@@ -582,9 +587,14 @@ class JobStore:
         return self.stream(iteration, rank).meta(iteration)
 
     def load_base(self, iteration: int, *, rank: int | None = None) -> tuple[str, int]:
-        """:meth:`ckptstore.Store.load_base` within ``rank``'s stream of ``iteration`` (default:
-        this process's rank; a reader of a 1-rank job: rank 0): where its load starts."""
-        return self.stream(iteration, rank).load_base(iteration)
+        """Where :meth:`load` of ``iteration`` starts (every rank's part alike):
+        ``("follower", b)`` when the job's follower store holds a matching
+        base ``b`` of its chain (format-spec/follower.md §7; identities only: a part that then
+        fails to read is skipped by the load), else ``("primary", base_of(iteration))``."""
+        if rank is not None:
+            self.stream(iteration, rank)  # (the rank exists and its stream holds the commit)
+        b = self._followers.start(iteration) if self.kind(iteration) == "delta" else None
+        return ("follower", b) if b is not None else ("primary", self.base_of(iteration, rank=rank))
 
     def base_of(self, iteration: int, *, rank: int | None = None) -> int:
         """The base snapshot ``iteration`` replays from. Every rank saves its bases at the same

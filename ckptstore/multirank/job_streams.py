@@ -47,14 +47,20 @@ class StreamReaders:
         for s in self.readers.values():
             s.refresh()
 
+    def retain(self, epochs: set[int]) -> None:
+        """Close the streams of every epoch not in ``epochs`` (no longer on the job's chain)."""
+        self._close([k for k in self.readers if k[0] not in epochs])
+
     def close(self) -> None:
         """Close every stream read so far (errors closing a reader are of no consequence)."""
-        for s in self.readers.values():
+        self._close(list(self.readers))
+
+    def _close(self, keys: list[tuple[int, int]]) -> None:
+        for k in keys:
             try:
-                s.close()
+                self.readers.pop(k).close()
             except CkptStoreError:
                 pass
-        self.readers.clear()
 
 
 def check_stream(store: Store, g: GlobalCommit, rank: int, path: str, where: str) -> Store:
