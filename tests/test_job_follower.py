@@ -311,6 +311,17 @@ def test_job_gc_then_the_follower_starts_again(job, tmp_path):
                 _same(rs.load(t), js.load(t), f"load({t}) after gc")
 
 
+def test_cli_follows_a_job(job, tmp_path, capsys):
+    from ckptstore.cli import main
+
+    path = _copy(job, tmp_path, follower=False, which="first")
+    assert main(["follow", path, "--every", str(K), "--until-iteration", str(FIRST),
+                 "--poll", "0.02"]) == 0
+    assert f"followed to iteration {FIRST} (primary at {FIRST})" in capsys.readouterr().out
+    with ckptstore.open(follower_path(path), "r") as f:
+        assert f.iterations() == [K, 2 * K, 3 * K]
+
+
 def test_bad_input(job, tmp_path):
     """A job store not written by a Checkpointer: a typed error naming it and the iteration;
     a stream of a job store: JobStreamError (the follower store would lie inside the job)."""
