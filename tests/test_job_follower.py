@@ -23,6 +23,7 @@ import torch
 import xxhash
 
 import ckptstore
+from ckptstore.cli import main
 from ckptstore.errors import FollowerError, FollowerMismatchError, FollowerWarning
 from ckptstore.follow import Follower, follower_path
 from ckptstore.multirank.job_follower import job_digest
@@ -277,12 +278,13 @@ def test_a_follower_store_of_another_job_or_history(job, tmp_path, other):
         assert f.iterations() == before
 
 
-def test_job_gc_then_the_follower_starts_again(job, tmp_path):
+def test_job_gc_then_the_follower_starts_again(job, tmp_path, capsys):
     """A follower at iteration 2K+2 of the first job's chain while the second job writes its
     own (its files copied in: what the job wrote while the follower lagged); a gc of the job
     store removes the first chain: the follower starts again from the second job's base and
-    follows it; loads stay exact, and the follower's bases of removed iterations are harmless (a
-    new follower accepts its store)."""
+    follows it; loads stay exact, the follower's bases of removed iterations are harmless (a
+    new follower accepts its store), and fsck finds the job store and the follower store
+    clean."""
     path = _copy(job, tmp_path, follower=False, which="first")
     with Follower(path, every=K) as f:
         assert f.step_once(max_deltas=2 * K + 2) > 0 and f.iteration == 2 * K + 2
@@ -309,11 +311,11 @@ def test_job_gc_then_the_follower_starts_again(job, tmp_path):
             warnings.simplefilter("error", FollowerWarning)
             for t in (4 * K, LAST):
                 _same(rs.load(t), js.load(t), f"load({t}) after gc")
+    assert main(["fsck", path]) == 0 and main(["fsck", follower_path(path)]) == 0  # both clean
+    capsys.readouterr()
 
 
 def test_cli_follows_a_job(job, tmp_path, capsys):
-    from ckptstore.cli import main
-
     path = _copy(job, tmp_path, follower=False, which="first")
     assert main(["follow", path, "--every", str(K), "--until-iteration", str(FIRST),
                  "--poll", "0.02"]) == 0
