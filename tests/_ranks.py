@@ -8,9 +8,7 @@ finished comes back as ``{"died": exitcode}``. A run never outlives its deadline
 killed.
 
 Ranks are forked from a forkserver that imported torch once (``PRELOAD``): a spawned rank
-spent ~2.7 s of CPU importing torch, most of a short multi-rank test on 2 cores. torch._dynamo
-is preloaded too: a rank's first optimizer step (or DDP's constructor) imports it, ~3 s of CPU
-per rank and run (2 ranks on 2 cores: ~5.5 s of wall time before the first step). Nothing else
+spent ~2.7 s of CPU importing torch, most of a short multi-rank test on 2 cores. Nothing else
 is preloaded (ckptstore and the test module import fresh in each rank), and each rank takes the
 caller's environment as it is at the call (the forkserver's own is from its start).
 """
@@ -27,7 +25,7 @@ from typing import Any
 
 
 #: modules the forkserver imports once; each rank is forked from it with them loaded
-PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo"]
+PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing"]
 
 
 def _rank_main(rank: int, world: int, init: str, path: str, module: str, scenario: str,
