@@ -3,10 +3,11 @@ ckptstore/multirank/job_follower.py, format-spec/follower.md §7).
 
 One job is trained once per module by real 2-rank gloo ranks (tests/_ranks.py): DDP, a
 Checkpointer with base_every=None and a delta every iteration (partitioned parts), while a
-Follower in this process follows it live (a thread) and writes a base every K iterations; then a
-second job resumes it (a new epoch: its first checkpoint is a snapshot). The reference is a copy
-of the job without its follower store: every load with the follower must equal a load without it,
-bit for bit, at 1 rank (a reader) and at 2 ranks (readers with a group: each rank's own RNG).
+Follower in this process follows it live (a thread) and writes a base every K iterations. The
+slow tests also resume a copy with a second job (a new epoch: its first checkpoint is a
+snapshot), followed live too. The reference is a copy of a job without its follower store:
+every load with the follower must equal a load without it, bit for bit, at 1 rank (a reader),
+at 2 ranks (readers with a group: each rank's own RNG) and, slow, restores at 1 and 4 ranks.
 """
 
 from __future__ import annotations
@@ -108,22 +109,14 @@ def _follow_live(path, until, box):
         box["error"] = e
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """The job (FIRST iterations, then SECOND more by a second job) followed live; ``ref``, a
-    copy without its follower store; ``first``, a copy of the job after the first job only."""
-    torch.set_num_threads(1)
-    base = tmp_path_factory.mktemp("jobfollow")
-    path, ref, first = str(base / "job"), str(base / "ref"), str(base / "first")
+def _train_followed(path, work, iterations, until, start):
+    """Train ``iterations`` steps of the job at ``path`` (2 ranks) while a follower thread
+    follows it until ``until``; the follower's stats."""
     box: dict = {}
-    thread = threading.Thread(target=_follow_live, args=(path, LAST, box), daemon=True)
+    thread = threading.Thread(target=_follow_live, args=(path, until, box), daemon=True)
     thread.start()
-    t0 = time.perf_counter()
     try:
-        assert ok(run_ranks(2, MOD, "train", path, str(base / "w1"), iterations=FIRST)) == [0, 0]
-        _copy_job(path, first, follower=False)
-        assert ok(run_ranks(2, MOD, "train", path, str(base / "w2"),
-                            iterations=SECOND)) == [FIRST, FIRST]
+        assert ok(run_ranks(2, MOD, "train", path, work, iterations=iterations)) == [start] * 2
     finally:
         thread.join(240)
         if thread.is_alive() and "follower" in box:  # (never hide a hang: stop it, then fail)
@@ -131,9 +124,33 @@ def job(tmp_path_factory):
             thread.join(30)
     assert not thread.is_alive(), "the follower did not stop"
     assert "error" not in box, box.get("error")
-    print(f"two 2-rank jobs followed live in {time.perf_counter() - t0:.2f} s: {box['stats']}")
+    return box["stats"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The job (FIRST iterations) followed live; ``ref``, a copy without its follower store."""
+    torch.set_num_threads(1)
+    base = tmp_path_factory.mktemp("jobfollow")
+    path, ref = str(base / "job"), str(base / "ref")
+    t0 = time.perf_counter()
+    stats = _train_followed(path, str(base / "w"), FIRST, FIRST, 0)
+    print(f"a 2-rank job followed live in {time.perf_counter() - t0:.2f} s: {stats}")
     _copy_job(path, ref, follower=False)
-    return {"path": path, "ref": ref, "first": first, "stats": box["stats"]}
+    return {"path": path, "ref": ref, "stats": stats}
+
+
+@pytest.fixture(scope="module")
+def resumed(job, tmp_path_factory):
+    """A copy of the job (its follower store included) resumed by a second job for SECOND more
+    iterations (a new epoch: its first checkpoint is a snapshot), followed live by a new
+    follower (it resumes from the first one's newest base); ``ref``, a copy without the
+    follower store."""
+    base = tmp_path_factory.mktemp("jobresumed")
+    path, ref = _copy_job(job["path"], str(base / "job")), str(base / "ref")
+    stats = _train_followed(path, str(base / "w"), SECOND, LAST, FIRST)
+    _copy_job(path, ref, follower=False)
+    return {"path": path, "ref": ref, "stats": stats}
 
 
 def _copy_job(src, dst, follower=True) -> str:
@@ -142,8 +159,8 @@ def _copy_job(src, dst, follower=True) -> str:
     return dst
 
 
-def _copy(job, tmp_path, follower=True, which="path") -> str:
-    return _copy_job(job[which], str(tmp_path / "job"), follower)
+def _copy(job, tmp_path, follower=True) -> str:
+    return _copy_job(job["path"], str(tmp_path / "job"), follower)
 
 
 def jd(reader, it) -> str:
@@ -167,35 +184,28 @@ def test_job_digest_vectors():
     assert job_digest(g(a)) == "72950631827607e2842812cc870dcae2"
 
 
-def test_the_follower_writes_every_ranks_part(job):
-    """Bases at every multiple of K that is a delta (not at the second job's snapshot), each
-    holding both ranks' parts, equal to each rank's replayed part, named by the job digest."""
-    path, ref = job["path"], job["ref"]
-    with ckptstore.open(ref, "r") as r:
-        snapshots = [i for i in r.iterations() if r.kind(i) == "snapshot"]
-        assert snapshots == [0, FIRST + 1], snapshots  # base_every=None: a base per job only
-        want = [b for b in range(K, LAST + 1, K) if b not in snapshots]
-        assert job["stats"].bases == want
-        assert job["stats"].started_from == ("primary", FIRST + 1)  # the new epoch's chain
+def _check_bases(path, ref, want):
+    """The follower store of ``path`` holds bases ``want``, each holding both ranks' parts,
+    equal to each rank's replayed part, named by the job digest."""
+    with ckptstore.open(ref, "r") as r, ckptstore.open(follower_path(path), "r") as f:
+        assert f.iterations() == want
         sid = r.header.store_id.hex()
-        with ckptstore.open(follower_path(path), "r") as f:
-            assert f.iterations() == want
-            for b in want:
-                base = r.base_of(b)
-                assert f.meta(b)["ckptstore.follower"] == {
-                    "v": 1, "primary": sid, "iteration": b, "digest": jd(r, b), "base": base,
-                    "base_digest": jd(r, base)}
-                state = f.load(b)
-                assert sorted(state) == ["rank0", "rank1"]
-                for k in (0, 1):
-                    _same(r.load(b, rank=k), state[f"rank{k}"], f"base {b} rank {k}")
+        for b in want:
+            base = r.base_of(b)
+            assert f.meta(b)["ckptstore.follower"] == {
+                "v": 1, "primary": sid, "iteration": b, "digest": jd(r, b), "base": base,
+                "base_digest": jd(r, base)}
+            state = f.load(b)
+            assert sorted(state) == ["rank0", "rank1"]
+            for k in (0, 1):
+                _same(r.load(b, rank=k), state[f"rank{k}"], f"base {b} rank {k}")
 
 
-def test_reader_loads_start_from_follower_bases(job):
+def _check_reader_loads(path, ref, its):
     """A reader without a group: merged loads and every rank's part start from the newest
     follower base of their chain and equal the loads without a follower."""
-    with ckptstore.open(job["path"], "r") as js, ckptstore.open(job["ref"], "r") as rs:
-        for t in (K + 1, 2 * K + 3, FIRST, FIRST + 1, LAST):
+    with ckptstore.open(path, "r") as js, ckptstore.open(ref, "r") as rs:
+        for t in its:
             b = t // K * K
             want = ("follower", b) if rs.kind(t) == "delta" and b > rs.base_of(t) else \
                 ("primary", rs.base_of(t))
@@ -208,11 +218,37 @@ def test_reader_loads_start_from_follower_bases(job):
                     _same(rs.load(t, rank=r), js.load(t, rank=r), f"load({t}, rank={r})")
 
 
+def test_the_follower_writes_every_ranks_part(job):
+    """base_every=None: the job's only base is 0; the follower wrote bases at K, 2K, 3K."""
+    with ckptstore.open(job["ref"], "r") as r:
+        assert [i for i in r.iterations() if r.kind(i) == "snapshot"] == [0]
+    assert job["stats"].bases == [K, 2 * K, 3 * K]
+    assert job["stats"].started_from == ("primary", 0)
+    _check_bases(job["path"], job["ref"], [K, 2 * K, 3 * K])
+
+
+def test_reader_loads_start_from_follower_bases(job):
+    _check_reader_loads(job["path"], job["ref"], (K + 1, 2 * K + 3, FIRST))
+
+
 def test_loads_with_a_group_at_2_ranks(job, tmp_path):
-    its = [2 * K + 1, LAST]
+    its = [2 * K + 1, FIRST]
     res = ok(run_ranks(2, MOD, "loads_with_a_group", job["path"], str(tmp_path / "w"),
                        ref=job["ref"], its=its))
     assert res[0] == res[1] == [["follower", t // K * K] for t in its]
+
+
+@pytest.mark.slow
+def test_a_resumed_job_is_followed_into_its_new_epoch(resumed):
+    """A second job's first checkpoint is a snapshot (its new epoch): the new follower (which
+    accepted the first one's store) restarted its replica at that snapshot (a chain restart)
+    and wrote the new chain's bases; loads in both chains start from them."""
+    with ckptstore.open(resumed["ref"], "r") as r:
+        assert [i for i in r.iterations() if r.kind(i) == "snapshot"] == [0, FIRST + 1]
+    assert resumed["stats"].bases == [4 * K]
+    assert resumed["stats"].started_from == ("primary", FIRST + 1)
+    _check_bases(resumed["path"], resumed["ref"], [K, 2 * K, 3 * K, 4 * K])
+    _check_reader_loads(resumed["path"], resumed["ref"], (FIRST, FIRST + 1, LAST))
 
 
 def test_a_damaged_part_falls_back_for_its_rank(job, tmp_path):
@@ -278,21 +314,23 @@ def test_a_follower_store_of_another_job_or_history(job, tmp_path, other):
         assert f.iterations() == before
 
 
-def test_job_gc_then_the_follower_starts_again(job, tmp_path, capsys):
+@pytest.mark.slow
+def test_job_gc_then_the_follower_starts_again(job, resumed, tmp_path, capsys):
     """A follower at iteration 2K+2 of the first job's chain while the second job writes its
     own (its files copied in: what the job wrote while the follower lagged); a gc of the job
     store removes the first chain: the follower starts again from the second job's base and
     follows it; loads stay exact, the follower's bases of removed iterations are harmless (a
     new follower accepts its store), and fsck finds the job store and the follower store
     clean."""
-    path = _copy(job, tmp_path, follower=False, which="first")
+    path = _copy(job, tmp_path, follower=False)
     with Follower(path, every=K) as f:
         assert f.step_once(max_deltas=2 * K + 2) > 0 and f.iteration == 2 * K + 2
         f.flush()
         assert f.stats.bases == [K, 2 * K]
         for part in ("global", "streams"):  # the second job's epoch (nothing else changed)
-            for name in sorted(os.listdir(os.path.join(job["ref"], part))):
-                src, dst = os.path.join(job["ref"], part, name), os.path.join(path, part, name)
+            new = resumed["ref"]
+            for name in sorted(os.listdir(os.path.join(new, part))):
+                src, dst = os.path.join(new, part, name), os.path.join(path, part, name)
                 if not os.path.exists(dst):
                     (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, dst)
         with ckptstore.open(path, "r") as js:
@@ -305,7 +343,7 @@ def test_job_gc_then_the_follower_starts_again(job, tmp_path, capsys):
     with Follower(path, every=K) as f:  # its bases of removed iterations: no mismatch
         f.step_once()
         assert f.iteration == LAST and f.stats.started_from == ("follower", 4 * K)
-    with ckptstore.open(path, "r") as js, ckptstore.open(job["ref"], "r") as rs:
+    with ckptstore.open(path, "r") as js, ckptstore.open(resumed["ref"], "r") as rs:
         assert js.load_base(LAST) == ("follower", 4 * K)
         with warnings.catch_warnings():
             warnings.simplefilter("error", FollowerWarning)
@@ -316,7 +354,7 @@ def test_job_gc_then_the_follower_starts_again(job, tmp_path, capsys):
 
 
 def test_cli_follows_a_job(job, tmp_path, capsys):
-    path = _copy(job, tmp_path, follower=False, which="first")
+    path = _copy(job, tmp_path, follower=False)
     assert main(["follow", path, "--every", str(K), "--until-iteration", str(FIRST),
                  "--poll", "0.02"]) == 0
     assert f"followed to iteration {FIRST} (primary at {FIRST})" in capsys.readouterr().out
@@ -379,7 +417,7 @@ def _killed_then_resumed(job, tmp_path, sweep):
     """A follower of the first job (bases K, 2K, 3K) SIGKILLed at a write or fsync of its store;
     whatever bases survived are whole (they load), the next follower resumes from the newest and
     writes the rest, and the job's loads are exact."""
-    path = _copy(job, tmp_path, follower=False, which="first")
+    path = _copy(job, tmp_path, follower=False)
     until = FIRST
     pristine = str(tmp_path / "pristine")
     shutil.copytree(path, pristine)
@@ -447,7 +485,7 @@ def restore_at(rank, world, path, out, t, tag):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 4])  # (2: the default group loads, each rank its own part)
 def test_restores_at_every_world_size_start_from_the_follower(job, tmp_path, world):
     t = FIRST
     out = str(tmp_path / "out")
