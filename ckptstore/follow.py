@@ -25,6 +25,13 @@ format-spec/follower.md.
 A follower killed at any point resumes: it starts again from its own newest base of the current
 chain (or the primary's base) and replays from there. Follower bases of a lossy replica (lossy
 codec not applied, training on another device) are never written.
+
+The primary may be a multi-rank job store (``ckptstore.open(job, "a", process_group=pg)``): the
+follower then opens it as a reader without a group, its replica holds every rank's part of the
+state, each advanced in that rank's records (:class:`~ckptstore.multirank.job_follower.JobReplica`),
+and a follower base holds the parts under ``"rank<r>"`` keys, named by the job's store id and job
+digests (format-spec/follower.md §7). ``JobStore.load`` then starts each rank's part from it, at
+any world size, with or without a group.
 """
 
 from __future__ import annotations
@@ -36,13 +43,17 @@ import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Protocol
 
 from .errors import (CkptStoreError, DeltaChainError, FollowerError, FollowerMismatchError,
                      FollowerWarning, NotFoundError)
+from .multirank.job_follower import JobPrimary, JobReplica
+from .multirank.job_store import JobStore
 from .ops.retention import KeepLast
 from .replay.follower import FOLLOWER_KEY, Identity, follower_path, identity_of, mismatch
 from .replay.replayer import IncrementalReplayer
+from .replay.report import ReplayReport
+from .storage.fileops import FileOps
 from .storage.job_log import is_job_store, refuse_job_part
 from .store import Store
 
@@ -68,9 +79,56 @@ class FollowerStats:
     primary_latest: int | None = None
 
 
+class Replica(Protocol):
+    """What the follower advances: :class:`~ckptstore.replay.IncrementalReplayer` (a single
+    store) or :class:`~ckptstore.multirank.job_follower.JobReplica` (a job: one per rank)."""
+
+    @property
+    def iteration(self) -> int: ...
+
+    @property
+    def exact(self) -> bool: ...
+
+    @property
+    def report(self) -> ReplayReport: ...
+
+    def apply_next(self, iteration: int) -> None: ...
+
+    def advance(self, last: int, threads: int = 1) -> None: ...
+
+    def state(self, clone: bool = True) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Followed:
+    """The primary a follower follows, open read-only (``reader``: a :class:`ckptstore.Store`,
+    or a job store as :class:`~ckptstore.multirank.job_follower.JobPrimary`), and how replicas
+    of it are made: ``at_base(b)`` from its base snapshot ``b``, ``from_state(state, b)`` from a
+    follower base's state of iteration ``b``."""
+
+    reader: Any
+    at_base: Callable[[int], Replica]
+    from_state: Callable[[Any, int], Replica]
+
+    @classmethod
+    def open(cls, path: str) -> "Followed":
+        """The store or job store at ``path`` (StoreNotFoundError: none)."""
+        if is_job_store(path):
+            job = JobStore(path, "r")
+            return cls(JobPrimary(job), lambda b: JobReplica.start(job, b),
+                       lambda state, b: JobReplica.from_state(job, state, b))
+        store = Store(path, "r")
+        return cls(store, lambda b: IncrementalReplayer(store, b),
+                   lambda state, b: IncrementalReplayer.from_state(state, b, store))
+
+
 class Follower:
     """Follow the primary store at ``primary``: replay every committed delta onto a replica and
-    write a base into ``<primary>/follower/`` at every multiple of ``every``.
+    write a base into ``<primary>/follower/`` at every multiple of ``every``. The primary is a
+    single-writer store or a multi-rank job store (whose replica holds every rank's part, each
+    replayed in its rank's records: format-spec/follower.md §7).
 
     ``keep``: keep only the newest ``keep`` follower bases (a gc of the follower store every
     ``keep`` bases; None keeps them all, as the primary keeps its own bases). ``poll_s``: how
@@ -78,12 +136,15 @@ class Follower:
     has not committed base 0 yet) is waited for instead of raising FollowerError. ``threads``:
     threads of the replay kernels when several deltas are replayed at once (catching up).
 
-    Raises StoreNotFoundError (no primary), FollowerError (a multi-rank job store),
+    ``file_ops``: the follower store's file operations (tests inject faults and crashes).
+
+    Raises StoreNotFoundError (no primary), JobStreamError (a part of a job store),
     FollowerMismatchError (the follower store holds bases of another primary or history; remove
     it to start over), StoreLockedError (another follower runs)."""
 
     def __init__(self, primary: str | os.PathLike, every: int = 100, *, keep: int | None = None,
-                 poll_s: float = 0.1, wait: bool = False, threads: int = 1) -> None:
+                 poll_s: float = 0.1, wait: bool = False, threads: int = 1,
+                 file_ops: FileOps | None = None) -> None:
         if type(every) is not int or every < 1:
             raise ValueError(f"every must be a positive int (iterations between follower bases), "
                              f"not {every!r}")
@@ -102,19 +163,18 @@ class Follower:
         self.path = follower_path(self.primary_path)
         self.stats = FollowerStats()
         self._stop = threading.Event()
-        self._replica: IncrementalReplayer | None = None
+        self._replica: Replica | None = None
         self._chain_base: int | None = None
         self._inexact_warned = False
         self._futures: list[Future] = []
-        if is_job_store(self.primary_path):
-            raise FollowerError(f"{self.primary_path} is a multi-rank job store: the follower "
-                                "supports single-writer stores only")
         # its follower store would be written inside the job store, beside the ranks' streams
         refuse_job_part(self.primary_path, "following")
-        self.primary = Store(self.primary_path, "r")
+        self._followed = Followed.open(self.primary_path)
+        #: the primary, read-only (a Store; a job store as a JobPrimary)
+        self.primary = self._followed.reader
         self.store: Store | None = None
         try:
-            self.store = Store(self.path, "a", max_inflight=1,
+            self.store = Store(self.path, "a", max_inflight=1, file_ops=file_ops,
                                retention=KeepLast(keep) if keep is not None else None,
                                retention_every=keep if keep is not None else 1)
             self._check_owner()
@@ -251,7 +311,7 @@ class Follower:
             if end > r:
                 try:
                     if end == r + 1:
-                        replica.apply_next(end, self.primary.load_record(end))
+                        replica.apply_next(end)
                     else:  # records read ahead, steady deltas in tiled windows
                         replica.advance(end, self.threads)
                 except CkptStoreError as e:
@@ -291,8 +351,7 @@ class Follower:
                 why = "no follower identity" if ident is None else mismatch(self.primary, ident, b)
                 if why is not None:
                     raise FollowerError(why)
-                state = store.load(b)
-                replica = IncrementalReplayer.from_state(state, b, self.primary)
+                replica = self._followed.from_state(store.load(b), b)
             except CkptStoreError as e:
                 warnings.warn(f"ckptstore follow: follower base {b} in {self.path} is not used "
                               f"({e}); starting from an older base", FollowerWarning, stacklevel=2)
@@ -307,7 +366,7 @@ class Follower:
         """Build the replica from the primary's base snapshot ``base``."""
         self._drop_replica()
         try:
-            replica = IncrementalReplayer(self.primary, base)
+            replica = self._followed.at_base(base)
         except DeltaChainError as e:
             raise FollowerError(f"{self.primary_path}: base snapshot {base} cannot start a replica "
                                 f"(not a Checkpointer store?): {e}") from e

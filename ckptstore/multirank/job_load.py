@@ -7,7 +7,8 @@ A load without ``rank`` (:func:`load_job`), in order:
 1. into preallocated targets of a sharded (FSDP2 / DTensor) iteration: only the boxes the
    targets need are read (:func:`~.dtensor_state.load_into`), nothing else;
 2. otherwise every rank's state the combination needs is loaded from the stream its global
-   commit names (each checked against that commit: :meth:`JobStore.stream`);
+   commit names (each checked against that commit: :meth:`JobStore.stream`), a delta from the
+   newest usable shadow-follower base when there is one (:func:`~.job_follower.load_part`);
 3. the parts are combined (:func:`combine_parts`, :func:`~.combine.combine`), then copied
    into ``into`` when given.
 """
@@ -21,6 +22,7 @@ from ..format.job import GlobalCommit
 from ..tensors.inplace import copy_into
 from .combine import combine
 from .dtensor_state import is_sharded, load_into
+from .job_follower import JobFollowerBases, load_part
 
 if TYPE_CHECKING:
     from .job_store import JobStore
@@ -52,18 +54,19 @@ def combine_parts(job: "JobStore", g: GlobalCommit, part: Callable[[int], Any],
 
 
 def load_job(job: "JobStore", iteration: int, keys: Sequence[Any] | None, rank: int | None,
-             into: Any) -> Any:
-    """The state at ``iteration``, bit-exact (a delta is replayed within its stream); with
-    ``rank``: what that rank saved, else the job's state (steps 1-3 of the module docstring).
-    ``into``: tensors to fill, as in :meth:`ckptstore.Store.load` (here always copied into once
-    the state is combined)."""
+             into: Any, followers: JobFollowerBases) -> Any:
+    """The state at ``iteration``, bit-exact (a delta is replayed within its stream, or from
+    the newest usable base of the job's shadow follower, ``followers``: format-spec/follower.md
+    §7); with ``rank``: what that rank saved, else the job's state (steps 1-3 of the module
+    docstring). ``into``: tensors to fill, as in :meth:`ckptstore.Store.load` (here always
+    copied into once the state is combined)."""
     if into is not None and rank is None and is_sharded(job, iteration):
         return load_into(job, iteration, into, keys)[0]  # reads only the targets' boxes
+    g = job.global_commit(iteration)
     if rank is not None:
-        state = job.stream(iteration, rank).load(iteration, keys)
+        state = load_part(job, followers, g, reading_rank(job, rank, g), keys)
     else:
-        g = job.global_commit(iteration)
-        state = combine_parts(job, g, lambda r: job.stream(iteration, r).load(iteration), keys)
+        state = combine_parts(job, g, lambda r: load_part(job, followers, g, r, None), keys)
     return state if into is None else copy_into(state, into)
 
 
@@ -75,3 +78,15 @@ def base_rank(job: "JobStore", iteration: int, rank: int | None) -> int:
         return rank
     g = job.global_commit(iteration)
     return job.rank if job.rank is not None and job.rank < g.world_size else 0
+
+
+def load_start(job: "JobStore", iteration: int, rank: int | None,
+               followers: JobFollowerBases) -> tuple[str, int]:
+    """Where a load of ``iteration`` starts (every rank's part alike): ``("follower", b)`` when
+    the job's follower store holds a matching base ``b`` of its chain (format-spec/follower.md
+    §7; identities only: a part that then fails to read is skipped by the load), else
+    ``("primary", base_of(iteration))``."""
+    if rank is not None:
+        job.stream(iteration, rank)  # (the rank exists and its stream holds the commit)
+    b = followers.start(iteration) if job.kind(iteration) == "delta" else None
+    return ("follower", b) if b is not None else ("primary", job.base_of(iteration, rank=rank))

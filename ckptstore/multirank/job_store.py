@@ -42,7 +42,8 @@ from .group import RankGroup
 from .job_collect import (GcTrash, JobRetentionRun, RetentionSchedule, check_retention_args,
                           collect_while_writing)
 from .job_history import bisect_job, diff_job, replay_job, shard_sections
-from .job_load import base_rank, combine_parts, load_job, reading_rank
+from .job_load import base_rank, combine_parts, load_job, load_start, reading_rank
+from .job_follower import JobFollowerBases
 from .job_streams import StreamReaders, check_stream
 from .job_open import StreamOptions, agree_epoch, claim_epoch, open_streams
 from .prepared import PreparedCommits
@@ -84,6 +85,8 @@ class JobStore:
         self._streams = StreamReaders(self.layout, load_threads, _streams)
         #: a job opened from an object store: what it fetched, given its streams' stats
         self._read_stats = _read_stats
+        #: the shadow follower's bases (<path>/follower/, format-spec/follower.md §7), read by load
+        self._followers = JobFollowerBases(self)
         self._own: Store | None = None
         self._group: RankGroup | None = None
         self._committer: GlobalCommitter | None = None
@@ -178,6 +181,7 @@ class JobStore:
             except CkptStoreError:
                 pass
         self._streams.close()
+        self._followers.close()
         if self._epoch_log is not None:
             self._epoch_log.close()
         if self._group is not None:
@@ -441,6 +445,7 @@ class JobStore:
             view = read_job_view(self.layout, self.header.store_id)
             with self._view_lock:
                 self._view = view
+            self._streams.retain(set(view.chain))  # (a gc's: the old epochs' streams are gone)
             self._streams.refresh()
 
     def iterations(self) -> list[int]:
@@ -494,7 +499,7 @@ class JobStore:
         whole from its shards, :mod:`ckptstore.replay.shards`), every part is loaded and they
         are merged, with this rank's own RNG and scheduler states (rank 0's for a reader
         without a group); otherwise this process's rank's state (:func:`~.job_load.load_job`)."""
-        return load_job(self, iteration, keys, rank, into)
+        return load_job(self, iteration, keys, rank, into, self._followers)
 
     def combine_parts(self, g: GlobalCommit, part: Callable[[int], Any],
                       keys: Sequence[Any] | None) -> Any:
@@ -540,9 +545,8 @@ class JobStore:
         return self.stream(iteration, rank).meta(iteration)
 
     def load_base(self, iteration: int, *, rank: int | None = None) -> tuple[str, int]:
-        """:meth:`ckptstore.Store.load_base` within ``rank``'s stream of ``iteration`` (default:
-        this process's rank; a reader of a 1-rank job: rank 0): where its load starts."""
-        return self.stream(iteration, rank).load_base(iteration)
+        """Where :meth:`load` of ``iteration`` starts (:func:`~.job_load.load_start`)."""
+        return load_start(self, iteration, rank, self._followers)
 
     def base_of(self, iteration: int, *, rank: int | None = None) -> int:
         """The base snapshot ``iteration`` replays from; without ``rank`` any rank answers

@@ -57,15 +57,25 @@ class StreamReaders:
         for s in self.readers.values():
             s.refresh()
 
+    def retain(self, epochs: set[int]) -> None:
+        """Close the streams of every epoch not in ``epochs`` (no longer on the job's chain)."""
+        self._close([k for k in self.readers if k[0] not in epochs])
+
     def close(self) -> None:
         """Close every stream read so far (errors closing a reader are of no consequence)."""
-        self.retired = self.remote_stats()
-        for s in self.readers.values():
+        self._close(list(self.readers))
+
+    def _close(self, keys: list[tuple[int, int]]) -> None:
+        """Close the streams of ``keys``; what they fetched from a source still counts
+        (:meth:`remote_stats`)."""
+        for k in keys:
+            store = self.readers.pop(k)
+            if self.source is not None:
+                self.retired.append(store.remote_read_stats())
             try:
-                s.close()
+                store.close()
             except CkptStoreError:
                 pass
-        self.readers.clear()
 
 
 def check_stream(store: Store, g: GlobalCommit, rank: int, path: str, where: str) -> Store:

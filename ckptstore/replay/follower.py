@@ -13,6 +13,11 @@ A follower store is a cache: a base that does not match, fails to read or fails 
 skipped with a :class:`ckptstore.errors.FollowerWarning` and the load goes on from an older
 follower base or the primary's own base. Nothing here writes.
 
+The primary may be a multi-rank job store (format-spec/follower.md §7,
+:mod:`ckptstore.multirank.job_follower`): its identities come from the job (any object with the
+:class:`Primary` interface), and each rank's part of a follower base is read and replayed on its
+own (a :class:`Part`: the part's key in the follower base and that rank's records).
+
 gc of the primary may *rebase* on a follower base (``ckptstore gc --follower-bases``,
 format-spec/follower.md section 6): :class:`FollowerRebaser` checks a follower base completely
 (:meth:`FollowerRebaser.verify`) and gc copies it into the primary as a snapshot of its own whose
@@ -235,15 +240,29 @@ def parameters_of(state: dict) -> list[Any]:
     return [model[n] for names in state[REPLAY_KEY]["groups"] for n in names]
 
 
+@dataclass(frozen=True)
+class Part:
+    """What a load replays from a follower base: the state under its top-level key ``key`` (one
+    rank's part of a job store's follower base, format-spec/follower.md §7; None: the whole
+    state), continued with the deltas of ``records`` (a
+    :class:`~ckptstore.replay.replayer.RecordSource`: the primary, or that rank's records)."""
+
+    key: str | None
+    records: Any
+
+
 class FollowerSource:
     """A :class:`~ckptstore.replay.replayer.RecordSource`: follower base ``base`` (its state
-    ``state`` already read, handed out once; a retried replay reads it again), then the primary's
-    deltas."""
+    ``state`` already read, handed out once; a retried replay reads it again: the follower base's
+    top-level ``key`` only when given, a job's part), then the primary's deltas (``primary``: the
+    records those deltas are read from)."""
 
-    def __init__(self, primary: Primary, follower: Any, base: int, state: dict) -> None:
+    def __init__(self, primary: Any, follower: Any, base: int, state: dict,
+                 key: str | None = None) -> None:
         self.primary = primary
         self.follower = follower
         self.base = base
+        self.key = key
         self.mode = primary.mode
         self._state: dict | None = state
 
@@ -259,7 +278,9 @@ class FollowerSource:
         if iteration != self.base:
             return self.primary.load(iteration)
         state, self._state = self._state, None
-        return state if state is not None else self.follower.load(iteration)
+        if state is not None:
+            return state
+        return read_base(self.follower, iteration, self.key)
 
     def load_record(self, iteration: int, keys: Sequence[Any] | None = None, *,
                     into: Callable[[Any], Any] | None = None) -> Any:
@@ -267,6 +288,17 @@ class FollowerSource:
 
     def consistent_reads(self) -> AbstractContextManager[Any]:
         return self.primary.consistent_reads()
+
+
+def _label(b: int, key: str | None) -> str:
+    """How warnings name follower base ``b`` (and the part ``key`` of it)."""
+    return f"base {b}" if key is None else f"base {b} ({key})"
+
+
+def read_base(reader: Any, b: int, key: str | None) -> Any:
+    """Follower base ``b`` of the follower store ``reader``: the whole state, or the part under
+    top-level key ``key`` (a job's rank part; only its tensors are read)."""
+    return reader.load(b) if key is None else reader.load(b, [key])[key]
 
 
 class FollowerBases:
@@ -358,18 +390,21 @@ class FollowerBases:
             out.append(b)
         return out
 
-    def base_state(self, b: int) -> dict | None:
-        """Follower base ``b`` read and checked against the fingerprint the primary's delta ``b``
-        records (when it records one); None (warned) when it fails."""
+    def base_state(self, b: int, part: Part | None = None) -> dict | None:
+        """Follower base ``b`` (``part``: one rank's part of it) read and checked against the
+        fingerprint the primary's delta ``b`` (that rank's) records, when it records one; None
+        (warned) when it fails."""
         reader = self._reader
         if reader is None:
             return None
+        part = part or Part(None, self.primary)
+        key = part.key
         try:
-            state = reader.load(b)
+            state = read_base(reader, b, key)
             if not isinstance(state, dict) or "replay_report" in state:
                 raise CkptStoreError("it is not an exact Checkpointer base")
             try:
-                fp = self.primary.load_record(b, ["fp"])["fp"]
+                fp = part.records.load_record(b, ["fp"])["fp"]
             except NotFoundError:
                 fp = None  # delta b records no fingerprint
             if isinstance(fp, dict) and fingerprint_digest(parameters_of(state)) != fp.get("xxh3"):
@@ -377,26 +412,31 @@ class FollowerBases:
                                      f"delta {b} records")
         except (CkptStoreError, OSError, KeyError, TypeError, IndexError, AttributeError,
                 ValueError) as e:  # (a malformed state: the follower store is not trusted more)
-            self._warn(("read", reader.header.store_id, b), f"base {b} is not used: {e}")
+            self._warn(("read", reader.header.store_id, b, key),
+                       f"{_label(b, key)} is not used: {e}")
             return None
         return state
 
-    def replay(self, iteration: int, run: Callable[[FollowerSource], Any]) -> Any:
+    def replay(self, iteration: int, run: Callable[[FollowerSource], Any],
+               part: Part | None = None) -> Any:
         """``run(source)`` (a replay of ``iteration``) from the newest usable follower base; None
-        when no follower base could be used (the caller replays from the primary's base)."""
+        when no follower base could be used (the caller replays from the primary's base).
+        ``part``: replay that rank's part of a job store's follower bases, with its records."""
         self.last_base = None
+        part = part or Part(None, self.primary)
+        key = part.key
         for b in self.candidates(iteration):
-            state = self.base_state(b)
+            state = self.base_state(b, part)
             if state is None:
                 continue
             reader = self._reader
             try:
-                out = run(FollowerSource(self.primary, reader, b, state))
+                out = run(FollowerSource(part.records, reader, b, state, key))
             except CkptStoreError as e:
                 # a damaged follower base (or a damaged primary delta: the replay from the
                 # primary's base meets it again and raises it)
-                self._warn(("replay", reader.header.store_id if reader is not None else None, b),
-                           f"replay from base {b} failed ({e})")
+                self._warn(("replay", reader.header.store_id if reader is not None else None, b,
+                            key), f"replay from {_label(b, key)} failed ({e})")
                 return None
             self.last_base = b
             return out
