@@ -309,8 +309,16 @@ def _victim(path: str, target: str, nth: int, log: str) -> None:
     ck.restore()
     ops.armed = True  # (counted from the first step: the calls of training, not of the open)
     for it in range(1, 31):
-        _step(model, ck, opt, it)
+        g = torch.Generator().manual_seed(10_000 + it)
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        ck.before_step(it)
+        opt.step()
+        # logged before the record is handed to the store: once it is, the persister may make
+        # it durable (a COMMIT written, the kill at its fsync) before this thread runs again
         os.write(fd, f"{it} {_digest(model, opt)}\n".encode())
+        ck.after_step()
+        opt.zero_grad()
     store.flush()
 
 
