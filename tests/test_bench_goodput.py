@@ -32,6 +32,7 @@ def _load(name: str):
 
 
 goodput = _load("goodput")
+goodput_e2e = _load("goodput_e2e")
 bg = _load("bench_goodput")
 TINY = ["--layers", "1", "--dim", "32", "--heads", "2", "--vocab", "64", "--ctx", "8", "--batch", "2"]
 BAMBOO = "0,add,node1\n0,add,node2\n60000,remove,node1\n60000,remove,node2\n120000,add,node3\n" \
@@ -78,7 +79,7 @@ def test_schedules_are_goodputs_draws_cut_at_the_horizon(tmp_path):
         assert times == [next(ref) for _ in times]
     doc = {"args": {"trace_dir": str(tmp_path), "traces": ["spot-trace.csv"], "trace_mtbf": 10.0,
                     "poisson_mtbf": [6.0]}}
-    rebuilt = goodput.e2e_scenarios(doc)
+    rebuilt = goodput_e2e.e2e_scenarios(doc)
     assert list(rebuilt) == [s.name for s in scs]
     for sc in scs:
         a, b = rebuilt[sc.name].failure_times(0, 0), sc.failure_times(0, 0)
@@ -119,10 +120,10 @@ def test_lost_work_is_counted_from_where_training_went_on_after_the_restored_che
 
 def test_fit_replay_recovers_base_and_per_delta_cost():
     loads = [(30 * k + d, 0.2 + 0.05 * d) for k in range(3) for d in (0, 5, 12, 29)]
-    base, replay = goodput.fit_replay(loads, 30)
+    base, replay = goodput_e2e.fit_replay(loads, 30)
     assert base == pytest.approx(0.2) and replay == pytest.approx(0.05)
-    assert goodput.fit_replay([(7, 0.3), (7, 0.5)], 30) == pytest.approx((0.4, 0.0))
-    assert goodput.fit_replay([], 30) == (0.0, 0.0)
+    assert goodput_e2e.fit_replay([(7, 0.3), (7, 0.5)], 30) == pytest.approx((0.4, 0.0))
+    assert goodput_e2e.fit_replay([], 30) == (0.0, 0.0)
 
 
 # ---- the peers' checkpoints round trip (in process, tiny model) ----------------------------------
@@ -194,13 +195,13 @@ def test_simulator_replays_an_e2e_job_on_its_schedule(tmp_path):
     doc = {"args": {"trace_dir": str(tmp_path), "traces": [], "trace_mtbf": 10.0,
                     "poisson_mtbf": [6.0], "seed": 0, "base_every": 30, "inflight": 4},
            "jobs": [job], "date": "d", "machine": "m"}
-    rows = goodput.calibrate_e2e(doc)
+    rows = goodput_e2e.calibrate_e2e(doc)
     assert rows[0]["sim"] == pytest.approx(sim.goodput)
-    text = goodput.e2e_report(doc, rows)
+    text = goodput_e2e.e2e_report(doc, rows)
     assert "+0.002" in text and "torch.save: step x1.000, stall 50.0 ms" in text
     job["schedule_s"][0] += 1.0
     with pytest.raises(ValueError, match="schedule"):
-        goodput.calibrate_e2e(doc)
+        goodput_e2e.calibrate_e2e(doc)
 
 
 def _write(path: Path, text: str) -> Path:

@@ -8,7 +8,7 @@ background:
 
 =================  ===============================================================================
 plain              no checkpoint (the reference step)
-pccheck            tools/bench_goodput.py's PCcheck-style baseline: the optimizer step, then a copy
+pccheck            tools/goodput_peers.py's PCcheck-style baseline: the optimizer step, then a copy
                    into one of K reused staging buffers in the step (the stall), one writer thread
                    (O_DIRECT + fsync, atomically renamed metadata)
 checkfreq          the same, but the copy runs on a thread while the next forward and backward run
@@ -57,7 +57,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 from bench_delta import add_model_args, build, fwd_bwd  # noqa: E402
-from bench_goodput import PCcheck, adam_state_tensors  # noqa: E402
+from goodput_peers import PCcheck, adam_state_tensors  # noqa: E402
 from harness import (add_standard_args, header, machine, parser, quick, rotated,  # noqa: E402
                      table, write_json)
 

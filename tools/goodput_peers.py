@@ -1,0 +1,318 @@
+"""The checkpointing strategies a bench_goodput training child runs (tools/bench_goodput.py):
+the peers (torch.save, DCP ``async_save``, a PCcheck/CheckFreq-style baseline) and ckptstore's
+Checkpointer under one policy, each behind the same small interface, plus what every child
+reports with (:class:`Emitter`: JSON lines on stdout) and checks with (:func:`params_hash`).
+
+Interface of a strategy (``CHILD_STRATEGIES[name](cfg, model, opt, emit)``): ``restore()`` ->
+the iteration restored (0: none), ``step(it)`` applies the optimizer step and checkpoints when
+due (True when it wrote one), ``finish()`` where the strategy has background work to end.
+Durability is reported as ``emit("durable", i=it)`` events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import sys
+import threading
+import time
+from typing import Any
+
+import harness  # tools/harness.py (fsync_path)
+class Emitter:
+    """JSON lines on stdout, one event each, thread-safe (background writers report too)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __call__(self, ev: str, **kw: Any) -> None:
+        kw.update(ev=ev, t=time.monotonic())
+        line = json.dumps(kw) + "\n"
+        with self._lock:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def wchar(pid: int | str = "self") -> int:
+    """Bytes the process passed to write calls so far (/proc/PID/io ``wchar``; 0 if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def params_hash(model) -> str:
+    """xxh3-64 over the model's parameters in order (tied ones once), as hex."""
+    import xxhash
+    h = xxhash.xxh3_64()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().view("uint8").data)
+    return h.hexdigest()
+
+
+def adam_state_tensors(model, opt) -> list:
+    """The tensors of a checkpoint in a fixed order: each parameter, then per parameter (in the
+    optimizer's order) AdamW's step, exp_avg, exp_avg_sq; missing optimizer state is created
+    (zeros, step 0) so a restore has somewhere to copy into. All float32 on CPU."""
+    import torch
+    out = list(model.parameters())
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            if not st:
+                st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                          exp_avg_sq=torch.zeros_like(p))
+            out += [st["step"], st["exp_avg"], st["exp_avg_sq"]]
+    return out
+
+
+class Plain:
+    """No checkpoints; the reference: a parameter hash per iteration (outside the timed step)."""
+
+    reference = True
+
+    def __init__(self, cfg: dict, model, opt, emit: Emitter) -> None:
+        self.opt = opt
+
+    def restore(self) -> int:
+        return 0
+
+    def step(self, it: int) -> bool:
+        self.opt.step()
+        return False
+
+
+class TorchSave:
+    """torch.save of model + optimizer every N: temp file, fsync, rename, fsync dir."""
+
+    def __init__(self, cfg: dict, model, opt, emit: Emitter) -> None:
+        self.model, self.opt, self.emit, self.every = model, opt, emit, cfg["every"]
+        self.path = os.path.join(cfg["dir"], "ckpt.pt")
+
+    def restore(self) -> int:
+        import torch
+        if not os.path.exists(self.path):
+            return 0
+        sd = torch.load(self.path, weights_only=True)
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["optimizer"])
+        return int(sd["iteration"])
+
+    def step(self, it: int) -> bool:
+        import torch
+        self.opt.step()
+        if it % self.every:
+            return False
+        tmp = self.path + ".tmp"
+        torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                    "iteration": it}, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        harness.fsync_path(os.path.dirname(self.path))
+        self.emit("durable", i=it)
+        return True
+
+
+class DcpAsync:
+    """DCP async_save every N (one in flight, as DCP allows); older checkpoints are removed once
+    a newer one is durable. A checkpoint is complete when its ``.metadata`` exists."""
+
+    def __init__(self, cfg: dict, model, opt, emit: Emitter) -> None:
+        self.model, self.opt, self.emit, self.every = model, opt, emit, cfg["every"]
+        self.dir = cfg["dir"]
+        self.fut = None
+
+    def _done(self) -> list[int]:
+        its = []
+        for name in os.listdir(self.dir):
+            if name.startswith("dcp-") and os.path.exists(os.path.join(self.dir, name, ".metadata")):
+                its.append(int(name[4:]))
+        return sorted(its)
+
+    def restore(self) -> int:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        its = self._done()
+        if not its:
+            return 0
+        msd, osd = get_state_dict(self.model, self.opt)
+        state = {"model": msd, "optimizer": osd}
+        dcp.load(state, storage_reader=dcp.FileSystemReader(os.path.join(self.dir, f"dcp-{its[-1]}")),
+                 no_dist=True)
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        return its[-1]
+
+    def step(self, it: int) -> bool:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        self.opt.step()
+        if it % self.every:
+            return False
+        if self.fut is not None:
+            self.fut.result()
+        msd, osd = get_state_dict(self.model, self.opt)
+        path = os.path.join(self.dir, f"dcp-{it}")
+        self.fut = dcp.async_save({"model": msd, "optimizer": osd},
+                                  storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                                  no_dist=True)
+        self.fut.add_done_callback(lambda f, it=it: self._durable(f, it))
+        return True
+
+    def _durable(self, fut, it: int) -> None:
+        if fut.exception() is None:
+            harness.fsync_path(self.dir)
+            self.emit("durable", i=it)
+            for old in self._done():
+                if old < it:
+                    shutil.rmtree(os.path.join(self.dir, f"dcp-{old}"), ignore_errors=True)
+
+
+class PCcheck:
+    """PCcheck/CheckFreq-style: K reused page-aligned staging buffers, one writer thread (O_DIRECT
+    + fsync into one of two slot files, then an atomically renamed metadata file)."""
+
+    def __init__(self, cfg: dict, model, opt, emit: Emitter) -> None:
+        self.model, self.opt, self.emit, self.every = model, opt, emit, cfg["every"]
+        self.dir, self.k = cfg["dir"], cfg.get("inflight", 4)
+        self.meta = os.path.join(self.dir, "pc-meta.json")
+        self.bufs: list | None = None
+        self.free: queue.Queue = queue.Queue()
+        self.jobs: queue.Queue = queue.Queue()
+        self.count = 0
+        threading.Thread(target=self._writer, daemon=True).start()
+
+    def _layout(self) -> None:
+        import mmap
+        import torch
+        self.tensors = adam_state_tensors(self.model, self.opt)
+        n = sum(t.numel() for t in self.tensors)
+        self.nbytes = -(-n * 4 // 4096) * 4096
+        self.bufs = []
+        for k in range(self.k):
+            mm = mmap.mmap(-1, self.nbytes)
+            flat = torch.frombuffer(mm, dtype=torch.float32)
+            flat.zero_()  # touch it once: copies later land in warm pages
+            self.bufs.append((mm, flat))
+            self.free.put(k)
+
+    def restore(self) -> int:
+        import numpy as np
+        import torch
+        if not os.path.exists(self.meta):
+            return 0
+        with open(self.meta) as f:
+            meta = json.load(f)
+        data = np.fromfile(os.path.join(self.dir, f"pc-slot{meta['slot']}.bin"), dtype=np.float32)
+        flat = torch.from_numpy(data)
+        off = 0
+        with torch.no_grad():
+            for t in adam_state_tensors(self.model, self.opt):
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+        return int(meta["iteration"])
+
+    def step(self, it: int) -> bool:
+        self.opt.step()
+        if it % self.every:
+            return False
+        k, slot = self.reserve()
+        self.copy(it, k, slot)
+        return True
+
+    def reserve(self) -> tuple[int, int]:
+        """A staging buffer (waits while K checkpoints are in flight) and the slot file to use."""
+        if self.bufs is None:
+            self._layout()
+        k = self.free.get()
+        self.count += 1
+        return k, (self.count - 1) % 2
+
+    def copy(self, it: int, k: int, slot: int) -> None:
+        """Copy the state into buffer ``k`` and hand it to the writer (the stall)."""
+        import torch
+        flat = self.bufs[k][1]
+        off = 0
+        with torch.no_grad():
+            for t in self.tensors:
+                flat[off:off + t.numel()].view_as(t).copy_(t)
+                off += t.numel()
+        self.jobs.put((it, k, slot))
+
+    def _writer(self) -> None:
+        while True:
+            it, k, slot = self.jobs.get()
+            path = os.path.join(self.dir, f"pc-slot{slot}.bin")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
+            try:
+                mv = memoryview(self.bufs[k][0])
+                done = 0
+                while done < self.nbytes:
+                    done += os.pwrite(fd, mv[done:], done)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.free.put(k)
+            tmp = self.meta + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"iteration": it, "slot": slot}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.meta)
+            harness.fsync_path(self.dir)
+            self.emit("durable", i=it)
+
+
+class Ckpt:
+    """ckptstore's Checkpointer under one policy; durable events from the save futures."""
+
+    def __init__(self, cfg: dict, model, opt, emit: Emitter) -> None:
+        import ckptstore
+        from ckptstore.torch import Checkpointer
+        self.emit = emit
+        self.store = ckptstore.open(os.path.join(cfg["dir"], "store"))
+        kind = cfg["strategy"]
+        kw: dict[str, Any] = {"fingerprint_every": 0}
+        if kind == "ckpt-snapshots":
+            kw.update(policy="snapshots", snapshot_every=cfg["every"], mtbf_s=cfg["mtbf_s"])
+        elif kind == "ckpt-auto":
+            kw.update(policy="auto", mtbf_s=cfg["mtbf_s"])
+        else:
+            kw.update(policy="every-iteration", base_every=cfg["base_every"],
+                      codec="topk:0.01" if kind == "ckpt-topk" else "exact")
+        self.ck = Checkpointer(self.store, model, opt, **kw)
+        self.plan = None
+
+    def restore(self) -> int:
+        return self.ck.restore()
+
+    def step(self, it: int) -> bool:
+        fut = self.ck.step(it)
+        plan = self.ck.plan()
+        if plan is not None and plan is not self.plan:
+            self.plan = plan
+            self.emit("plan", i=it, mode=plan.mode, interval=plan.chosen.interval,
+                      goodputs=plan.goodputs(), text=str(plan))
+        if fut is None:
+            return False
+        if hasattr(fut, "add_done_callback"):
+            fut.add_done_callback(lambda f, it=it: f.exception() is None and self.emit("durable", i=it))
+        else:
+            self.emit("durable", i=it)
+        # what this step wrote (read only; "delta" steps count as plain steps of the strategy)
+        return getattr(self.ck, "_wrote", "base") == "base"
+
+
+CHILD_STRATEGIES = {"plain": Plain, "torch.save": TorchSave, "dcp-async": DcpAsync,
+                    "pccheck": PCcheck, "ckpt-snapshots": Ckpt, "ckpt-deltas": Ckpt,
+                    "ckpt-topk": Ckpt, "ckpt-auto": Ckpt}
