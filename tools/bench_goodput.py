@@ -95,7 +95,8 @@ sys.path.insert(0, str(HERE))
 import goodput  # noqa: E402  (tools/goodput.py: scenarios, traces, Young/Daly)
 import harness  # noqa: E402  (tools/harness.py: machine header, tables, fsync)
 from goodput_peers import (CHILD_STRATEGIES, Ckpt, DcpAsync, Emitter, PCcheck, Plain,  # noqa: E402,F401
-                           TorchSave, adam_state_tensors, params_hash, wchar)
+                           TorchSave, adam_state_tensors, calibrate_main, child_main, params_hash,
+                           wchar)
 
 STRATEGIES = ("torch.save", "dcp-async", "pccheck", "ckpt-snapshots", "ckpt-deltas", "ckpt-topk",
               "ckpt-auto")
@@ -160,114 +161,6 @@ def every_for(strategy: str, calib: dict[str, float], mtbf_s: float) -> int:
     return 1
 
 
-
-
-def child_main(cfg: dict) -> None:
-    """Train under ``cfg["strategy"]`` from its last checkpoint up to ``cfg["iterations"]``,
-    emitting events (ready, restored, start, it, durable, plan, done); exits with os._exit."""
-    emit = Emitter()
-    emit("boot")
-    import warnings
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    warnings.filterwarnings("ignore", message=".*APPROXIMATE replay")  # ckpt-topk: reported as lossy
-    import torch
-    torch.set_num_threads(cfg["threads"])
-    from bench_delta import add_model_args, build, fwd_bwd
-    ap = argparse.ArgumentParser()
-    add_model_args(ap)
-    margs = ap.parse_args(cfg["model"])
-    model, opt = build(margs)
-    strat = CHILD_STRATEGIES[cfg["strategy"]](cfg, model, opt, emit)
-    emit("ready")
-    t0 = time.monotonic()
-    start = strat.restore()
-    load_s = time.monotonic() - t0
-    emit("restored", i=start, load_s=load_s, hash=params_hash(model))
-    ref = getattr(strat, "reference", False)
-    emit("start", i=start)
-    for it in range(start + 1, cfg["iterations"] + 1):
-        t0 = time.monotonic()
-        fwd_bwd(model, margs, it)
-        ck = strat.step(it)
-        opt.zero_grad()
-        dt = time.monotonic() - t0
-        if ref:
-            emit("it", i=it, dt=dt, ck=ck, hash=params_hash(model))
-        else:
-            emit("it", i=it, dt=dt, ck=ck)
-    emit("done", i=cfg["iterations"], hash=params_hash(model), wchar=wchar())
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def calibrate_main(cfg: dict) -> None:
-    """Measure, in one process, what the every-N choices need: the plain step, torch.save's
-    stall, DCP async_save's blocking part, the PCcheck copy and ckptstore's save_async stall
-    (medians of ``reps``); emits one ``calib`` event."""
-    emit = Emitter()
-    import warnings
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    import torch
-    torch.set_num_threads(cfg["threads"])
-    from bench_delta import add_model_args, build, fwd_bwd
-    ap = argparse.ArgumentParser()
-    add_model_args(ap)
-    margs = ap.parse_args(cfg["model"])
-    model, opt = build(margs)
-    steps = []
-    for it in range(1, cfg["steps"] + 1):
-        t0 = time.monotonic()
-        fwd_bwd(model, margs, it)
-        opt.step()
-        opt.zero_grad()
-        steps.append(time.monotonic() - t0)
-    out: dict[str, Any] = {"step_s": statistics.median(steps[2:] or steps)}
-    reps = cfg["reps"]
-    base = cfg["dir"]
-
-    def timed(name: str, fn, finish=None) -> None:
-        ts = []
-        for r in range(reps + 1):
-            t0 = time.monotonic()
-            h = fn(r)
-            ts.append(time.monotonic() - t0)
-            if finish is not None:
-                finish(h)
-        out[name] = statistics.median(ts[1:])  # the first touches fresh memory: warm-up
-
-    c = {"dir": base, "every": 1, "mtbf_s": 3600.0, "base_every": 30, "strategy": "x", "inflight": 1}
-    ts_ = TorchSave(dict(c), model, opt, lambda *a, **k: None)
-    timed("torch_save_s", lambda r: ts_.step(1) and None)
-    os.makedirs(os.path.join(base, "dcp"), exist_ok=True)
-    dc = DcpAsync(dict(c, dir=os.path.join(base, "dcp")), model, opt, lambda *a, **k: None)
-    timed("dcp_block_s", lambda r: dc.step(r + 1) and dc.fut, lambda f: f.result())
-    pc = PCcheck(dict(c), model, opt, lambda *a, **k: None)
-    pc.step(1)
-    pc.free.put(pc.free.get())
-    timed("pccheck_copy_s", lambda r: pc.step(r + 2))
-    import ckptstore
-    from ckptstore.torch import Checkpointer
-    store = ckptstore.open(os.path.join(base, "store"))
-    ck = Checkpointer(store, model, opt, policy="snapshots", snapshot_every=2, mtbf_s=3600.0)
-    ck.restore()
-    # A snapshot every other step, as training meets it: the stall is the snapshot step's own
-    # part plus, with an overlapped copy (the default), what the next step still waits for
-    # before its optimizer step (the Checkpointer's "stall" samples); each snapshot is durable
-    # before the next one, so no backpressure is counted.
-    last = None
-    for it in range(1, 2 * (reps + 1) + 1):
-        fwd_bwd(model, margs, it)
-        fut = ck.step(it)
-        opt.zero_grad()
-        if fut is None and last is not None:
-            last.result()
-        last = fut or last
-    last.result()
-    out["ckpt_stall_s"] = max(ck.meter.median("stall") or 0.0, 1e-4)
-    out["checkpoint_bytes"] = sum(t.numel() * 4 for t in adam_state_tensors(model, opt))
-    emit("calib", **out)
-    sys.stdout.flush()
-    os._exit(0)
 
 
 # ---- the parent: jobs, failures, bookkeeping -----------------------------------------------------
