@@ -205,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "SIGKILL it, resume bit-exactly, restore a past iteration, "
                                     "bisect a NaN, fsck")
     s.add_argument("--dir", default="demo-run")
-    s.add_argument("--iterations", type=int, default=240)
-    s.add_argument("--crash-at", type=int, default=137, help="SIGKILL the trainer after this iteration")
+    s.add_argument("--iterations", type=int, default=160)
+    s.add_argument("--crash-at", type=int, default=97, help="SIGKILL the trainer after this iteration")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("doctor", help="what a bug report needs: versions, platform, native "

@@ -263,7 +263,7 @@ def plot(png: str, runs: list[list[dict]], crash_at: int, resumed: int,
     return None
 
 
-def run_demo(path: str, iterations: int = 240, crash_at: int = 137) -> int:
+def run_demo(path: str, iterations: int = 160, crash_at: int = 97) -> int:
     import ckptstore
     from ckptstore.ops.fsck import check
 
