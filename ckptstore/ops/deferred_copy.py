@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+
 import torch
 
 from ..errors import LiveStateChangedError
