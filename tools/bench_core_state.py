@@ -71,24 +71,24 @@ def proc_status() -> dict[str, int]:
     return out
 
 
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
+def write_proc(path: str, value: str) -> bool:
+    """Write ``value`` to the kernel control file ``path``; False where the kernel refuses."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        with open(path, "w") as f:
+            f.write(value)
         return True
     except OSError:
         return False
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
+    return write_proc("/proc/self/clear_refs", "5")
 
 
 def drop_caches() -> bool:
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
+    return write_proc("/proc/sys/vm/drop_caches", "3")
 
 
 def make_cold(*paths: str) -> str:
