@@ -216,8 +216,11 @@ def test_a_dead_peer_under_ddp_is_reported_by_ckptstore(tmp_path):
     res = run_ranks(2, MOD, "peer_dies", path, str(tmp_path / "w"), deadline=120)
     assert res[1] == {"died": 3}, res
     r0 = res[0]["ok"]
-    # torch's reducer keeps no Python type: the hook's typed error is in the RuntimeError's text
-    assert "RankFailureError" in r0["first"] and "rank 0" in r0["first"], r0
+    # torch's reducer keeps no Python type: the hook's typed error is in the RuntimeError's text,
+    # a RankFailureError or, when the round had voted before the peer died, its subclass
+    # CommitOutcomeUnknownError (which of the two is a race with the peer's exit)
+    assert any(name in r0["first"] for name in ("RankFailureError", "CommitOutcomeUnknownError")) \
+        and "rank 0" in r0["first"], r0
     assert "RankFailureError" in r0["check"], r0
     assert r0["close_seconds"] < TIMEOUT / 3, r0
     with ckptstore.open(path, "r") as reader:
