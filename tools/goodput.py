@@ -608,8 +608,11 @@ def run(a: argparse.Namespace) -> int:
             print(goodput_e2e.e2e_report(doc, rows))
             return 0
         e2e = goodput_e2e.e2e_means(doc, rows)
+        err = sum(abs(g["sim"] - g["e2e"]) for g in e2e) / max(1, len(e2e))
+        e2e_title = (f"bench_goodput run of {doc.get('date', '?')}\n(its own model and time-compressed "
+                     f"failures): mean |sim - e2e| {err:.3f}")
     else:
-        e2e = []
+        e2e, e2e_title = [], ""
     costs = load_costs(a.costs)
     changed: list[str] = []
     if a.from_bench:
@@ -671,9 +674,6 @@ def run(a: argparse.Namespace) -> int:
                         "lost per failure (s)", "resume (s)", "failures per run"], table, left=None))
     if a.plot:
         print(f"\nPoisson sweep, goodput:\n{goodput_plot.sweep_table(sweep)}")
-        errs = [abs(g["sim"] - g["e2e"]) for g in e2e]
-        e2e_title = (f"end to end: {os.path.basename(a.e2e)}, mean |sim - e2e| {sum(errs) / len(errs):.3f}"
-                     if e2e else "")
         try:
             goodput_plot.plot(a.plot, sweep, at_traces,
                               f"{a.hours:g} h of useful work, step {step_plain * 1e3:.0f} ms, costs: "

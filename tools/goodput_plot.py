@@ -61,10 +61,11 @@ def plot(path: str | os.PathLike, sweep: dict[str, list[tuple[float, Any]]],
     trace_names = sorted({name for pts in points.values() for name, _, _ in pts})
     for strategy, series in sweep.items():
         color = colors[strategy]
+        line = "--" if strategy == "ckptstore-auto" else "-"   # (it often runs the snapshots' line)
         xs = [rate for rate, _ in series]
-        ax_g.plot(xs, [r.goodput for _, r in series], "-", color=color, label=strategy)
+        ax_g.plot(xs, [r.goodput for _, r in series], line, color=color, label=strategy)
         lx = [(rate, r.lost_per_failure_s) for rate, r in series if r.failures]
-        ax_l.plot([x for x, _ in lx], [y for _, y in lx], "-", color=color, label=strategy)
+        ax_l.plot([x for x, _ in lx], [y for _, y in lx], line, color=color, label=strategy)
         for name, rate, r in points.get(strategy, []):
             m = MARKERS[trace_names.index(name) % len(MARKERS)]
             ax_g.plot([rate], [r.goodput], m, color=color, mfc="none", ms=7)
@@ -115,4 +116,4 @@ def _e2e_panel(ax: Any, e2e: Sequence[dict], colors: dict[str, str], title: str)
     ax.set_xlabel("measured goodput (real SIGKILLs, mean of repeats)")
     ax.set_ylabel("simulated goodput (same jobs and failures, pooled costs)")
     ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
