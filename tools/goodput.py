@@ -33,17 +33,19 @@ Model (a discrete-event simulation; every time below is wall-clock seconds)
   bandwidth: no faster in aggregate). A checkpoint is **durable** when its persistence ends; with
   ``persist = 0``, at the end of its stall.
 
-  ==================  =======================  ===========================  ==================  ====
-  strategy            N                        stall                        persist             K
-  ==================  =======================  ===========================  ==================  ====
-  torch.save          Young/Daly on the stall  torch.save + fsync           0                   1
-  dcp-async           Young/Daly on the stall  async_save's blocking part   until done          1
-  pccheck             Young/Daly on the stall  copy into staging buffers    bytes / disk fsync  4
-  ckptstore           group commit (10)        0 (inside the step ratio)    last delta's write  1
-  ckptstore+follower  group commit (10)        0                            last delta's write  1
-  ckptstore-snapshots Young/Daly on the stall  PCcheck's x measured ratio   bytes / ckptstore   1
-  ckptstore-auto      plan() at the MTBF       snapshots: as above; deltas: group 1, a base every B
-  ==================  =======================  ===========================  ==================  ====
+  ===================  =======================  ==========================  ==================  ===
+  strategy             N                        stall                       persist             K
+  ===================  =======================  ==========================  ==================  ===
+  torch.save           Young/Daly on the stall  torch.save + fsync          0                   1
+  dcp-async            Young/Daly on the stall  async_save's blocking part  until done          1
+  pccheck              Young/Daly on the stall  copy into staging buffers   bytes / disk fsync  4
+  ckptstore            group commit (10)        0 (inside the step ratio)   last delta's write  1
+  ckptstore+follower   group commit (10)        0                           last delta's write  1
+  ckptstore-snapshots  Young/Daly on the stall  pccheck's x measured ratio  bytes / ckptstore   1
+  ckptstore-auto       plan() at the MTBF       snapshots: as above         as above            1
+                       or deltas: group 1,      0 (a base's spread over B)  last delta's write  4
+                       a base every B
+  ===================  =======================  ==========================  ==================  ===
 
   ckptstore-snapshots: ``Checkpointer(policy="snapshots")``'s overlapped async snapshots. Their
   all-in cost per snapshot (stall, waits, the persister's CPU taken from training) was measured
