@@ -31,7 +31,7 @@ def sweep_table(sweep: dict[str, list[tuple[float, Any]]]) -> str:
     a last column: auto minus the best peer at that rate."""
     names = list(sweep)
     peers = [s for s in names if s in PEERS]
-    auto = "ckptstore-auto" in sweep and peers
+    auto = "ckptstore-auto" in sweep and bool(peers)
     rows = []
     for k, (rate, _) in enumerate(next(iter(sweep.values()))):
         row = [f"{rate:.3g}"] + [f"{sweep[s][k][1].goodput:.4f}" for s in names]
