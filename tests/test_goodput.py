@@ -156,6 +156,73 @@ def test_unknown_strategy_is_refused(costs):
         goodput.make_strategy("rsync", costs, 1e4)
 
 
+# ---- ckptstore's snapshots and policy="auto" ------------------------------------------------------
+def test_ckptstore_snapshots_cost_pccheck_style_times_the_measured_ratio(costs):
+    mb = 312.9 * 2**20 / 1e6
+    st = goodput.make_strategy("ckptstore-snapshots", costs, 3600.0)
+    stall = 0.0156 * 52.8 / 38.4   # bench_snapshot: all-in cost per snapshot, ckptstore / PCcheck-style
+    assert st.stall_s == pytest.approx(stall) and st.step_s == 0.412 and st.base_every == 0
+    assert st.every == goodput.young_daly_every(stall, 3600.0, 0.412)
+    assert st.persist_s == pytest.approx(mb / 1810) and st.load_s == pytest.approx(mb / 1170)
+
+
+def plan_for(costs, mtbf_s):
+    """plan()'s choice from the figures ckptstore-auto reads, built here independently."""
+    from ckptstore.torch.plan import Costs, plan
+    snap = goodput.make_strategy("ckptstore-snapshots", costs, mtbf_s)
+    deltas = goodput.make_strategy("ckptstore", costs, mtbf_s)
+    return snap, plan(Costs(step_s=0.412, snapshot_stall_s=snap.stall_s,
+                            snapshot_persist_s=snap.persist_s, delta_overhead_s=0.412 * 0.079,
+                            replay_s=deltas.replay_s, load_s=snap.load_s), mtbf_s)
+
+
+@pytest.mark.parametrize("per_hour", [0.1, 30.0, 3000.0])
+def test_ckptstore_auto_runs_what_plan_chooses(costs, per_hour):
+    mtbf = 3600.0 / per_hour
+    snap, p = plan_for(costs, mtbf)
+    st = goodput.make_strategy("ckptstore-auto", costs, mtbf)
+    if p.mode == "snapshots":
+        assert (st.every, st.base_every, st.stall_s, st.step_s) == (p.chosen.interval, 0, snap.stall_s, 0.412)
+    else:   # a delta every iteration, durable each (group commit 1), the base's stall spread over B
+        assert (st.every, st.base_every, st.stall_s, st.max_inflight) == (1, p.chosen.interval, 0.0, 4)
+        assert st.step_s == pytest.approx(0.412 * 1.079 + snap.stall_s / p.chosen.interval)
+    assert st.derivation[-1].startswith(f"plan() at MTBF {mtbf:.0f} s: {p.chosen.describe()}")
+    # frequent enough failures make deltas the better mode; rare ones snapshots
+    assert p.mode == ("deltas" if per_hour >= 3000 else "snapshots")
+
+
+def test_ckptstore_auto_is_never_below_its_better_mode(costs):
+    for per_hour in (0.1, 3.0, 30.0, 3000.0):
+        sc = goodput.Scenario("p", rate_per_hour=per_hour)
+        n = goodput.job_iterations(24.0 if per_hour < 100 else 0.5, 0.412)
+        snap, p = plan_for(costs, sc.mtbf_s)
+        modes = [goodput.apply_mode(snap, o.mode, o.interval, delta_step_s=0.412 * 1.079,
+                                    delta_persist_s=0.0305) for o in p.options]
+        auto = goodput.make_strategy("ckptstore-auto", costs, sc.mtbf_s)
+        got = [goodput.run_scenario(sc, st, n, 0.412, runs=2, seed=0).goodput for st in (auto, *modes)]
+        assert got[0] == got[1] and got[0] >= max(got) - 0.002, (per_hour, got)
+
+
+E2E_RUN = goodput.ROOT / "tools" / "data" / "goodput-e2e-2026-11-28.json"
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason=f"no public traces at {TRACES}")
+def test_the_committed_e2e_run_is_reproduced_by_the_simulator():
+    # the points docs/goodput.png draws: bench_goodput's quiet-machine run, each job simulated on
+    # its own failure schedule with its strategy's pooled costs (docs/goodput.md: within 0.024)
+    import goodput_e2e   # (tools/goodput_e2e.py; importable once goodput.py put tools/ on sys.path)
+    doc = json.loads(E2E_RUN.read_text())
+    means = goodput_e2e.e2e_means(doc, goodput_e2e.calibrate_e2e(doc, TRACES))
+    # 4 scenarios x 5 strategies: the file has no step time of deltas (ckpt-deltas, ckpt-topk: left out)
+    assert len(means) == 4 * 5 and all(len(g["rows"]) == 2 for g in means)
+    auto = [r for g in means if g["strategy"] == "ckpt-auto" for r in g["rows"]]
+    assert all(r["strategy_costs"].base_every == 0 for r in auto)   # every auto job planned snapshots
+    g = means[0]
+    assert g["e2e"] == pytest.approx(sum(r["goodput"] for r in doc["jobs"] if (r["scenario"], r["strategy"])
+                                         == (g["scenario"], g["strategy"])) / 2)
+    assert sum(abs(g["sim"] - g["e2e"]) for g in means) / len(means) < 0.03
+
+
 # ---- simulation ----------------------------------------------------------------------------------
 def test_no_failure_goodput_is_one_over_the_overhead(costs):
     plain = costs["step_plain_s"]
@@ -288,6 +355,10 @@ def test_cli_end_to_end(tmp_path, capsys):
         plot = ["--plot", str(png)]
     except ImportError:
         plot = []
+    if plot and TRACES.is_dir():   # the measured e2e points: their schedules need the run's traces
+        for name in json.loads(E2E_RUN.read_text())["args"]["traces"]:
+            write(traces / name, (TRACES / name).read_text())
+        plot += ["--e2e", str(E2E_RUN)]
     assert goodput.main(["--traces", str(traces), "--hours", "2", "--runs", "2", "--gpus", "4096",
                          *plot]) == 0
     out = capsys.readouterr().out
@@ -299,6 +370,7 @@ def test_cli_end_to_end(tmp_path, capsys):
             assert len(rows) == 1, (scenario, strategy)
     if plot:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "Poisson sweep, goodput:" in out and "| auto - best peer" in out
 
 
 def test_cli_bad_input(tmp_path, capsys):

@@ -10,6 +10,7 @@ then one Markdown table (a row per scenario and strategy) and, with ``--plot``, 
 
     python tools/goodput.py                                  # the default run, table on stdout
     python tools/goodput.py --plot docs/goodput.png          # + goodput and lost work vs failure rate
+    python tools/goodput.py --plot docs/goodput.png --e2e tools/data/goodput-e2e-2026-11-28.json
     python tools/goodput.py --gpus 4096 --strategies torch.save,ckptstore --hours 24
     python tools/goodput.py --from-bench core.json           # throughputs from bench_core.py --json
     python tools/goodput.py --from-e2e e2e.json              # calibrate against bench_goodput.py --json
@@ -32,15 +33,27 @@ Model (a discrete-event simulation; every time below is wall-clock seconds)
   bandwidth: no faster in aggregate). A checkpoint is **durable** when its persistence ends; with
   ``persist = 0``, at the end of its stall.
 
-  ==================  =======================  ===========================  ==================  ====
-  strategy            N                        stall                        persist             K
-  ==================  =======================  ===========================  ==================  ====
-  torch.save          Young/Daly on the stall  torch.save + fsync           0                   1
-  dcp-async           Young/Daly on the stall  async_save's blocking part   until done          1
-  pccheck             Young/Daly on the stall  copy into staging buffers    bytes / disk fsync  4
-  ckptstore           group commit (10)        0 (inside the step ratio)    last delta's write  1
-  ckptstore+follower  group commit (10)        0                            last delta's write  1
-  ==================  =======================  ===========================  ==================  ====
+  ===================  =======================  ==========================  ==================  ===
+  strategy             N                        stall                       persist             K
+  ===================  =======================  ==========================  ==================  ===
+  torch.save           Young/Daly on the stall  torch.save + fsync          0                   1
+  dcp-async            Young/Daly on the stall  async_save's blocking part  until done          1
+  pccheck              Young/Daly on the stall  copy into staging buffers   bytes / disk fsync  4
+  ckptstore            group commit (10)        0 (inside the step ratio)   last delta's write  1
+  ckptstore+follower   group commit (10)        0                           last delta's write  1
+  ckptstore-snapshots  Young/Daly on the stall  pccheck's x measured ratio  bytes / ckptstore   1
+  ckptstore-auto       plan() at the MTBF       snapshots: as above         as above            1
+                       or deltas: group 1,      0 (a base's spread over B)  last delta's write  4
+                       a base every B
+  ===================  =======================  ==========================  ==================  ===
+
+  ckptstore-snapshots: ``Checkpointer(policy="snapshots")``'s overlapped async snapshots. Their
+  all-in cost per snapshot (stall, waits, the persister's CPU taken from training) was measured
+  beside a PCcheck-style baseline on the same model and machine (tools/bench_snapshot.py): the
+  stall here is the PCcheck-style stall this tool uses times that ratio. ckptstore-auto:
+  ``Checkpointer(policy="auto")``, the mode and interval that ``ckptstore.torch.plan.plan()``
+  itself chooses at the scenario's MTBF from the same figures (the delta step without bases,
+  the snapshot stall as a base's), as if it had planned from the start (no measuring phase).
 
   Young/Daly: ``N = max(1, round(sqrt(2 * C * MTBF) / step))`` with ``C`` the strategy's stall and
   MTBF the scenario's mean time between failures (1 / rate; a trace's duration over its failures).
@@ -98,9 +111,9 @@ Model (a discrete-event simulation; every time below is wall-clock seconds)
 
   Nothing else is fitted: a gap between the two columns is what the model leaves out.
 * **Not modelled.** GPUs (every figure is from a 2-core CPU VM), contention of DCP's and PCcheck's
-  background persistence with training (not measured for PCcheck), the extra persistence time of a
-  ckptstore base (345 MiB against a 104 MiB delta) before its group is durable, what a follower
-  costs, and correlated failures.
+  background persistence with training (ckptstore's snapshots carry theirs relative to PCcheck's),
+  the extra persistence time of a ckptstore base (345 MiB against a 104 MiB delta) before its group
+  is durable, what a follower costs, auto's measuring steps, and correlated failures.
 """
 
 from __future__ import annotations
@@ -114,10 +127,11 @@ import random
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import goodput_plot  # noqa: E402  (tools/goodput_plot.py: the sweep's figure and table)
 import harness  # noqa: E402  (tools/harness.py: the benchmarks' tables)
 from goodput_traces import (LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_INTERRUPTIONS,  # noqa: E402,F401
                             Scenario, Trace, TraceFormatError, check_rate, compress_trace,
@@ -129,7 +143,8 @@ DEFAULT_COSTS = Path(__file__).resolve().parent / "goodput_costs.json"
 DEFAULT_TRACES = ROOT.parent / "shared" / "traces"
 
 
-STRATEGIES = ("torch.save", "dcp-async", "pccheck", "ckptstore", "ckptstore+follower")
+STRATEGIES = ("torch.save", "dcp-async", "pccheck", "ckptstore", "ckptstore+follower",
+              "ckptstore-snapshots", "ckptstore-auto")
 #: failure rates (per hour) of the plot's Poisson sweep
 SWEEP_PER_HOUR = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 
@@ -257,6 +272,24 @@ class Strategy:
         return self.restart_s + self.load_s + since_base * self.replay_s
 
 
+def apply_mode(st: Strategy, mode: str, interval: int, *, group: int = 1, delta_inflight: int = 4,
+               delta_step_s: float | None = None, delta_persist_s: float | None = None) -> Strategy:
+    """``st``, a strategy of snapshots (its stall a snapshot's), under one of the modes of
+    ``ckptstore.torch.plan``: ``"snapshots"``, one every ``interval`` iterations; ``"deltas"``, a
+    delta every iteration (steps of ``delta_step_s``, default ``st``'s), durable per group of
+    ``group`` after ``delta_persist_s`` (default ``st``'s persist), ``delta_inflight`` groups in
+    flight, and a base every ``interval``: its stall is spread over the steps between bases (they
+    come every B steps, not every group)."""
+    if mode == "snapshots":
+        return replace(st, every=interval, base_every=0)
+    if mode != "deltas":
+        raise ValueError(f"{st.name}: unknown mode {mode!r} (snapshots or deltas)")
+    step = (st.step_s if delta_step_s is None else delta_step_s) + st.stall_s / interval
+    return replace(st, every=group, step_s=step, stall_s=0.0, base_every=interval,
+                   max_inflight=delta_inflight,
+                   persist_s=st.persist_s if delta_persist_s is None else delta_persist_s)
+
+
 def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:
     """Young/Daly's first-order optimal checkpoint interval, sqrt(2 * C * MTBF)."""
     if not (cost_s >= 0 and mtbf_s > 0):
@@ -312,19 +345,26 @@ def make_strategy(name: str, costs: Costs, mtbf_s: float, *, restart_s: float = 
                             (f"persist = {mb:.1f} MB / disk_fsync_gbps = {persist:.3f} s, "
                              f"at most {pccheck_inflight} in flight, persisted in order"),
                             f"load = torch_load_cold_s = {load:.3f} s"))
-    step = plain * costs["ckptstore_step_ratio"]
     group = int(costs["ckptstore_group_commit"])
-    base_every = int(costs["ckptstore_base_every"])
     persist = costs["ckptstore_persist_per_delta_s"]
     base_load = mb / (costs["ckptstore_load_cold_gbps"] * 1e3)
+    n = costs["restore_deltas"]
+    replay = (costs["restore_base_plus_deltas_cold_s"] - base_load) / n
+    loads = [f"base load = {mb:.1f} MB / ckptstore_load_cold_gbps = {base_load:.3f} s",
+             (f"replay = (restore_base_plus_deltas_cold_s - base load) / restore_deltas ({n:g}) = "
+              f"{replay:.4f} s per delta")]
+    if name in ("ckptstore-snapshots", "ckptstore-auto"):
+        snap = ckptstore_snapshots(name, costs, mtbf_s, load_s=base_load, restart_s=restart_s)
+        if name == "ckptstore-snapshots":
+            return replace(snap, derivation=(*snap.derivation, loads[0]))
+        return ckptstore_auto(snap, costs, mtbf_s, replay_s=replay, delta_persist_s=persist,
+                              derivation=loads)
+    step = plain * costs["ckptstore_step_ratio"]
+    base_every = int(costs["ckptstore_base_every"])
     derivation = [f"step = step_plain_s * ckptstore_step_ratio = {step:.4f} s",
                   (f"every = ckptstore_group_commit = {group} (a group is durable "
                    f"ckptstore_persist_per_delta_s = {persist * 1e3:.1f} ms after its last iteration)"),
-                  f"base load = {mb:.1f} MB / ckptstore_load_cold_gbps = {base_load:.3f} s"]
-    n = costs["restore_deltas"]
-    replay = (costs["restore_base_plus_deltas_cold_s"] - base_load) / n
-    derivation.append(f"replay = (restore_base_plus_deltas_cold_s - base load) / restore_deltas ({n:g}) = "
-                      f"{replay:.4f} s per delta")
+                  *loads]
     if name == "ckptstore":
         derivation.append(f"resume = base load + (D mod ckptstore_base_every = {base_every}) x replay")
         return Strategy(name, group, step, persist_s=persist, load_s=base_load, replay_s=replay,
@@ -336,6 +376,46 @@ def make_strategy(name: str, costs: Costs, mtbf_s: float, *, restart_s: float = 
     derivation.append("the follower keeps up (replay < step): resume = one base load")
     return Strategy(name, group, step, persist_s=persist, load_s=base_load, restart_s=restart_s,
                     derivation=tuple(derivation))
+
+
+def ckptstore_snapshots(name: str, costs: Costs, mtbf_s: float, *, load_s: float,
+                        restart_s: float) -> Strategy:
+    """ckptstore's overlapped async snapshots every N (Young/Daly on the stall, as the peers): the
+    stall is PCcheck-style's (copy_stall_s) times the all-in cost per snapshot of ckptstore over
+    PCcheck-style's measured side by side; durable after the checkpoint's bytes at ckptstore's
+    save bandwidth."""
+    plain, copy = costs["step_plain_s"], costs["copy_stall_s"]
+    mb = costs["checkpoint_mib"] * 2**20 / 1e6
+    ratio = costs["snapshot_cost_ckptstore_ms"] / costs["snapshot_cost_pccheck_style_ms"]
+    stall = copy * ratio
+    persist = mb / (costs["ckptstore_save_gbps"] * 1e3)
+    return Strategy(name, young_daly_every(stall, mtbf_s, plain), plain, stall_s=stall,
+                    persist_s=persist, load_s=load_s, restart_s=restart_s, derivation=(
+                        (f"stall = copy_stall_s x snapshot_cost_ckptstore_ms / snapshot_cost_pccheck_style_ms"
+                         f" = {copy * 1e3:.1f} ms x {ratio:.3f} = {stall * 1e3:.1f} ms (all in: stall, "
+                         f"waits, the persister's CPU)"),
+                        f"persist = {mb:.1f} MB / ckptstore_save_gbps = {persist:.3f} s"))
+
+
+def ckptstore_auto(snap: Strategy, costs: Costs, mtbf_s: float, *, replay_s: float,
+                   delta_persist_s: float, derivation: Sequence[str] = ()) -> Strategy:
+    """``policy="auto"``: what ``ckptstore.torch.plan.plan()`` chooses at ``mtbf_s`` from the
+    snapshot costs of ``snap`` and the delta costs (the step without bases, measured with the
+    Checkpointer's default group_commit=1, and the replay), applied to ``snap`` by
+    :func:`apply_mode` (deltas: 4 in flight, the Checkpointer pipeline's)."""
+    from ckptstore.torch import plan as ckplan  # (its package imports torch: only when asked)
+    plain = costs["step_plain_s"]
+    delta_step = plain * costs["ckptstore_step_ratio_no_bases"]
+    pc = ckplan.Costs(step_s=plain, snapshot_stall_s=snap.stall_s, snapshot_persist_s=snap.persist_s,
+                      delta_overhead_s=delta_step - plain, replay_s=replay_s, load_s=snap.load_s,
+                      restart_s=snap.restart_s, group_commit=1)
+    p = ckplan.plan(pc, mtbf_s)
+    st = apply_mode(snap, p.mode, p.chosen.interval, delta_step_s=delta_step,
+                    delta_persist_s=delta_persist_s)
+    others = "; ".join(f"{o.mode} {o.goodput:.4f}" for o in p.options[1:])
+    return replace(st, derivation=(*snap.derivation, *derivation, (
+        f"delta step = step_plain_s * ckptstore_step_ratio_no_bases = {delta_step:.4f} s"),
+        f"plan() at MTBF {mtbf_s:.0f} s: {p.chosen.describe()} (instead: {others})"))
 
 
 # ---- simulation ----------------------------------------------------------------------------------
@@ -456,47 +536,6 @@ def run_scenario(scenario: Scenario, strategy: Strategy, iterations: int, step_p
 
 
 # ---- output --------------------------------------------------------------------------------------
-def plot(path: str | os.PathLike, sweep: dict[str, list[tuple[float, RunResult]]],
-         points: dict[str, list[tuple[str, float, RunResult]]], title: str) -> None:
-    """Goodput and lost work per failure against the failure rate: one line per strategy over the
-    Poisson sweep, the traces as labelled markers."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_g, ax_l) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
-    markers = "osD^v<>p"
-    trace_names = sorted({name for pts in points.values() for name, _, _ in pts})
-    for k, (strategy, series) in enumerate(sweep.items()):
-        color = f"C{k}"
-        xs = [rate for rate, _ in series]
-        ax_g.plot(xs, [r.goodput for _, r in series], "-", color=color, label=strategy)
-        lx = [(rate, r.lost_per_failure_s) for rate, r in series if r.failures]
-        ax_l.plot([x for x, _ in lx], [y for _, y in lx], "-", color=color, label=strategy)
-        for name, rate, r in points.get(strategy, []):
-            m = markers[trace_names.index(name) % len(markers)]
-            ax_g.plot([rate], [r.goodput], m, color=color, mfc="none", ms=7)
-            if r.failures:
-                ax_l.plot([rate], [r.lost_per_failure_s], m, color=color, mfc="none", ms=7)
-    for k, name in enumerate(trace_names):
-        ax_g.plot([], [], markers[k % len(markers)], color="k", mfc="none", label=f"trace: {name}")
-    for ax in (ax_g, ax_l):
-        ax.set_xscale("log")
-        ax.set_xlabel("job failures per hour (lines: Poisson; markers: traces)")
-        ax.grid(True, which="both", alpha=0.3)
-        top = ax.secondary_xaxis("top", functions=(lambda r: r / llama3_rate_per_hour(1),
-                                                   lambda g: g * llama3_rate_per_hour(1)))
-        top.set_xlabel("GPUs in the job at LLaMA 3's failure rate per GPU")
-    ax_g.set_ylabel("goodput (useful training time / wall time)")
-    ax_l.set_ylabel("work lost per failure (s)")
-    ax_l.set_yscale("log")
-    ax_g.legend(fontsize=8, loc="lower left")
-    fig.suptitle(title, fontsize=9)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _fmt_rate(per_hour: float) -> str:
     return f"{per_hour:.3g}"
 
@@ -528,6 +567,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--pccheck-inflight", type=int, default=4,
                    help="PCcheck-style: concurrent checkpoints in flight (default 4)")
     p.add_argument("--plot", metavar="PNG", help="write goodput and lost work vs failure rate here")
+    p.add_argument("--e2e", metavar="FILE",
+                   help="with --plot: add the jobs of a `bench_goodput.py --json FILE` run, measured "
+                        "against simulated goodput (e.g. tools/data/goodput-e2e-2026-11-28.json)")
     a = p.parse_args(argv)
     a.strategies = [s.strip() for s in a.strategies.split(",") if s.strip()]
     unknown = [s for s in a.strategies if s not in STRATEGIES]
@@ -541,6 +583,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             llama3_rate_per_hour(a.gpus)
     except ValueError as e:
         p.error(f"--rate/--gpus: {e}")
+    if a.e2e and not a.plot:
+        p.error("--e2e needs --plot")
     if not (a.hours > 0 and math.isfinite(a.hours)) or a.runs < 1 or a.pccheck_inflight < 1 \
             or not a.restart_s >= 0:
         p.error("--hours, --runs and --pccheck-inflight must be positive, --restart-s >= 0")
@@ -557,12 +601,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(a: argparse.Namespace) -> int:
-    if a.from_e2e:
+    if a.from_e2e or a.e2e:
         import goodput_e2e  # (tools/goodput_e2e.py imports this module: loaded only here)
-        with open(a.from_e2e) as f:
+        with open(a.from_e2e or a.e2e) as f:
             doc = json.load(f)
-        print(goodput_e2e.e2e_report(doc, goodput_e2e.calibrate_e2e(doc)))
-        return 0
+        rows = goodput_e2e.calibrate_e2e(doc, None if a.from_e2e else a.traces)
+        if a.from_e2e:
+            print(goodput_e2e.e2e_report(doc, rows))
+            return 0
+        e2e = goodput_e2e.e2e_means(doc, rows)
+        err = sum(abs(g["sim"] - g["e2e"]) for g in e2e) / max(1, len(e2e))
+        e2e_title = (f"bench_goodput run of {doc.get('date', '?')}\n(its own model and time-compressed "
+                     f"failures): mean |sim - e2e| {err:.3f}")
+    else:
+        e2e, e2e_title = [], ""
     costs = load_costs(a.costs)
     changed: list[str] = []
     if a.from_bench:
@@ -586,15 +638,17 @@ def run(a: argparse.Namespace) -> int:
         return [(st, run_scenario(sc, st, iterations, step_plain, a.runs, a.seed)) for st in sts]
 
     table = []
-    derivations: dict[str, tuple[str, ...]] = {}
+    derivations: dict[str, list[str]] = {}
     at_traces: dict[str, list[tuple[str, float, RunResult]]] = {s: [] for s in a.strategies}
     for sc in scenarios:
         per_hour = 3600.0 / sc.mtbf_s
         for st, r in simulate_all(sc):
-            derivations.setdefault(st.name, st.derivation)
+            seen = derivations.setdefault(st.name, [])
+            seen += [line for line in st.derivation if line not in seen]   # (auto: a plan per MTBF)
             if sc.trace is not None:
                 at_traces[st.name].append((sc.trace.name, per_hour, r))
-            table.append([sc.name, _fmt_rate(per_hour), st.name, f"{st.every}", f"{r.goodput:.4f}",
+            every = f"{st.every}" + (f" (base {st.base_every})" if st.base_every else "")
+            table.append([sc.name, _fmt_rate(per_hour), st.name, every, f"{r.goodput:.4f}",
                           f"{r.lost_per_failure_s:.1f}", f"{r.resume_per_failure_s:.2f}",
                           f"{r.failures / a.runs:.1f}"])
     sweep: dict[str, list[tuple[float, RunResult]]] = {s: [] for s in a.strategies}
@@ -621,11 +675,13 @@ def run(a: argparse.Namespace) -> int:
     print(harness.table(["scenario", "failures/h", "strategy", "every (it)", "goodput",
                         "lost per failure (s)", "resume (s)", "failures per run"], table, left=None))
     if a.plot:
+        print(f"\nPoisson sweep, goodput:\n{goodput_plot.sweep_table(sweep)}")
         try:
-            plot(a.plot, sweep, at_traces, f"{a.hours:g} h of useful work, step {step_plain * 1e3:.0f} ms, "
-                                           f"costs: {os.path.basename(a.costs)}"
-                                           f"{' + ' + os.path.basename(a.from_bench) if a.from_bench else ''}"
-                                           f"; {a.runs} runs per point")
+            goodput_plot.plot(a.plot, sweep, at_traces,
+                              f"{a.hours:g} h of useful work, step {step_plain * 1e3:.0f} ms, costs: "
+                              f"{os.path.basename(a.costs)}"
+                              f"{' + ' + os.path.basename(a.from_bench) if a.from_bench else ''}"
+                              f"; {a.runs} runs per point", e2e, e2e_title)
         except ImportError:
             print("goodput: matplotlib is not installed (pip install -e '.[plots]'): no plot",
                   file=sys.stderr)

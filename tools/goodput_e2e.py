@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (tools/harness.py: tables)
-from goodput import (DEFAULT_TRACES, Scenario, Strategy, compress_trace, load_trace,  # noqa: E402
-                     simulate)
+from goodput import (DEFAULT_TRACES, Scenario, Strategy, apply_mode, compress_trace,  # noqa: E402
+                     load_trace, simulate)
 
 #: PCcheck-style and ckptstore pipelines: checkpoints in flight before training waits
 E2E_INFLIGHT = {"pccheck": None, "ckpt-deltas": 4, "ckpt-topk": 4, "ckpt-snapshots": 1}
@@ -121,21 +121,16 @@ def e2e_costs(doc: dict, strategy: str, job: dict | None = None) -> E2ECosts:
 def e2e_strategy(c: E2ECosts, job: dict) -> Strategy:
     """The simulator's strategy for one e2e job: its N (ckpt-auto: the mode and interval of the
     last plan the job logged), the pooled costs of its strategy, its own plain step."""
-    step = job["step_plain_s"] * c.step_ratio
-    every, base_every, stall, inflight = job["every"] or 1, c.base_every, c.stall_s, c.inflight
+    st = Strategy(c.strategy, job["every"] or 1, job["step_plain_s"] * c.step_ratio,
+                  stall_s=c.stall_s, persist_s=c.persist_s, max_inflight=c.inflight,
+                  load_s=c.load_s, replay_s=c.replay_s, base_every=c.base_every,
+                  restart_s=c.restart_s)
     if c.strategy == "ckpt-auto" and job["plans"]:
         last = job["plans"][-1]
-        if last["mode"] == "deltas":
-            every, base_every, inflight = 1, int(last["interval"]), 4
-        else:
-            every = int(last["interval"])
-    if every == 1 and base_every:
-        # deltas: the base's extra time comes every base_every steps; spread over them
-        step += stall / base_every
-        stall = 0.0
-    return Strategy(c.strategy, every, step, stall_s=stall, persist_s=c.persist_s,
-                    max_inflight=inflight, load_s=c.load_s, replay_s=c.replay_s,
-                    base_every=base_every, restart_s=c.restart_s)
+        return apply_mode(st, last["mode"], int(last["interval"]))
+    if st.every == 1 and st.base_every:
+        return apply_mode(st, "deltas", st.base_every, delta_inflight=c.inflight)
+    return st
 
 
 def calibrate_e2e(doc: dict, trace_dir: str | os.PathLike | None = None) -> list[dict]:
@@ -177,22 +172,29 @@ def calibrate_e2e(doc: dict, trace_dir: str | os.PathLike | None = None) -> list
     return out
 
 
-def e2e_report(doc: dict, rows: list[dict]) -> str:
-    """The calibration table: per scenario and strategy, mean e2e and simulated goodput over the
-    repeats and their difference, then the costs used per strategy."""
+def e2e_means(doc: dict, rows: list[dict]) -> list[dict]:
+    """:func:`calibrate_e2e`'s rows grouped per scenario and strategy (scenarios in the order of
+    the rows, strategies in the file's order): the means over repeats of the measured ("e2e"),
+    simulated ("sim": pooled costs) and "own" (each job's own costs) goodput, and the rows."""
     groups: dict[tuple[str, str], list[dict]] = {}
     order = {s: k for k, s in enumerate(doc.get("args", {}).get("strategies", []))}
     scen = {s: k for k, s in enumerate(dict.fromkeys(r["scenario"] for r in rows))}
     for r in sorted(rows, key=lambda r: (scen[r["scenario"]], order.get(r["strategy"], 99))):
         groups.setdefault((r["scenario"], r["strategy"]), []).append(r)
+    return [{"scenario": sc, "strategy": st, "rows": rs,
+             **{k: sum(r[k] for r in rs) / len(rs) for k in ("e2e", "sim", "sim_own")}}
+            for (sc, st), rs in groups.items()]
+
+
+def e2e_report(doc: dict, rows: list[dict]) -> str:
+    """The calibration table: per scenario and strategy, mean e2e and simulated goodput over the
+    repeats and their difference, then the costs used per strategy."""
     table = []
-    for (sc, st), rs in groups.items():
-        e2e = sum(r["e2e"] for r in rs) / len(rs)
-        sim = sum(r["sim"] for r in rs) / len(rs)
-        own = sum(r["sim_own"] for r in rs) / len(rs)
+    for g in e2e_means(doc, rows):
+        rs, e2e, sim, own = g["rows"], g["e2e"], g["sim"], g["sim_own"]
         phase = math.sqrt(sum(r["phase_sd"] ** 2 for r in rs)) / len(rs)
-        table.append([sc, st, f"{e2e:.3f}", f"{sim:.3f}", f"{sim - e2e:+.3f}", f"{own:.3f}",
-                      f"{own - e2e:+.3f}", f"{phase:.3f}",
+        table.append([g["scenario"], g["strategy"], f"{e2e:.3f}", f"{sim:.3f}", f"{sim - e2e:+.3f}",
+                      f"{own:.3f}", f"{own - e2e:+.3f}", f"{phase:.3f}",
                       f"{sum(r['e2e_failures'] for r in rs)}/{sum(r['sim_failures'] for r in rs)}",
                       f"{sum(r['e2e_lost_s'] for r in rs) / len(rs):.2f}/"
                       f"{sum(r['sim_lost_s'] for r in rs) / len(rs):.2f}",
