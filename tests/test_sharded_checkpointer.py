@@ -355,3 +355,61 @@ def test_cli_shows_the_boxes_and_restores_full_tensors(tmp_path, capsys, monkeyp
     assert not report.clean and set(report.damaged_iterations) == set(report.iterations)
     assert any("'4.weight'" in m and "overlap" in m for m in report.damaged_iterations[2]), \
         report.damaged_iterations[2]
+
+
+# ---- policy="auto" on sharded states --------------------------------------------------------------
+def fsdp_auto(rank, world, path, iterations, live_dir, tag, mode):
+    """The FSDP2 model under ``Checkpointer(policy="auto")`` with the planner held to ``mode``
+    (a busy test machine's costs decide nothing): restore (or start), train, record the live
+    local shards and the gathered state after every step."""
+    import torch.distributed as dist
+
+    from ckptstore.torch import Checkpointer, auto_policy
+
+    real = auto_policy.make_plan
+    auto_policy.make_plan = lambda *a, **kw: real(*a, **{**kw, "modes": (mode,)})
+    model, opt, sched = _fsdp(world)
+    store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
+    ck = Checkpointer(store, model, opt, sched, policy="auto", measure_steps=2, snapshot_every=3)
+    start = ck.restore()
+    record(model, opt, live_dir, tag, "restored", rank)
+    for it in range(start + 1, start + iterations + 1):
+        g = torch.Generator().manual_seed(1000 * rank + it)
+        x, y = torch.randn(6, 12, generator=g), torch.randn(6, 7, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        ck.step(it)
+        opt.zero_grad()
+        record(model, opt, live_dir, tag, str(it), rank)
+    store.flush()
+    plan = ck.plan()
+    out = {"start": start, "mode": ck.mode, "sharded": ck._layout.sharded,
+           "plan": None if plan is None else [plan.mode, plan.chosen.interval]}
+    ck.close()
+    store.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["snapshots", pytest.param("deltas", marks=pytest.mark.slow)])
+def test_auto_policy_on_sharded_state_plans_and_restores_bit_exactly(tmp_path, mode):
+    """FSDP2 training under policy="auto" on 2 ranks: it measures, plans (the same plan on both
+    ranks), writes sharded snapshots (overlapped copies of the local shards) or deltas, every
+    stored iteration's parts equal the live local shards bit for bit, and fresh processes resume
+    from the newest one exactly."""
+    world, path, live = 2, str(tmp_path / "job"), str(tmp_path / "live")
+    os.makedirs(live)
+    res = ok(run_ranks(world, MOD, "fsdp_auto", path, str(tmp_path / "w1"), deadline=150,
+                       iterations=12, live_dir=live, tag="a", mode=mode))
+    assert all(r["sharded"] and r["start"] == 0 and r["mode"] == mode for r in res), res
+    assert res[0]["plan"] is not None and res[0]["plan"] == res[1]["plan"], res
+    with ckptstore.open(path, "r") as reader:
+        its = [i for i in reader.iterations() if i > 0]
+        kinds = {reader.kind(i) for i in its if i > 8}  # after measuring: the plan's kind only
+    assert its and its[-1] <= 12
+    assert kinds == {"snapshot"} if mode == "snapshots" else "delta" in kinds, kinds
+    _check_parts(path, live, "a", its, world)
+    res = ok(run_ranks(world, MOD, "fsdp_auto", path, str(tmp_path / "w2"), deadline=150,
+                       iterations=1, live_dir=live, tag="b", mode=mode))
+    assert [r["start"] for r in res] == [its[-1]] * world, (res, its)
+    for r in range(world):
+        assert_bits(torch.load(os.path.join(live, f"a-{its[-1]}-rank{r}.pt")),
+                    torch.load(os.path.join(live, f"b-restored-rank{r}.pt")), f"restored rank {r}")
