@@ -163,6 +163,19 @@ def checkpointer_job(rank, world, path, iterations, live_dir):
                      retention=KeepLast(3))
 
 
+def planned_job(rank, world, path, iterations, live_dir, disk_budget):
+    """policy="auto" held to snapshots (every 2 iterations) within ``disk_budget``: the plan's
+    retention, the job's collective gc, bounds the job store."""
+    from test_multirank import ddp_train
+
+    from ckptstore.torch import auto_policy
+
+    real = auto_policy.make_plan
+    auto_policy.make_plan = lambda *a, **kw: real(*a, **{**kw, "modes": ("snapshots",)})
+    return ddp_train(rank, world, path, iterations, live_dir, policy="auto", measure_steps=2,
+                     snapshot_every=2, disk_budget=disk_budget)
+
+
 # ---- tests ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("asynchronous", [pytest.param(False, marks=pytest.mark.slow), True],
                          ids=["sync", "async"])
@@ -292,3 +305,25 @@ def test_restarts_learned_from_the_logs_skip_the_gcs_epochs():
     assert job_restarts(view([5, 6, 7, 8], gc)) == (2, 50)
     assert job_restarts(view([5, 6], gc)) == (0, 50)
     assert job_restarts(view([], {})) == (0, 0)
+
+
+def test_the_plans_retention_bounds_a_job(tmp_path):
+    """policy="auto" on a 2-rank DDP job with a small disk budget: every rank sets the same
+    retention from the agreed plan, the job's gc runs on both together, the job store keeps a
+    few snapshots of the many it wrote, and every kept iteration equals the live state."""
+    path, live = str(tmp_path / "job"), str(tmp_path / "live")
+    os.makedirs(live)
+    res = ok(run_ranks(2, MOD, "planned_job", path, str(tmp_path / "w"), deadline=240,
+                       iterations=40, live_dir=live, disk_budget=400_000))
+    assert res[0]["mode"] == "snapshots" and res[0]["retention"] == res[1]["retention"], res
+    assert res[0]["retention"].startswith("KeepLast("), res
+    with ckptstore.open(path, "r") as r:
+        its = r.iterations()
+        snapshots = [i for i in its if r.kind(i) == "snapshot"]
+    # 20 snapshots written (0, 2, ..., 38 and the measuring phase's), a plan's retention of 7
+    # keeps the newest K = 1 after every 4th base: at most 5 at a time
+    assert snapshots == its and its[-1] == 39 and len(its) <= 5, its
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    assert size <= 400_000, size  # the disk budget (360,152 bytes measured on 2026-11-29)
+    _ddp_check(path, live, [i for i in its if i > 0])
+    assert fsck_clean(path)

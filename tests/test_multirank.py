@@ -414,9 +414,11 @@ def _ddp_model():
 
 
 def ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commit=2,
-              partition=None, asynchronous=True, comm_hook=False, retention=None):
+              partition=None, asynchronous=True, comm_hook=False, retention=None,
+              **checkpointer_kw):
     """DDP training with a Checkpointer on the job store: restore (or start), train, and save the
-    live model and optimizer state after every step for the test to compare."""
+    live model and optimizer state after every step for the test to compare. ``checkpointer_kw``:
+    more of the Checkpointer's arguments (its policy's)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -426,7 +428,8 @@ def ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commi
     ddp = DDP(model)
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
     ck = Checkpointer(store, model, opt, sched, base_every=base_every, group_commit=group_commit,
-                      partition=partition, asynchronous=asynchronous, retention=retention)
+                      partition=partition, asynchronous=asynchronous, retention=retention,
+                      **checkpointer_kw)
     if comm_hook:
         ddp.register_comm_hook(None, ddp_comm_hook(ck))
     start = ck.restore()
@@ -446,10 +449,13 @@ def ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commi
     torch.save(restored, os.path.join(live_dir, f"restored-{start}-rank{rank}.pt"))
     written = sum(store.info(i, rank=rank).written_bytes for i in store.iterations()
                   if store.global_commit(i).epoch == store.epoch)
+    plan = ck.plan()
+    auto = {"retention": repr(store.retention), "plan_retention": plan and plan.retention,
+            "mode": ck.mode}
     store.close()
     del ddp
     return {"start": start, "written": written, "parallel": parallel,
-            "captured": dict(ck.capture_counts)}
+            "captured": dict(ck.capture_counts), **auto}
 
 
 def _ddp_check(path, live_dir, its):

@@ -142,7 +142,7 @@ class Checkpointer:
     ``disk_budget``: bytes the checkpoints may take; None: half the free space of the store's
     filesystem at open (:data:`ckptstore.torch.auto_policy.DEFAULT_DISK_SHARE`). The plan keeps
     each interval within it and says how many checkpoints fit (``plan().retention``); unless
-    ``retention`` is given (or the store is a job store), the Checkpointer applies a retention
+    ``retention`` is given, the Checkpointer applies a retention
     that keeps the store within it (the newest quarter of ``plan().retention`` kept by a gc before
     80% of it is written). Policy "every-iteration" makes
     no plan and applies none: pass ``retention`` to bound it.
@@ -227,8 +227,8 @@ class Checkpointer:
         budget_source = "given"
         if disk_budget is None:
             disk_budget, budget_source = default_budget(str(store.path))
-        #: the retention this Checkpointer derives from the plan (unless the user's, or a job's)
-        self._retention = PlanRetention(store, enabled=retention is None and not job)
+        #: the retention this Checkpointer derives from the plan (unless the user's)
+        self._retention = PlanRetention(store, enabled=retention is None)
         self._auto = AutoPolicy(policy, replayable, snapshot_every, mtbf_s, disk_budget,
                                 measure_steps, group_commit, budget_source=budget_source,
                                 job_history=(lambda: job_restarts(store.view)) if job else None,

@@ -1,6 +1,12 @@
 """The retention a Checkpointer derives from its plan, keeping the store within the disk budget
 (:class:`PlanRetention`): set on the store whenever a plan comes into force, unless the user set
-a retention or the store is a job store (whose retention is collective)."""
+a retention.
+
+On a multi-rank job store the retention is the job's collective gc
+(:meth:`ckptstore.JobStore.set_retention`: every rank makes the same call, and the gc runs on
+every rank together before the same base). Every rank derives the same call here: its plans are
+agreed (:mod:`ckptstore.torch.plan_agreement`: the same plan, in force at the same iteration on
+every rank), and what is set is a pure function of the plans in force so far."""
 
 from __future__ import annotations
 
@@ -16,8 +22,7 @@ log = logging.getLogger("ckptstore")
 
 
 class PlanRetention:
-    """Applies the disk budget's retention to ``store`` (``enabled``: no user retention, not a
-    job store)."""
+    """Applies the disk budget's retention to ``store`` (``enabled``: no user retention)."""
 
     def __init__(self, store: Any, enabled: bool) -> None:
         self.store = store
