@@ -427,6 +427,7 @@ def ddp_train(rank, world, path, iterations, live_dir, base_every=4, group_commi
     model, opt, sched = _ddp_model()
     ddp = DDP(model)
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
+    checkpointer_kw.setdefault("policy", "every-iteration")  # (the delta path's tests)
     ck = Checkpointer(store, model, opt, sched, base_every=base_every, group_commit=group_commit,
                       partition=partition, asynchronous=asynchronous, retention=retention,
                       **checkpointer_kw)

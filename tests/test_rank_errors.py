@@ -78,7 +78,7 @@ def disk_full_on_rank_0(rank, world, path, policy, asynchronous):
     ops = _segment_write_faults() if rank == 0 else None
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=TIMEOUT,
                            file_ops=ops)
-    ck = Checkpointer(store, model, opt, base_every=8, group_commit=4,
+    ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=8, group_commit=4,
                       asynchronous=asynchronous, on_failure=policy)
     ddp.register_comm_hook(None, ddp_comm_hook(ck))
     ck.restore()
@@ -181,7 +181,7 @@ def peer_dies(rank, world, path):
     model, opt = _model()
     ddp = DDP(model)
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=TIMEOUT)
-    ck = Checkpointer(store, model, opt, base_every=4, group_commit=2)
+    ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=4, group_commit=2)
     ddp.register_comm_hook(None, ddp_comm_hook(ck))
     ck.restore()
     out = {}
@@ -306,7 +306,8 @@ def test_peer_failure_returns_the_error_it_returned_first(tmp_path):
     ops = FaultyOps()
     model, opt = _model()
     with ckptstore.open(str(tmp_path / "s"), "a", file_ops=ops) as store:
-        ck = Checkpointer(store, model, opt, base_every=8, group_commit=1, asynchronous=True)
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=8, group_commit=1,
+                          asynchronous=True)
         ck.restore()
         ops.arm("write", 1, errno.ENOSPC)
         for p in model.parameters():

@@ -111,7 +111,8 @@ def fsdp_train(rank, world, path, iterations, live_dir, tag, base_every=4, group
 
     model, opt, sched = _fsdp(world)
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
-    ck = Checkpointer(store, model, opt, sched, base_every=base_every, group_commit=group_commit,
+    ck = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=base_every,
+                      group_commit=group_commit,
                       fingerprint_every=3, asynchronous=asynchronous)
     out: dict = {"sharded": ck._layout.sharded}
     if check_wrong_world:  # a part written by 2 ranks is not the part of one rank of 1

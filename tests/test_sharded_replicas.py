@@ -128,7 +128,8 @@ def train(rank, world, path, iterations, live_dir, tag, kind="mlp", mesh_shape=(
         cp.replicas_of = _misowned(cp.replicas_of)
     model, opt, sched = _model(kind, list(mesh_shape))
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
-    ck = Checkpointer(store, model, opt, sched, base_every=base_every, group_commit=2,
+    ck = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=base_every,
+                      group_commit=2,
                       fingerprint_every=2, asynchronous=asynchronous,
                       partition=None if dedupe else False)
     out: dict = {"replicas": dict(ck._layout.replicas), "aliases": dict(ck._layout.aliases)}

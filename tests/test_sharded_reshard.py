@@ -76,7 +76,8 @@ def _fsdp(world: int):
 def _checkpointer(store, model, opt, sched):
     from ckptstore.torch import Checkpointer
 
-    return Checkpointer(store, model, opt, sched, base_every=4, group_commit=2, fingerprint_every=3)
+    return Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=4,
+                        group_commit=2, fingerprint_every=3)
 
 
 def batch(it: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:

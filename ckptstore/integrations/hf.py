@@ -16,8 +16,8 @@ global step *t*, with an exact gradient delta (or a base when due), so ``store.l
 the Trainer's model, optimizer and scheduler after step *t*. Gradient accumulation needs nothing:
 the optimizer steps once per accumulated step and the capture hooks keep the accumulated gradient.
 That is ``policy="every-iteration"``; without a ``policy`` the Checkpointer's default applies
-("auto": measured costs plan deltas or snapshots within a disk budget; on a job of several
-ranks "every-iteration").
+("auto": measured costs plan deltas or snapshots within a disk budget, on any number of
+ranks).
 
 Every record's meta holds ``{"hf": {"v": 1, "trainer_state": ..., "log": [...], "log_n": n}}``:
 the ``TrainerState`` as ``trainer_state.json`` holds it (global_step, epoch, total_flos, best_*,

@@ -62,16 +62,15 @@ _MAX_RESTARTS = 10 ** 9
 
 
 def default_policy(replayable: bool, multirank: bool) -> str:
-    """The policy of ``Checkpointer(policy=None)``: "auto" (a plan within the default disk
-    budget, kept by the retention the Checkpointer derives from it, so that no default run
-    fills a disk), except on a multi-rank job store: "every-iteration" there for an optimizer
-    replay knows, else "snapshots" (at the interval planned for every rank). A job's retention
-    is its collective gc, which no plan drives yet, so "auto" would bound nothing there; it is
-    available on request (``policy="auto"``: one plan, agreed by every rank,
-    :mod:`ckptstore.torch.plan_agreement`)."""
-    if not multirank:
-        return "auto"
-    return "every-iteration" if replayable else "snapshots"
+    """The policy of ``Checkpointer(policy=None)``: "auto", for any number of ranks: a plan
+    within the default disk budget, kept by the retention the Checkpointer derives from it, so
+    that no default run fills a disk. On a multi-rank job store every rank plans alike (one plan,
+    agreed by every rank: :mod:`ckptstore.torch.plan_agreement`) and the retention is the job's
+    collective gc (:mod:`ckptstore.torch.plan_retention`). (``multirank`` is kept for callers:
+    until 2026-11-29 a multi-rank job defaulted to "every-iteration", when no plan drove a job's
+    gc.)"""
+    del replayable, multirank
+    return "auto"
 
 
 def learned_mtbf(restarts: int, since_ns: int, what: str,
