@@ -93,6 +93,18 @@ def loads_with_a_group(rank, world, path, ref, its):
     return starts
 
 
+def own_gc_on_follower_bases(rank, world, path):
+    """The job's own gc (collective, on a writer), rebasing on its follower's bases: its dry run
+    (each rank, local) and the gc; what each rank's reports say and the job then holds."""
+    import torch.distributed as dist
+
+    with ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0) as s:
+        dry = s.gc(keep_last=2, follower_bases=True, dry_run=True)
+        rep = s.gc(keep_last=2, follower_bases=True)
+        return [list(dry.rebased), list(rep.rebased), rep.kept, rep.removed, s.iterations(),
+                s.kind(2 * K)]
+
+
 # ---- the module's job ---------------------------------------------------------------------------
 def _follow_live(path, until, box):
     """A follower (this process, a thread) of the job at ``path`` while it trains."""
@@ -590,6 +602,20 @@ def test_a_job_follower_base_that_does_not_verify_is_not_used(job, tmp_path, dam
     assert ("its part rank" in why) if damage == "chunk" else ("another manifest digest" in why)
     shutil.rmtree(follower_path(path))
     _loads_exact(path, job["ref"], range(K, FIRST + 1), damage)
+
+
+@pytest.mark.slow
+def test_a_writing_jobs_own_gc_rebases_on_every_rank(job, tmp_path, capsys):
+    """gc(follower_bases=True) on a 2-rank writer (collective): rank 0 plans and verifies, every
+    rank gets the same report; the job then holds 8..13, 8 a snapshot, bit for bit."""
+    path = _copy(job, tmp_path)
+    res = ok(run_ranks(2, MOD, "own_gc_on_follower_bases", path, str(tmp_path / "w")))
+    want = [[REBASE], [REBASE], list(range(REBASE, FIRST + 1)), list(range(REBASE)),
+            list(range(REBASE, FIRST + 1)), "snapshot"]
+    assert res == [want, want], res
+    _loads_exact(path, job["ref"], range(REBASE, FIRST + 1), "after the job's own gc")
+    assert main(["fsck", path]) == 0
+    capsys.readouterr()
 
 
 def _rebase_kill_sweep(job, tmp_path, capsys, every_step):
