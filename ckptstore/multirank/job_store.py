@@ -583,8 +583,7 @@ class JobStore:
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None,
            progress: Callable[[int], None] | None = None, *, policy: Any = None,
-           dry_run: bool = False, now_ns: int | None = None,
-           follower_bases: bool = False) -> Any:
+           dry_run: bool = False, now_ns: int | None = None, follower_bases: bool = False) -> Any:
         """gc of the job store (:mod:`ckptstore.multirank.job_gc`, format-spec/format.md §22.7):
         the policy (the union of ``KeepLast(keep_last)``, ``KeepEvery(keep_every)`` and
         ``policy``) selects among the job's iterations; kept: those, the latest, and every
@@ -594,11 +593,10 @@ class JobStore:
         fenced by the epoch gc claims); or by the job itself: on a writer, gc is collective
         (every rank calls it with the same policy, between saves; see
         :meth:`_collect_while_writing`) and the job goes on writing afterwards, in a new epoch.
-        ``dry_run``: the plan and an estimate (local, on any rank), nothing written (``why``
-        says why each iteration beyond the policy is kept). ``follower_bases``: as
-        :meth:`ckptstore.Store.gc`'s, every rank's part of a base verified (format-spec/
-        follower.md §7). Returns a :class:`~ckptstore.multirank.job_gc.JobGcReport`;
-        RetentionError (nothing removed) when the policy selects nothing."""
+        ``dry_run``: the plan and an estimate (local, on any rank), nothing written.
+        ``follower_bases``: as :meth:`ckptstore.Store.gc`'s, every rank's part of a base verified
+        (format-spec/follower.md §7). Returns a :class:`~.job_gc.JobGcReport` (``why`` each
+        iteration beyond the policy is kept); RetentionError when the policy selects nothing."""
         from ..ops.gc import gc_policy
         from .job_gc import collect_job, dry_run_job
 
