@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .errors import NotFoundError, ReadOnlyStoreError, StoreClosedError
+from .errors import NotFoundError, RankMismatchError, ReadOnlyStoreError, StoreClosedError
 from .errors import RemoteUnsupportedError
 from .format.commit import KIND_DELTA, KIND_NAMES
 from .format.header import StoreHeader
@@ -387,6 +387,23 @@ class Store:
         recoverable. Pending deltas (durable=False, not yet flushed) are not counted."""
         self._sync_view()
         return self.engine.recoverable_latest()
+
+    @property
+    def world_size(self) -> int | None:
+        """1: a single store is the one-rank case of :attr:`ckptstore.JobStore.world_size` (a
+        writer, or a store holding a committed iteration); None: a reader of an empty store."""
+        return 1 if self._writer is not None or self.latest() is not None else None
+
+    def stream(self, iteration: int, rank: int | None = None) -> "Store":
+        """This store, once ``iteration`` is committed in it (NotFoundError otherwise) and
+        ``rank`` is None or 0 (RankMismatchError otherwise): the one-rank case of
+        :meth:`ckptstore.JobStore.stream`, the store holding ``rank``'s records of ``iteration``."""
+        self._await_inflight(iteration)
+        self._entry(iteration)
+        if rank is not None and (type(rank) is not int or rank != 0):
+            raise RankMismatchError(f"rank {rank!r} is not among the 1 ranks that committed "
+                                    f"iteration {iteration} in {self.path}")
+        return self
 
     # ---- the remote tier (remote="s3://...", ckptstore/remote/) -------------------------------
     @property

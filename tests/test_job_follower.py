@@ -93,6 +93,18 @@ def loads_with_a_group(rank, world, path, ref, its):
     return starts
 
 
+def own_gc_on_follower_bases(rank, world, path):
+    """The job's own gc (collective, on a writer), rebasing on its follower's bases: its dry run
+    (each rank, local) and the gc; what each rank's reports say and the job then holds."""
+    import torch.distributed as dist
+
+    with ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0) as s:
+        dry = s.gc(keep_last=2, follower_bases=True, dry_run=True)
+        rep = s.gc(keep_last=2, follower_bases=True)
+        return [list(dry.rebased), list(rep.rebased), rep.kept, rep.removed, s.iterations(),
+                s.kind(2 * K)]
+
+
 # ---- the module's job ---------------------------------------------------------------------------
 def _follow_live(path, until, box):
     """A follower (this process, a thread) of the job at ``path`` while it trains."""
@@ -499,3 +511,176 @@ def test_restores_at_every_world_size_start_from_the_follower(job, tmp_path, wor
     for r in range(world):
         _same(torch.load(os.path.join(out, f"ref-{world}-{r}.pt")),
               torch.load(os.path.join(out, f"follower-{world}-{r}.pt")), f"rank {r} of {world}")
+
+
+# ---- gc rebasing on the job's follower bases (format-spec/follower.md §6-7) -------------------
+# The job's fingerprints are every K, like its follower bases: base 4K - K = 12 cannot be verified
+# (no fingerprinted delta after it yet), base 8 can (replayed to 12 on every rank).
+REBASE = 2 * K
+
+
+def _loads_exact(path, ref, its, what):
+    """Every iteration of ``its`` loads as in ``ref`` (a copy of the job without follower store
+    or gc), merged and every rank's part, with no FollowerWarning."""
+    with ckptstore.open(path, "r") as js, ckptstore.open(ref, "r") as rs, \
+            warnings.catch_warnings():
+        warnings.simplefilter("error", FollowerWarning)
+        for t in its:
+            _same(rs.load(t), js.load(t), f"{what}: load({t})")
+            for r in (0, 1):
+                _same(rs.load(t, rank=r), js.load(t, rank=r), f"{what}: load({t}, rank={r})")
+
+
+def test_gc_rebases_the_job_on_a_verified_follower_base(job, tmp_path, capsys):
+    """``gc --follower-bases`` of a job store: the dry run explains and writes nothing; the gc
+    makes delta 8 a snapshot on every rank (each rank's part of follower base 8, verified),
+    drops 0..7, keeps 8..13 loadable bit for bit (with and without the follower store), fsck
+    is clean, and the follower's bases keep matching (the job's loads and a new follower start
+    from base 12)."""
+    from ckptstore.errors import NotFoundError
+    from test_job_gc import tree
+
+    path = _copy(job, tmp_path)
+    before = tree(path)
+    assert main(["gc", path, "--keep-last", "2", "--follower-bases", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"would remove {REBASE} of {FIRST + 1} iterations" in out, out
+    assert f"would replace delta {REBASE} by a snapshot made from a verified follower" in out, out
+    assert f"follower base {3 * K} not used: its part rank0: no delta after {3 * K} records a " \
+        "fingerprint" in out, out
+    assert tree(path) == before
+    with ckptstore.open(follower_path(path), "r") as f:
+        follower_id = f.header.store_id.hex()
+    with ckptstore.open(path, "r") as js:
+        digest, origin = jd(js, REBASE), jd(js, 0)
+        metas = [js.meta(REBASE, rank=r) for r in (0, 1)]
+        rep = js.gc(keep_last=2, follower_bases=True)
+        assert rep.rebased == (REBASE,) and rep.kept == list(range(REBASE, FIRST + 1)), rep
+        assert rep.removed == list(range(REBASE)) and rep.bytes_after < rep.bytes_before, rep
+        assert f"no delta after {3 * K}" in dict(rep.rebase_skipped)[3 * K], rep
+        print(f"job gc with follower bases: {rep.bytes_before} -> {rep.bytes_after} bytes")
+        assert js.kind(REBASE) == "snapshot" and js.base_of(FIRST) == REBASE
+        for r in (0, 1):
+            assert js.kind(REBASE) == js.stream(REBASE, rank=r).kind(REBASE) == "snapshot"
+            assert js.meta(REBASE, rank=r) == metas[r]  # the delta's meta, on every rank
+            assert js.manifest(REBASE, rank=r).extra["rebased"] == {
+                "v": 1, "digest": digest, "base": 0, "base_digest": origin,
+                "follower": follower_id}
+        with pytest.raises(NotFoundError, match="follower bases dropped it"):
+            js.load(REBASE - 3)
+        assert js.load_base(FIRST) == ("follower", 3 * K)
+    _loads_exact(path, job["ref"], range(REBASE, FIRST + 1), "after gc")
+    assert main(["fsck", path]) == 0
+    with Follower(path, every=K) as f:  # no FollowerMismatchError: its bases still match
+        f.step_once()
+        assert f.iteration == FIRST and f.stats.started_from == ("follower", 3 * K)
+    shutil.rmtree(follower_path(path))  # the job needs nothing of it
+    _loads_exact(path, job["ref"], (REBASE, REBASE + 1, FIRST), "without the follower store")
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("damage", ["chunk", pytest.param("history", marks=pytest.mark.slow)])
+def test_a_job_follower_base_that_does_not_verify_is_not_used(job, tmp_path, capsys, damage):
+    """Follower base 8 with a corrupted chunk in a rank's part, or naming another history of
+    iteration 8: the dry run and the gc (``ckptstore gc JOB --follower-bases``) say why it is not
+    used and rebase on base 4 instead (verified by replaying 5..8 on every rank); every kept
+    iteration loads bit for bit."""
+    path = _copy(job, tmp_path)
+    if damage == "chunk":
+        with ckptstore.open(follower_path(path), "r") as f:
+            tensor = next(t.path for t in f.manifest(REBASE).tensors
+                          if t.path.startswith("rank1/optimizer/") and t.inline is None)
+        _flip_chunk_byte(follower_path(path), REBASE, tensor)
+    else:
+        _rewrite_follower(path, lambda b, ident: ident.update(digest="f" * 32) if b == REBASE
+                          else None)
+    with ckptstore.open(path, "r") as js, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FollowerWarning)
+        dry = js.gc(keep_last=2, follower_bases=True, dry_run=True)
+    assert (dry.rebased, dry.kept) == ((K,), list(range(K, FIRST + 1))), dry
+    why = dict(dry.rebase_skipped)[REBASE]
+    assert ("its part rank" in why) if damage == "chunk" else ("another manifest digest" in why)
+    with warnings.catch_warnings():  # the gc itself, through the CLI
+        warnings.simplefilter("ignore", FollowerWarning)
+        assert main(["gc", path, "--keep-last", "2", "--follower-bases"]) == 0
+    out = capsys.readouterr().out
+    assert f"replace delta {K} by a snapshot made from a verified follower base" in out, out
+    assert f"follower base {REBASE} not used: {why}" in out, out
+    with ckptstore.open(path, "r") as js:
+        assert js.iterations() == dry.kept and js.kind(K) == "snapshot"
+    shutil.rmtree(follower_path(path))
+    _loads_exact(path, job["ref"], range(K, FIRST + 1), damage)
+
+
+@pytest.mark.slow
+def test_a_writing_jobs_own_gc_rebases_on_every_rank(job, tmp_path, capsys):
+    """gc(follower_bases=True) on a 2-rank writer (collective): rank 0 plans and verifies, every
+    rank gets the same report; the job then holds 8..13, 8 a snapshot, bit for bit."""
+    path = _copy(job, tmp_path)
+    res = ok(run_ranks(2, MOD, "own_gc_on_follower_bases", path, str(tmp_path / "w")))
+    want = [[REBASE], [REBASE], list(range(REBASE, FIRST + 1)), list(range(REBASE)),
+            list(range(REBASE, FIRST + 1)), "snapshot"]
+    assert res == [want, want], res
+    _loads_exact(path, job["ref"], range(REBASE, FIRST + 1), "after the job's own gc")
+    assert main(["fsck", path]) == 0
+    capsys.readouterr()
+
+
+def _rebase_kill_sweep(job, tmp_path, capsys, every_step):
+    """The rebasing gc of the job (keep the last 2: rebased at 8) SIGKILLed (``every_step``: at
+    many of its renames, unlinks and directory fsyncs, and at random writes and fsyncs): the store
+    shows the old or the new iterations, every kept one loads bit for bit, fsck is clean, and
+    the next gc finishes (8..13, 8 a snapshot on every rank)."""
+    from ckptstore.ops.retention import KeepLast
+    from test_job_gc import _crash_points, _forked_gc
+
+    base, policy = _copy(job, tmp_path), KeepLast(2)
+    probe, log_file = str(tmp_path / "probe"), str(tmp_path / "ops.txt")
+    shutil.copytree(base, probe)
+    assert _forked_gc(probe, policy, 0, log_file, follower_bases=True) == 0
+    ops = open(log_file).read().split("\n")
+    old, new = list(range(FIRST + 1)), list(range(REBASE, FIRST + 1))
+    with ckptstore.open(probe, "r") as r:
+        assert r.iterations() == new and r.kind(REBASE) == "snapshot"
+    steps = _crash_points(ops, 0, 0)  # every rename, unlink and directory fsync (33 here)
+    # default: the first step (a rank's stream renamed into place: before the commit point) and
+    # the last (deleting the old epochs: after it); slow: every 3rd step, the last 6 (the commit
+    # point and after) and 4 random writes or fsyncs
+    others = set(_crash_points(ops, 4, 5)) - set(steps)
+    points = sorted(set(steps[::3]) | set(steps[-6:]) | others) if every_step else \
+        [steps[0], steps[-1]]
+    seen = set()
+    for kill in points:
+        trial = str(tmp_path / "trial")
+        shutil.rmtree(trial, ignore_errors=True)
+        shutil.copytree(base, trial)
+        what = f"SIGKILL at operation {kill} ({ops[kill - 1]})"
+        assert os.WIFSIGNALED(_forked_gc(trial, policy, kill, follower_bases=True)), what
+        with ckptstore.open(trial, "r") as r:
+            shown = r.iterations()
+        assert shown in (old, new), (what, shown)
+        seen.add(tuple(shown))
+        _loads_exact(trial, job["ref"], (REBASE, REBASE + 2, FIRST), what)
+        assert main(["fsck", trial]) == 0, what
+        assert _forked_gc(trial, policy, 0, follower_bases=True) == 0, what
+        with ckptstore.open(trial, "r") as r:
+            assert r.iterations() == new and r.kind(REBASE) == "snapshot", what
+        _loads_exact(trial, job["ref"], (REBASE, FIRST), what)
+        assert main(["fsck", trial]) == 0, what
+    capsys.readouterr()
+    assert seen == {tuple(old), tuple(new)}  # kills on both sides of the commit point
+    return trial
+
+
+def test_a_rebasing_job_gc_killed_at_its_steps(job, tmp_path, capsys):
+    _rebase_kill_sweep(job, tmp_path, capsys, every_step=False)
+
+
+@pytest.mark.slow
+def test_a_rebasing_job_gc_killed_everywhere_then_loads_at_2_ranks(job, tmp_path, capsys):
+    trial = _rebase_kill_sweep(job, tmp_path, capsys, every_step=True)
+    its = [REBASE, REBASE + 1, FIRST]
+    res = ok(run_ranks(2, MOD, "loads_with_a_group", trial, str(tmp_path / "w"),
+                       ref=job["ref"], its=its))
+    assert res[0] == res[1] == [["primary", REBASE], ["primary", REBASE],
+                                ["follower", 3 * K]], res

@@ -253,9 +253,9 @@ class _Ops(FileOps):
         return super()._unlink(path)
 
 
-def _forked_gc(path, policy, kill, log_file=None) -> int:
-    """Run the gc in a forked child (killed at operation ``kill``; 0: never). Returns its wait
-    status."""
+def _forked_gc(path, policy, kill, log_file=None, **options) -> int:
+    """Run the gc (``collect_job``, with ``options``) in a forked child (killed at operation
+    ``kill``; 0: never). Returns its wait status."""
     from ckptstore.multirank.job_gc import collect_job
 
     pid = os.fork()
@@ -263,7 +263,8 @@ def _forked_gc(path, policy, kill, log_file=None) -> int:
         code = 0
         try:
             ops = _Ops(kill)
-            collect_job(path, policy, lambda p: ckptstore.JobStore(p, "r"), file_ops=ops)
+            collect_job(path, policy, lambda p: ckptstore.JobStore(p, "r"), file_ops=ops,
+                        **options)
             if log_file:
                 with open(log_file, "w") as f:
                     f.write("\n".join(ops.log))

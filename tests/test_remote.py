@@ -637,6 +637,41 @@ def test_remote_older_than_local_is_reported(server, url, tmp_path, capsys):
         assert s.remote_flush(30) == 2 and not s.remote_status().behind
 
 
+def _flip_local(path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_fsck_with_the_local_store_compares_bytes(server, url, tmp_path, capsys):
+    """verify_remote(URL, local=DIR) of a single store compares bytes, as for a job store
+    (remote/job_compare.py): a local segment byte the copy does not hold is DIFFERS, naming the
+    object and the local file; a remote object changed behind our back is damage (the local
+    bytes still match); both put back, the pair is clean."""
+    path, opts = tmp_path / "s", server.options()
+    with ckptstore.open(path, "a") as s:
+        for i in range(2):
+            s.save(i, _state(i))
+    head = push(path, url, opts).head
+    assert verify_remote(url, opts, local=path).clean
+    victim = head.extents()[0]
+    seg = path / "segments" / f"{victim.seq:010d}.seg"
+    _flip_local(seg, victim.offset + victim.length // 2)
+    report = verify_remote(url, opts, local=path)
+    assert not report.clean and not report.damage and len(report.differs) == 1, report.lines()
+    assert victim.name in report.differs[0] and str(seg) in report.differs[0], report.differs
+    assert cli(["fsck", str(path), "--remote", url, "--endpoint-url", server.endpoint,
+                "--option", "key=testing", "--option", "secret=testing"]) == 1
+    assert "1 differ from the local store" in capsys.readouterr().out
+    _flip_local(seg, victim.offset + victim.length // 2)
+    _flip(server, url, victim.name, victim.length // 2)
+    report = verify_remote(url, opts, local=path)
+    assert not report.clean and not report.differs, report.lines()
+    assert any(victim.name in d and "digest mismatch" in d for d in report.damage), report.lines()
+    _flip(server, url, victim.name, victim.length // 2)
+    assert verify_remote(url, opts, local=path).clean
+
+
 def test_remote_newer_or_foreign_is_never_overwritten(server, url, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     with ckptstore.open(a, "a") as s:

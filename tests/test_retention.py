@@ -556,7 +556,7 @@ def test_cli_dry_run(trained, tmp_path, capsys):
         assert r.iterations() == dry.kept
 
 
-def test_cli_gc_errors(trained, tmp_path, capsys, monkeypatch):
+def test_cli_gc_errors(trained, tmp_path, capsys):
     path = str(fresh_copy(trained, tmp_path))
     before = tree_state(Path(path))
     for args, msg in ((["gc", path], "no retention policy"),
@@ -581,8 +581,3 @@ def test_cli_gc_errors(trained, tmp_path, capsys, monkeypatch):
     after = tree_state(Path(path))  # (the writer's open made its LOCK file and used the index)
     assert {k: v for k, v in after.items() if not k.startswith(("LOCK", "index"))} == \
         {k: v for k, v in before.items() if not k.startswith(("LOCK", "index"))}
-    import ckptstore.cli.maintenance as cli
-
-    monkeypatch.setattr(cli, "is_job_store", lambda p: True)  # job stores: no follower bases
-    assert main(["gc", path, "--keep-last", "1", "--dry-run", "--follower-bases"]) == 2
-    assert "not supported" in capsys.readouterr().err

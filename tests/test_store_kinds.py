@@ -254,6 +254,28 @@ class StoreKindTests:
         with pytest.raises(ckptstore.RemoteUnsupportedError):
             store.remote_iteration()
 
+    def test_world_size_and_stream(self, store):
+        """``world_size``: the ranks that wrote (a single store: 1); ``stream(t, rank)``: the
+        store holding that rank's records of ``t`` (a single store: itself), checked: an
+        uncommitted iteration raises NotFoundError, a rank not among ``t``'s RankMismatchError,
+        no rank on a reader of several ranks ValueError."""
+        world = 2 if self.kind == "job-2" else 1
+        assert store.world_size == world
+        for r in range(world):
+            part = store.stream(6, rank=r)
+            assert isinstance(part, ckptstore.Store) and part.world_size == 1
+            assert part.info(6) == store.info(6, **({} if self.kind == "single" else {"rank": r}))
+        if world == 1:
+            assert store.stream(6).info(6) == store.stream(6, rank=0).info(6)
+        else:
+            with pytest.raises(ValueError, match="pass rank="):
+                store.stream(6)
+        with pytest.raises(NotFoundError):
+            store.stream(ITERATIONS + 5, rank=0)
+        for bad in (world, -1, "0"):
+            with pytest.raises(ckptstore.RankMismatchError):
+                store.stream(6, rank=bad)
+
     def test_info(self, store):
         info = store.info(6, **self.part)
         assert info.iteration == 6 and info.kind == "delta" and info.written_bytes > 0
@@ -270,3 +292,16 @@ class TestOneRankJobStore(StoreKindTests):
 
 class TestTwoRankJobStore(StoreKindTests):
     kind = "job-2"
+
+
+def test_world_size_and_stream_of_an_empty_store(tmp_path):
+    """As a job store's: a writer's world size is its own (1), a reader of an empty store's
+    None; stream() of an iteration not committed raises NotFoundError."""
+    with ckptstore.open(tmp_path / "s", "a") as s:
+        assert s.world_size == 1
+        with pytest.raises(NotFoundError):
+            s.stream(0)
+    with ckptstore.open(tmp_path / "s", "r") as r:
+        assert r.world_size is None
+        with pytest.raises(NotFoundError):
+            r.stream(0, rank=0)

@@ -103,30 +103,29 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def _gc_job(args: argparse.Namespace, policy: Any) -> int:
     """gc of a multi-rank job store (offline: no job may write it; format-spec/format.md
-    §22.7): the same policy options; every rank keeps or drops an iteration together."""
+    §22.7): the same policy options and ``--follower-bases`` (format-spec/follower.md §7);
+    every rank keeps or drops an iteration together."""
     from .. import open as open_store
 
-    if args.follower_bases:
-        print(f"ckptstore gc: {args.path} is a multi-rank job store: --follower-bases is not "
-              "supported for job stores", file=sys.stderr)
-        return 2
     with open_store(args.path, "r") as store:
         if args.dry_run:
-            r = store.gc(policy=policy, dry_run=True)
+            r = store.gc(policy=policy, dry_run=True, follower_bases=args.follower_bases)
             print(f"dry run, nothing changed: gc would remove {len(r.removed)} of "
                   f"{len(r.kept) + len(r.removed)} iterations of the job (on every rank)"
                   + (f": {_ranges(r.removed)}" if r.removed else ""))
             print(f"would keep {len(r.kept)}: {_ranges(r.kept)}" if r.kept else "would keep none")
             for it in r.added:
                 print(f"  {it}: {r.why.get(it, 'kept')}")
+            _print_rebase(r, args.follower_bases, "would ")
             print(f"would free about {human_bytes(max(0, r.bytes_freed))}: job store "
                   f"{human_bytes(r.bytes_before)} -> about {human_bytes(r.bytes_after)}")
             return 0
         with progress("gc", None) as tick:
-            r = store.gc(policy=policy, progress=tick)
+            r = store.gc(policy=policy, progress=tick, follower_bases=args.follower_bases)
     print(f"kept {len(r.kept)} iterations, removed {len(r.removed)}"
           + (f" ({', '.join(map(str, r.removed[:20]))}{' ...' if len(r.removed) > 20 else ''})"
              if r.removed else "") + (f"; now epoch {r.epoch}" if r.epoch else ""))
+    _print_rebase(r, args.follower_bases, "")
     if r.unchanged:
         print(f"  kept as they are (an earlier world size): {_ranges(list(r.unchanged))}")
     print(f"job store {human_bytes(r.bytes_before)} -> {human_bytes(r.bytes_after)} in "

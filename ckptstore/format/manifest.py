@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ from typing import Any
 import xxhash
 
 from ..errors import ChecksumMismatch, FormatError, UnsupportedVersionError
+from .state import leaf_indices, renumber_leaves, top_level_items
 from .tree import MAX_TENSOR_BYTES
 
 MANIFEST_VERSION = 1
@@ -205,3 +207,27 @@ def decode_committed_manifest(buf: bytes | memoryview, digest: bytes, iteration:
     if m.iteration != iteration:
         raise FormatError(f"manifest is for iteration {m.iteration}, its commit for {iteration}")
     return m
+
+
+def part_manifest(m: Manifest, key: str) -> Manifest:
+    """The manifest of the part of ``m``'s state under its top-level dict key ``key`` (one rank's
+    part of a job store's follower base, format-spec/follower.md §7) as a snapshot of that part
+    alone would hold it: the part's skeleton with its tensors renumbered in their order in ``m``
+    (the order :func:`~.state.flatten` of the part gives), their entries with the display-path
+    prefix ``key/`` removed (roots, chunks and trees unchanged); ``m``'s other fields. FormatError
+    when the state is not a dict holding ``key``."""
+    top = top_level_items(m.state)
+    have = dict(top) if top is not None else {}
+    if key not in have:
+        raise FormatError(f"manifest of iteration {m.iteration}: the state has no part {key!r}")
+    node = have[key]
+    old = sorted(set(leaf_indices(node)))
+    if old and old[-1] >= len(m.tensors):
+        raise FormatError(f"manifest of iteration {m.iteration} names tensor {old[-1]} but lists "
+                          f"{len(m.tensors)}")
+    prefix = f"{key}/"
+    tensors = tuple(dataclasses.replace(t, path=t.path[len(prefix):])
+                    if t.path.startswith(prefix) else t for t in (m.tensors[i] for i in old))
+    return Manifest(m.iteration, m.created_ns, m.chunk_size,
+                    renumber_leaves(node, {i: n for n, i in enumerate(old)}), m.meta, tensors,
+                    m.kind, dict(m.extra))

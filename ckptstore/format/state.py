@@ -259,3 +259,23 @@ def leaf_indices(node: Any) -> list[int]:
         else:
             stack.extend(_children(n))
     return out
+
+
+def renumber_leaves(node: Any, mapping: dict[int, int]) -> Any:
+    """A copy of skeleton ``node`` with every array leaf ``{"T": i}`` replaced by
+    ``{"T": mapping[i]}`` (the rest unchanged). FormatError for a leaf ``mapping`` lacks."""
+
+    def walk(n: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise FormatError("manifest state: nesting too deep")
+        if type(n) is list:
+            return [walk(v, depth + 1) for v in n]
+        if type(n) is not dict:
+            return n
+        if len(n) == 1 and type(n.get("T")) is int:
+            if n["T"] not in mapping:
+                raise FormatError(f"manifest state: tensor index {n['T']} is not in the part")
+            return {"T": mapping[n["T"]]}
+        return {tag: walk(body, depth + 1) for tag, body in n.items()}
+
+    return walk(node, 0)

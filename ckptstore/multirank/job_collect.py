@@ -32,8 +32,9 @@ from ..errors import describe, rebuild
 from ..ops.retention import Policy
 from ..storage.fileops import FileOps
 from .group import RankGroup
-from .job_gc import (JobGcReport, collect_job, job_bytes, plan_job_gc, report_from_json,
-                     report_to_json)
+from ..ops.gc import skipped_bases
+from .job_gc import (JobGcReport, collect_job, job_bytes, plan_job_gc, rebasing,
+                     report_from_json, report_to_json)
 
 if TYPE_CHECKING:
     from .job_store import JobStore
@@ -42,8 +43,9 @@ log = logging.getLogger("ckptstore")
 
 
 def agree_gc_plan(group: RankGroup, job: "JobStore", policy: Policy,
-                  now_ns: int | None) -> JobGcReport | None:
-    """Collective, step 2 of the job's own gc: rank 0 plans (:func:`~.job_gc.plan_job_gc`) and
+                  now_ns: int | None, follower_bases: bool = False) -> JobGcReport | None:
+    """Collective, step 2 of the job's own gc: rank 0 plans (:func:`~.job_gc.plan_job_gc`;
+    ``follower_bases``: verifying the follower bases as the gc does) and
     broadcasts. Returns None when the gc runs, else the report every rank returns (the plan
     removes nothing); raises rank 0's planning error on every rank (RetentionError: the policy
     selects nothing)."""
@@ -54,14 +56,16 @@ def agree_gc_plan(group: RankGroup, job: "JobStore", policy: Policy,
         return report_from_json(msg[1:]) if msg[:1] == b"\x01" else None
     t0 = time.perf_counter()
     try:
-        plan = plan_job_gc(job, policy, now_ns)
+        with rebasing(job, follower_bases) as rebase:
+            plan = plan_job_gc(job, policy, now_ns, rebase)
+            skipped = skipped_bases(rebase)
         size = job_bytes(job.layout)
         skip = None if plan is not None and plan.removed else JobGcReport(
             plan.kept if plan else [], [], size, size, time.perf_counter() - t0,
             policy=str(policy), added=plan.added if plan else (),
             why=dict(plan.why) if plan else {},
             unchanged=tuple(plan.unchanged) if plan else (),
-            world_size=plan.world_size if plan else None)
+            world_size=plan.world_size if plan else None, rebase_skipped=skipped)
         group.broadcast(b"\x02" if skip is None else b"\x01" + report_to_json(skip),
                         "the job's gc plan")
     except Exception as e:  # noqa: BLE001 - every rank raises it
@@ -114,7 +118,8 @@ class GcTrash:
 def collect_while_writing(job: "JobStore", group: RankGroup, policy: Policy, now_ns: int | None,
                           progress: Callable[[int], None] | None, *, trash: GcTrash,
                           close_writer: Callable[[], None], start_epoch: Callable[[], None],
-                          open_reader: Callable[[str], Any], file_ops: FileOps) -> JobGcReport:
+                          open_reader: Callable[[str], Any], file_ops: FileOps,
+                          follower_bases: bool = False) -> JobGcReport:
     """A writing job's own gc (:meth:`JobStore.gc` on a writer; collective: every rank, the
     same policy, between saves). In order:
 
@@ -140,7 +145,7 @@ def collect_while_writing(job: "JobStore", group: RankGroup, policy: Policy, now
     a collective or step 5 raise (a dead rank: the store is then broken, as after a failed
     open)."""
     job.flush()
-    skip = agree_gc_plan(group, job, policy, now_ns)
+    skip = agree_gc_plan(group, job, policy, now_ns, follower_bases)
     if skip is not None:
         return skip
     trash.join()  # the previous gc's (rank 0)
@@ -149,7 +154,8 @@ def collect_while_writing(job: "JobStore", group: RankGroup, policy: Policy, now
 
     def collect() -> JobGcReport:
         report = collect_job(job.path, policy, open_reader, file_ops=file_ops, now_ns=now_ns,
-                             progress=progress, remove_trash=False)
+                             progress=progress, remove_trash=False,
+                             follower_bases=follower_bases)
         trash.empty()
         return report
 

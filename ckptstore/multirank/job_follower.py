@@ -35,7 +35,7 @@ import xxhash
 from ..errors import DeltaChainError
 from ..format.commit import KIND_DELTA
 from ..format.job import GlobalCommit
-from ..replay.follower import FollowerBases, Part
+from ..replay.follower import FollowerBases, FollowerRebaser, Part
 from ..replay.replayer import IncrementalReplayer, replay_to
 from ..replay.report import ReplayReport
 from ..store import Store, select_keys
@@ -88,7 +88,8 @@ class JobPrimary:
         return JobCommitDigest(job_digest(self.job.global_commit(iteration)))
 
     def manifest(self, iteration: int) -> Any:
-        """Rank 0's manifest (its extra fields: a job's chains are never rebased)."""
+        """Rank 0's manifest (its extra fields: every rank's snapshot that a rebasing gc made
+        records the same job-level provenance, format-spec/follower.md §7)."""
         return self.job.manifest(iteration, rank=0)
 
     def refresh(self) -> None:
@@ -206,6 +207,15 @@ class JobFollowerBases:
 
     def close(self) -> None:
         self.bases.close()
+
+
+def job_rebaser(job: "JobStore") -> FollowerRebaser:
+    """The follower bases a gc of ``job`` (a reader, or a writer between saves) may rebase on
+    (format-spec/follower.md §6-7): identities by job digest (:class:`JobPrimary`), each base
+    verified part by part, rank ``r``'s part against rank ``r``'s records. Close it after use."""
+    return FollowerRebaser(JobPrimary(job), lambda path: Store(path, "r"),
+                           lambda b: [Part(part_key(r), RankRecords(job, r))
+                                      for r in range(job.global_commit(b).world_size)])
 
 
 def load_part(job: "JobStore", followers: JobFollowerBases, g: GlobalCommit, rank: int,

@@ -7,6 +7,12 @@ rank's delta chain (each rank stream's own layout, :func:`~ckptstore.ops.retenti
 chain_closure`), to a fixpoint. The iterations since the job's last change of world size (the
 *suffix*) are rewritten; earlier ones (another world size) stay as they are, adopted.
 
+With ``follower_bases`` (format-spec/follower.md §7) a kept suffix delta's chain may stop at a
+delta *b* whose shadow-follower base verifies on every rank (:func:`~.job_follower.job_rebaser`):
+step 3 then copies each rank's part of that base into the rank's new stream as a snapshot of *b*
+and step 4 names it with a snapshot GLOBAL_COMMIT; the deltas before it that nothing keeps go.
+Steps, commit point and crash behaviour are the same (the new streams are built aside).
+
 Protocol (one new epoch G; every step before 5 is invisible to readers):
 
 1. Refuse when a stream's LOCK is held (a writer on this machine: StoreLockedError), then claim G
@@ -30,6 +36,7 @@ leftovers the next gc deletes; after 5 the new state, plus old files the next gc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -43,10 +50,11 @@ from ..engine.writer_engine import WriterEngine
 from ..errors import (CkptStoreError, DamagedCheckpointError, FormatError, StaleWriterError,
                       StoreLockedError)
 from ..format import records as rec
-from ..format.commit import KIND_NAMES
+from ..format.commit import KIND_NAMES, KIND_SNAPSHOT
 from ..format.job import Epoch, GlobalCommit, RankCommit
-from ..ops.gc import copy_checkpoints, estimate_bytes_after, layout_of
+from ..ops.gc import copy_checkpoints, estimate_bytes_after, layout_of, skipped_bases
 from ..ops.retention import Checkpoint, Policy, chain_closure, plan_retention
+from ..replay.follower import FollowerRebaser, PartRebase
 from ..storage.fileops import FileOps
 from ..storage.job_log import (EPOCH_LOG_RE, GC_TMP_RE, STREAM_RE, EpochLog, JobLayout,
                                claim_next_epoch, quarantine_tail,
@@ -54,6 +62,7 @@ from ..storage.job_log import (EPOCH_LOG_RE, GC_TMP_RE, STREAM_RE, EpochLog, Job
 from ..storage.layout import Layout
 from ..storage.lock import no_writer
 from ..storage.store_file import read_store_header
+from .job_follower import job_rebaser, part_key
 
 if TYPE_CHECKING:
     from .job_store import JobStore
@@ -82,6 +91,11 @@ class JobGcReport:
     epoch: int | None = None
     world_size: int | None = None
     streams_deleted: int = 0
+    #: kept deltas made snapshots (on every rank) from verified follower bases
+    #: (``follower_bases=True``, format-spec/follower.md §7)
+    rebased: tuple[int, ...] = ()
+    #: follower bases looked at and not used, with why ((-1, why): the follower store itself)
+    rebase_skipped: tuple[tuple[int, str], ...] = ()
 
     @property
     def bytes_freed(self) -> int:
@@ -106,6 +120,8 @@ def report_from_json(data: bytes) -> JobGcReport:
         d["why"] = {int(it): str(text) for it, text in d["why"]}
         d["added"] = tuple(d["added"])
         d["unchanged"] = tuple(d["unchanged"])
+        d["rebased"] = tuple(int(it) for it in d.get("rebased", ()))
+        d["rebase_skipped"] = tuple((int(it), str(why)) for it, why in d.get("rebase_skipped", ()))
         return JobGcReport(**d)
     except (ValueError, TypeError, KeyError) as e:
         raise FormatError(f"a job gc report that does not decode: {e}") from None
@@ -127,12 +143,18 @@ class JobGcPlan:
     copies: dict[int, list[tuple[int, list[int]]]]
     #: suffix iterations to name in the new epoch's log
     named: list[int]
+    #: kept suffix deltas copied as snapshots made from verified follower bases (every rank)
+    rebased: frozenset[int] = frozenset()
 
 
-def plan_job_gc(reader: JobStore, policy: Policy, now_ns: int | None = None) -> JobGcPlan | None:
+def plan_job_gc(reader: JobStore, policy: Policy, now_ns: int | None = None,
+                rebase: FollowerRebaser | None = None) -> JobGcPlan | None:
     """The plan of ``policy`` over ``reader``'s view (None: nothing committed). RetentionError
     when the policy selects nothing; DamagedCheckpointError when a stream does not hold what the
-    global commits name."""
+    global commits name. ``rebase`` (:func:`~.job_follower.job_rebaser` of ``reader``): a kept
+    suffix delta's chain may stop at a delta whose follower base verifies on every rank
+    (:func:`~ckptstore.ops.retention.rebasing_closure` over the global kinds; format-spec/
+    follower.md §7); every rank's stream then holds it as a snapshot."""
     view = reader.view
     commits = view.commits
     its = list(commits)
@@ -147,7 +169,10 @@ def plan_job_gc(reader: JobStore, policy: Policy, now_ns: int | None = None) -> 
     cps = [Checkpoint(it, KIND_NAMES.get(g.kind, "unknown"), g.ranks[0].commit.created_ns,
                       reader.meta(it, rank=0) if policy.uses_meta else None)
            for it, g in commits.items()]
-    p = plan_retention(cps, policy, now_ns)  # RetentionError: nothing selected
+    in_suffix = set(suffix)
+    can_rebase = None if rebase is None else (lambda t: t in in_suffix and rebase.usable(t))
+    p = plan_retention(cps, policy, now_ns, can_rebase)  # RetentionError: nothing selected
+    rebased = set(p.rebased)  # decided once for the job: the same iterations on every rank
     why: dict[int, str] = {}
     kept = set(p.selected) | {latest} | set(unchanged)
     if latest not in p.selected:
@@ -167,8 +192,9 @@ def plan_job_gc(reader: JobStore, policy: Policy, now_ns: int | None = None) -> 
             layouts[(e, r)] = engine.read(functools.partial(_layout, engine))
 
     def closure(key: tuple[int, int], keep: list[int]) -> frozenset[int]:
+        layout = [(i, "snapshot" if i in rebased else k) for i, k in layouts[key]]
         try:
-            return chain_closure(layouts[key], keep)
+            return chain_closure(layout, keep)
         except ValueError as e:
             raise DamagedCheckpointError(
                 f"{reader.path}: rank {key[1]}'s stream of epoch {key[0]} does not hold an "
@@ -189,6 +215,9 @@ def plan_job_gc(reader: JobStore, policy: Policy, now_ns: int | None = None) -> 
         if a not in kept:
             kept.add(a)
             why[a] = "needed by a delta chain (the retention plan's chain rule)"
+    # a rebase whose predecessor some rank keeps anyway frees nothing: not made (the kept set
+    # stays closed: that predecessor's chains are in it on every rank)
+    rebased -= {b for b in rebased if b - 1 in kept}
     copies: dict[int, list[tuple[int, list[int]]]] = {r: [] for r in range(w)}
     for e in sorted(by_epoch):
         mine = [t for t in by_epoch[e] if t in kept]
@@ -206,7 +235,7 @@ def plan_job_gc(reader: JobStore, policy: Policy, now_ns: int | None = None) -> 
     kept_list = sorted(kept)
     return JobGcPlan(w, kept_list, [i for i in its if i not in kept],
                      tuple(i for i in kept_list if i not in p.selected), why, unchanged, adopt,
-                     keep_epochs, copies, [i for i in suffix if i in kept])
+                     keep_epochs, copies, [i for i in suffix if i in kept], frozenset(rebased))
 
 
 def _layout(engine: Any) -> list[tuple[int, str]]:
@@ -244,13 +273,32 @@ def _stream_names(layout: JobLayout) -> list[str]:
         return []
 
 
-def dry_run_job(reader: JobStore, policy: Policy, now_ns: int | None = None) -> JobGcReport:
+def dry_run_job(reader: JobStore, policy: Policy, now_ns: int | None = None,
+                follower_bases: bool = False) -> JobGcReport:
     """What :func:`collect_job` would keep and remove, and about how many bytes it would leave
-    (the records it would copy, from each stream's index). Writes nothing."""
+    (the records it would copy, from each stream's index; with ``follower_bases`` the follower
+    bases are verified as the gc verifies them). Writes nothing."""
+    with rebasing(reader, follower_bases) as rebase:
+        return _dry_run(reader, policy, now_ns, rebase)
+
+
+def rebasing(reader: JobStore, follower_bases: bool) -> Any:
+    """A context holding :func:`~.job_follower.job_rebaser` of ``reader`` (None without
+    ``follower_bases``), closed on exit (what :func:`plan_job_gc` takes as ``rebase``)."""
+    return contextlib.closing(job_rebaser(reader)) if follower_bases else \
+        contextlib.nullcontext(None)
+
+
+def _part_rebase(rebase: FollowerRebaser | None, rank: int) -> PartRebase | None:
+    return None if rebase is None else rebase.part(part_key(rank))
+
+
+def _dry_run(reader: JobStore, policy: Policy, now_ns: int | None,
+             rebase: FollowerRebaser | None) -> JobGcReport:
     t0 = time.perf_counter()
     layout = reader.layout
     before = job_bytes(layout)
-    plan = plan_job_gc(reader, policy, now_ns)
+    plan = plan_job_gc(reader, policy, now_ns, rebase)
     if plan is None:
         return JobGcReport([], [], before, before, time.perf_counter() - t0, dry_run=True,
                            estimated=True, policy=str(policy))
@@ -262,11 +310,14 @@ def dry_run_job(reader: JobStore, policy: Policy, now_ns: int | None = None) -> 
         for e, its in sources:
             newest = max(i for i in reader.view.commits if reader.view.commits[i].epoch == e)
             engine = reader.stream(newest, rank=r).engine
-            after += engine.read(functools.partial(estimate_bytes_after, engine, its))
+            after += engine.read(functools.partial(
+                estimate_bytes_after, engine, its, _part_rebase(rebase, r),
+                [i for i in its if i in plan.rebased]))
     return JobGcReport(plan.kept, plan.removed, before, after, time.perf_counter() - t0,
                        dry_run=True, estimated=True, policy=str(policy), added=plan.added,
                        why=dict(plan.why), unchanged=tuple(plan.unchanged),
-                       world_size=plan.world_size)
+                       world_size=plan.world_size, rebased=tuple(sorted(plan.rebased)),
+                       rebase_skipped=skipped_bases(rebase))
 
 
 def refuse_writers(layout: JobLayout) -> None:
@@ -294,8 +345,10 @@ def _features(layout: JobLayout, epoch: int, rank: int) -> str:
 
 
 def _build_streams(layout: JobLayout, ops: FileOps, reader: JobStore, plan: JobGcPlan, new: int,
-                   progress: Callable[[int], None] | None) -> dict[int, list[RankCommit]]:
-    """Step 3: every rank's new stream, renamed into place and durable. Returns, per named
+                   progress: Callable[[int], None] | None,
+                   rebase: FollowerRebaser | None) -> dict[int, list[RankCommit]]:
+    """Step 3: every rank's new stream, renamed into place and durable (a rebased iteration:
+    that rank's part of the verified follower base, as a snapshot). Returns, per named
     iteration, each rank's new local commit."""
     header = reader.header
     view = reader.view
@@ -317,7 +370,8 @@ def _build_streams(layout: JobLayout, ops: FileOps, reader: JobStore, plan: JobG
         try:
             with dest.locked():
                 try:
-                    copy_checkpoints(dest, sources, progress)
+                    copy_checkpoints(dest, sources, progress, _part_rebase(rebase, r),
+                                     plan.rebased)
                 except ValueError as e:
                     raise CkptStoreError(f"{layout.root}: rank {r}'s kept iterations cannot be "
                                          f"merged into one stream ({e}); nothing was changed")
@@ -405,14 +459,16 @@ def write_generation_log(layout: JobLayout, ops: FileOps, epoch: Epoch,
 def collect_job(path: str | os.PathLike, policy: Policy,
                 open_reader: Callable[[str], "JobStore"], *, file_ops: FileOps | None = None,
                 now_ns: int | None = None, progress: Callable[[int], None] | None = None,
-                remove_trash: bool = True) -> JobGcReport:
+                remove_trash: bool = True, follower_bases: bool = False) -> JobGcReport:
     """Apply ``policy`` to the job store at ``path`` and compact it (module docstring). Raises
     RetentionError (the policy selects nothing), StoreLockedError (a job writes it),
     StaleWriterError (a job opened it while gc ran: before the commit point nothing changed;
     after it nothing old was deleted) or DamagedCheckpointError (a kept iteration cannot be
     copied: nothing changed). ``open_reader(path)``: a JobStore reader of ``path`` (mode "r").
     ``remove_trash``: see :func:`delete_old` (a job's own gc deletes ``gc-trash/`` in the
-    background, so that training waits only for steps 1-6's renames)."""
+    background, so that training waits only for steps 1-6's renames). ``follower_bases``: step
+    2 plans with the job's verified follower bases (:func:`plan_job_gc`) and step 3 copies each
+    rank's part of those it uses (format-spec/follower.md §7); the protocol is unchanged."""
     t0 = time.perf_counter()
     path = os.fspath(path)
     ops = file_ops or FileOps()
@@ -430,18 +486,21 @@ def collect_job(path: str | os.PathLike, policy: Policy,
     world = 0
     attempted = False
     try:
-        with open_reader(path) as reader:  # the view after the claim: what a job open adopts
-            plan = plan_job_gc(reader, policy, now_ns)
+        # the view after the claim: what a job open adopts
+        with open_reader(path) as reader, rebasing(reader, follower_bases) as rebase:
+            plan = plan_job_gc(reader, policy, now_ns, rebase)
             assert plan is not None
             world = plan.world_size
-            ranks = _build_streams(layout, ops, reader, plan, new, progress)
+            ranks = _build_streams(layout, ops, reader, plan, new, progress, rebase)
             view = reader.view
+            skipped = skipped_bases(rebase)
         old_current = view.chain[-1]
         if old_current not in plan.keep_epochs and tail_is_suspicious(view.logs[old_current]):
             quarantine_tail(layout, ops, view.logs[old_current])  # kept, never adopted
         write_generation_log(layout, ops, Epoch(new, world, header.store_id, plan.adopt[0],
                                                 plan.adopt[1], time.time_ns()),
-                             [GlobalCommit(it, new, view.commits[it].kind, tuple(ranks[it]),
+                             [GlobalCommit(it, new, KIND_SNAPSHOT if it in plan.rebased
+                                           else view.commits[it].kind, tuple(ranks[it]),
                                            view.commits[it].created_ns) for it in plan.named])
         newer = _superseded(layout, new)
         if newer is not None:
@@ -463,4 +522,5 @@ def collect_job(path: str | os.PathLike, policy: Policy,
     return JobGcReport(plan.kept, plan.removed, before, job_bytes(layout),
                        time.perf_counter() - t0, policy=str(policy), added=plan.added,
                        why=dict(plan.why), unchanged=tuple(plan.unchanged), epoch=new,
-                       world_size=world, streams_deleted=deleted)
+                       world_size=world, streams_deleted=deleted,
+                       rebased=tuple(sorted(plan.rebased)), rebase_skipped=skipped)

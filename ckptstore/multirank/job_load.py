@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ..errors import RankMismatchError
+from ..errors import NotFoundError, RankMismatchError
 from ..format.job import GlobalCommit
+from ..replay.follower import dropped_by_rebase
 from ..tensors.inplace import copy_into
 from .combine import combine
 from .dtensor_state import is_sharded, load_into
-from .job_follower import JobFollowerBases, load_part
+from .job_follower import JobFollowerBases, JobPrimary, load_part
 
 if TYPE_CHECKING:
     from .job_store import JobStore
@@ -60,9 +61,15 @@ def load_job(job: "JobStore", iteration: int, keys: Sequence[Any] | None, rank: 
     §7); with ``rank``: what that rank saved, else the job's state (steps 1-3 of the module
     docstring). ``into``: tensors to fill, as in :meth:`ckptstore.Store.load` (here always
     copied into once the state is combined)."""
+    try:
+        g = job.global_commit(iteration)
+    except NotFoundError as e:
+        dropped = dropped_by_rebase(JobPrimary(job), iteration)  # (a rebasing gc's: it says so)
+        if dropped is None:
+            raise
+        raise dropped from e
     if into is not None and rank is None and is_sharded(job, iteration):
         return load_into(job, iteration, into, keys)[0]  # reads only the targets' boxes
-    g = job.global_commit(iteration)
     if rank is not None:
         state = load_part(job, followers, g, reading_rank(job, rank, g), keys)
     else:

@@ -583,7 +583,7 @@ class JobStore:
 
     def gc(self, keep_last: int | None = None, keep_every: int | None = None,
            progress: Callable[[int], None] | None = None, *, policy: Any = None,
-           dry_run: bool = False, now_ns: int | None = None) -> Any:
+           dry_run: bool = False, now_ns: int | None = None, follower_bases: bool = False) -> Any:
         """gc of the job store (:mod:`ckptstore.multirank.job_gc`, format-spec/format.md §22.7):
         the policy (the union of ``KeepLast(keep_last)``, ``KeepEvery(keep_every)`` and
         ``policy``) selects among the job's iterations; kept: those, the latest, and every
@@ -593,30 +593,29 @@ class JobStore:
         fenced by the epoch gc claims); or by the job itself: on a writer, gc is collective
         (every rank calls it with the same policy, between saves; see
         :meth:`_collect_while_writing`) and the job goes on writing afterwards, in a new epoch.
-        ``dry_run``: the plan and an estimate (local, on any rank),
-        nothing written (``report.why`` says why each iteration beyond the policy is kept).
-        Returns a :class:`~ckptstore.multirank.job_gc.JobGcReport`; RetentionError (nothing
-        removed) when the policy selects nothing."""
+        ``dry_run``: the plan and an estimate (local, on any rank), nothing written.
+        ``follower_bases``: as :meth:`ckptstore.Store.gc`'s, every rank's part of a base verified
+        (format-spec/follower.md §7). Returns a :class:`~.job_gc.JobGcReport` (``why`` each
+        iteration beyond the policy is kept); RetentionError when the policy selects nothing."""
         from ..ops.gc import gc_policy
         from .job_gc import collect_job, dry_run_job
 
         self._check()
         pol = gc_policy(keep_last, keep_every, policy)
-        if self._own is not None:
-            if dry_run:
-                return dry_run_job(self, pol, now_ns)
-            return self._collect_while_writing(pol, now_ns, progress)
-        self.refresh()
+        if self._own is None:
+            self.refresh()
         if dry_run:
-            return dry_run_job(self, pol, now_ns)
+            return dry_run_job(self, pol, now_ns, follower_bases)
+        if self._own is not None:
+            return self._collect_while_writing(pol, now_ns, progress, follower_bases)
         try:
             return collect_job(self.path, pol, lambda p: JobStore(p, "r"), file_ops=self._ops,
-                               now_ns=now_ns, progress=progress)
+                               now_ns=now_ns, progress=progress, follower_bases=follower_bases)
         finally:
             self._reopen_view()
 
     def _collect_while_writing(self, policy: Policy, now_ns: int | None,
-                               progress: Callable[[int], None] | None) -> Any:
+                               progress: Callable[[int], None] | None, rebase: bool = False) -> Any:
         """The job's own gc (collective: every rank, the same policy, between saves; the steps:
         :func:`~.job_collect.collect_while_writing`); the job writes on in a new epoch."""
         _, committer = self._writer()
@@ -627,7 +626,8 @@ class JobStore:
         return collect_while_writing(self, group, policy, now_ns, progress, trash=self._trash,
                                      close_writer=self._close_writer,
                                      start_epoch=lambda: self._start_epoch(group),
-                                     open_reader=lambda p: JobStore(p, "r"), file_ops=self._ops)
+                                     open_reader=lambda p: JobStore(p, "r"), file_ops=self._ops,
+                                     follower_bases=rebase)
 
     def _close_writer(self) -> None:
         """Step 3 of the job's own gc: close this rank's stream (nothing pending: no round) and

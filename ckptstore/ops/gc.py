@@ -39,10 +39,11 @@ and holds the same state.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Collection, Protocol, Sequence
 
 import xxhash
 
@@ -66,7 +67,7 @@ class RebaseSource(Protocol):
     """Snapshots gc may put in place of kept deltas (:class:`ckptstore.replay.follower.
     FollowerRebaser`: a shadow follower's verified bases). Call order: :meth:`usable` during
     planning (for the deltas the closure reaches), then, for each delta the plan rebases,
-    :meth:`manifest_extra` and reads of :attr:`engine` while copying."""
+    :meth:`manifest_extra`, :meth:`base_manifest` and reads of :attr:`engine` while copying."""
 
     #: bases looked at and refused (iteration, or -1 for the whole source) -> why
     skipped: dict[int, str]
@@ -83,6 +84,11 @@ class RebaseSource(Protocol):
 
     def manifest_extra(self, iteration: int) -> dict:
         """The extra manifest fields of the snapshot gc makes of the base at ``iteration``."""
+        ...
+
+    def base_manifest(self, iteration: int) -> Manifest:
+        """The manifest of what gc copies for the base at ``iteration``, read from
+        :attr:`engine` (the whole base, or one rank's part of a job's base)."""
         ...
 
 
@@ -219,7 +225,8 @@ def plan(engine: Engine, policy: Policy, now_ns: int | None = None,
                           None if rebase is None else rebase.usable)
 
 
-def _skipped(rebase: RebaseSource | None) -> tuple[tuple[int, str], ...]:
+def skipped_bases(rebase: RebaseSource | None) -> tuple[tuple[int, str], ...]:
+    """What a report says of the follower bases ``rebase`` looked at and refused."""
     return () if rebase is None else tuple(sorted(rebase.skipped.items()))
 
 
@@ -264,7 +271,7 @@ def estimate_bytes_after(engine: Engine, keep: Sequence[int], rebase: RebaseSour
             manifest = engine.manifest(it)
             if it in rebased and rebase is not None:
                 src = rebase.engine
-                base = src.read(lambda: src.manifest(it))
+                base = src.read(functools.partial(rebase.base_manifest, it))
                 manifest = rebased_manifest(manifest, base, rebase.manifest_extra(it))
                 manifest_length = len(encode_manifest(manifest))
             for t in manifest.tensors:
@@ -304,7 +311,7 @@ def dry_run(engine: Engine, policy: Policy, now_ns: int | None = None,
     after = estimate_bytes_after(engine, p.kept, rebase, p.rebased) if p.kept else before
     return GcReport(list(p.kept), list(p.removed), before, after, time.perf_counter() - t0,
                     dry_run=True, estimated=True, compacted=False, added=p.added, policy=str(policy),
-                    rebased=p.rebased, rebase_skipped=_skipped(rebase))
+                    rebased=p.rebased, rebase_skipped=skipped_bases(rebase))
 
 
 class _Compactor:
@@ -398,13 +405,16 @@ class _Compactor:
         append_commit_record(self, moved)
 
     def copy_rebased(self, iteration: int, rebase: RebaseSource,
-                     progress: Callable[[int], None] | None) -> None:
-        """Copy ``iteration`` as a snapshot made from the base ``rebase`` holds for it: the
-        base's chunks and trees, then a new manifest (:func:`rebased_manifest`) and a snapshot
-        COMMIT (format-spec/follower.md section 6)."""
-        engine, src = self.engine, rebase.engine
+                     progress: Callable[[int], None] | None, source: Engine | None = None) -> None:
+        """Copy delta ``iteration`` of ``source`` (default: the store gc compacts) as a snapshot
+        made from the base ``rebase`` holds for it: the base's chunks and trees, then a new
+        manifest (:func:`rebased_manifest`) and a snapshot COMMIT (format-spec/follower.md
+        section 6)."""
+        engine, src = self.engine if source is None else source, rebase.engine
         entry = engine.index.get_commit(iteration)
-        assert entry is not None
+        if entry is None:
+            raise DamagedCheckpointError(f"gc aborted, nothing changed: iteration {iteration} "
+                                         f"is not committed in {engine.layout.root}")
         c = entry.commit
         try:
             primary = decode_committed_manifest(
@@ -412,7 +422,7 @@ class _Compactor:
                 c.manifest_digest, c.iteration)
 
             def copy() -> Manifest:
-                base = src.manifest(iteration)
+                base = rebase.base_manifest(iteration)
                 self.copy_tensors(src, base, progress)
                 return base
 
@@ -467,7 +477,7 @@ def collect(engine: WriterEngine, *, keep_last: int | None = None, keep_every: i
     if not live or (only_if_removing and not removed):
         return GcReport(keep, removed, bytes_before, bytes_before, time.perf_counter() - t0,
                         compacted=False, added=p.added, policy=str(pol),
-                        rebase_skipped=_skipped(rebase))
+                        rebase_skipped=skipped_bases(rebase))
     def copy(compactor: _Compactor) -> None:
         for it in keep:
             if it in rebased and rebase is not None:
@@ -479,19 +489,22 @@ def collect(engine: WriterEngine, *, keep_last: int | None = None, keep_every: i
     bytes_after = sum(os.path.getsize(layout.segment_path(s)) for s in engine.log.refresh_segments())
     return GcReport(keep, removed, bytes_before, bytes_after, time.perf_counter() - t0,
                     added=p.added, policy=str(pol), rebased=p.rebased,
-                    rebase_skipped=_skipped(rebase))
+                    rebase_skipped=skipped_bases(rebase))
 
 
 def copy_checkpoints(dest: WriterEngine, sources: Sequence[tuple[Engine, Sequence[int]]],
-                     progress: Callable[[int], None] | None = None) -> None:
+                     progress: Callable[[int], None] | None = None,
+                     rebase: RebaseSource | None = None, rebased: Collection[int] = ()) -> None:
     """Compact the committed checkpoints of other stores into ``dest`` with :func:`collect`'s own
     steps (temp segments above ``dest``'s live ones, each chunk verified while copied, the
     marker, :meth:`WriterEngine.install_compaction`): afterwards ``dest`` holds exactly
     ``sources``' iterations (each ``(engine, iterations)``, copied in this order; iterations must
     strictly increase over all of them) and nothing it held before. The gc of multi-rank job
     stores (ckptstore/multirank/job_gc.py) rewrites each rank's kept iterations of several
-    streams into a new one with it. A damaged source checkpoint raises DamagedCheckpointError
-    before anything is installed. The caller holds ``dest``'s lock with no transaction open."""
+    streams into a new one with it. Iterations in ``rebased`` (deltas) are copied as snapshots
+    made from the bases ``rebase`` holds (:meth:`_Compactor.copy_rebased`: a job's rebasing gc,
+    each rank its part). A damaged source checkpoint raises DamagedCheckpointError before
+    anything is installed. The caller holds ``dest``'s lock with no transaction open."""
     order = [it for _, its in sources for it in its]
     if any(b <= a for a, b in zip(order, order[1:])):
         raise ValueError(f"copy_checkpoints: iterations do not increase: {order}")
@@ -500,7 +513,10 @@ def copy_checkpoints(dest: WriterEngine, sources: Sequence[tuple[Engine, Sequenc
     def copy(compactor: _Compactor) -> None:
         for src, its in sources:
             for it in its:
-                compactor.copy_checkpoint(it, progress, src)
+                if it in rebased and rebase is not None:
+                    compactor.copy_rebased(it, rebase, progress, src)
+                else:
+                    compactor.copy_checkpoint(it, progress, src)
 
     _compact(dest, live[-1] if live else 0, copy)
 

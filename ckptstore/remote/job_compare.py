@@ -1,5 +1,7 @@
-"""Comparing a remote job store's copy with the local job store (format-spec/remote.md §8.4):
-``ckptstore fsck JOB --remote URL``, :func:`ckptstore.remote.verify_remote` with ``local=JOB``.
+"""Comparing a remote copy with the local store, by bytes (format-spec/remote.md §6 and §8.4):
+``ckptstore fsck DIR --remote URL``, :func:`ckptstore.remote.verify_remote` with ``local=DIR``,
+for a job store (:func:`compare_job`) and a single store (:func:`compare_store`: what step 3
+below does for each rank stream, one implementation).
 
 :func:`compare_job` checks, for the job HEAD the remote fsck verified, that the local job store
 holds the same bytes as every object the job HEAD names, by the digests the job HEAD and the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..engine.reader_engine import ReaderEngine
 from ..storage.fileops import io_errors
 from ..storage.job_log import JobLayout, read_job_header, read_job_view
 from ..storage.layout import Layout
@@ -30,7 +33,8 @@ from .client import ObjectStore
 from .head import STORE_OBJECT, Extent, Head, digest
 from .job_head import JobHead, log_extent_name, stream_prefix
 from .job_push import cut_lengths
-from .restore import local_digest
+from .replicate import pos_key
+from .restore import RemoteFsckReport, local_digest
 
 
 @dataclass(frozen=True)
@@ -101,15 +105,63 @@ def compare_job(root: ObjectStore, head: JobHead, streams: dict[tuple[int, int],
         if not os.path.isdir(where.root):
             _absent(out, rank, epoch, root.where.url(f"{prefix}/"), where.root)
             continue
-        _whole(out, rank, epoch, root.where.url(f"{prefix}/{STORE_OBJECT}"), where.store_file,
-               h.store_digest)
-        for seg in h.segments:
-            _extents(out, rank, epoch, where.segment_path(seg.seq),
-                     [(e, root.where.url(f"{prefix}/{e.name}")) for e in seg.extents])
+        _store_files(out, root, f"{prefix}/", h, where, rank, epoch)
     if out.collected:
         out.notes.append(f"{out.collected} files the remote copy names were collected by a job "
                          f"gc of {local} since (the remote copy is older)")
     return out
+
+
+def compare_store(report: RemoteFsckReport, root: ObjectStore, local: str) -> None:
+    """Compare the single store's remote copy at ``root`` whose newest valid HEAD
+    ``report.head`` the remote fsck verified with the local store at ``local``, into ``report``:
+    the same store (another one is damage, and the comparison stops), whether the copy is older
+    (``behind``), newer or equal (positions), then the bytes: its STORE file and every segment
+    extent the HEAD names, as step 3 compares a rank stream (the index object, a cache, is not
+    compared). A segment the HEAD names that the local store lacks is a note when the copy is
+    older (a local gc removed it since), else a mismatch; mismatches go to ``report.differs``."""
+    head = report.head
+    assert head is not None
+    engine = ReaderEngine(local)
+    try:
+        if engine.header.store_id != head.store_id:
+            report.damage.append(f"{local} is another store ({engine.header.store_id.hex()}) "
+                                 f"than the remote copy ({head.store_id.hex()})")
+            return
+        recoverable = engine.recoverable()
+        report.local_iteration = recoverable[-1] if recoverable else None
+        p = engine.index.position()
+        local_pos = None if p is None else (p.seq, p.offset)
+        if pos_key(head.position) < pos_key(local_pos):
+            report.behind = True
+            report.notes.append(f"the remote copy is older than {local}: it holds iteration "
+                                f"{head.recoverable} ({head.count} iterations), the local store "
+                                f"{report.local_iteration} ({len(recoverable)} iterations)")
+        elif pos_key(head.position) > pos_key(local_pos):
+            report.notes.append(f"the remote copy is newer than {local} (iteration "
+                                f"{head.recoverable}; local {report.local_iteration})")
+        else:
+            report.notes.append(f"the remote copy holds what {local} holds (iteration "
+                                f"{report.local_iteration})")
+    finally:
+        engine.close()
+    out = JobComparison(behind=report.behind)
+    _store_files(out, root, "", head, Layout(local), None, None)
+    report.differs += [m.line() for m in out.mismatches]
+    if out.collected:
+        report.notes.append(f"{out.collected} segments the remote copy names were collected by "
+                            f"a gc of {local} since (the remote copy is older)")
+
+
+def _store_files(out: JobComparison, root: ObjectStore, prefix: str, h: Head, where: Layout,
+                 rank: int | None, epoch: int | None) -> None:
+    """The STORE file and every segment extent ``h`` names (objects under ``prefix``) against
+    the local store ``where``."""
+    _whole(out, rank, epoch, root.where.url(f"{prefix}{STORE_OBJECT}"), where.store_file,
+           h.store_digest)
+    for seg in h.segments:
+        _extents(out, rank, epoch, where.segment_path(seg.seq),
+                 [(e, root.where.url(f"{prefix}{e.name}")) for e in seg.extents])
 
 
 def _absent(out: JobComparison, rank: int | None, epoch: int | None, url: str,

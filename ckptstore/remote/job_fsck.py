@@ -61,8 +61,6 @@ class JobFsckReport(FsckFindings):
     head: JobHead | None = None
     streams: int = 0
     problems: list[RemoteProblem] = field(default_factory=list)
-    #: compared with a local job store: what it does not hold the same
-    differs: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import xxhash
 
-from ..engine.reader_engine import ReaderEngine
 from ..errors import (FormatError, RemoteConflictError, RemoteError, RemoteIntegrityError,
                       RemoteUnsupportedError, StoreLockedError, StoreNotFoundError)
 from ..format.header import decode_store_header
@@ -43,7 +42,7 @@ from .client import ObjectStore, parse_url
 from .head import (INDEX_DIR, SEGMENTS_DIR, STORE_OBJECT, Extent, Head, SegmentEntry,
                    is_index_name, parse_extent_name)
 from .generations import first_valid
-from .replicate import list_heads, pos_key, read_head, split_options
+from .replicate import list_heads, read_head, split_options
 
 if TYPE_CHECKING:
     from .job_head import JobHead
@@ -332,6 +331,8 @@ class FsckFindings:
     #: copy lags it
     local_iteration: int | None = None
     behind: bool = False
+    #: compared with a local store: the objects whose bytes it does not hold
+    differs: list[str] = field(default_factory=list)
 
     def read_heads(self, gens: list[int], read: Callable[[int], H], what: str) -> list[H]:
         """The valid ones of HEAD-like generations ``gens`` (newest first) read with ``read``; a
@@ -371,7 +372,7 @@ class RemoteFsckReport(FsckFindings):
 
     @property
     def clean(self) -> bool:
-        return self.head is not None and not self.damage and not self.missing
+        return self.head is not None and not self.damage and not self.missing and not self.differs
 
     def lines(self) -> list[str]:
         h = self.head
@@ -379,17 +380,20 @@ class RemoteFsckReport(FsckFindings):
             f"HEAD generation {h.generation}, iteration {h.recoverable} ({h.count} iterations), "
             f"{len(h.segments)} segments, {self.objects} objects, {self.bytes_verified} bytes "
             "verified" if h is not None else "no valid HEAD")]
-        out += self.found()
+        out += [f"DIFFERS {d}" for d in self.differs] + self.found()
         out += self.behind_lines(None if h is None else h.recoverable, "the local store")
         out.append("clean" if self.clean else f"NOT CLEAN: {len(self.missing)} missing objects, "
-                   f"{len(self.damage)} damaged" + ("" if h is not None else ", no valid HEAD"))
+                   f"{len(self.damage)} damaged" + (
+                       f", {len(self.differs)} differ from the local store" if self.differs
+                       else "") + ("" if h is not None else ", no valid HEAD"))
         return out
 
 
-def verify_store(url: str, options: dict | None = None, *, local: str | os.PathLike | None = None,
+def verify_store(url: str, options: dict | None = None, *,
                  progress: Callable[[int], None] | None = None) -> RemoteFsckReport:
     """Verify a single store's remote copy at ``url`` (every HEAD; every object of the newest
-    valid one, by length and digest); with ``local``, compare it with that local store."""
+    valid one, by length and digest). (Compared with a local store:
+    :func:`~.job_compare.compare_store`.)"""
     client_opts, _ = split_options(options)
     store = ObjectStore(url, client_opts)
     report = RemoteFsckReport(str(store.where))
@@ -414,8 +418,6 @@ def verify_store(url: str, options: dict | None = None, *, local: str | os.PathL
     if len(valid) > 1:
         report.notes.append(f"{len(valid) - 1} older HEADs kept (generations "
                             f"{[h.generation for h in valid[1:]]})")
-    if local is not None:
-        _compare_local(report, head, os.fspath(local))
     return report
 
 
@@ -468,29 +470,3 @@ def verify_objects(store: ObjectStore, head: "Head | JobHead", wanted: list[tupl
                 check_store_object(store, head, store.get(STORE_OBJECT, 0, 65))
             except RemoteIntegrityError as e:
                 report.damage.append(f"{who}{e}")
-
-
-def _compare_local(report: RemoteFsckReport, head: Head, local: str) -> None:
-    engine = ReaderEngine(local)
-    try:
-        if engine.header.store_id != head.store_id:
-            report.damage.append(f"{local} is another store ({engine.header.store_id.hex()}) "
-                                 f"than the remote copy ({head.store_id.hex()})")
-            return
-        recoverable = engine.recoverable()
-        report.local_iteration = recoverable[-1] if recoverable else None
-        p = engine.index.position()
-        local_pos = None if p is None else (p.seq, p.offset)
-        if pos_key(head.position) < pos_key(local_pos):
-            report.behind = True
-            report.notes.append(f"the remote copy is older than {local}: it holds iteration "
-                                f"{head.recoverable} ({head.count} iterations), the local store "
-                                f"{report.local_iteration} ({len(recoverable)} iterations)")
-        elif pos_key(head.position) > pos_key(local_pos):
-            report.notes.append(f"the remote copy is newer than {local} (iteration "
-                                f"{head.recoverable}; local {report.local_iteration})")
-        else:
-            report.notes.append(f"the remote copy holds what {local} holds (iteration "
-                                f"{report.local_iteration})")
-    finally:
-        engine.close()

@@ -10,6 +10,7 @@ from typing import Callable
 
 from ..storage.job_log import is_job_store, refuse_job_part
 from .client import ObjectStore
+from .job_compare import compare_store
 from .job_fsck import JobFsckReport, verify_job
 from .job_head import is_remote_job
 from .job_pull import JobPullResult, pull_job
@@ -50,10 +51,13 @@ def verify_remote(url: str, options: dict | None = None, *, local: str | os.Path
     (job HEADs under ``jobheads/``: :func:`~.job_fsck.verify_job`, every object the newest valid
     job HEAD names, its streams' included, problems named with their rank) or else a single
     store's (:func:`~.restore.verify_store`). With ``local``, also compared with that local
-    store: a single store's position (is the remote copy older?), a job's bytes as well (every
-    object the job HEAD names, :mod:`.job_compare`)."""
+    store: whether the copy is older, and the bytes of every object it names
+    (:mod:`.job_compare`, for both kinds: ``report.differs``)."""
     client_opts, _ = split_options(options)
     if is_remote_job(ObjectStore(url, client_opts)):
         return verify_job(url, options, progress=progress,
                           local=None if local is None else os.fspath(local))
-    return verify_store(url, options, local=local, progress=progress)
+    report = verify_store(url, options, progress=progress)
+    if local is not None and report.head is not None:
+        compare_store(report, ObjectStore(url, client_opts), os.fspath(local))
+    return report

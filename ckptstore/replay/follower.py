@@ -36,6 +36,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ..errors import CkptStoreError, FollowerWarning, NotFoundError, StoreNotFoundError
 from ..format.delta import REPLAY_KEY
+from ..format.manifest import part_manifest
 from .fingerprints import fingerprint_digest
 
 #: the follower store's directory inside the primary store's directory
@@ -481,9 +482,13 @@ class FollowerRebaser:
     :attr:`engine` (the follower store's, read-only) into the primary as a snapshot whose
     manifest carries :meth:`manifest_extra`. Nothing here writes."""
 
-    def __init__(self, primary: Primary, open_reader: Callable[[str], Any]) -> None:
+    def __init__(self, primary: Primary, open_reader: Callable[[str], Any],
+                 parts: Callable[[int], Sequence[Part]] | None = None) -> None:
         self.primary = primary
         self.path = follower_path(primary.path)
+        #: the parts of follower base ``b`` :meth:`verify` checks, each on its own records (a
+        #: job's: one per rank of ``b``, format-spec/follower.md §7); default: the whole state
+        self.parts = parts or (lambda b: [Part(None, primary)])
         self._reader: Any = None
         self._verdicts: dict[int, str | None] = {}
         self._idents: dict[int, Identity] = {}
@@ -542,10 +547,20 @@ class FollowerRebaser:
         return {REBASED_KEY: Rebased(ident.digest, ident.base, ident.base_digest,
                                      self._reader.header.store_id.hex()).to_json()}
 
-    def _fingerprint(self, iteration: int) -> dict | None:
-        """The ``fp`` of the primary's delta ``iteration`` (None: it records none)."""
+    def base_manifest(self, iteration: int) -> Any:
+        """The manifest of follower base ``iteration`` (read from :attr:`engine`)."""
+        return self._reader.engine.manifest(iteration)
+
+    def part(self, key: str) -> "PartRebase":
+        """The :class:`ckptstore.ops.gc.RebaseSource` of the parts ``key`` of these bases (a
+        job's gc copies each rank's part into that rank's stream)."""
+        return PartRebase(self, key)
+
+    @staticmethod
+    def _fingerprint(records: Any, iteration: int) -> dict | None:
+        """The ``fp`` of the delta ``iteration`` of ``records`` (None: it records none)."""
         try:
-            fp = self.primary.load_record(iteration, ["fp"])["fp"]
+            fp = records.load_record(iteration, ["fp"])["fp"]
         except NotFoundError:
             return None
         return fp if isinstance(fp, dict) and isinstance(fp.get("xxh3"), str) else None
@@ -555,29 +570,44 @@ class FollowerRebaser:
         Besides the reader's checks (a)-(g) of format-spec/follower.md §4, with (g) required, the
         base's scheduler, RNG, buffers and param-group settings must equal what the primary's
         delta ``b`` records, and replaying the primary's deltas after ``b`` onto it up to the next
-        one that records a fingerprint must be exact and match that fingerprint."""
+        one that records a fingerprint must be exact and match that fingerprint. Every part of
+        :attr:`parts` must pass (a job's: every rank's, each against its own records; the
+        reason names the part that failed)."""
+        try:
+            parts = list(self.parts(b))
+        except (CkptStoreError, OSError) as e:
+            return f"{type(e).__name__}: {e}"
+        for part in parts:
+            why = self._verify_part(b, part)
+            if why is not None:
+                return why if part.key is None else f"its part {part.key}: {why}"
+        return None
+
+    def _verify_part(self, b: int, part: Part) -> str | None:
+        """:meth:`verify` of one part: its state read from the follower base (under ``part.key``),
+        checked against the deltas of ``part.records``."""
         from .replayer import IncrementalReplayer
 
-        primary, reader = self.primary, self._reader
+        primary, reader, records = self.primary, self._reader, part.records
         try:
-            fp = self._fingerprint(b)
+            fp = self._fingerprint(records, b)
             if fp is None:
                 return f"the primary's delta {b} records no fingerprint to check it against"
             chain = primary.base_of(b)
             nxt, it = None, b + 1
             latest = primary.latest()
             while latest is not None and it <= latest and primary.kind(it) == "delta" and primary.base_of(it) == chain:
-                if self._fingerprint(it) is not None:
+                if self._fingerprint(records, it) is not None:
                     nxt = it
                     break
                 it += 1
             if nxt is None:
                 return (f"no delta after {b} records a fingerprint yet (the replay check needs "
                         "one)")
-            state = reader.load(b)
+            state = read_base(reader, b, part.key)
             if not isinstance(state, dict) or "replay_report" in state or state.get("iteration") != b:
                 return "it is not an exact Checkpointer base of this iteration"
-            section = primary.load(chain, [REPLAY_KEY])[REPLAY_KEY]
+            section = records.load_record(chain, [REPLAY_KEY])[REPLAY_KEY]
             if not _same(state.get(REPLAY_KEY), section):
                 return f"its {REPLAY_KEY!r} section differs from its chain's base {chain}"
             if fingerprint_digest(parameters_of(state)) != fp["xxh3"]:
@@ -585,7 +615,7 @@ class FollowerRebaser:
             rec = {}
             for key in ("scheduler", "rng", "buffers", "groups"):
                 try:
-                    rec.update(primary.load_record(b, [key]))
+                    rec.update(records.load_record(b, [key]))
                 except NotFoundError:
                     pass  # (no scheduler)
             for key in ("scheduler", "rng"):
@@ -600,7 +630,7 @@ class FollowerRebaser:
                     for k, v in after.items()):
                 return f"its param-group settings differ from the primary's delta {b}"
             del rec
-            with IncrementalReplayer.from_state(state, b, primary) as rep:
+            with IncrementalReplayer.from_state(state, b, records) as rep:
                 for u in range(b + 1, nxt + 1):
                     rep.apply_next(u)  # the fingerprint of ``nxt`` is checked here
                 if not rep.exact:
@@ -614,3 +644,28 @@ class FollowerRebaser:
         reader, self._reader = self._reader, None
         if reader is not None:
             reader.close()
+
+
+class PartRebase:
+    """One part of a :class:`FollowerRebaser`'s bases as a :class:`ckptstore.ops.gc.RebaseSource`
+    (a job's rank ``key``: gc copies that part of a verified base into that rank's stream; the
+    verdicts, the follower store and the provenance are the whole base's)."""
+
+    def __init__(self, bases: FollowerRebaser, key: str) -> None:
+        self.bases, self.key = bases, key
+        self.skipped = bases.skipped  # (the same dict: one verdict per base)
+
+    @property
+    def engine(self) -> Any:
+        return self.bases.engine
+
+    def usable(self, iteration: int) -> bool:
+        return self.bases.usable(iteration)
+
+    def manifest_extra(self, iteration: int) -> dict:
+        return self.bases.manifest_extra(iteration)
+
+    def base_manifest(self, iteration: int) -> Any:
+        """The manifest of part :attr:`key` of follower base ``iteration``
+        (:func:`~ckptstore.format.manifest.part_manifest`)."""
+        return part_manifest(self.bases.base_manifest(iteration), self.key)
