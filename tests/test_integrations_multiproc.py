@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import traceback
 from typing import Any, Callable
 
 import pytest
+from _ports import server_port
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -471,12 +471,6 @@ def rank_main(scenario: str, cfg: dict) -> None:
 
 # ==== launching jobs =============================================================================
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario: str, cfg: dict, work: str, deadline: float, world: int = WORLD,
            kill_on_marks: bool = False) -> list[dict]:
     """Run ``scenario`` on ``world`` ranks (processes of this file); per rank its result
@@ -486,7 +480,7 @@ def launch(scenario: str, cfg: dict, work: str, deadline: float, world: int = WO
     kill point (:func:`_mark`; a scheduler killing a job)."""
     os.makedirs(work, exist_ok=True)
     cfg = dict(cfg, work=work)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server_port()),
                WORLD_SIZE=str(world), NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -272,22 +272,17 @@ def _group() -> Any:
     import datetime
 
     import torch.distributed as dist
+    from _ports import server_port
 
     if not _PG:
         if not dist.is_initialized():
-            init = f"tcp://127.0.0.1:{_free_port()}"
+            init = f"tcp://127.0.0.1:{server_port()}"
             dist.init_process_group("gloo", init_method=init, rank=0, world_size=1,
                                     timeout=datetime.timedelta(seconds=60))
         _PG.append(dist.group.WORLD)
     return _PG[0]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _job_writer(p: Path, ops: FileOps | None = None) -> ckptstore.JobStore:

@@ -30,7 +30,6 @@ import itertools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ import urllib.request
 
 import pytest
 import torch
+from _ports import server_port
 
 pytest.importorskip("boto3", reason="the remote tier needs boto3 (pip install -e '.[remote]')")
 pytest.importorskip("moto.server", reason="these tests run moto's S3 server: pip install -e "
@@ -60,17 +60,11 @@ MiB = 1 << 20
 INSTALLED = [c for c in CLIENTS if importlib.util.find_spec(c) is not None]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MotoServer:
     """moto's S3 server as a child process on 127.0.0.1 (restartable on the same port)."""
 
     def __init__(self, log_dir, env: dict | None = None) -> None:
-        self.port = _free_port()
+        self.port = server_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, **(env or {})}
         self.log_dir = log_dir
@@ -257,7 +251,7 @@ def test_client_contract(server, url, client, monkeypatch):
             request()
         assert e.value.code == "NoSuchBucket" and e.value.errno == errno.ENOENT, e.value
     down = ObjectStore(url, server.options(client=client, endpoint_url=f"http://127.0.0.1:"
-                                           f"{_free_port()}", max_attempts=1, connect_timeout=1))
+                                           f"{server_port()}", max_attempts=1, connect_timeout=1))
     for request in (down.check_bucket, down.list_objects, lambda: down.get("meta", 0, 10),
                     lambda: down.put("a", b"1", if_absent=True), lambda: down.size("meta")):
         with pytest.raises(RemoteError) as e:
