@@ -99,11 +99,17 @@ class ImageTensor:
 
     def copy_(self, src: torch.Tensor) -> "ImageTensor":
         """Copy ``src`` (same dtype and number of elements, any strides) into the image."""
-        flat = src.detach().reshape(-1)
         with torch.no_grad():
-            for dst, part in self._pieces(flat):
+            for dst, part in self.copy_pairs(src):
                 dst.copy_(part)
         return self
+
+    def copy_pairs(self, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination in the image, source part) pairs whose copies fill the image with
+        ``src`` (same dtype and number of elements): for a caller batching many copies into one
+        ``torch._foreach_copy_``. A contiguous ``src``'s parts are views of it (sharing its
+        version counter); any other ``src`` is flattened into a copy first."""
+        return self._pieces(src.detach().reshape(-1))
 
     def same_bits(self, src: torch.Tensor) -> bool:
         """Whether the image holds exactly ``src``'s bits (NaN payloads included)."""
