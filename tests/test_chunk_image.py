@@ -285,6 +285,20 @@ def test_the_checkpointer_captures_gradients_into_chunk_images(tmp_path: Path) -
 
 # ---- asynchronous snapshots staged in images -----------------------------------------------------
 
+def test_compression_trials_skip_chunks_that_save_too_little() -> None:
+    """A chunk whose trial saved less than ``min_saving`` (or nothing) is stored raw for its next
+    ``skip`` trials, then tried again; one that saved more is tried every time."""
+    from ckptstore.engine.write_path import CompressionTrials
+
+    t = CompressionTrials(skip=3, min_saving=0.25)
+    t.record("a", 0, 1000, 860)  # 14%: too little
+    t.record("b", 0, 1000, 1000)  # nothing
+    t.record("c", 0, 1000, 700)  # 30%: worth it
+    assert [t.due("a", 0) for _ in range(4)] == [False, False, False, True]
+    assert [t.due("b", 0) for _ in range(4)] == [False, False, False, True]
+    assert all(t.due("c", 0) for _ in range(4)) and t.due("a", 1)
+
+
 def _snapshot_state(i: int) -> dict:
     """Every kind of leaf a snapshot stages: large CPU tensors (in images: several chunks, a
     strided view, bfloat16 with a NaN payload), and leaves that are not (complex, tiny, numpy)."""
