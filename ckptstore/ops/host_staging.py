@@ -246,12 +246,12 @@ def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool,
                 dst.reshape(-1).view(np.uint8)[:] = \
                     np.ascontiguousarray(src).reshape(-1).view(np.uint8)  # a byte copy
             elif isinstance(dst, ImageTensor):  # (a CPU tensor: _imaged)
-                pairs = dst.copy_pairs(src)
                 if deferred is not None and deferred(src):
-                    later.extend((d, s, lf.name) for d, s in pairs)
+                    later.append((dst, src, lf.name))
                 else:
-                    cpu_dst.extend(d for d, _ in pairs)
-                    cpu_src.extend(s for _, s in pairs)
+                    for d, s in dst.copy_pairs(src):
+                        cpu_dst.append(d)
+                        cpu_src.append(s)
             elif src.is_cpu and deferred is not None and deferred(src):
                 later.append((dst, src, lf.name))
             elif src.is_cpu:
