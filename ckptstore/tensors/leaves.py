@@ -79,6 +79,7 @@ class ImageTensor:
             if self._full_rows else None
         t0 = first + self._full_rows * (stride // esz)
         self._tail = typed[t0:t0 + self._tail_len] if self._tail_len else None
+        self._memory: memoryview | None = None
 
     @staticmethod
     def fits(dtype: torch.dtype, nbytes: int, stride: int) -> bool:
@@ -127,8 +128,12 @@ class ImageTensor:
         return out
 
     def memory(self) -> memoryview:
-        """The whole image's bytes (writable: the write path frames records in it)."""
-        return memoryview(self.buffer[self.offset:self.offset + self.image.size].numpy())  # type: ignore[arg-type]
+        """The whole image's bytes (writable: the write path frames records in it). Made once per
+        ImageTensor (an arena's views are reused by every snapshot of the same structure)."""
+        mem = self._memory
+        if mem is None:
+            mem = self._memory = memoryview(self.buffer[self.offset:self.offset + self.image.size].numpy())  # type: ignore[arg-type]
+        return mem
 
 
 @dataclass
