@@ -13,7 +13,8 @@ Call sequence of one deferred copy:
      leaves and returns the deferred (destination view, live tensor) pairs; a
      :class:`DeferredCopy` records each live tensor's version counter and is queued on the
      pipeline's :class:`Copier`; ``submit`` returns.
-  2. The copier thread copies the pairs (one ``torch._foreach_copy_``), then compares the version
+  2. The copier thread copies the pairs (one ``torch._foreach_copy_``; a chunk image's strided
+     pieces are made here, not in the caller's ``submit``), then compares the version
      counters: a tensor changed in place meanwhile makes the copy fail with
      :class:`~ckptstore.errors.LiveStateChangedError` (the checkpoint is not written).
   3. The caller calls :meth:`SaveFuture.copied` before it changes the tensors.
@@ -33,7 +34,6 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-
 from typing import Any
 
 import torch
@@ -74,7 +74,6 @@ class DeferredCopy:
                     srcs.append(src)
             with torch.no_grad():
                 torch._foreach_copy_(dsts, srcs)
-            del dsts, srcs
             for (_, src, name), v in zip(self.pairs, self.versions):
                 if src._version != v:
                     raise LiveStateChangedError(

@@ -216,8 +216,9 @@ def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool,
     becomes an :class:`ImageTensor`; 0: none are).
 
     CPU tensors are copied by one ``torch._foreach_copy_`` into views of their own dtype and shape
-    (no Python call per tensor; a same-dtype copy moves bits, NaN payloads included, and resolves
-    strided, conjugate and negative views)."""
+    (no Python call per tensor but a chunk image's split into its one or two strided pieces; a
+    same-dtype copy moves bits, NaN payloads included, and resolves strided, conjugate and
+    negative views)."""
     if owned:
         todo = [lf for lf in leaves if lf.nbytes and not any(a.holds(lf.value) for a in owned)]
     else:
