@@ -281,3 +281,83 @@ def test_the_checkpointer_captures_gradients_into_chunk_images(tmp_path: Path) -
         got = r.load(5)["model"]
         assert all(torch.equal(got[k], v) for k, v in want.items())
     assert check(str(tmp_path / "s")).clean
+
+
+# ---- asynchronous snapshots staged in images -----------------------------------------------------
+
+def test_compression_trials_skip_chunks_that_save_too_little() -> None:
+    """A chunk whose trial saved less than ``min_saving`` (or nothing) is stored raw for its next
+    ``skip`` trials, then tried again; one that saved more is tried every time."""
+    from ckptstore.engine.write_path import CompressionTrials
+
+    t = CompressionTrials(skip=3, min_saving=0.25)
+    t.record("a", 0, 1000, 860)  # 14%: too little
+    t.record("b", 0, 1000, 1000)  # nothing
+    t.record("c", 0, 1000, 700)  # 30%: worth it
+    assert [t.due("a", 0) for _ in range(4)] == [False, False, False, True]
+    assert [t.due("b", 0) for _ in range(4)] == [False, False, False, True]
+    assert all(t.due("c", 0) for _ in range(4)) and t.due("a", 1)
+
+
+def _snapshot_state(i: int) -> dict:
+    """Every kind of leaf a snapshot stages: large CPU tensors (in images: several chunks, a
+    strided view, bfloat16 with a NaN payload), and leaves that are not (complex, tiny, numpy)."""
+    g = torch.Generator().manual_seed(200 + i)
+    big = torch.randn(2 * CHUNK // 4 + 333, generator=g)
+    half = torch.randn(40, 300, generator=g).to(torch.bfloat16)
+    half.view(torch.int16)[0, 0] = 0x7FC1  # a NaN payload
+    return {"big": big, "same": torch.arange(5000, dtype=torch.float32),
+            "strided": torch.randn(300, 20, generator=g).t(), "half": half,
+            "cplx": torch.randn(100, dtype=torch.complex64, generator=g), "tiny": torch.ones(3),
+            "np": np.arange(1000, dtype=np.int64) * i, "i": i}
+
+
+def test_async_snapshots_stage_tensors_in_images_and_load_exactly(dio_dir: Path, assert_same) -> None:
+    """save_async stages large CPU tensors in chunk images, written from the arena: they load bit
+    for bit (also through an overlapped copy), the manifest records the image chunk size, a tensor
+    unchanged since the last snapshot is not written again, and fsck is clean."""
+    path = dio_dir / "s"
+    with ckptstore.open(path, chunk_size=CHUNK) as s:
+        for i in range(1, 4):
+            fut = s.save_async(i, _snapshot_state(i), deferred=(lambda t: True) if i == 2 else None)
+            fut.copied()
+            stats = fut.result()
+            assert s.manifest(i).chunk_size == STRIDE - RECORD_OVERHEAD
+            if i > 1:  # "same" (20000 bytes: 2 chunks) deduplicates
+                assert stats.dedup_bytes >= 20000
+        writer = s.engine.log.writer
+        assert writer.direct is not None and writer.direct.direct_bytes > 3 * 2 * CHUNK
+        s.pipeline.snapshot_images = False  # the plain staging path writes the same tensors
+        s.save_async(4, _snapshot_state(4)).result()
+        assert s.manifest(4).chunk_size == CHUNK
+    assert check(str(path)).clean
+    with ckptstore.open(path, mode="r") as r:
+        for i in range(1, 5):
+            assert_same(_snapshot_state(i), r.load(i), f"iteration {i}")
+
+
+@pytest.mark.slow
+def test_sigkill_at_every_write_and_fsync_of_imaged_async_snapshots(dio_dir: Path, assert_same) -> None:
+    """Kill the writer at each write (torn on a block boundary) and fsync of two async snapshots
+    staged in images: the iterations it left are whole and exact, every durable one among them."""
+    from _crashkit import kill_sweep
+
+    template = dio_dir / "template"
+    with ckptstore.open(template, chunk_size=CHUNK) as s:
+        s.save(0, {"w": torch.zeros(10)})
+
+    def run(path: Path, ops, journal=None) -> None:
+        s = ckptstore.open(path, chunk_size=CHUNK, file_ops=ops)
+        for i in (1, 2):
+            s.save_async(i, _snapshot_state(i)).result()
+            if journal is not None:
+                journal(f"durable {i}")
+        s.close()
+
+    for path, where, durable in kill_sweep(template, dio_dir, run):
+        with ckptstore.open(path, chunk_size=CHUNK) as w:
+            its = w.iterations()
+            assert its == list(range(len(its))) and its[-1] >= durable, f"{where}: {its}"
+            for i in its[1:]:
+                assert_same(_snapshot_state(i), w.load(i), f"{where}: iteration {i}")
+        shutil.rmtree(path)

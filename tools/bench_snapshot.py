@@ -17,6 +17,10 @@ ckpt               ``Checkpointer(policy="snapshots", snapshot_every=N)``: the o
                    (the default, ``overlap=True``: the same rule as checkfreq), then hashing, lz4,
                    dedup and the append + fsync + commit in the store's persister
 ckpt-copy          the same with ``overlap=False`` (the copy is done before ``step`` returns)
+ckpt-plain         ``ckpt`` with the store's older snapshot staging (``--strategies`` only; not
+                   in the default set): plain arena slices, whose bytes the log copies into its
+                   O_DIRECT staging buffer, and an lz4 trial of every chunk (the path before
+                   snapshots were staged in chunk images), for before/after runs side by side
 =================  ===============================================================================
 
 Rounds rotate the order; in each, every strategy trains ``--block`` steps (several snapshots) and
@@ -36,6 +40,7 @@ then waits until its last snapshot is durable. Per strategy:
     python tools/bench_snapshot.py                 # ~3 min on the project's 2-core VM
     python tools/bench_snapshot.py --json /tmp/snap.json
     python tools/bench_snapshot.py --quick         # a smoke run: a tiny model, 1 round of 8 steps
+    python tools/bench_snapshot.py --strategies pccheck,ckpt,ckpt-plain   # before/after staging
 """
 
 from __future__ import annotations
@@ -113,7 +118,10 @@ class Runner:
             from ckptstore.torch import Checkpointer
             self.store = ckptstore.open(os.path.join(directory, "store"))
             self.ck = Checkpointer(self.store, model, opt, policy="snapshots", snapshot_every=every,
-                                   mtbf_s=3600.0, overlap=name == "ckpt")
+                                   mtbf_s=3600.0, overlap=name != "ckpt-copy")
+            if name == "ckpt-plain":
+                self.store.pipeline.snapshot_images = False
+                self.store.engine.snapshot_trials = None
             self.ck.restore()  # an empty store: base 0 of the live state
         self.submitted = 0
         #: this strategy's own iteration count (the Checkpointer's iterations follow each other)

@@ -227,15 +227,21 @@ def append_checkpoint(target: CheckpointTarget, index: Index, iteration: int, sk
 
 
 class CompressionTrials:
-    """Which chunks of a writer's imaged tensors (captured gradients, deltas after deltas) are
-    worth a compression trial. A chunk whose trial found no saving skips its next ``skip``
-    trials (stored raw meanwhile); one that compressed is tried every time. Float gradients do
-    not compress, so this saves most of the trials' cost; a chunk that turns compressible is
-    stored raw at most ``skip`` times before it is found (writer policy: any chunk may be raw)."""
+    """Which chunks of a writer's imaged tensors (captured gradients, deltas after deltas, the
+    pipeline's snapshots) are worth a compression trial. A chunk whose trial saved less than
+    ``min_saving`` of its bytes (nothing, or too little to pay for compressing it every time)
+    skips its next ``skip`` trials (stored raw meanwhile); one that compressed better is tried
+    every time. Float weights, moments and gradients do not compress, so this saves most of the
+    trials' cost; a chunk that turns compressible is stored raw at most ``skip`` times before it
+    is found (writer policy: any chunk may be raw)."""
 
-    def __init__(self, skip: int = 3, capacity: int = 1 << 16) -> None:
+    def __init__(self, skip: int = 3, capacity: int = 1 << 16, min_saving: float = 0.25) -> None:
         self.skip = skip
         self.capacity = capacity
+        #: the least fraction of a chunk lz4 must save for the chunk to be tried again next time
+        #: (an AdamW second moment of an embedding, its untouched rows zero, saves ~14%: 2.5 ms
+        #: of lz4 per 4 MiB chunk for 0.6 MB less to write, which costs the device far less)
+        self.min_saving = min_saving
         self._wait: dict[tuple[str, int], int] = {}
 
     def due(self, name: str, j: int) -> bool:
@@ -246,8 +252,9 @@ class CompressionTrials:
             return False
         return True
 
-    def record(self, name: str, j: int, compressed: bool) -> None:
-        if compressed:
+    def record(self, name: str, j: int, raw_length: int, stored_length: int) -> None:
+        """The trial of chunk ``j`` of ``name`` stored ``raw_length`` bytes in ``stored_length``."""
+        if stored_length <= raw_length * (1 - self.min_saving):
             self._wait.pop((name, j), None)
         else:
             if len(self._wait) >= self.capacity:
@@ -305,7 +312,7 @@ class _ImageBatch:
             if trials is None or trials.due(name, j):
                 codec, data = choose_encoding(piece)
                 if trials is not None:
-                    trials.record(name, j, codec is not Codec.RAW)
+                    trials.record(name, j, n, len(data))
             if codec is not Codec.RAW:
                 self.packed.append((addr, data, n))
                 continue

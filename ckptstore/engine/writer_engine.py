@@ -78,6 +78,8 @@ class WriterEngine(Engine):
         self.direct_io = direct_io
         #: which chunks of imaged delta tensors skip their compression trial (write_path.py)
         self.delta_trials = CompressionTrials()
+        #: the same for the asynchronous pipeline's snapshots (None: every chunk is tried)
+        self.snapshot_trials: CompressionTrials | None = CompressionTrials()
         #: advise the kernel to write back and drop the pages of what was written (SegmentWriter)
         self.evict_written = evict_written
         self.lock = WriterLock(self.layout, self.file_ops)
@@ -304,7 +306,9 @@ class WriterEngine(Engine):
                       stats_field: str | None = None, background: bool = False) -> SaveStats:
         """Commit one snapshot durably (committing a pending delta group first). Raises
         IterationOrderError unless ``iteration`` is after every committed one. ``background``:
-        written by the asynchronous pipeline (O_DIRECT under ``direct_io="async"``)."""
+        written by the asynchronous pipeline (O_DIRECT under ``direct_io="async"``; chunks of
+        its chunk images skip compression trials by :attr:`snapshot_trials`). Leaves in chunk
+        images (the pipeline's) are chunked at the images' chunk size, written in place."""
         with self._mutex:
             self.check_open()
             if self.group is not None:
@@ -318,9 +322,11 @@ class WriterEngine(Engine):
             try:
                 self.log.use_direct(self.direct_io is True or
                                     (background and self.direct_io == "async"))
-                staged, stats = append_checkpoint(txn, self.index, iteration, skeleton, meta, leaves,
-                                                  chunk_size=self.chunk_size, progress=progress,
-                                                  extra=extra, stats_field=stats_field)
+                staged, stats = append_checkpoint(
+                    txn, self.index, iteration, skeleton, meta, leaves,
+                    chunk_size=chunk_size_for(leaves, self.chunk_size), progress=progress,
+                    extra=extra, stats_field=stats_field,
+                    trials=self.snapshot_trials if background else None)
                 txn.stage(staged)
             except BaseException:
                 txn.abort()

@@ -63,13 +63,24 @@ def pad_payload(size: int) -> bytes:
     return encode_chunk_header(_zeros_address(n), Codec.RAW, n) + bytes(n)
 
 
+@functools.lru_cache(maxsize=256)
+def _pad_record(size: int, framing_check: bool) -> bytes:
+    """The whole pad record of ``size`` bytes (a pure function of its size and flags)."""
+    return rec.encode_record(rec.RecordType.CHUNK, pad_payload(size),
+                             rec.FRAMING_CHECK if framing_check else 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_record_header(payload_len: int, flags: int) -> bytes:
+    """The record header of a CHUNK record (a pure function of its length and flags: cached,
+    as an image's full records all share one)."""
+    return rec.encode_header(rec.RecordType.CHUNK, payload_len, flags)
+
+
 def seal_pad(buf: memoryview, offset: int, size: int, framing_check: bool) -> None:
     """Write a pad record of ``size`` bytes at ``offset`` of ``buf`` (``framing_check``: as in
     :func:`seal_chunk`)."""
-    payload = pad_payload(size)
-    n = size - RECORD_OVERHEAD
-    buf[offset + rec.HEADER_SIZE:offset + rec.HEADER_SIZE + len(payload)] = payload
-    seal_chunk(buf, offset, _zeros_address(n), n, framing_check)
+    buf[offset:offset + size] = _pad_record(size, framing_check)
 
 
 def seal_chunk(buf: memoryview, offset: int, address: bytes, data_len: int,
@@ -81,8 +92,7 @@ def seal_chunk(buf: memoryview, offset: int, address: bytes, data_len: int,
     again). The data is never written; the caller computed ``address`` over it."""
     payload_len = CHUNK_HEADER_SIZE + data_len
     flags = rec.FRAMING_CHECK if framing_check else 0
-    buf[offset:offset + rec.HEADER_SIZE] = rec.encode_header(rec.RecordType.CHUNK, payload_len,
-                                                             flags)
+    buf[offset:offset + rec.HEADER_SIZE] = _chunk_record_header(payload_len, flags)
     buf[offset + rec.HEADER_SIZE:offset + DATA_OFFSET] = encode_chunk_header(address, Codec.RAW,
                                                                               data_len)
     start = offset + rec.HEADER_SIZE

@@ -13,7 +13,8 @@ Call sequence of one deferred copy:
      leaves and returns the deferred (destination view, live tensor) pairs; a
      :class:`DeferredCopy` records each live tensor's version counter and is queued on the
      pipeline's :class:`Copier`; ``submit`` returns.
-  2. The copier thread copies the pairs (one ``torch._foreach_copy_``), then compares the version
+  2. The copier thread copies the pairs (one ``torch._foreach_copy_``; a chunk image's strided
+     pieces are made here, not in the caller's ``submit``), then compares the version
      counters: a tensor changed in place meanwhile makes the copy fail with
      :class:`~ckptstore.errors.LiveStateChangedError` (the checkpoint is not written).
   3. The caller calls :meth:`SaveFuture.copied` before it changes the tensors.
@@ -33,22 +34,26 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
 from ..errors import LiveStateChangedError
+from ..tensors import ImageTensor
 
 
 class DeferredCopy:
-    """The copy of ``pairs`` ((destination, live tensor, path name) triples) into an arena, run by
-    a :class:`Copier`. ``seconds``: how long the copy took; ``error``: why it failed (None: it
+    """The copy of ``pairs`` ((destination, live tensor, path name) triples; a destination is a
+    tensor or an :class:`~ckptstore.tensors.ImageTensor`) into an arena, run by a
+    :class:`Copier`. ``seconds``: how long the copy took; ``error``: why it failed (None: it
     did not)."""
 
-    def __init__(self, iteration: int, pairs: list[tuple[torch.Tensor, torch.Tensor, str]]) -> None:
+    def __init__(self, iteration: int, pairs: list[tuple[Any, torch.Tensor, str]]) -> None:
         self.iteration = iteration
         self.pairs = pairs
         self.versions = [src._version for _, src, _ in pairs]
-        self.nbytes = sum(dst.numel() * dst.element_size() for dst, _, _ in pairs)
+        self.nbytes = sum(dst.nbytes if isinstance(dst, ImageTensor) else
+                          dst.numel() * dst.element_size() for dst, _, _ in pairs)
         self.seconds = 0.0
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -57,8 +62,18 @@ class DeferredCopy:
         """Copy, then check that no live tensor changed meanwhile (step 2)."""
         t0 = time.perf_counter()
         try:
+            dsts: list[torch.Tensor] = []
+            srcs: list[torch.Tensor] = []
+            for dst, src, _ in self.pairs:
+                if isinstance(dst, ImageTensor):  # (its pieces: made here, off the caller's time)
+                    for d, s in dst.copy_pairs(src):
+                        dsts.append(d)
+                        srcs.append(s)
+                else:
+                    dsts.append(dst)
+                    srcs.append(src)
             with torch.no_grad():
-                torch._foreach_copy_([d for d, _, _ in self.pairs], [s for _, s, _ in self.pairs])
+                torch._foreach_copy_(dsts, srcs)
             for (_, src, name), v in zip(self.pairs, self.versions):
                 if src._version != v:
                     raise LiveStateChangedError(

@@ -4,10 +4,17 @@ foreground copy of a flattened state's leaves into one arena (:func:`snapshot_le
 tensors by one batched ``_foreach_copy_``, CUDA tensors on a side stream the training stream then
 waits for on the GPU; CPU tensors the caller defers are left to :mod:`ckptstore.ops.deferred_copy`).
 
+With an image stride (the pipeline's snapshots), each CPU torch tensor above the manifest's inline
+size gets a *chunk image* in the arena (format/image.py): its chunks are copied where their CHUNK
+records' data will lie, so the write path frames the records in place and writes them with
+O_DIRECT straight from the arena, instead of copying every byte once more into the log's aligned
+staging buffer (the gradient captures of deltas do the same, ckptstore/torch/grad_capture.py).
+
 Invariants: the bytes of reserved plus cached arenas stay within the pool's budget (one
 reservation larger than the whole budget proceeds alone); an arena is reserved by one holder
 from :meth:`HostPool.acquire` until :meth:`HostPool.release`; a leaf copied by
-:func:`snapshot_leaves` views the arena from then on, never the caller's tensor.
+:func:`snapshot_leaves` views the arena from then on (a tensor, or an ImageTensor), never the
+caller's tensor; every chunk image starts page-aligned in memory.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..format.image import BLOCK, ChunkImage
+from ..format.manifest import INLINE_MAX
 from ..tensors import TORCH_DTYPES, ArrayLeaf, ImageTensor
 
 ALIGN = 64  # leaf offsets inside an arena: any dtype can view its slice
@@ -66,19 +75,24 @@ class Arena:
             t.untyped_storage().data_ptr() == self._ptr
 
     def views(self, layout: "ArenaLayout") -> list:
-        """The destination of every leaf of ``layout``: a torch tensor (torch leaves) or a numpy
-        array (numpy leaves) of the leaf's dtype and shape, viewing its slice of this arena."""
+        """The destination of every leaf of ``layout``: a torch tensor (torch leaves), an
+        :class:`ImageTensor` (leaves the layout puts in a chunk image) or a numpy array (numpy
+        leaves) of the leaf's dtype and shape, viewing its slice of this arena. With images the
+        layout's offsets count from the arena's first page boundary."""
         v = self._views.get(layout)
         if v is None:
             if len(self._views) >= self._MAX_VIEWS:
                 self._views.clear()
+            shift = -self._ptr % BLOCK if layout.stride else 0
             with torch.inference_mode(False):  # cached views are used in and out of that mode
-                v = self._views[layout] = [self._view(off, leaf) for off, leaf in
-                                           zip(layout.offsets, layout.key)]
+                v = self._views[layout] = [self._view(shift + off, leaf, layout.stride)
+                                           for off, leaf in zip(layout.offsets, layout.key)]
         return v
 
-    def _view(self, offset: int, leaf: tuple) -> Any:
-        lib, dtype, shape, nbytes = leaf
+    def _view(self, offset: int, leaf: tuple, stride: int) -> Any:
+        lib, dtype, shape, nbytes, image = leaf
+        if image:
+            return ImageTensor(self.buf, offset, TORCH_DTYPES[dtype], shape, stride)
         dst = self.slice(offset, nbytes)
         if lib == "torch":
             return dst.view(TORCH_DTYPES[dtype]).view(shape)
@@ -88,21 +102,32 @@ class Arena:
 @dataclass(frozen=True, eq=False)
 class ArenaLayout:
     """Where the copied leaves of a state of one structure lie in an arena: ``key`` is each leaf's
-    (lib, dtype, shape, nbytes) in order, ``offsets`` its ALIGN-aligned offset, ``total`` the bytes
-    needed. Layouts are compared by identity (a cached layout is found by its key)."""
+    (lib, dtype, shape, nbytes, image) in order, ``offsets`` its offset, ``total`` the bytes
+    needed, ``stride`` the chunk images' stride (0: no leaf is in an image). Leaves in images
+    come first, each image a whole number of pages from the arena's first page boundary (an
+    arena need not start on one: ``total`` has a page of room); the rest follow, ALIGN-aligned.
+    Layouts are compared by identity (a cached layout is found by its key and stride)."""
 
     key: tuple
     offsets: tuple[int, ...]
     total: int
+    stride: int = 0
 
     @classmethod
-    def of(cls, key: tuple) -> "ArenaLayout":
-        offsets = []
+    def of(cls, key: tuple, stride: int = 0) -> "ArenaLayout":
+        offsets = [0] * len(key)
         off = 0
-        for leaf in key:
-            offsets.append(off)
-            off += align(leaf[3])
-        return cls(key, tuple(offsets), off)
+        images = False
+        for i, leaf in enumerate(key):
+            if leaf[4]:
+                offsets[i] = off
+                off += ChunkImage(leaf[3], stride).size
+                images = True
+        for i, leaf in enumerate(key):
+            if not leaf[4]:
+                offsets[i] = off
+                off += align(leaf[3])
+        return cls(key, tuple(offsets), off + BLOCK if images else off, stride if images else 0)
 
 
 class HostPool:
@@ -169,31 +194,44 @@ class Staged:
     deferred: list = field(default_factory=list)
 
 
+def _imaged(lf: ArrayLeaf, stride: int) -> bool:
+    """Whether leaf ``lf`` gets a chunk image of ``stride`` (0: none does): a CPU torch tensor
+    above the inline size whose dtype an image can hold."""
+    v = lf.value
+    return bool(stride) and lf.nbytes > INLINE_MAX and isinstance(v, torch.Tensor) and v.is_cpu \
+        and ImageTensor.fits(v.dtype, lf.nbytes, stride)
+
+
 def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool, own_bytes: int,
                      streams: dict, layouts: dict,
-                     deferred: Callable[[torch.Tensor], bool] | None = None) -> Staged:
+                     deferred: Callable[[torch.Tensor], bool] | None = None,
+                     image_stride: int = 0) -> Staged:
     """Copy every leaf not already in an owned arena into one arena from ``pool``; each such
     leaf's ``value`` then views the arena (``leaves`` is the caller's fresh flatten output).
     ``layouts``: the caller's cache of :class:`ArenaLayout` by key, reused while the state's
     structure (dtypes, shapes) repeats. ``deferred``: CPU tensors for which it returns True get
     their place in the arena but are not copied: :attr:`Staged.deferred` lists them for the
-    caller's overlapped copy (:mod:`ckptstore.ops.deferred_copy`).
+    caller's overlapped copy (:mod:`ckptstore.ops.deferred_copy`). ``image_stride``: CPU torch
+    tensors above the inline size are copied into chunk images of that stride (their ``value``
+    becomes an :class:`ImageTensor`; 0: none are).
 
     CPU tensors are copied by one ``torch._foreach_copy_`` into views of their own dtype and shape
-    (no Python call per tensor; a same-dtype copy moves bits, NaN payloads included, and resolves
-    strided, conjugate and negative views)."""
+    (no Python call per tensor but a chunk image's split into its one or two strided pieces; a
+    same-dtype copy moves bits, NaN payloads included, and resolves strided, conjugate and
+    negative views)."""
     if owned:
         todo = [lf for lf in leaves if lf.nbytes and not any(a.holds(lf.value) for a in owned)]
     else:
         todo = [lf for lf in leaves if lf.nbytes]
     if not todo:
         return Staged()
-    key = tuple([(lf.lib, lf.dtype, lf.shape, lf.nbytes) for lf in todo])
-    layout = layouts.get(key)
+    key = tuple([(lf.lib, lf.dtype, lf.shape, lf.nbytes, _imaged(lf, image_stride))
+                 for lf in todo])
+    layout = layouts.get((key, image_stride))
     if layout is None:
         if len(layouts) >= 16:
             layouts.clear()
-        layout = layouts[key] = ArenaLayout.of(key)
+        layout = layouts[(key, image_stride)] = ArenaLayout.of(key, image_stride)
     arena, waited = pool.acquire(layout.total, own=own_bytes)
     events: list = []
     later: list = []
@@ -208,6 +246,13 @@ def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool,
             if lf.lib != "torch":
                 dst.reshape(-1).view(np.uint8)[:] = \
                     np.ascontiguousarray(src).reshape(-1).view(np.uint8)  # a byte copy
+            elif isinstance(dst, ImageTensor):  # (a CPU tensor: _imaged)
+                if deferred is not None and deferred(src):
+                    later.append((dst, src, lf.name))
+                else:
+                    for d, s in dst.copy_pairs(src):
+                        cpu_dst.append(d)
+                        cpu_src.append(s)
             elif src.is_cpu and deferred is not None and deferred(src):
                 later.append((dst, src, lf.name))
             elif src.is_cpu:

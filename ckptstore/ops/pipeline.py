@@ -14,7 +14,9 @@ Foreground, in the caller (its duration is the *stall* training sees):
      GPU, not on the CPU; the persister synchronises on the copy event before reading). CPU
      tensors the caller defers (``deferred``) only get their place in the arena: their copy runs
      on a background thread while the caller goes on (:mod:`ckptstore.ops.deferred_copy`: the
-     Checkpointer's overlapped snapshots), and the persister waits for it before reading;
+     Checkpointer's overlapped snapshots), and the persister waits for it before reading. A
+     snapshot's CPU tensors are copied into chunk images (:attr:`Pipeline.snapshot_images`), so
+     the persister writes their records from the arena without another copy;
   4. enqueue the job and return a :class:`~ckptstore.ops.deferred_copy.SaveFuture` (a
      ``concurrent.futures.Future`` whose ``copied()`` waits for the deferred copy).
 
@@ -58,6 +60,7 @@ import torch
 
 from ..errors import (CheckpointAbortedError, DeltaChainError, GlobalCommitAbortedError,
                       IterationOrderError)
+from ..format.image import ChunkImage
 from ..format.state import flatten
 from ..tensors import leaf_hook
 from ..engine.write_path import SaveStats, flatten_meta
@@ -166,6 +169,11 @@ class Pipeline:
         self._history: deque[AsyncStats] = deque(maxlen=10_000)
         self._streams: dict = {}
         self._layouts: dict[tuple, ArenaLayout] = {}  # snapshot layouts by structure (snapshot_leaves)
+        #: a snapshot's CPU tensors are staged in chunk images (host_staging) of the engine's
+        #: image stride, written by the persister with no staging copy; False: plain slices,
+        #: whose bytes the log copies into its aligned staging buffer (the path before images,
+        #: kept for tools/bench_snapshot.py's side-by-side runs; both write valid v1 records)
+        self.snapshot_images = True
         #: called by the persister with the iteration of each snapshot once it is committed and
         #: its future resolved, before the next job (automatic retention); must not raise
         self.after_snapshot: Callable[[int], None] | None = None
@@ -249,8 +257,10 @@ class Pipeline:
         try:
             ts = time.perf_counter()
             own = sum(a.capacity for a in owned)
+            stride = ChunkImage.stride_for(self.engine.chunk_size) \
+                if kind == "snapshot" and self.snapshot_images else 0
             staged = snapshot_leaves(leaves, owned, self.pool, own, self._streams, self._layouts,
-                                     deferred)
+                                     deferred, stride)
             job.leaves, job.events = leaves, staged.events
             if staged.arena is not None:
                 job.arenas.append(staged.arena)

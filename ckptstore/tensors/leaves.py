@@ -79,6 +79,7 @@ class ImageTensor:
             if self._full_rows else None
         t0 = first + self._full_rows * (stride // esz)
         self._tail = typed[t0:t0 + self._tail_len] if self._tail_len else None
+        self._memory: memoryview | None = None
 
     @staticmethod
     def fits(dtype: torch.dtype, nbytes: int, stride: int) -> bool:
@@ -99,11 +100,17 @@ class ImageTensor:
 
     def copy_(self, src: torch.Tensor) -> "ImageTensor":
         """Copy ``src`` (same dtype and number of elements, any strides) into the image."""
-        flat = src.detach().reshape(-1)
         with torch.no_grad():
-            for dst, part in self._pieces(flat):
+            for dst, part in self.copy_pairs(src):
                 dst.copy_(part)
         return self
+
+    def copy_pairs(self, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination in the image, source part) pairs whose copies fill the image with
+        ``src`` (same dtype and number of elements): for a caller batching many copies into one
+        ``torch._foreach_copy_``. A contiguous ``src``'s parts are views of it (sharing its
+        version counter); any other ``src`` is flattened into a copy first."""
+        return self._pieces(src.detach().reshape(-1))
 
     def same_bits(self, src: torch.Tensor) -> bool:
         """Whether the image holds exactly ``src``'s bits (NaN payloads included)."""
@@ -121,8 +128,12 @@ class ImageTensor:
         return out
 
     def memory(self) -> memoryview:
-        """The whole image's bytes (writable: the write path frames records in it)."""
-        return memoryview(self.buffer[self.offset:self.offset + self.image.size].numpy())  # type: ignore[arg-type]
+        """The whole image's bytes (writable: the write path frames records in it). Made once per
+        ImageTensor (an arena's views are reused by every snapshot of the same structure)."""
+        mem = self._memory
+        if mem is None:
+            mem = self._memory = memoryview(self.buffer[self.offset:self.offset + self.image.size].numpy())  # type: ignore[arg-type]
+        return mem
 
 
 @dataclass
