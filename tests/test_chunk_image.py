@@ -217,6 +217,15 @@ def test_chunks_already_stored_or_compressible_are_left_out_of_the_image(dio_dir
         assert torch.equal(r.load_record(1)["g"]["a"], first)
 
 
+def _durable_prefix(path: Path, where: str, durable: int) -> list[int]:
+    """The iterations a killed writer left at ``path``: 0..n with no gap, n at least the newest
+    one it reported durable (AssertionError naming ``where`` otherwise)."""
+    with ckptstore.open(path, chunk_size=CHUNK) as w:
+        its = w.iterations()
+    assert its == list(range(len(its))) and its[-1] >= durable, f"{where}: {its}"
+    return its
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["framing_checks", "full_checks"])
 def test_sigkill_at_every_write_and_fsync_of_imaged_deltas(dio_dir: Path, assert_same, kind: str) -> None:
@@ -243,9 +252,8 @@ def test_sigkill_at_every_write_and_fsync_of_imaged_deltas(dio_dir: Path, assert
         s.close()
 
     for path, where, durable in kill_sweep(template, dio_dir, run):
+        its = _durable_prefix(path, where, durable)
         with ckptstore.open(path, chunk_size=CHUNK) as w:
-            its = w.iterations()
-            assert its == list(range(len(its))) and its[-1] >= durable, f"{where}: {its}"
             for i in its[1:]:
                 got = w.load_record(i)
                 assert_same(_grads(i), {**got["g"], "b": got["b"]}, f"{where}: iteration {i}")
@@ -355,9 +363,8 @@ def test_sigkill_at_every_write_and_fsync_of_imaged_async_snapshots(dio_dir: Pat
         s.close()
 
     for path, where, durable in kill_sweep(template, dio_dir, run):
+        its = _durable_prefix(path, where, durable)
         with ckptstore.open(path, chunk_size=CHUNK) as w:
-            its = w.iterations()
-            assert its == list(range(len(its))) and its[-1] >= durable, f"{where}: {its}"
             for i in its[1:]:
                 assert_same(_snapshot_state(i), w.load(i), f"{where}: iteration {i}")
         shutil.rmtree(path)

@@ -45,6 +45,8 @@ then waits until its last snapshot is durable. Per strategy:
 
 from __future__ import annotations
 
+import argparse
+
 import os
 import shutil
 import statistics
@@ -201,10 +203,17 @@ def summarise(blocks: dict[str, list[dict]], every: int, nbytes: int) -> dict[st
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__)
+def model_parser(doc: str) -> argparse.ArgumentParser:
+    """The snapshot tools' parser: bench_delta's model flags, defaulting to bench_goodput's model
+    (4.5M parameters, 53.7 MB of model + AdamW state, 1 training thread)."""
+    ap = parser(doc)
     add_model_args(ap)
     ap.set_defaults(layers=3, dim=256, heads=4, vocab=8192, ctx=32, batch=4, threads=1)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = model_parser(__doc__)
     ap.add_argument("--every", type=int, default=4, help="steps between snapshots (default 4)")
     ap.add_argument("--block", type=int, default=24, help="steps per strategy per round")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))

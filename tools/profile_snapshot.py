@@ -39,8 +39,9 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from bench_delta import add_model_args, build, fwd_bwd  # noqa: E402
-from harness import header, machine, parser, table, write_json  # noqa: E402
+from bench_delta import build, fwd_bwd  # noqa: E402
+from bench_snapshot import model_parser  # noqa: E402
+from harness import header, machine, table, write_json  # noqa: E402
 
 _PERSIST = "ckptstore-persist"
 _DIRECT = "ckptstore-direct"
@@ -116,9 +117,7 @@ def instrument() -> PhaseTimer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__)
-    add_model_args(ap)
-    ap.set_defaults(layers=3, dim=256, heads=4, vocab=8192, ctx=32, batch=4, threads=1)
+    ap = model_parser(__doc__)
     ap.add_argument("--snaps", type=int, default=12, help="snapshots profiled (default 12)")
     ap.add_argument("--warm", type=int, default=60, help="training steps before (default 60)")
     ap.add_argument("--json", default=None, help="write the phases here")
