@@ -320,10 +320,15 @@ def test_the_plans_retention_bounds_a_job(tmp_path):
     with ckptstore.open(path, "r") as r:
         its = r.iterations()
         snapshots = [i for i in its if r.kind(i) == "snapshot"]
-    # 20 snapshots written (0, 2, ..., 38 and the measuring phase's), a plan's retention of 7
-    # keeps the newest K = 1 after every 4th base: at most 5 at a time
+    # 20 snapshots written (0, 2, ..., 38 and the measuring phase's); the plan's retention R
+    # (how many fit the budget: 3 with today's snapshot sizes) keeps the newest
+    # K = max(1, R // 4) after every max(1, floor(0.8 R) - K)-th base: a handful at a time
     assert snapshots == its and its[-1] == 39 and len(its) <= 5, its
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-    assert size <= 400_000, size  # the disk budget (360,152 bytes measured on 2026-11-29)
+    # the checkpoints (the streams' segments) stay within the budget; the indexes (LMDB pages,
+    # ~60-80 kB a stream) and global logs are outside the plan's byte count, which a 20% margin
+    # covers for checkpoints of megabytes, not for this model's ~30 kB parts
+    segments = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path)
+                   for f in fs if f.endswith(".seg"))
+    assert segments <= 400_000, segments
     _ddp_check(path, live, [i for i in its if i > 0])
     assert fsck_clean(path)
