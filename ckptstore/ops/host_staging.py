@@ -246,15 +246,12 @@ def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool,
             if lf.lib != "torch":
                 dst.reshape(-1).view(np.uint8)[:] = \
                     np.ascontiguousarray(src).reshape(-1).view(np.uint8)  # a byte copy
-            elif isinstance(dst, ImageTensor):  # (a CPU tensor: _imaged)
-                if deferred is not None and deferred(src):
-                    later.append((dst, src, lf.name))
-                else:
-                    for d, s in dst.copy_pairs(src):
-                        cpu_dst.append(d)
-                        cpu_src.append(s)
             elif src.is_cpu and deferred is not None and deferred(src):
-                later.append((dst, src, lf.name))
+                later.append((dst, src, lf.name))  # (into its image too: DeferredCopy splits it)
+            elif isinstance(dst, ImageTensor):  # (a CPU tensor: _imaged)
+                for d, s in dst.copy_pairs(src):
+                    cpu_dst.append(d)
+                    cpu_src.append(s)
             elif src.is_cpu:
                 cpu_dst.append(dst)
                 cpu_src.append(src)
