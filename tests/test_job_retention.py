@@ -166,12 +166,12 @@ def checkpointer_job(rank, world, path, iterations, live_dir):
 def planned_job(rank, world, path, iterations, live_dir, disk_budget):
     """policy="auto" held to snapshots (every 2 iterations) within ``disk_budget``: the plan's
     retention, the job's collective gc, bounds the job store."""
+    from test_auto_policy import held_planner
     from test_multirank import ddp_train
 
     from ckptstore.torch import auto_policy
 
-    real = auto_policy.make_plan
-    auto_policy.make_plan = lambda *a, **kw: real(*a, **{**kw, "modes": ("snapshots",)})
+    auto_policy.make_plan = held_planner(lambda: "snapshots")
     return ddp_train(rank, world, path, iterations, live_dir, policy="auto", measure_steps=2,
                      snapshot_every=2, disk_budget=disk_budget)
 
