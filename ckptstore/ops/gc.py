@@ -404,6 +404,17 @@ class _Compactor:
                        c.snapshot_root, c.created_ns, c.logical_bytes, c.written_bytes, c.kind)
         append_commit_record(self, moved)
 
+    def copy_kept(self, iteration: int, progress: Callable[[int], None] | None,
+                  rebase: RebaseSource | None, rebased: Collection[int],
+                  source: Engine | None = None) -> None:
+        """Copy kept ``iteration`` of ``source`` (default: the store gc compacts): as a snapshot
+        made from ``rebase``'s base (:meth:`copy_rebased`) when the plan rebases it, else as it
+        is (:meth:`copy_checkpoint`)."""
+        if iteration in rebased and rebase is not None:
+            self.copy_rebased(iteration, rebase, progress, source)
+        else:
+            self.copy_checkpoint(iteration, progress, source)
+
     def copy_rebased(self, iteration: int, rebase: RebaseSource,
                      progress: Callable[[int], None] | None, source: Engine | None = None) -> None:
         """Copy delta ``iteration`` of ``source`` (default: the store gc compacts) as a snapshot
@@ -480,10 +491,7 @@ def collect(engine: WriterEngine, *, keep_last: int | None = None, keep_every: i
                         rebase_skipped=skipped_bases(rebase))
     def copy(compactor: _Compactor) -> None:
         for it in keep:
-            if it in rebased and rebase is not None:
-                compactor.copy_rebased(it, rebase, progress)
-            else:
-                compactor.copy_checkpoint(it, progress)
+            compactor.copy_kept(it, progress, rebase, rebased)
 
     _compact(engine, live[-1], copy)
     bytes_after = sum(os.path.getsize(layout.segment_path(s)) for s in engine.log.refresh_segments())
@@ -513,10 +521,7 @@ def copy_checkpoints(dest: WriterEngine, sources: Sequence[tuple[Engine, Sequenc
     def copy(compactor: _Compactor) -> None:
         for src, its in sources:
             for it in its:
-                if it in rebased and rebase is not None:
-                    compactor.copy_rebased(it, rebase, progress, src)
-                else:
-                    compactor.copy_checkpoint(it, progress, src)
+                compactor.copy_kept(it, progress, rebase, rebased, src)
 
     _compact(dest, live[-1] if live else 0, copy)
 
