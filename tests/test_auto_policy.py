@@ -8,6 +8,7 @@ import copy
 import logging
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -123,6 +124,34 @@ def test_restarted_checkpointer_starts_planned(tmp_path, one_mode, caplog, asser
     assert p is not None and p.mode == mode
     assert p.mtbf_source.startswith("learned: ") and "restart(s) of this store" in p.mtbf_source
     assert 0 < p.mtbf_s < 3600
+    ck.close()
+    store.close()
+
+
+def test_plan_charges_the_slowdown_of_the_steps_a_snapshot_overlaps(tmp_path):
+    """Training that runs 30 ms slower while a snapshot is in flight (a persister competing for
+    the cores, made deterministic): the plan's snapshot cost is its stall plus that slowdown
+    (before, the stall alone), and plain steps are measured outside the snapshots' windows."""
+    model, opt = _model()
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="snapshots", snapshot_every=4, measure_steps=4,
+                      mtbf_s=60.0)
+    ck.restore()
+    inflight = []
+    for it in range(1, 61):
+        if any(not f.done() for f in inflight):
+            time.sleep(0.03)  # (this step overlaps a snapshot's persist)
+        if inflight and ck.mode == "snapshots":
+            inflight[-1].result()  # (durable within the step after its own)
+        out = _step(model, ck, opt, it)
+        inflight = [out] if out is not None and hasattr(out, "done") else []
+    p = ck.plan()
+    assert p is not None and ck.meter.count("snapshot_cost") >= 3
+    c = p.costs
+    assert 0.02 <= c.snapshot_slowdown_s <= 0.2, str(p)
+    assert c.snapshot_cost_s == c.snapshot_stall_s + c.snapshot_slowdown_s
+    assert ck.meter.median("plain") < 0.02  # (steps outside the windows are not slowed)
+    assert "slowdown" in str(p)
     ck.close()
     store.close()
 

@@ -8,7 +8,8 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ckptstore.torch.plan import (DELTAS, SNAPSHOTS, Costs, bounds, evaluate, plan)
+from ckptstore.torch.plan import (DELTAS, SNAPSHOTS, CostMeter, Costs, SnapshotWindow, bounds,
+                                  evaluate, plan)
 
 MAX = 300  # max_interval for the brute force: small enough to try every interval
 
@@ -20,6 +21,7 @@ def costs(draw) -> Costs:
     replayable = draw(st.booleans())
     return Costs(step_s=step,
                  snapshot_stall_s=draw(f(0.0, 5.0)),
+                 snapshot_slowdown_s=draw(st.one_of(st.just(0.0), f(0.0, 5.0))),
                  snapshot_persist_s=draw(st.one_of(st.just(0.0), f(0.0, 50 * step))),
                  snapshot_bytes=draw(st.integers(0, 10 ** 10)),
                  delta_overhead_s=draw(f(0.0, step)) if replayable else None,
@@ -74,6 +76,87 @@ def test_young_daly_when_the_stall_is_small():
         n = plan(c, mtbf).snapshot_every
         assert n is not None
         assert n * 0.1 == pytest.approx(math.sqrt(2 * 0.5 * mtbf), rel=0.02)
+
+
+def test_the_slowdown_is_charged_as_part_of_a_snapshots_cost():
+    """A snapshot whose persister slows the steps it overlaps costs its stall plus that slowdown:
+    Young/Daly on the sum, not on the stall (which checkpointed 3-4x too often end to end)."""
+    stall_only = plan(Costs(step_s=0.1, snapshot_stall_s=0.01), 3600.0)
+    slowed = plan(Costs(step_s=0.1, snapshot_stall_s=0.01, snapshot_slowdown_s=0.08), 3600.0)
+    assert slowed.snapshot_every * 0.1 == pytest.approx(math.sqrt(2 * 0.09 * 3600.0), rel=0.02)
+    assert slowed.snapshot_every == pytest.approx(3 * stall_only.snapshot_every, rel=0.05)
+    assert slowed.goodput < stall_only.goodput
+    assert "slowdown 80.0 ms" in str(slowed)
+    with pytest.raises(ValueError, match="snapshot_slowdown_s"):
+        plan(Costs(step_s=0.1, snapshot_stall_s=0.01, snapshot_slowdown_s=-1.0), 60.0)
+
+
+def _steps(window, meter, kinds_dts):
+    for kind, dt in kinds_dts:
+        window.step(kind, dt, meter)
+
+
+def test_snapshot_window_charges_the_steps_a_snapshot_overlaps():
+    """Steps run 100 ms plain; a snapshot's own step takes 130 ms, the two after it 150 and
+    120 ms until it is durable: one "snapshot_cost" sample of 30 + 50 + 20 = 100 ms, and only
+    the steps outside the window are plain samples."""
+    m, w = CostMeter(), SnapshotWindow()
+    _steps(w, m, [("plain", 0.1)] * 4)
+    w.submitted(in_step=True)
+    _steps(w, m, [("base", 0.13), ("plain", 0.15)])
+    w.durable()
+    _steps(w, m, [("plain", 0.12), ("plain", 0.1)])
+    assert m.count("plain") == 5 and m.median("plain") == pytest.approx(0.1)
+    assert m.count("snapshot_cost") == 1 and m.median("snapshot_cost") == pytest.approx(0.1)
+    m.add("stall", 0.02)
+    assert m.costs(replayable=False).snapshot_slowdown_s == pytest.approx(0.08)
+    # two snapshots in flight at once share one window: the cost is split between them
+    w.submitted(in_step=True)
+    _steps(w, m, [("base", 0.14)])
+    w.submitted(in_step=True)
+    w.durable()
+    _steps(w, m, [("base", 0.16)])
+    w.durable()
+    _steps(w, m, [("plain", 0.1)])
+    assert m.count("snapshot_cost") == 3 and m.count("plain") == 5
+    assert m.median("snapshot_cost") == pytest.approx(0.05)  # (0.1, 0.05, 0.05)
+
+
+def test_snapshot_window_without_a_whole_window_or_medians():
+    m, w = CostMeter(), SnapshotWindow()
+    # a snapshot written outside a step (at restore) has no step of its own: no sample
+    w.submitted(in_step=False)
+    _steps(w, m, [("delta", 0.2)])
+    w.durable()
+    _steps(w, m, [("delta", 0.2)])
+    assert m.count("snapshot_cost") == 0
+    # an interrupted window (a restore) gives none either
+    w.submitted(in_step=True)
+    _steps(w, m, [("base", 0.3)])
+    w.interrupt()
+    w.durable()
+    _steps(w, m, [("delta", 0.2)])
+    assert m.count("snapshot_cost") == 0
+    # with no median of the kind yet (only the bootstrap's), a window waits, then is taken
+    m2, w2 = CostMeter(), SnapshotWindow()
+    for _ in range(2):  # two windows, each of one snapshot's own step (no plain sample)
+        w2.submitted(in_step=True)
+        w2.durable()
+        _steps(w2, m2, [("base", 0.3)])
+    assert m2.count("snapshot_cost") == 0 and m2.count("plain") == 0
+    _steps(w2, m2, [("plain", 0.1)])
+    assert m2.count("snapshot_cost") == 2 and m2.median("snapshot_cost") == pytest.approx(0.2)
+
+
+def test_snapshot_window_bootstraps_plain_steps_when_none_runs_outside():
+    """Snapshots so frequent that every step has one in flight: the first plain samples come
+    from the windows (slowed), so a plan can still be made."""
+    m, w = CostMeter(), SnapshotWindow()
+    for _ in range(6):
+        w.submitted(in_step=True)
+        _steps(w, m, [("base", 0.15), ("plain", 0.12)])
+    assert m.count("plain") == SnapshotWindow.BOOTSTRAP
+    assert m.median("plain") == pytest.approx(0.12)
 
 
 def test_persist_bounds_the_interval_from_below():

@@ -9,12 +9,12 @@ work are done. Strategies (``--strategies``, default all):
 
 ==================  ==========================================================================
 torch.save          ``torch.save(model+optimizer)`` to a temp file, fsync, rename, fsync dir,
-                    every N (Young/Daly on its measured stall)
+                    every N (Young/Daly on its measured all-in cost, below)
 dcp-async           ``torch.distributed.checkpoint.async_save`` (FileSystemWriter,
-                    sync_files, no_dist), every N (Young/Daly on its blocking part)
-pccheck             a PCcheck/CheckFreq-style baseline (below), every N (Young/Daly on its copy)
-ckpt-snapshots      ``Checkpointer(policy="snapshots", snapshot_every=N)`` (Young/Daly on the
-                    measured ``save_async`` stall)
+                    sync_files, no_dist), every N (Young/Daly on its all-in cost)
+pccheck             a PCcheck/CheckFreq-style baseline (below), every N (Young/Daly on its cost)
+ckpt-snapshots      ``Checkpointer(policy="snapshots", snapshot_every=N)`` (Young/Daly on its
+                    all-in cost)
 ckpt-deltas         ``Checkpointer(policy="every-iteration", codec="exact", base_every=B)``
 ckpt-topk           the same with ``codec="topk:0.01"`` (training uses the exact gradient; a
                     restore replays the sparsified one: approximate, and reported as such)
@@ -33,7 +33,10 @@ kept), and Poisson failures at each MTBF of ``--poisson-mtbf``. Failure times co
 tools/goodput.py's scenarios (same seeds), so the simulator can replay the exact same schedule.
 
 Measurement. ``I = round(--work-s / plain step)`` iterations (the plain step from a calibration
-child at the start, which also measures the stalls Young/Daly needs). The job's clock starts when
+child at the start, which also measures the costs Young/Daly needs: for every every-N strategy
+its *all-in* cost, the stall plus the slowdown its background work causes the steps it overlaps,
+measured the same way for all, tools/goodput_peers.py ``all_in_cost``; nobody's background work
+is free). The job's clock starts when
 the first child begins training (after the model build and the initial checkpoint of an empty
 store); the wall time ends when iteration ``I`` completes (no final checkpoint). Every strategy
 runs against the same failure schedule per scenario and round (``--repeats``), in an order rotated
@@ -95,14 +98,18 @@ sys.path.insert(0, str(HERE))
 import goodput  # noqa: E402  (tools/goodput.py: scenarios, traces, Young/Daly)
 import harness  # noqa: E402  (tools/harness.py: machine header, tables, fsync)
 from goodput_peers import (CHILD_STRATEGIES, Ckpt, DcpAsync, Emitter, PCcheck, Plain,  # noqa: E402,F401
-                           TorchSave, adam_state_tensors, calibrate_main, child_main, params_hash,
-                           wchar)
+                           TorchSave, adam_state_tensors, all_in_cost, calibrate_main, child_main,
+                           params_hash, wchar)
 
 STRATEGIES = ("torch.save", "dcp-async", "pccheck", "ckpt-snapshots", "ckpt-deltas", "ckpt-topk",
               "ckpt-auto")
-#: strategies whose checkpoint every N comes from Young/Daly on a stall measured at calibration
-YOUNG_DALY = {"torch.save": "torch_save_s", "dcp-async": "dcp_block_s", "pccheck": "pccheck_copy_s",
-              "ckpt-snapshots": "ckpt_stall_s"}
+#: strategies whose checkpoint every N comes from Young/Daly on a cost measured at calibration:
+#: each one's all-in cost (its stall plus the slowdown its background work causes the steps it
+#: overlaps, goodput_peers.all_in_cost), measured alike for all. Until 2026-11-29 it was the stall
+#: alone, which charged nobody's background work and made ckptstore's snapshots (whose persister
+#: costs the most CPU) checkpoint every 2-4 iterations against the peers' 7-20.
+YOUNG_DALY = {"torch.save": "torch_save_cost_s", "dcp-async": "dcp_cost_s",
+              "pccheck": "pccheck_cost_s", "ckpt-snapshots": "ckpt_cost_s"}
 LOSSY = {"ckpt-topk"}
 MODEL_ARGS = ["--layers", "3", "--dim", "256", "--heads", "4", "--vocab", "8192", "--ctx", "32",
               "--batch", "4"]
@@ -154,7 +161,7 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 def every_for(strategy: str, calib: dict[str, float], mtbf_s: float) -> int:
     """Checkpoint interval (iterations) of an every-N strategy: Young/Daly on its calibrated
-    stall, ``max(1, round(sqrt(2 * stall * MTBF) / step))``; 1 for the delta strategies."""
+    all-in cost, ``max(1, round(sqrt(2 * cost * MTBF) / step))``; 1 for the delta strategies."""
     if strategy in YOUNG_DALY:
         return goodput.young_daly_every(max(calib[YOUNG_DALY[strategy]], 1e-4), mtbf_s,
                                         calib["step_s"])
@@ -663,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench_goodput, {time.strftime('%Y-%m-%d %H:%M')}, {machine_line()} "
               f"(at the start: {load_before[0]:.2f}); {iterations} iterations of "
               f"{statistics.median(j['step_plain_s'] for j in jobs) * 1e3:.0f} ms (median) per job; "
-              f"{a.repeats} round(s); every N by Young/Daly on the calibrated stall")
+              f"{a.repeats} round(s); every N by Young/Daly on the calibrated all-in cost")
         print(markdown_table(agg, a.strategies))
         errors = [(j["scenario"], j["strategy"], j["errors"]) for j in jobs if j["errors"]]
         if a.json:

@@ -300,6 +300,10 @@ class Ckpt:
     def restore(self) -> int:
         return self.ck.restore()
 
+    def close(self) -> None:
+        self.ck.close()
+        self.store.close()
+
     def step(self, it: int) -> bool:
         fut = self.ck.step(it)
         plan = self.ck.plan()
@@ -361,10 +365,59 @@ def child_main(cfg: dict) -> None:
     os._exit(0)
 
 
+def all_in_cost(cls, cfg: dict, model, opt, margs, fwd_bwd, reps: int, period: int = 16) -> float:
+    """What one checkpoint of strategy ``cls`` costs training, all in: a checkpoint every
+    ``period`` steps, ``reps`` + 1 times (the first is a warm-up); per checkpoint, the steps from
+    its own to the one during which it became durable, beyond as many plain steps (the median of
+    the steps outside those windows, after the first period). That is its stall plus the slowdown
+    its background work (a writer thread, a persister) caused on the same cores: the cost
+    Young/Daly needs, measured alike for every strategy (ckptstore's planner measures its own the
+    same way, ckptstore.torch.plan.SnapshotWindow)."""
+    durable: dict[int, float] = {}
+
+    def emit(ev: str, **kw: Any) -> None:
+        if ev == "durable":
+            durable.setdefault(kw["i"], time.monotonic())
+
+    strat = cls(dict(cfg, every=period), model, opt, emit)
+    start = strat.restore()
+    checkpoints = [start + k * period for k in range(1, reps + 2)]
+    ends: dict[int, float] = {}
+    dts: dict[int, float] = {}
+    it, deadline = start, time.monotonic() + 120
+    # (train on until the last checkpoint is durable: its window ends in a step)
+    while it < checkpoints[-1] + period // 2 or checkpoints[-1] not in durable:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{cls.__name__}: the checkpoint of iteration {checkpoints[-1]} "
+                               f"was not durable within 120 s")
+        it += 1
+        t0 = time.monotonic()
+        fwd_bwd(model, margs, it)
+        strat.step(it)
+        opt.zero_grad()
+        ends[it] = time.monotonic()
+        dts[it] = ends[it] - t0
+    windows = []
+    for c in checkpoints:
+        last = next(i for i in range(c, it + 1) if ends[i] >= durable[c])
+        windows.append(range(c, last + 1))
+    inside = {i for w in windows for i in w}
+    outside = [dt for i, dt in dts.items() if i not in inside and i > start + period]
+    if not outside:
+        raise RuntimeError(f"{cls.__name__}: no step ran without a checkpoint in flight; "
+                           f"a period of {period} steps is too short to measure its cost")
+    plain = statistics.median(outside)
+    close = getattr(strat, "close", None)
+    if close is not None:
+        close()
+    return statistics.median(sum(dts[i] - plain for i in w) for w in windows[1:])
+
+
 def calibrate_main(cfg: dict) -> None:
     """Measure, in one process, what the every-N choices need: the plain step, torch.save's
     stall, DCP async_save's blocking part, the PCcheck copy and ckptstore's save_async stall
-    (medians of ``reps``); emits one ``calib`` event."""
+    (medians of ``reps``), and each one's all-in cost (:func:`all_in_cost`: the stall plus the
+    slowdown of the steps its background work overlaps); emits one ``calib`` event."""
     emit = Emitter()
     import warnings
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -425,7 +478,16 @@ def calibrate_main(cfg: dict) -> None:
         last = fut or last
     last.result()
     out["ckpt_stall_s"] = max(ck.meter.median("stall") or 0.0, 1e-4)
+    ck.close()
+    store.close()
     out["checkpoint_bytes"] = sum(t.numel() * 4 for t in adam_state_tensors(model, opt))
+    for name, cls, extra in (("torch_save", TorchSave, {}), ("dcp", DcpAsync, {}),
+                             ("pccheck", PCcheck, {}),
+                             ("ckpt", Ckpt, {"strategy": "ckpt-snapshots"})):
+        d = os.path.join(base, f"all-in-{name}")
+        os.makedirs(d)
+        out[f"{name}_cost_s"] = max(all_in_cost(cls, dict(c, dir=d, **extra), model, opt, margs,
+                                                fwd_bwd, reps), 1e-4)
     emit("calib", **out)
     sys.stdout.flush()
     os._exit(0)

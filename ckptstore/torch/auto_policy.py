@@ -43,7 +43,8 @@ import math
 import time
 from typing import Any, Callable
 
-from .plan import DEFAULT_MTBF_S, DELTAS, MODES, SNAPSHOTS, CostMeter, Plan, drifted, plan as make_plan
+from .plan import (DEFAULT_MTBF_S, DELTAS, MODES, SNAPSHOTS, CostMeter, Plan, SnapshotWindow,
+                   drifted, plan as make_plan)
 from .plan_agreement import RankAgreement, Shared
 
 log = logging.getLogger("ckptstore")
@@ -165,6 +166,9 @@ class AutoPolicy:
         self.measure_steps = measure_steps
         self.group_commit = group_commit
         self.meter = CostMeter()
+        #: turns the steps snapshots overlap into "snapshot_cost" samples
+        self.window = SnapshotWindow()
+        self._in_step = False
         self.plan: Plan | None = None
         #: the cost medians ``plan`` was made from (what a base persists with it)
         self._plan_costs: dict[str, float] = {}
@@ -274,22 +278,29 @@ class AutoPolicy:
     # ---- the step ---------------------------------------------------------------------------
     def tick(self, iteration: int) -> None:
         """A step's start: the previous step's wall time (to this start) becomes a cost sample
-        under what it wrote (a step that snapshotted is no sample); then the phases move on."""
+        under what it wrote, or part of a snapshot's cost while one is in flight
+        (:class:`~ckptstore.torch.plan.SnapshotWindow`); then the phases move on."""
         now = time.perf_counter()
         prev, self._prev = self._prev, None
-        if prev is not None and prev[0] == iteration - 1 and prev[2] != "base":
-            self.meter.add(prev[2], now - prev[1])
+        if prev is not None and prev[0] == iteration - 1:
+            self.window.step(prev[2], now - prev[1], self.meter)
+        else:
+            self.window.interrupt()
         self._t_step = now
+        self._in_step = True
         if self.policy != "every-iteration":
             self.advance(iteration)
 
     def tock(self, iteration: int, wrote: str) -> None:
         """A step that ended (it may have written nothing): remembered for the next sample."""
         self._prev = (iteration, self._t_step, wrote)
+        self._in_step = False
 
     def forget_step(self) -> None:
         """No step-time sample across this point (a restore)."""
         self._prev = None
+        self._in_step = False
+        self.window.interrupt()
 
     def replan_soon(self, mtbf_s: float | None) -> None:
         """Plan again at the next step (checked arguments), e.g. with a new ``mtbf_s``."""
@@ -412,8 +423,14 @@ class AutoPolicy:
         return self._mtbf
 
     # ---- cost samples -------------------------------------------------------------------------
+    def snapshot_submitted(self) -> None:
+        """An asynchronous snapshot was handed to the pipeline (its future then reaches
+        :meth:`observe_snapshot`)."""
+        self.window.submitted(self._in_step)
+
     def observe_snapshot(self, fut) -> None:
         """A snapshot's AsyncStats, once it is durable: stall, persist, bytes, write time."""
+        self.window.durable()
         if fut.cancelled() or fut.exception() is not None:
             return
         st = fut.result()
@@ -434,6 +451,8 @@ class AutoPolicy:
 
     def observe_sync_snapshot(self, stall_s: float, stats: Any) -> None:
         """A synchronous snapshot: the whole save stalled training; durable when it returned."""
+        self.window.submitted(self._in_step)
+        self.window.durable()
         self.meter.add("stall", stall_s)
         self.meter.add("persist", 0.0)
         self.meter.add("snapshot_bytes", stats.written_bytes)

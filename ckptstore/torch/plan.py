@@ -3,8 +3,10 @@
 Two ways to checkpoint a training job, one failure model:
 
 * **snapshots**: an asynchronous snapshot (``store.save_async``) every ``N`` iterations. Each one
-  stalls training ``stall_s`` (the copy into host buffers) and becomes durable ``persist_s``
-  later; nothing is written in between.
+  stalls training ``stall_s`` (the copy into host buffers), slows the steps its background work
+  overlaps by ``slowdown_s`` in all (the persister's CPU and memory traffic, taken from the same
+  cores as training) and becomes durable ``persist_s`` later; nothing is written in between.
+  ``C = stall_s + slowdown_s`` is what one snapshot costs training.
 * **deltas**: a gradient delta every iteration (``Checkpointer`` with ``policy="every-iteration"``)
   and a base snapshot every ``B`` iterations. Every step costs ``delta_overhead_s`` more; a
   failure loses at most the uncommitted part of a delta group, but a restore replays the deltas
@@ -17,18 +19,20 @@ wall time, is then::
 
     goodput = useful / (useful + checkpoint overhead)  x  max(0, 1 - (lost_s + resume_s) / mtbf_s)
 
-snapshots, N:  an interval takes W = N*step + stall; useful N*step; lost W/2 + persist (the last
+snapshots, N:  an interval takes W = N*step + C; useful N*step; lost W/2 + persist (the last
                durable snapshot is on average half an interval and one persist old); resume
                restart + load.
-deltas, B:     an interval takes W = B*(step + delta_overhead) + stall (its base); useful B*step;
+deltas, B:     an interval takes W = B*(step + delta_overhead) + C (its base); useful B*step;
                lost half a group-commit window, group_commit*(step + delta_overhead)/2; resume
                restart + load + (B-1)/2 * replay (the deltas since the base, on average).
 
 Both goodputs are log-concave in the interval (a product of x/(x+c) and a decreasing linear
 factor), so the best real interval has a closed form, ``x = sqrt(c*(c+b)) - c`` for
-``x*(b-x)/(x+c)``; for snapshots that is ``sqrt(2*stall*mtbf*A) - stall`` seconds of training, with
-``A = 1 - (persist + resume)/mtbf``: Young/Daly's ``sqrt(2*C*MTBF)`` corrected for the resume and
-the stall. The best whole interval is one of its two integer neighbours, clamped to the bounds:
+``x*(b-x)/(x+c)``; for snapshots that is about ``sqrt(2*C*mtbf*A) - C`` seconds of training,
+with ``A = 1 - (persist + resume)/mtbf``: Young/Daly's ``sqrt(2*C*MTBF)`` corrected for the resume
+and the cost itself. ``C`` includes the slowdown: a planner that charged the stall alone
+checkpointed too often wherever the persister shares the training's cores (end to end on 2 cores:
+every 2-4 iterations, against 7-20 for the peers). The best whole interval is one of its two integer neighbours, clamped to the bounds:
 
 * at least ``persist`` seconds of training between snapshots (bases), so snapshots never queue up
   behind each other in the pipeline;
@@ -46,6 +50,7 @@ Everything here is plain arithmetic on floats: no torch, no I/O; :func:`plan` is
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -80,11 +85,19 @@ class Costs:
     restart_s: float = 0.0
     #: deltas per commit (a failure loses half a group on average)
     group_commit: int = 1
+    #: beyond the stall, the training time one snapshot's background work takes from the steps
+    #: it overlaps (from its submit to its durability)
+    snapshot_slowdown_s: float = 0.0
+
+    @property
+    def snapshot_cost_s(self) -> float:
+        """What one snapshot costs training: its stall plus the slowdown it causes."""
+        return self.snapshot_stall_s + self.snapshot_slowdown_s
 
     def check(self) -> None:
         """Raise ValueError naming the first field that is not a finite number in range."""
-        for name in ("step_s", "snapshot_stall_s", "snapshot_persist_s", "replay_s", "load_s",
-                     "restart_s", "snapshot_bytes", "delta_bytes"):
+        for name in ("step_s", "snapshot_stall_s", "snapshot_slowdown_s", "snapshot_persist_s",
+                     "replay_s", "load_s", "restart_s", "snapshot_bytes", "delta_bytes"):
             _check_number(name, getattr(self, name), positive=name == "step_s")
         if self.delta_overhead_s is not None:
             _check_number("delta_overhead_s", self.delta_overhead_s)
@@ -181,8 +194,8 @@ class Plan:
         delta = ("deltas impossible" if c.delta_overhead_s is None else
                  f"delta +{1e3 * c.delta_overhead_s:.1f} ms/step ({_size(c.delta_bytes)}), "
                  f"replay {1e3 * c.replay_s:.1f} ms/delta")
-        lines.append(f"  costs: step {1e3 * c.step_s:.1f} ms; snapshot stall {1e3 * c.snapshot_stall_s:.1f} ms, "
-                     f"persist {c.snapshot_persist_s:.2f} s ({_size(c.snapshot_bytes)}), load "
+        lines.append(f"  costs: step {1e3 * c.step_s:.1f} ms; snapshot stall {1e3 * c.snapshot_stall_s:.1f} ms "
+                     f"+ slowdown {1e3 * c.snapshot_slowdown_s:.1f} ms, persist {c.snapshot_persist_s:.2f} s ({_size(c.snapshot_bytes)}), load "
                      f"{c.load_s:.2f} s; {delta}")
         lines.append(f"  failures: MTBF {_duration(self.mtbf_s)} ({self.mtbf_source})")
         disk = f"  disk: {_size(self.chosen.bytes_per_hour)}/h"
@@ -214,10 +227,10 @@ def evaluate(costs: Costs, mode: str, interval: int, mtbf_s: float,
              disk_budget: int | None = None) -> Option:
     """The model's verdict on writing ``mode`` with ``interval`` (see the module docstring).
     Pure; defined for every interval >= 1 (bounds are :func:`bounds`'s business)."""
-    s, stall = costs.step_s, costs.snapshot_stall_s
+    s, cost = costs.step_s, costs.snapshot_cost_s
     if mode == SNAPSHOTS:
         k = s
-        lost = (interval * s + stall) / 2 + costs.snapshot_persist_s
+        lost = (interval * s + cost) / 2 + costs.snapshot_persist_s
         resume = costs.restart_s + costs.load_s
         unit = costs.snapshot_bytes
         per_interval = costs.snapshot_bytes
@@ -231,7 +244,7 @@ def evaluate(costs: Costs, mode: str, interval: int, mtbf_s: float,
         per_interval = unit
     else:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    wall = interval * k + stall
+    wall = interval * k + cost
     useful = interval * s
     goodput = useful / wall * max(0.0, 1.0 - (lost + resume) / mtbf_s)
     retention = None  # (no budget, or sizes not measured: keep everything)
@@ -264,18 +277,18 @@ def bounds(costs: Costs, mode: str, disk_budget: int | None = None,
 def best_interval(costs: Costs, mode: str, mtbf_s: float, lo: int, hi: int) -> int:
     """The interval in ``[lo, hi]`` with the highest goodput under :func:`evaluate`: the closed
     form's integer neighbours, clamped (the goodput is unimodal in the interval)."""
-    s, stall = costs.step_s, costs.snapshot_stall_s
+    s, cost = costs.step_s, costs.snapshot_cost_s
     if mode == SNAPSHOTS:
         a = 1.0 - (costs.snapshot_persist_s + costs.restart_s + costs.load_s) / mtbf_s
         # goodput ~ x*(b - x)/(x + c) in x = N*s seconds of training per interval
-        b, c, scale = 2 * mtbf_s * a - stall, stall, s
+        b, c, scale = 2 * mtbf_s * a - cost, cost, s
     else:
         assert costs.delta_overhead_s is not None
         k = s + costs.delta_overhead_s
         a = 1.0 - (costs.group_commit * k / 2 + costs.restart_s + costs.load_s
                    - costs.replay_s / 2) / mtbf_s
         # goodput ~ B*(b - B)/(B + c) in B
-        c, scale = stall / k, 1.0
+        c, scale = cost / k, 1.0
         b = 2 * mtbf_s * a / costs.replay_s if costs.replay_s > 0 else math.inf
     if b <= 0:
         x = 0.0  # every interval loses everything: the shortest
@@ -337,23 +350,28 @@ def plan(costs: Costs, mtbf_s: float, disk_budget: int | None = None, *,
                 tuple(notes), budget_source)
 
 
+#: the kinds of sample a :class:`CostMeter` keeps (and a persisted plan may carry)
+COST_KINDS = ("plain", "delta", "stall", "snapshot_cost", "persist", "snapshot_bytes", "load",
+              "delta_bytes", "delta_write", "optimizer")
+
+
 class CostMeter:
     """The costs :func:`plan` needs, measured online by a Checkpointer: fed numbers, no I/O.
 
     Each cost is the median of its last ``window`` samples (a step slowed by an evaluation pass
     or a neighbour's burst moves a median little). Step samples are the wall time from one
     step's start to the next one's, by what the first step wrote: ``"plain"`` (nothing),
-    ``"delta"``; a step that wrote a snapshot is not a sample (its stall is measured apart).
+    ``"delta"``, taken only while no snapshot is in flight; the steps from a snapshot's own to
+    the one during which it became durable are one ``"snapshot_cost"`` sample instead (their
+    time beyond as many plain or delta steps: the stall plus the slowdown, see
+    :class:`SnapshotWindow`). ``"stall"`` is measured apart.
     Invariant: :meth:`costs` is None until at least one plain step and one snapshot were seen."""
 
     def __init__(self, window: int = 32) -> None:
-        self._s: dict[str, deque[float]] = {k: deque(maxlen=window) for k in (
-            "plain", "delta", "stall", "persist", "snapshot_bytes", "load", "delta_bytes",
-            "delta_write", "optimizer")}
+        self._s: dict[str, deque[float]] = {k: deque(maxlen=window) for k in COST_KINDS}
 
     def add(self, kind: str, value: float) -> None:
-        """One sample of ``kind`` (a key of the window: "plain", "delta", "stall", "persist",
-        "snapshot_bytes", "load", "delta_bytes", "delta_write", "optimizer")."""
+        """One sample of ``kind`` (one of :data:`COST_KINDS`)."""
         self._s[kind].append(float(value))
 
     def count(self, kind: str) -> int:
@@ -388,19 +406,109 @@ class CostMeter:
         """The current estimate (see :class:`Costs`), or None before enough samples. The delta
         overhead is the delta step's median minus the plain step's (None when deltas are off or
         none were measured); replaying a delta is estimated as an optimizer step plus reading
-        the delta (about its write); loading a base as writing one."""
+        the delta (about its write); loading a base as writing one; a snapshot's slowdown as
+        its measured cost beyond its stall (0 before a snapshot was seen through)."""
         plain, stall = self.median("plain"), self.median("stall")
         if plain is None or stall is None or plain <= 0:
             return None
         delta = self.median("delta")
         overhead = max(0.0, delta - plain) if replayable and delta is not None else None
         med = self.median
+        cost = med("snapshot_cost")
         return Costs(step_s=plain, snapshot_stall_s=stall,
+                     snapshot_slowdown_s=max(0.0, cost - stall) if cost is not None else 0.0,
                      snapshot_persist_s=med("persist") or 0.0,
                      snapshot_bytes=int(med("snapshot_bytes") or 0),
                      delta_overhead_s=overhead, delta_bytes=int(med("delta_bytes") or 0),
                      replay_s=(med("optimizer") or 0.0) + (med("delta_write") or 0.0),
                      load_s=med("load") or 0.0, group_commit=group_commit)
+
+
+class SnapshotWindow:
+    """What snapshots cost the steps they overlap: turns step times into the
+    :class:`CostMeter`'s samples (thread-safe: durability is reported from the pipeline's thread).
+
+    A *window* opens when a snapshot is submitted and closes at the first step start at which no
+    snapshot is in flight any more; its steps are the snapshots' own (the stall of an overlapped
+    copy is in them: the submit, and the next step's wait for the copy) up to the one during which
+    the last became durable. Closed, it is one ``"snapshot_cost"`` sample per snapshot in it::
+
+        (sum of its steps' times - each step's median by its kind) / snapshots
+
+    the stall plus the slowdown the persister's work on the same cores caused. Steps outside a
+    window are the plain and delta samples. Call sequence:
+
+    1. :meth:`submitted` (the step thread) when a snapshot is handed over; ``in_step``: between a
+       step's start and its end (a snapshot written at restore has no step of its own to charge,
+       so its window gives no sample);
+    2. :meth:`durable` (any thread) when it is durable, or failed;
+    3. :meth:`step` at each step's start, with the previous step's kind and wall time;
+    4. :meth:`interrupt` when steps stop following each other (a restore): the open window
+       gives no sample.
+
+    Invariant: a window's sample is taken only with a median for every kind of step in it;
+    until then it waits (at most ``pending`` of them, the oldest dropped). Where snapshots are so
+    frequent that no step runs without one in flight, the plain and delta medians would never
+    exist: the first :attr:`BOOTSTRAP` samples of each kind may come from a window's steps (other
+    than a snapshot's own), slowed as they are; later ones outvote them."""
+
+    BOOTSTRAP = 3
+
+    def __init__(self, pending: int = 4) -> None:
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._open = False
+        self._whole = True
+        self._snapshots = 0
+        self._steps: list[tuple[str, float]] = []
+        self._pending: deque[tuple[int, list[tuple[str, float]]]] = deque(maxlen=pending)
+
+    def submitted(self, in_step: bool) -> None:
+        with self._lock:
+            self._inflight += 1
+            self._snapshots += 1
+            self._open = True
+            self._whole = self._whole and in_step
+
+    def durable(self) -> None:
+        with self._lock:
+            self._inflight = max(0, self._inflight - 1)
+
+    def interrupt(self) -> None:
+        with self._lock:
+            if self._open:
+                self._whole = False
+                if not self._inflight:
+                    self._open, self._whole, self._snapshots, self._steps = False, True, 0, []
+
+    def step(self, kind: str, dt: float, meter: CostMeter) -> None:
+        """The previous step took ``dt`` seconds and wrote ``kind`` ("plain", "delta", or
+        anything else: a snapshot, or no record, charged in a window as a plain step). Feeds
+        ``meter``."""
+        with self._lock:
+            if not self._open:
+                if kind in ("plain", "delta"):
+                    meter.add(kind, dt)
+            else:
+                self._steps.append(("delta" if kind == "delta" else "plain", dt))
+                if kind in ("plain", "delta") and meter.count(kind) < self.BOOTSTRAP:
+                    meter.add(kind, dt)  # (steps may never run without a snapshot in flight)
+                if not self._inflight:
+                    if self._whole and self._snapshots:
+                        self._pending.append((self._snapshots, self._steps))
+                    self._open, self._whole, self._snapshots, self._steps = False, True, 0, []
+            if not self._pending:
+                return
+            pending, self._pending = list(self._pending), deque(maxlen=self._pending.maxlen)
+        for snapshots, steps in pending:
+            medians = {k: meter.median(k) for k, _ in steps}
+            if any(m is None for m in medians.values()):
+                with self._lock:
+                    self._pending.append((snapshots, steps))
+                continue
+            extra = sum(dt - medians[k] for k, dt in steps)
+            for _ in range(snapshots):
+                meter.add("snapshot_cost", max(0.0, extra / snapshots))
 
 
 def drifted(old: Costs, new: Costs, tolerance: float = 0.3, floor_s: float = 2e-3) -> bool:
@@ -409,7 +517,7 @@ def drifted(old: Costs, new: Costs, tolerance: float = 0.3, floor_s: float = 2e-
     or not counts as drift."""
     if (old.delta_overhead_s is None) != (new.delta_overhead_s is None):
         return True
-    pairs = [(old.step_s, new.step_s), (old.snapshot_stall_s, new.snapshot_stall_s),
+    pairs = [(old.step_s, new.step_s), (old.snapshot_cost_s, new.snapshot_cost_s),
              (old.snapshot_persist_s, new.snapshot_persist_s), (old.replay_s, new.replay_s)]
     if old.delta_overhead_s is not None and new.delta_overhead_s is not None:
         pairs.append((old.delta_overhead_s, new.delta_overhead_s))

@@ -159,6 +159,7 @@ class StepWriter:
         if self.asynchronous:
             deferred = self.records.changed_only_by_step() if self.overlap else None
             fut = self.store.save_async(iteration, state, meta=meta, deferred=deferred)
+            self.auto.snapshot_submitted()  # (before the callback that reports it durable)
             if fut.deferred is not None:  # (something was deferred: AsyncStats.overlap_bytes)
                 self.pending_copy = (fut, time.perf_counter() - t0)
             fut.add_done_callback(self.cost_callback("base_cost", 0.0))
