@@ -149,14 +149,22 @@ def test_snapshot_window_without_a_whole_window_or_medians():
 
 
 def test_snapshot_window_bootstraps_plain_steps_when_none_runs_outside():
-    """Snapshots so frequent that every step has one in flight: the first plain samples come
-    from the windows (slowed), so a plan can still be made."""
+    """Snapshots so frequent that every step has one in flight: when a plan is due, the last
+    plain steps that ran in windows are the samples (slowed), so a plan can still be made; and
+    never while a clean sample exists."""
     m, w = CostMeter(), SnapshotWindow()
-    for _ in range(6):
+    for _ in range(6):  # (windows back to back, each closed)
         w.submitted(in_step=True)
         _steps(w, m, [("base", 0.15), ("plain", 0.12)])
+        w.durable()
+    assert m.count("plain") == 0
+    w.bootstrap("plain", m)
     assert m.count("plain") == SnapshotWindow.BOOTSTRAP
     assert m.median("plain") == pytest.approx(0.12)
+    m2 = CostMeter()
+    m2.add("plain", 0.1)
+    w.bootstrap("plain", m2)
+    assert m2.count("plain") == 1
 
 
 def test_persist_bounds_the_interval_from_below():

@@ -168,6 +168,9 @@ class AutoPolicy:
         self.meter = CostMeter()
         #: turns the steps snapshots overlap into "snapshot_cost" samples
         self.window = SnapshotWindow()
+        #: steps timed, by what they wrote (the measuring phases' counts: a step in a snapshot's
+        #: window counts, though its time is part of the snapshot's cost, not a sample)
+        self._seen = {"delta": 0, "plain": 0}
         self._in_step = False
         self.plan: Plan | None = None
         #: the cost medians ``plan`` was made from (what a base persists with it)
@@ -284,6 +287,8 @@ class AutoPolicy:
         prev, self._prev = self._prev, None
         if prev is not None and prev[0] == iteration - 1:
             self.window.step(prev[2], now - prev[1], self.meter)
+            if prev[2] in self._seen:
+                self._seen[prev[2]] += 1
         else:
             self.window.interrupt()
         self._t_step = now
@@ -319,6 +324,12 @@ class AutoPolicy:
         self._since_check += 1
         if self.phase == "planned" and self._since_check < 16 and not self._replan_next:
             return
+        if self.phase != "planned":
+            kind = "delta" if self.phase == "deltas" else "plain"
+            if self._seen[kind] >= self.measure_steps or self._since_check > 4 * self.measure_steps:
+                # (every such step ran while a snapshot was in flight: its time, slowed as it is,
+                # is all there is to plan from)
+                self.window.bootstrap(kind, self.meter)
         shared = self._shared(f"iteration {iteration}, " + (
             "replan" if self._replan_next else
             "drift check" if self.phase == "planned" else "measuring"))
@@ -359,7 +370,8 @@ class AutoPolicy:
         whose failure history is then this process's too."""
         m = self.meter
         mtbf, source = self.failure_rate()
-        local = Shared({k: m.count(k) for k in ("delta", "plain", "stall")}, m.medians(),
+        seen = {k: self._seen[k] for k in ("delta", "plain")}
+        local = Shared({**seen, "stall": m.count("stall")}, m.medians(),
                        mtbf, source, self.disk_budget, self.budget_source, self.restarts,
                        self.since_ns)
         if self._agreement is None:

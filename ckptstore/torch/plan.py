@@ -449,8 +449,9 @@ class SnapshotWindow:
     Invariant: a window's sample is taken only with a median for every kind of step in it;
     until then it waits (at most ``pending`` of them, the oldest dropped). Where snapshots are so
     frequent that no step runs without one in flight, the plain and delta medians would never
-    exist: the first :attr:`BOOTSTRAP` samples of each kind may come from a window's steps (other
-    than a snapshot's own), slowed as they are; later ones outvote them."""
+    exist: :meth:`bootstrap` then makes the last :attr:`BOOTSTRAP` such steps of a kind in windows
+    its samples, slowed as they are (later ones outvote them). Only when a plan is due and no
+    sample exists: a slowed plain median would hide the very slowdown a window measures."""
 
     BOOTSTRAP = 3
 
@@ -461,6 +462,8 @@ class SnapshotWindow:
         self._whole = True
         self._snapshots = 0
         self._steps: list[tuple[str, float]] = []
+        #: the last steps of each kind that ran in windows (what :meth:`bootstrap` may take)
+        self._recent = {k: deque(maxlen=self.BOOTSTRAP) for k in ("plain", "delta")}
         self._pending: deque[tuple[int, list[tuple[str, float]]]] = deque(maxlen=pending)
 
     def submitted(self, in_step: bool) -> None:
@@ -481,6 +484,14 @@ class SnapshotWindow:
                 if not self._inflight:
                     self._open, self._whole, self._snapshots, self._steps = False, True, 0, []
 
+    def bootstrap(self, kind: str, meter: CostMeter) -> None:
+        """No step of ``kind`` ("plain" or "delta") ran outside a window and a plan is due: the
+        last ones that ran in windows become ``meter``'s samples (none: nothing happens)."""
+        with self._lock:
+            if meter.count(kind) == 0:
+                for dt in self._recent[kind]:
+                    meter.add(kind, dt)
+
     def step(self, kind: str, dt: float, meter: CostMeter) -> None:
         """The previous step took ``dt`` seconds and wrote ``kind`` ("plain", "delta", or
         anything else: a snapshot, or no record, charged in a window as a plain step). Feeds
@@ -491,8 +502,8 @@ class SnapshotWindow:
                     meter.add(kind, dt)
             else:
                 self._steps.append(("delta" if kind == "delta" else "plain", dt))
-                if kind in ("plain", "delta") and meter.count(kind) < self.BOOTSTRAP:
-                    meter.add(kind, dt)  # (steps may never run without a snapshot in flight)
+                if kind in self._recent:
+                    self._recent[kind].append(dt)
                 if not self._inflight:
                     if self._whole and self._snapshots:
                         self._pending.append((self._snapshots, self._steps))
