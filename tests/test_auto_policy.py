@@ -156,6 +156,29 @@ def test_plan_charges_the_slowdown_of_the_steps_a_snapshot_overlaps(tmp_path):
     store.close()
 
 
+def test_deltas_mode_keeps_the_delta_overhead_measured_beside_plain_steps(tmp_path, one_mode):
+    """Once planned in the deltas mode no plain step runs: later delta steps are no samples (their
+    median against an older plain one would follow the machine's drift, not the delta's cost);
+    the bases' windows still are."""
+    one_mode[0] = "deltas"
+    model, opt = _model()
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=3, mtbf_s=60.0)
+    ck.restore()
+    it = 0
+    while ck.plan() is None:
+        it += 1
+        _step(model, ck, opt, it)
+    assert ck.mode == "deltas"
+    measured = (ck.meter.count("delta"), ck.meter.median("delta"))
+    assert measured[0] >= 1
+    for it in range(it + 1, it + 20):
+        _step(model, ck, opt, it)
+    assert (ck.meter.count("delta"), ck.meter.median("delta")) == measured
+    ck.close()
+    store.close()
+
+
 HOSTILE = [
     "not a dict", 7, None, [1, 2], {}, {"v": 2, "restarts": 0, "since_ns": 1},
     {"v": 1, "restarts": -1, "since_ns": 1}, {"v": 1, "restarts": True, "since_ns": 1},

@@ -13,7 +13,9 @@ arithmetic); this module decides *when* to plan and what to plan from. Call sequ
 
 Phases without a persisted plan: ``measure_steps`` delta steps (policy "auto" with an optimizer
 replay knows), one snapshot, ``measure_steps`` plain steps, then "planned": the costs are
-compared with the plan's every 16 steps and a drift re-plans.
+compared with the plan's every 16 steps and a drift re-plans. A snapshot's cost is measured over
+the steps it overlaps (:class:`~ckptstore.torch.plan.SnapshotWindow`); a delta step is a cost
+sample only while measuring (in the deltas mode no plain step runs to compare it with).
 
 **Persisted plan** (format-spec/deltas.md, "Base snapshot written by the Checkpointer"): every
 base the Checkpointer writes carries :meth:`AutoPolicy.persisted` under :data:`PLAN_KEY`: the
@@ -286,7 +288,12 @@ class AutoPolicy:
         now = time.perf_counter()
         prev, self._prev = self._prev, None
         if prev is not None and prev[0] == iteration - 1:
-            self.window.step(prev[2], now - prev[1], self.meter)
+            # A delta step is a sample only while measuring: in the deltas mode no plain step
+            # runs, so the plain median would be older than the delta one and the difference,
+            # the delta's overhead, would follow the machine's drift (a fresh process' warm-up
+            # alone moved it 10-20% here): the overhead stays the one measured alongside plain steps
+            self.window.step(prev[2], now - prev[1], self.meter,
+                             sample=prev[2] != "delta" or self.phase != "planned")
             if prev[2] in self._seen:
                 self._seen[prev[2]] += 1
         else:

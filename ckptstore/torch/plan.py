@@ -492,13 +492,13 @@ class SnapshotWindow:
                 for dt in self._recent[kind]:
                     meter.add(kind, dt)
 
-    def step(self, kind: str, dt: float, meter: CostMeter) -> None:
+    def step(self, kind: str, dt: float, meter: CostMeter, sample: bool = True) -> None:
         """The previous step took ``dt`` seconds and wrote ``kind`` ("plain", "delta", or
         anything else: a snapshot, or no record, charged in a window as a plain step). Feeds
-        ``meter``."""
+        ``meter``; ``sample`` False: outside a window the step is no sample of its kind."""
         with self._lock:
             if not self._open:
-                if kind in ("plain", "delta"):
+                if sample and kind in ("plain", "delta"):
                     meter.add(kind, dt)
             else:
                 self._steps.append(("delta" if kind == "delta" else "plain", dt))
