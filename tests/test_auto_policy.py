@@ -177,6 +177,16 @@ def test_deltas_mode_keeps_the_delta_overhead_measured_beside_plain_steps(tmp_pa
     assert (ck.meter.count("delta"), ck.meter.median("delta")) == measured
     ck.close()
     store.close()
+    # policy="every-iteration" has no planner: its meter samples every delta step
+    model, opt = _model()
+    store = ckptstore.open(tmp_path / "e")
+    ck = Checkpointer(store, model, opt, policy="every-iteration")
+    ck.restore()
+    for it in range(1, 8):
+        _step(model, ck, opt, it)
+    assert ck.meter.count("delta") >= 4
+    ck.close()
+    store.close()
 
 
 HOSTILE = [

@@ -102,7 +102,7 @@ def test_snapshot_window_charges_the_steps_a_snapshot_overlaps():
     the steps outside the window are plain samples."""
     m, w = CostMeter(), SnapshotWindow()
     _steps(w, m, [("plain", 0.1)] * 4)
-    w.submitted(in_step=True)
+    w.submitted(whole=True)
     _steps(w, m, [("base", 0.13), ("plain", 0.15)])
     w.durable()
     _steps(w, m, [("plain", 0.12), ("plain", 0.1)])
@@ -111,9 +111,9 @@ def test_snapshot_window_charges_the_steps_a_snapshot_overlaps():
     m.add("stall", 0.02)
     assert m.costs(replayable=False).snapshot_slowdown_s == pytest.approx(0.08)
     # two snapshots in flight at once share one window: the cost is split between them
-    w.submitted(in_step=True)
+    w.submitted(whole=True)
     _steps(w, m, [("base", 0.14)])
-    w.submitted(in_step=True)
+    w.submitted(whole=True)
     w.durable()
     _steps(w, m, [("base", 0.16)])
     w.durable()
@@ -125,13 +125,13 @@ def test_snapshot_window_charges_the_steps_a_snapshot_overlaps():
 def test_snapshot_window_without_a_whole_window_or_medians():
     m, w = CostMeter(), SnapshotWindow()
     # a snapshot written outside a step (at restore) has no step of its own: no sample
-    w.submitted(in_step=False)
+    w.submitted(whole=False)
     _steps(w, m, [("delta", 0.2)])
     w.durable()
     _steps(w, m, [("delta", 0.2)])
     assert m.count("snapshot_cost") == 0
     # an interrupted window (a restore) gives none either
-    w.submitted(in_step=True)
+    w.submitted(whole=True)
     _steps(w, m, [("base", 0.3)])
     w.interrupt()
     w.durable()
@@ -140,7 +140,7 @@ def test_snapshot_window_without_a_whole_window_or_medians():
     # with no median of the kind yet (only the bootstrap's), a window waits, then is taken
     m2, w2 = CostMeter(), SnapshotWindow()
     for _ in range(2):  # two windows, each of one snapshot's own step (no plain sample)
-        w2.submitted(in_step=True)
+        w2.submitted(whole=True)
         w2.durable()
         _steps(w2, m2, [("base", 0.3)])
     assert m2.count("snapshot_cost") == 0 and m2.count("plain") == 0
@@ -154,7 +154,7 @@ def test_snapshot_window_bootstraps_plain_steps_when_none_runs_outside():
     never while a clean sample exists."""
     m, w = CostMeter(), SnapshotWindow()
     for _ in range(6):  # (windows back to back, each closed)
-        w.submitted(in_step=True)
+        w.submitted(whole=True)
         _steps(w, m, [("base", 0.15), ("plain", 0.12)])
         w.durable()
     assert m.count("plain") == 0

@@ -317,8 +317,7 @@ class Ckpt:
             fut.add_done_callback(lambda f, it=it: f.exception() is None and self.emit("durable", i=it))
         else:
             self.emit("durable", i=it)
-        # what this step wrote (read only; "delta" steps count as plain steps of the strategy)
-        return getattr(self.ck, "_wrote", "base") == "base"
+        return True  # (a snapshot, or a delta: every step of the delta strategies checkpoints)
 
 
 CHILD_STRATEGIES = {"plain": Plain, "torch.save": TorchSave, "dcp-async": DcpAsync,
@@ -365,52 +364,51 @@ def child_main(cfg: dict) -> None:
     os._exit(0)
 
 
-def all_in_cost(cls, cfg: dict, model, opt, margs, fwd_bwd, reps: int, period: int = 16) -> float:
+def all_in_cost(cls, cfg: dict, model, opt, margs, fwd_bwd, windows: int = 6,
+                period: int = 12, stall_s: float = 0.0) -> float:
     """What one checkpoint of strategy ``cls`` costs training, all in: a checkpoint every
-    ``period`` steps, ``reps`` + 1 times (the first is a warm-up); per checkpoint, the steps from
-    its own to the one during which it became durable, beyond as many plain steps (the median of
-    the steps outside those windows, after the first period). That is its stall plus the slowdown
-    its background work (a writer thread, a persister) caused on the same cores: the cost
-    Young/Daly needs, measured alike for every strategy (ckptstore's planner measures its own the
-    same way, ckptstore.torch.plan.SnapshotWindow)."""
-    durable: dict[int, float] = {}
+    ``period`` steps, ``windows`` times, measured by ckptstore's own
+    :class:`ckptstore.torch.plan.SnapshotWindow` (the one implementation, which the Checkpointer's
+    planner uses on itself): the steps from a checkpoint's own to the one during which it became
+    durable, beyond as many plain steps (the median of the steps outside such windows), per
+    checkpoint; the median over the checkpoints, and never below ``stall_s`` (its measured
+    blocking part: a slowdown is never negative, though a noisy plain median can make it look
+    so). The stall plus the slowdown its background work (a writer thread, a persister) caused
+    on the same cores: what Young/Daly needs, measured alike for every strategy."""
+    from ckptstore.torch.plan import CostMeter, SnapshotWindow
+    window, meter = SnapshotWindow(), CostMeter(window=64)
+    lock = threading.Lock()
+    durable = [0]
 
     def emit(ev: str, **kw: Any) -> None:
         if ev == "durable":
-            durable.setdefault(kw["i"], time.monotonic())
+            with lock:
+                durable[0] += 1
 
     strat = cls(dict(cfg, every=period), model, opt, emit)
-    start = strat.restore()
-    checkpoints = [start + k * period for k in range(1, reps + 2)]
-    ends: dict[int, float] = {}
-    dts: dict[int, float] = {}
-    it, deadline = start, time.monotonic() + 120
-    # (train on until the last checkpoint is durable: its window ends in a step)
-    while it < checkpoints[-1] + period // 2 or checkpoints[-1] not in durable:
+    it = strat.restore()
+    deadline = time.monotonic() + 120
+    while meter.count("snapshot_cost") < windows:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{cls.__name__}: the checkpoint of iteration {checkpoints[-1]} "
-                               f"was not durable within 120 s")
+            raise RuntimeError(f"{cls.__name__}: {meter.count('snapshot_cost')} of {windows} "
+                               f"checkpoints measured in 120 s")
         it += 1
         t0 = time.monotonic()
         fwd_bwd(model, margs, it)
-        strat.step(it)
+        checkpointed = strat.step(it)
         opt.zero_grad()
-        ends[it] = time.monotonic()
-        dts[it] = ends[it] - t0
-    windows = []
-    for c in checkpoints:
-        last = next(i for i in range(c, it + 1) if ends[i] >= durable[c])
-        windows.append(range(c, last + 1))
-    inside = {i for w in windows for i in w}
-    outside = [dt for i, dt in dts.items() if i not in inside and i > start + period]
-    if not outside:
-        raise RuntimeError(f"{cls.__name__}: no step ran without a checkpoint in flight; "
-                           f"a period of {period} steps is too short to measure its cost")
-    plain = statistics.median(outside)
+        dt = time.monotonic() - t0
+        if checkpointed:
+            window.submitted(whole=True)
+        with lock:
+            n, durable[0] = durable[0], 0
+        for _ in range(n):
+            window.durable()
+        window.step("base" if checkpointed else "plain", dt, meter)
     close = getattr(strat, "close", None)
     if close is not None:
         close()
-    return statistics.median(sum(dts[i] - plain for i in w) for w in windows[1:])
+    return max(stall_s, meter.median("snapshot_cost") or 0.0)
 
 
 def calibrate_main(cfg: dict) -> None:
@@ -481,13 +479,14 @@ def calibrate_main(cfg: dict) -> None:
     ck.close()
     store.close()
     out["checkpoint_bytes"] = sum(t.numel() * 4 for t in adam_state_tensors(model, opt))
-    for name, cls, extra in (("torch_save", TorchSave, {}), ("dcp", DcpAsync, {}),
-                             ("pccheck", PCcheck, {}),
-                             ("ckpt", Ckpt, {"strategy": "ckpt-snapshots"})):
+    for name, cls, extra, stall in (("torch_save", TorchSave, {}, "torch_save_s"),
+                                    ("dcp", DcpAsync, {}, "dcp_block_s"),
+                                    ("pccheck", PCcheck, {}, "pccheck_copy_s"),
+                                    ("ckpt", Ckpt, {"strategy": "ckpt-snapshots"}, "ckpt_stall_s")):
         d = os.path.join(base, f"all-in-{name}")
         os.makedirs(d)
         out[f"{name}_cost_s"] = max(all_in_cost(cls, dict(c, dir=d, **extra), model, opt, margs,
-                                                fwd_bwd, reps), 1e-4)
+                                                fwd_bwd, stall_s=out[stall]), 1e-4)
     emit("calib", **out)
     sys.stdout.flush()
     os._exit(0)

@@ -36,7 +36,7 @@ def begin_async(w: StepWriter, iteration: int, own_grads: bool) -> Step:
             if latest is None or latest != iteration - 1:
                 # empty store, or records lost to a background failure: the live state (that
                 # of iteration - 1) starts a new chain
-                w.save_base(iteration - 1)
+                w.save_base(iteration - 1, measured=False)
             else:
                 w.continue_chain(latest)
         except BaseException as e:

@@ -293,7 +293,8 @@ class AutoPolicy:
             # the delta's overhead, would follow the machine's drift (a fresh process' warm-up
             # alone moved it 10-20% here): the overhead stays the one measured alongside plain steps
             self.window.step(prev[2], now - prev[1], self.meter,
-                             sample=prev[2] != "delta" or self.phase != "planned")
+                             sample=prev[2] != "delta" or self.phase != "planned" or
+                             self.policy != "auto")
             if prev[2] in self._seen:
                 self._seen[prev[2]] += 1
         else:
@@ -307,6 +308,11 @@ class AutoPolicy:
         """A step that ended (it may have written nothing): remembered for the next sample."""
         self._prev = (iteration, self._t_step, wrote)
         self._in_step = False
+
+    def step_failed(self) -> None:
+        """The step since :meth:`tick` raised: no step is open (and none is a sample)."""
+        self._in_step = False
+        self._prev = None
 
     def forget_step(self) -> None:
         """No step-time sample across this point (a restore)."""
@@ -442,10 +448,11 @@ class AutoPolicy:
         return self._mtbf
 
     # ---- cost samples -------------------------------------------------------------------------
-    def snapshot_submitted(self) -> None:
+    def snapshot_submitted(self, measured: bool = True) -> None:
         """An asynchronous snapshot was handed to the pipeline (its future then reaches
-        :meth:`observe_snapshot`)."""
-        self.window.submitted(self._in_step)
+        :meth:`observe_snapshot`); ``measured`` False: its window is no cost sample (a chain's
+        first base, written in a process' first step: that step's time is its warm-up)."""
+        self.window.submitted(self._in_step and measured)
 
     def observe_snapshot(self, fut) -> None:
         """A snapshot's AsyncStats, once it is durable: stall, persist, bytes, write time."""
@@ -468,9 +475,10 @@ class AutoPolicy:
                        getattr(st, "snapshot_bytes", 0))
         self.meter.add("delta_write", getattr(st, "write_s", 0.0))
 
-    def observe_sync_snapshot(self, stall_s: float, stats: Any) -> None:
-        """A synchronous snapshot: the whole save stalled training; durable when it returned."""
-        self.window.submitted(self._in_step)
+    def observe_sync_snapshot(self, stall_s: float, stats: Any, measured: bool = True) -> None:
+        """A synchronous snapshot: the whole save stalled training; durable when it returned
+        (``measured``: as in :meth:`snapshot_submitted`)."""
+        self.window.submitted(self._in_step and measured)
         self.window.durable()
         self.meter.add("stall", stall_s)
         self.meter.add("persist", 0.0)

@@ -404,17 +404,22 @@ class Checkpointer:
         the live state (the chain restarts) when records were lost."""
         self._refuse_open_step(f"step({iteration})")
         self._tick(iteration)
-        st = self._begin(iteration, own_grads=False)
-        if not st.recorded:
-            self._apply_step()  # the "retry" policy trains on without a record
-            return self._tock(st, self._end(st, meta))
         try:
-            t0 = time.perf_counter()
-            self._apply_step()
-            self.meter.add("optimizer", time.perf_counter() - t0)
-        except BaseException as e:
-            return self._writer.failed(st, e)
-        return self._tock(st, self._end(st, meta))
+            st = self._begin(iteration, own_grads=False)
+            if not st.recorded:
+                self._apply_step()  # the "retry" policy trains on without a record
+                return self._tock(st, self._end(st, meta))
+            try:
+                t0 = time.perf_counter()
+                self._apply_step()
+                self.meter.add("optimizer", time.perf_counter() - t0)
+            except BaseException as e:
+                self._auto.step_failed()
+                return self._writer.failed(st, e)
+            return self._tock(st, self._end(st, meta))
+        except BaseException:
+            self._auto.step_failed()
+            raise
 
     def before_step(self, iteration: int) -> None:
         """First half of :meth:`step`, for a training loop that applies the optimizer step itself

@@ -438,13 +438,16 @@ class SnapshotWindow:
     the stall plus the slowdown the persister's work on the same cores caused. Steps outside a
     window are the plain and delta samples. Call sequence:
 
-    1. :meth:`submitted` (the step thread) when a snapshot is handed over; ``in_step``: between a
-       step's start and its end (a snapshot written at restore has no step of its own to charge,
-       so its window gives no sample);
+    1. :meth:`submitted` (the step thread) when a snapshot is handed over; ``whole`` False: a
+       snapshot with no step of its own to charge (written at restore, or the chain's first base
+       in a process' first step, whose time is the warm-up's): its window gives no sample;
     2. :meth:`durable` (any thread) when it is durable, or failed;
     3. :meth:`step` at each step's start, with the previous step's kind and wall time;
     4. :meth:`interrupt` when steps stop following each other (a restore): the open window
        gives no sample.
+
+    A window longer than :attr:`MAX_STEPS` steps (snapshots submitted faster than they become
+    durable, back to back) gives no sample either: its steps are dropped, not kept for ever.
 
     Invariant: a window's sample is taken only with a median for every kind of step in it;
     until then it waits (at most ``pending`` of them, the oldest dropped). Where snapshots are so
@@ -454,6 +457,7 @@ class SnapshotWindow:
     sample exists: a slowed plain median would hide the very slowdown a window measures."""
 
     BOOTSTRAP = 3
+    MAX_STEPS = 256
 
     def __init__(self, pending: int = 4) -> None:
         self._lock = threading.Lock()
@@ -463,21 +467,26 @@ class SnapshotWindow:
         self._snapshots = 0
         self._steps: list[tuple[str, float]] = []
         #: the last steps of each kind that ran in windows (what :meth:`bootstrap` may take)
-        self._recent = {k: deque(maxlen=self.BOOTSTRAP) for k in ("plain", "delta")}
+        self._recent: dict[str, deque[float]] = {
+            k: deque(maxlen=self.BOOTSTRAP) for k in ("plain", "delta")}
         self._pending: deque[tuple[int, list[tuple[str, float]]]] = deque(maxlen=pending)
 
-    def submitted(self, in_step: bool) -> None:
+    def submitted(self, whole: bool) -> None:
+        """A snapshot was handed over (opens a window, or joins the open one)."""
         with self._lock:
             self._inflight += 1
             self._snapshots += 1
             self._open = True
-            self._whole = self._whole and in_step
+            self._whole = self._whole and whole
 
     def durable(self) -> None:
+        """A submitted snapshot is durable, or failed: once per :meth:`submitted`."""
         with self._lock:
-            self._inflight = max(0, self._inflight - 1)
+            assert self._inflight > 0, "SnapshotWindow.durable() without submitted()"
+            self._inflight -= 1
 
     def interrupt(self) -> None:
+        """Steps stop following each other: the open window gives no sample."""
         with self._lock:
             if self._open:
                 self._whole = False
@@ -491,11 +500,14 @@ class SnapshotWindow:
             if meter.count(kind) == 0:
                 for dt in self._recent[kind]:
                     meter.add(kind, dt)
+        self._resolve(meter)  # (windows that waited for this median)
 
     def step(self, kind: str, dt: float, meter: CostMeter, sample: bool = True) -> None:
         """The previous step took ``dt`` seconds and wrote ``kind`` ("plain", "delta", or
         anything else: a snapshot, or no record, charged in a window as a plain step). Feeds
-        ``meter``; ``sample`` False: outside a window the step is no sample of its kind."""
+        ``meter``; ``sample`` False: the step's kind has no current median to compare it with
+        (the deltas mode's delta steps): no sample outside a window, and a window it is in gives
+        none either."""
         with self._lock:
             if not self._open:
                 if sample and kind in ("plain", "delta"):
@@ -504,16 +516,24 @@ class SnapshotWindow:
                 self._steps.append(("delta" if kind == "delta" else "plain", dt))
                 if kind in self._recent:
                     self._recent[kind].append(dt)
+                if not sample or len(self._steps) > self.MAX_STEPS:
+                    self._whole, self._steps = False, []
                 if not self._inflight:
                     if self._whole and self._snapshots:
                         self._pending.append((self._snapshots, self._steps))
                     self._open, self._whole, self._snapshots, self._steps = False, True, 0, []
+        self._resolve(meter)
+
+    def _resolve(self, meter: CostMeter) -> None:
+        """Closed windows whose step kinds all have a median now become samples."""
+        with self._lock:
             if not self._pending:
                 return
             pending, self._pending = list(self._pending), deque(maxlen=self._pending.maxlen)
         for snapshots, steps in pending:
-            medians = {k: meter.median(k) for k, _ in steps}
-            if any(m is None for m in medians.values()):
+            found = {k: meter.median(k) for k, _ in steps}
+            medians = {k: m for k, m in found.items() if m is not None}
+            if len(medians) < len(found):
                 with self._lock:
                     self._pending.append((snapshots, steps))
                 continue

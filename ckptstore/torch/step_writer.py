@@ -150,16 +150,18 @@ class StepWriter:
                                    iteration - (self.base if self.base is not None else 0) >= interval)
 
     # ---- base snapshots ----------------------------------------------------------------------
-    def save_base(self, iteration: int, meta: dict | None = None) -> Any:
+    def save_base(self, iteration: int, meta: dict | None = None, measured: bool = True) -> Any:
         """Write a base snapshot of the live state as ``iteration`` (flushes pending deltas).
-        Asynchronous: returns the future of :meth:`ckptstore.Store.save_async`."""
+        Asynchronous: returns the future of :meth:`ckptstore.Store.save_async`. ``measured``
+        False: a chain's first base, whose window is no cost sample
+        (:meth:`AutoPolicy.snapshot_submitted`)."""
         t0 = time.perf_counter()
         state = self.records.base_state(iteration, self.auto.persisted())
         self.failures.check_space(self.store.path, tensor_bytes(state), iteration)
         if self.asynchronous:
             deferred = self.records.changed_only_by_step() if self.overlap else None
             fut = self.store.save_async(iteration, state, meta=meta, deferred=deferred)
-            self.auto.snapshot_submitted()  # (before the callback that reports it durable)
+            self.auto.snapshot_submitted(measured)  # (before the callback reporting it durable)
             if fut.deferred is not None:  # (something was deferred: AsyncStats.overlap_bytes)
                 self.pending_copy = (fut, time.perf_counter() - t0)
             fut.add_done_callback(self.cost_callback("base_cost", 0.0))
@@ -173,7 +175,7 @@ class StepWriter:
         stats = self.store.save(iteration, state, meta=meta)
         self.ema("base_cost", time.perf_counter() - t0)
         self.wrote = "base"
-        self.auto.observe_sync_snapshot(time.perf_counter() - t0, stats)
+        self.auto.observe_sync_snapshot(time.perf_counter() - t0, stats, measured)
         self.last = self.base = iteration
         self.force_base = False
         self.failures.succeeded()
@@ -230,7 +232,7 @@ class StepWriter:
             self.store.flush()
             latest = self.store.latest()
         if latest is None or (self.resync and latest != iteration - 1):
-            self.save_base(iteration - 1)
+            self.save_base(iteration - 1, measured=False)
         else:
             self.continue_chain(latest)
         self.resync = False
@@ -357,7 +359,8 @@ class StepWriter:
             try:
                 latest = self.store.latest()
                 if latest is None:
-                    self.save_base(iteration - 1)  # an empty store: the live state first
+                    # an empty store: the live state first
+                    self.save_base(iteration - 1, measured=False)
                 else:
                     self.continue_chain(latest)
             except BaseException as e:
