@@ -170,6 +170,11 @@ def test_deltas_mode_keeps_the_delta_overhead_measured_beside_plain_steps(tmp_pa
         it += 1
         _step(model, ck, opt, it)
     assert ck.mode == "deltas"
+    # the delta/plain ratio measured together is kept: the overhead follows the plain step
+    ratio = ck.meter.median("delta") / ck.meter.median("plain")
+    assert ck.meter.count("delta_ratio") == 1 and ck.meter.median("delta_ratio") == ratio
+    assert ck.plan().costs.delta_overhead_s == pytest.approx(
+        ck.plan().costs.step_s * max(0.0, ratio - 1.0))
     measured = (ck.meter.count("delta"), ck.meter.median("delta"))
     assert measured[0] >= 1
     for it in range(it + 1, it + 20):

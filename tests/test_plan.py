@@ -167,6 +167,23 @@ def test_snapshot_window_bootstraps_plain_steps_when_none_runs_outside():
     assert m2.count("plain") == 1
 
 
+def test_delta_overhead_follows_the_ratio_measured_beside_plain_steps():
+    """Once a delta/plain ratio was measured, the overhead is the current plain step times it:
+    a machine that slows down 30% (plain median up, the delta median stale) keeps the overhead
+    of deltas, where the difference of the two medians said 0 and planned deltas."""
+    m = CostMeter()
+    for _ in range(3):
+        m.add("plain", 0.100)
+        m.add("delta", 0.110)
+        m.add("stall", 0.01)
+    assert m.costs(True).delta_overhead_s == pytest.approx(0.010)
+    m.add("delta_ratio", 1.1)
+    for _ in range(6):
+        m.add("plain", 0.130)  # (the machine slowed; no delta step runs in the snapshots mode)
+    assert m.costs(True).delta_overhead_s == pytest.approx(0.013)
+    assert m.costs(False).delta_overhead_s is None
+
+
 def test_persist_bounds_the_interval_from_below():
     c = Costs(step_s=0.1, snapshot_stall_s=1e-4, snapshot_persist_s=3.0)  # YD alone: ~0.8 s
     p = plan(c, 3600.0)

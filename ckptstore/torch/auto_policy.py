@@ -355,6 +355,7 @@ class AutoPolicy:
         elif self.phase == "plain":
             if counts["plain"] >= self.measure_steps or self._since_check > 4 * self.measure_steps:
                 if counts["stall"]:
+                    self._keep_delta_ratio(shared)
                     self._replan(iteration, shared=shared)
                 elif not self._measure_snapshot and self.snapshot_every_fixed is None:
                     # nothing snapshotted yet (a store restored from), and no interval that
@@ -369,6 +370,19 @@ class AutoPolicy:
             costs = self._costs(shared.medians)
             if costs is not None and (self.plan is None or drifted(self.plan.costs, costs)):
                 self._replan(iteration, shared=shared)
+
+    def _keep_delta_ratio(self, shared: Shared) -> None:
+        """At the end of the measuring phases: the delta step's time over the plain step's, both
+        just measured (agreed on every rank), becomes a ``"delta_ratio"`` sample, from which the
+        delta overhead is derived from then on (plain x (ratio - 1)). Neither mode runs both kinds
+        of step: the other kind's median goes stale, and the difference of a fresh median and a
+        stale one follows the machine's drift (measured: a plain median 30% up after the machine
+        slowed, a delta overhead of 0 and a plan for deltas)."""
+        delta, plain = shared.medians.get("delta"), shared.medians.get("plain")
+        if self.meter.count("delta_ratio") or delta is None or not plain:
+            return
+        shared.medians["delta_ratio"] = delta / plain
+        self.meter.add("delta_ratio", delta / plain)
 
     def _costs(self, medians: dict[str, float]):
         frozen = CostMeter()

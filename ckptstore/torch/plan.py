@@ -351,8 +351,8 @@ def plan(costs: Costs, mtbf_s: float, disk_budget: int | None = None, *,
 
 
 #: the kinds of sample a :class:`CostMeter` keeps (and a persisted plan may carry)
-COST_KINDS = ("plain", "delta", "stall", "snapshot_cost", "persist", "snapshot_bytes", "load",
-              "delta_bytes", "delta_write", "optimizer")
+COST_KINDS = ("plain", "delta", "delta_ratio", "stall", "snapshot_cost", "persist",
+              "snapshot_bytes", "load", "delta_bytes", "delta_write", "optimizer")
 
 
 class CostMeter:
@@ -405,14 +405,19 @@ class CostMeter:
     def costs(self, replayable: bool, group_commit: int = 1) -> Costs | None:
         """The current estimate (see :class:`Costs`), or None before enough samples. The delta
         overhead is the delta step's median minus the plain step's (None when deltas are off or
-        none were measured); replaying a delta is estimated as an optimizer step plus reading
+        none were measured), or with a ``"delta_ratio"`` sample the plain step times that ratio
+        less one; replaying a delta is estimated as an optimizer step plus reading
         the delta (about its write); loading a base as writing one; a snapshot's slowdown as
         its measured cost beyond its stall (0 before a snapshot was seen through)."""
         plain, stall = self.median("plain"), self.median("stall")
         if plain is None or stall is None or plain <= 0:
             return None
-        delta = self.median("delta")
-        overhead = max(0.0, delta - plain) if replayable and delta is not None else None
+        delta, ratio = self.median("delta"), self.median("delta_ratio")
+        overhead = None
+        if replayable and ratio is not None:  # (measured once beside plain steps, see AutoPolicy)
+            overhead = plain * max(0.0, ratio - 1.0)
+        elif replayable and delta is not None:
+            overhead = max(0.0, delta - plain)
         med = self.median
         cost = med("snapshot_cost")
         return Costs(step_s=plain, snapshot_stall_s=stall,
