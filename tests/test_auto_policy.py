@@ -182,16 +182,6 @@ def test_deltas_mode_keeps_the_delta_overhead_measured_beside_plain_steps(tmp_pa
     assert (ck.meter.count("delta"), ck.meter.median("delta")) == measured
     ck.close()
     store.close()
-    # policy="every-iteration" has no planner: its meter samples every delta step
-    model, opt = _model()
-    store = ckptstore.open(tmp_path / "e")
-    ck = Checkpointer(store, model, opt, policy="every-iteration")
-    ck.restore()
-    for it in range(1, 8):
-        _step(model, ck, opt, it)
-    assert ck.meter.count("delta") >= 4
-    ck.close()
-    store.close()
 
 
 HOSTILE = [
@@ -267,15 +257,16 @@ def test_old_store_without_a_persisted_plan_measures_without_warning(tmp_path, c
     store = ckptstore.open(tmp_path / "s")
     ck = Checkpointer(store, model, opt, policy="every-iteration")
     ck.restore()
-    for it in range(1, 4):
+    for it in range(1, 6):
         _step(model, ck, opt, it)
+    assert ck.meter.count("delta") >= 2  # (no planner, but its delta steps are sampled)
     store.flush()
     ck.close()
     assert PLAN_KEY not in store.load(0)
     model2, opt2 = _model()
     ck2 = Checkpointer(store, model2, opt2, policy="auto", measure_steps=2)
     with caplog.at_level(logging.WARNING, logger="ckptstore"):
-        assert ck2.restore() == 3
+        assert ck2.restore() == 5
     assert not caplog.records and ck2.plan() is None and ck2.mode == "deltas"
     ck2.close()
     store.close()

@@ -350,11 +350,7 @@ def child_main(cfg: dict) -> None:
     ref = getattr(strat, "reference", False)
     emit("start", i=start)
     for it in range(start + 1, cfg["iterations"] + 1):
-        t0 = time.monotonic()
-        fwd_bwd(model, margs, it)
-        ck = strat.step(it)
-        opt.zero_grad()
-        dt = time.monotonic() - t0
+        ck, dt = train_step(strat, model, opt, margs, fwd_bwd, it)
         if ref:
             emit("it", i=it, dt=dt, ck=ck, hash=params_hash(model))
         else:
@@ -362,6 +358,16 @@ def child_main(cfg: dict) -> None:
     emit("done", i=cfg["iterations"], hash=params_hash(model), wchar=wchar())
     sys.stdout.flush()
     os._exit(0)
+
+
+def train_step(strat, model, opt, margs, fwd_bwd, it: int) -> tuple[bool, float]:
+    """One timed training step of iteration ``it`` under ``strat``: (whether it checkpointed,
+    its wall time from the forward pass to the zeroed gradients)."""
+    t0 = time.monotonic()
+    fwd_bwd(model, margs, it)
+    checkpointed = strat.step(it)
+    opt.zero_grad()
+    return checkpointed, time.monotonic() - t0
 
 
 def all_in_cost(cls, cfg: dict, model, opt, margs, fwd_bwd, windows: int = 6,
@@ -393,11 +399,7 @@ def all_in_cost(cls, cfg: dict, model, opt, margs, fwd_bwd, windows: int = 6,
             raise RuntimeError(f"{cls.__name__}: {meter.count('snapshot_cost')} of {windows} "
                                f"checkpoints measured in 120 s")
         it += 1
-        t0 = time.monotonic()
-        fwd_bwd(model, margs, it)
-        checkpointed = strat.step(it)
-        opt.zero_grad()
-        dt = time.monotonic() - t0
+        checkpointed, dt = train_step(strat, model, opt, margs, fwd_bwd, it)
         if checkpointed:
             window.submitted(whole=True)
         with lock:
