@@ -309,11 +309,6 @@ class AutoPolicy:
         self._prev = (iteration, self._t_step, wrote)
         self._in_step = False
 
-    def step_failed(self) -> None:
-        """The step since :meth:`tick` raised: no step is open (and none is a sample)."""
-        self._in_step = False
-        self._prev = None
-
     def forget_step(self) -> None:
         """No step-time sample across this point (a restore)."""
         self._prev = None

@@ -263,8 +263,9 @@ class Checkpointer:
 
     def save_base(self, iteration: int, meta: dict | None = None):
         """Write a base snapshot of the live state as ``iteration`` (flushes pending deltas).
-        Asynchronous: returns the future of :meth:`ckptstore.Store.save_async`."""
-        return self._writer.save_base(iteration, meta)
+        Asynchronous: returns the future of :meth:`ckptstore.Store.save_async`. (Written between
+        steps, it has no step of its own: no cost sample for the checkpoint policy.)"""
+        return self._writer.save_base(iteration, meta, measured=False)
 
     @property
     def last_stats(self) -> Any:
@@ -404,22 +405,17 @@ class Checkpointer:
         the live state (the chain restarts) when records were lost."""
         self._refuse_open_step(f"step({iteration})")
         self._tick(iteration)
-        try:
-            st = self._begin(iteration, own_grads=False)
-            if not st.recorded:
-                self._apply_step()  # the "retry" policy trains on without a record
-                return self._tock(st, self._end(st, meta))
-            try:
-                t0 = time.perf_counter()
-                self._apply_step()
-                self.meter.add("optimizer", time.perf_counter() - t0)
-            except BaseException as e:
-                self._auto.step_failed()
-                return self._writer.failed(st, e)
+        st = self._begin(iteration, own_grads=False)
+        if not st.recorded:
+            self._apply_step()  # the "retry" policy trains on without a record
             return self._tock(st, self._end(st, meta))
-        except BaseException:
-            self._auto.step_failed()
-            raise
+        try:
+            t0 = time.perf_counter()
+            self._apply_step()
+            self.meter.add("optimizer", time.perf_counter() - t0)
+        except BaseException as e:
+            return self._writer.failed(st, e)
+        return self._tock(st, self._end(st, meta))
 
     def before_step(self, iteration: int) -> None:
         """First half of :meth:`step`, for a training loop that applies the optimizer step itself
