@@ -175,6 +175,11 @@ def test_deltas_mode_keeps_the_delta_overhead_measured_beside_plain_steps(tmp_pa
     assert ck.meter.count("delta_ratio") == 1 and ck.meter.median("delta_ratio") == ratio
     assert ck.plan().costs.delta_overhead_s == pytest.approx(
         ck.plan().costs.step_s * max(0.0, ratio - 1.0))
+    # with its standard error, from the same samples: the margin deltas were planned at
+    se = ck.meter.ratio_standard_error("delta", "plain")
+    assert se is not None and ck.meter.median("delta_ratio_se") == se
+    assert ck.plan().costs.delta_overhead_margin_s == pytest.approx(
+        2.0 * ck.plan().costs.step_s * se)
     measured = (ck.meter.count("delta"), ck.meter.median("delta"))
     assert measured[0] >= 1
     for it in range(it + 1, it + 20):

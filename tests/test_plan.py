@@ -4,6 +4,7 @@ the same model, Young/Daly where it applies, and its refusals."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -25,6 +26,7 @@ def costs(draw) -> Costs:
                  snapshot_persist_s=draw(st.one_of(st.just(0.0), f(0.0, 50 * step))),
                  snapshot_bytes=draw(st.integers(0, 10 ** 10)),
                  delta_overhead_s=draw(f(0.0, step)) if replayable else None,
+                 delta_overhead_margin_s=draw(st.one_of(st.just(0.0), f(0.0, step))),
                  delta_bytes=draw(st.integers(0, 10 ** 9)),
                  replay_s=draw(st.one_of(st.just(0.0), f(0.0, 2.0))),
                  load_s=draw(f(0.0, 60.0)),
@@ -39,7 +41,8 @@ def brute_force(c: Costs, mtbf: float, budget: int | None):
     for mode in (SNAPSHOTS, DELTAS):
         if mode == DELTAS and c.delta_overhead_s is None:
             continue
-        k = c.step_s + ((c.delta_overhead_s or 0.0) if mode == DELTAS else 0.0)
+        k = c.step_s + ((c.delta_overhead_s or 0.0) + c.delta_overhead_margin_s
+                        if mode == DELTAS else 0.0)
         lo = max(1, math.ceil(c.snapshot_persist_s / k - 1e-12))
         for n in range(lo, max(lo, MAX) + 1):
             scored.append(evaluate(c, mode, n, mtbf, budget))
@@ -182,6 +185,41 @@ def test_delta_overhead_follows_the_ratio_measured_beside_plain_steps():
         m.add("plain", 0.130)  # (the machine slowed; no delta step runs in the snapshots mode)
     assert m.costs(True).delta_overhead_s == pytest.approx(0.013)
     assert m.costs(False).delta_overhead_s is None
+
+
+def test_standard_errors_of_medians_and_of_their_ratio():
+    m = CostMeter()
+    assert m.standard_error("plain") is None and m.ratio_standard_error("delta", "plain") is None
+    for v in (0.100, 0.100, 0.100, 0.100):
+        m.add("plain", v)
+    assert m.standard_error("plain") == 0.0  # (no spread: a margin of 0)
+    for v in (0.10, 0.12, 0.14, 0.16, 0.18):  # median 0.14, MAD 0.02
+        m.add("delta", v)
+    se_d = 1.2533 * 1.4826 * 0.02 / math.sqrt(5)
+    assert m.standard_error("delta") == pytest.approx(se_d)
+    assert m.ratio_standard_error("delta", "plain") == pytest.approx(se_d / 0.100)
+    m.add("delta_ratio", 1.4)
+    m.add("delta_ratio_se", 0.05)
+    for _ in range(4):
+        m.add("stall", 0.01)
+    c = m.costs(True)
+    assert c.delta_overhead_s == pytest.approx(0.04)
+    assert c.delta_overhead_margin_s == pytest.approx(2.0 * 0.100 * 0.05)
+    assert c.delta_step_extra_s == pytest.approx(0.05)
+    assert m.costs(False).delta_overhead_margin_s == 0.0
+
+
+def test_deltas_must_win_at_the_pessimistic_end_of_their_measurement():
+    """Deltas whose measured overhead wins by less than its uncertainty are not planned: a wrong
+    choice of deltas costs every step, a wrong choice of snapshots little."""
+    c = Costs(step_s=0.1, snapshot_stall_s=0.005, snapshot_slowdown_s=0.015,
+              snapshot_persist_s=0.05, delta_overhead_s=0.001, replay_s=0.005, load_s=0.1,
+              restart_s=0.2)
+    assert plan(c, 10.0).mode == DELTAS
+    unsure = plan(replace(c, delta_overhead_margin_s=0.01), 10.0)
+    assert unsure.mode == SNAPSHOTS
+    assert "delta +1.0 ms/step (planned at +11.0" in str(unsure)
+    assert "planned at" not in str(plan(c, 10.0))
 
 
 def test_persist_bounds_the_interval_from_below():

@@ -372,12 +372,16 @@ class AutoPolicy:
         delta overhead is derived from then on (plain x (ratio - 1)). Neither mode runs both kinds
         of step: the other kind's median goes stale, and the difference of a fresh median and a
         stale one follows the machine's drift (measured: a plain median 30% up after the machine
-        slowed, a delta overhead of 0 and a plan for deltas)."""
+        slowed, a delta overhead of 0 and a plan for deltas). Its standard error, from the two
+        kinds' spread (``"delta_ratio_se"``, the largest over the ranks), is kept with it."""
         delta, plain = shared.medians.get("delta"), shared.medians.get("plain")
         if self.meter.count("delta_ratio") or delta is None or not plain:
             return
         shared.medians["delta_ratio"] = delta / plain
         self.meter.add("delta_ratio", delta / plain)
+        se = shared.medians.get("delta_ratio_se")
+        if se is not None:  # (the planner adds a margin of it: deltas must win at its far end)
+            self.meter.add("delta_ratio_se", se)
 
     def _costs(self, medians: dict[str, float]):
         frozen = CostMeter()
@@ -393,7 +397,12 @@ class AutoPolicy:
         m = self.meter
         mtbf, source = self.failure_rate()
         seen = {k: self._seen[k] for k in ("delta", "plain")}
-        local = Shared({**seen, "stall": m.count("stall")}, m.medians(),
+        medians = m.medians()
+        if not m.count("delta_ratio"):  # (what _keep_delta_ratio keeps at the phases' end)
+            se = m.ratio_standard_error("delta", "plain")
+            if se is not None:
+                medians["delta_ratio_se"] = se
+        local = Shared({**seen, "stall": m.count("stall")}, medians,
                        mtbf, source, self.disk_budget, self.budget_source, self.restarts,
                        self.since_ns)
         if self._agreement is None:

@@ -25,6 +25,16 @@ snapshots, N:  an interval takes W = N*step + C; useful N*step; lost W/2 + persi
 deltas, B:     an interval takes W = B*(step + delta_overhead) + C (its base); useful B*step;
                lost half a group-commit window, group_commit*(step + delta_overhead)/2; resume
                restart + load + (B-1)/2 * replay (the deltas since the base, on average).
+               ``delta_overhead`` is the measured one plus its margin (below).
+
+**Deltas must win at the pessimistic end of their measurement.** The delta overhead is a
+difference of two noisy step times measured a few steps each (see
+:class:`~ckptstore.torch.auto_policy.AutoPolicy`); snapshots' goodput does not depend on it.
+Choosing deltas on an overhead measured too low costs every step of the run, choosing snapshots
+wrongly costs little, so deltas are planned at ``delta_overhead + margin``, the margin
+:data:`DELTA_MARGIN_Z` standard errors of the measurement (``Costs.delta_overhead_margin_s``;
+measured on a 2-core VM: first plans saw +0 to +28 ms for a real 15-25 ms, and chose deltas that
+lost 8% with no failure).
 
 Both goodputs are log-concave in the interval (a product of x/(x+c) and a decreasing linear
 factor), so the best real interval has a closed form, ``x = sqrt(c*(c+b)) - c`` for
@@ -88,16 +98,26 @@ class Costs:
     #: beyond the stall, the training time one snapshot's background work takes from the steps
     #: it overlaps (from its submit to its durability)
     snapshot_slowdown_s: float = 0.0
+    #: the delta overhead's uncertainty: deltas are planned at ``delta_overhead_s`` plus this
+    #: (:data:`DELTA_MARGIN_Z` standard errors of its measurement; 0: none known)
+    delta_overhead_margin_s: float = 0.0
 
     @property
     def snapshot_cost_s(self) -> float:
         """What one snapshot costs training: its stall plus the slowdown it causes."""
         return self.snapshot_stall_s + self.snapshot_slowdown_s
 
+    @property
+    def delta_step_extra_s(self) -> float:
+        """What the planner charges a delta step beyond a plain one: the overhead plus its
+        margin (0 when deltas are impossible)."""
+        return (self.delta_overhead_s or 0.0) + self.delta_overhead_margin_s
+
     def check(self) -> None:
         """Raise ValueError naming the first field that is not a finite number in range."""
         for name in ("step_s", "snapshot_stall_s", "snapshot_slowdown_s", "snapshot_persist_s",
-                     "replay_s", "load_s", "restart_s", "snapshot_bytes", "delta_bytes"):
+                     "replay_s", "load_s", "restart_s", "snapshot_bytes", "delta_bytes",
+                     "delta_overhead_margin_s"):
             _check_number(name, getattr(self, name), positive=name == "step_s")
         if self.delta_overhead_s is not None:
             _check_number("delta_overhead_s", self.delta_overhead_s)
@@ -191,8 +211,10 @@ class Plan:
         lines = [f"checkpoint plan: {self.chosen.describe()}"]
         for o in self.options[1:]:
             lines.append(f"  instead of {o.describe()}" + ("" if o.fits else " [does not fit the disk budget]"))
+        margin = (f" (planned at +{1e3 * c.delta_step_extra_s:.1f}: the pessimistic end of its "
+                  f"measurement)" if c.delta_overhead_margin_s > 0 else "")
         delta = ("deltas impossible" if c.delta_overhead_s is None else
-                 f"delta +{1e3 * c.delta_overhead_s:.1f} ms/step ({_size(c.delta_bytes)}), "
+                 f"delta +{1e3 * c.delta_overhead_s:.1f} ms/step{margin} ({_size(c.delta_bytes)}), "
                  f"replay {1e3 * c.replay_s:.1f} ms/delta")
         lines.append(f"  costs: step {1e3 * c.step_s:.1f} ms; snapshot stall {1e3 * c.snapshot_stall_s:.1f} ms "
                      f"+ slowdown {1e3 * c.snapshot_slowdown_s:.1f} ms, persist {c.snapshot_persist_s:.2f} s ({_size(c.snapshot_bytes)}), load "
@@ -237,7 +259,7 @@ def evaluate(costs: Costs, mode: str, interval: int, mtbf_s: float,
     elif mode == DELTAS:
         if costs.delta_overhead_s is None:
             raise ValueError("deltas are not possible with these costs (delta_overhead_s is None)")
-        k = s + costs.delta_overhead_s
+        k = s + costs.delta_step_extra_s
         lost = costs.group_commit * k / 2
         resume = costs.restart_s + costs.load_s + (interval - 1) / 2 * costs.replay_s
         unit = costs.snapshot_bytes + (interval - 1) * costs.delta_bytes
@@ -260,7 +282,7 @@ def bounds(costs: Costs, mode: str, disk_budget: int | None = None,
     allowed (a disk budget that no interval fits). ``lo``: enough training to cover one
     snapshot's persist time (never below 1); ``hi``: ``max_interval``, and for deltas the longest
     chain the budget holds twice. ``lo > max_interval`` is kept (persisting must not queue)."""
-    k = costs.step_s + ((costs.delta_overhead_s or 0.0) if mode == DELTAS else 0.0)
+    k = costs.step_s + (costs.delta_step_extra_s if mode == DELTAS else 0.0)
     lo = max(1, math.ceil(costs.snapshot_persist_s / k - 1e-12))
     hi = max(lo, max_interval)
     if disk_budget is not None:
@@ -284,7 +306,7 @@ def best_interval(costs: Costs, mode: str, mtbf_s: float, lo: int, hi: int) -> i
         b, c, scale = 2 * mtbf_s * a - cost, cost, s
     else:
         assert costs.delta_overhead_s is not None
-        k = s + costs.delta_overhead_s
+        k = s + costs.delta_step_extra_s
         a = 1.0 - (costs.group_commit * k / 2 + costs.restart_s + costs.load_s
                    - costs.replay_s / 2) / mtbf_s
         # goodput ~ B*(b - B)/(B + c) in B
@@ -350,8 +372,12 @@ def plan(costs: Costs, mtbf_s: float, disk_budget: int | None = None, *,
                 tuple(notes), budget_source)
 
 
+#: standard errors of the delta ratio's measurement added to the delta overhead when planning
+#: (one-sided: about 98% of measurements of a stable overhead fall below it)
+DELTA_MARGIN_Z = 2.0
+
 #: the kinds of sample a :class:`CostMeter` keeps (and a persisted plan may carry)
-COST_KINDS = ("plain", "delta", "delta_ratio", "stall", "snapshot_cost", "persist",
+COST_KINDS = ("plain", "delta", "delta_ratio", "delta_ratio_se", "stall", "snapshot_cost", "persist",
               "snapshot_bytes", "load", "delta_bytes", "delta_write", "optimizer")
 
 
@@ -384,6 +410,27 @@ class CostMeter:
         m = len(v) // 2
         return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
 
+    def standard_error(self, kind: str) -> float | None:
+        """The standard error of ``kind``'s median, from the spread of its samples (robust:
+        1.4826 x their median absolute deviation, times 1.2533 / sqrt(n) for a median); None
+        below 3 samples."""
+        m, v = self.median(kind), list(self._s[kind])
+        if m is None or len(v) < 3:
+            return None
+        dev = sorted(abs(x - m) for x in v)
+        h = len(dev) // 2
+        mad = dev[h] if len(dev) % 2 else (dev[h - 1] + dev[h]) / 2
+        return 1.2533 * 1.4826 * mad / math.sqrt(len(v))
+
+    def ratio_standard_error(self, num: str, den: str) -> float | None:
+        """The standard error of ``median(num) / median(den)`` (first order: their relative
+        errors add in quadrature); None without 3 samples of each or positive medians."""
+        a, b = self.median(num), self.median(den)
+        ea, eb = self.standard_error(num), self.standard_error(den)
+        if not a or not b or ea is None or eb is None:
+            return None
+        return a / b * math.hypot(ea / a, eb / b)
+
     def medians(self) -> dict[str, float]:
         """``{kind: median}`` of every kind with samples (what a persisted plan keeps)."""
         out = {k: self.median(k) for k in self._s}
@@ -406,16 +453,19 @@ class CostMeter:
         """The current estimate (see :class:`Costs`), or None before enough samples. The delta
         overhead is the delta step's median minus the plain step's (None when deltas are off or
         none were measured), or with a ``"delta_ratio"`` sample the plain step times that ratio
-        less one; replaying a delta is estimated as an optimizer step plus reading
-        the delta (about its write); loading a base as writing one; a snapshot's slowdown as
-        its measured cost beyond its stall (0 before a snapshot was seen through)."""
+        less one, with a margin of :data:`DELTA_MARGIN_Z` times the plain step times the
+        ratio's standard error (``"delta_ratio_se"``); replaying a delta is estimated as an
+        optimizer step plus reading the delta (about its write); loading a base as writing
+        one; a snapshot's slowdown as its measured cost beyond its stall (0 before a snapshot
+        was seen through)."""
         plain, stall = self.median("plain"), self.median("stall")
         if plain is None or stall is None or plain <= 0:
             return None
         delta, ratio = self.median("delta"), self.median("delta_ratio")
-        overhead = None
+        overhead, margin = None, 0.0
         if replayable and ratio is not None:  # (measured once beside plain steps, see AutoPolicy)
             overhead = plain * max(0.0, ratio - 1.0)
+            margin = DELTA_MARGIN_Z * plain * (self.median("delta_ratio_se") or 0.0)
         elif replayable and delta is not None:
             overhead = max(0.0, delta - plain)
         med = self.median
@@ -424,7 +474,8 @@ class CostMeter:
                      snapshot_slowdown_s=max(0.0, cost - stall) if cost is not None else 0.0,
                      snapshot_persist_s=med("persist") or 0.0,
                      snapshot_bytes=int(med("snapshot_bytes") or 0),
-                     delta_overhead_s=overhead, delta_bytes=int(med("delta_bytes") or 0),
+                     delta_overhead_s=overhead, delta_overhead_margin_s=margin,
+                     delta_bytes=int(med("delta_bytes") or 0),
                      replay_s=(med("optimizer") or 0.0) + (med("delta_write") or 0.0),
                      load_s=med("load") or 0.0, group_commit=group_commit)
 
