@@ -118,6 +118,23 @@ def test_lost_work_is_counted_from_where_training_went_on_after_the_restored_che
     assert not res.errors
 
 
+def test_a_job_s_own_plain_steps_exclude_checkpoints_in_flight_and_warm_ups():
+    """clean_plain_steps: steps that wrote nothing, were not a process' first and overlapped no
+    checkpoint between its step and its durability (none: until the process ended)."""
+    steps = [(1, 0.50, False, 1.0, 0),   # a process' first step: warm-up
+             (2, 0.10, False, 1.1, 0),   # clean
+             (3, 0.12, True, 1.22, 0),   # checkpoints: durable at 1.45
+             (4, 0.15, False, 1.37, 0),  # in its window
+             (5, 0.10, False, 1.47, 0),  # started at 1.37 < 1.45: in its window
+             (6, 0.11, False, 1.58, 0),  # clean
+             (7, 0.12, True, 1.70, 0),   # never durable (killed): the rest of the process is out
+             (8, 0.10, False, 1.80, 0),
+             (8, 0.40, False, 3.0, 1),   # the next process: warm-up
+             (9, 0.09, False, 3.09, 1)]  # clean: the killed process' checkpoint is not its own
+    assert bg.clean_plain_steps(steps, [(3, 1.45, 0)]) == [0.10, 0.11, 0.09]
+    assert bg.clean_plain_steps(steps, []) == [0.10, 0.09]
+
+
 def test_fit_replay_recovers_base_and_per_delta_cost():
     loads = [(30 * k + d, 0.2 + 0.05 * d) for k in range(3) for d in (0, 5, 12, 29)]
     base, replay = goodput_e2e.fit_replay(loads, 30)

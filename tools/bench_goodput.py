@@ -46,6 +46,14 @@ neighbours' mean steps (each without its first step, a fresh process' warm-up): 
 drifts within minutes. Per job:
 
 * goodput = ``I x plain step / wall``;
+* goodput *in job* = ``I x (the job's own plain step) / wall``: the median of the job's steps
+  that ran as plain training (no checkpoint written, none in flight, not a process' first step;
+  :func:`clean_plain_steps`). The machine's speed drifts ~10% within seconds here (consecutive
+  plain runs 12 s apart differ by a median 6-10%; so do 24-step windows of one process), so the
+  plain runs beside a job put jobs without a failure anywhere in 0.85-1.22; the job's own
+  plain steps ran at the same time as its checkpoints. NaN for a strategy that checkpoints every
+  step (deltas). It favours a strategy that leaves background work outside its checkpoints'
+  windows (after durability); both figures are reported;
 * work lost per failure = the failure time minus when training went on after the checkpoint the
   next process restored (a failure while resuming loses nothing more and counts);
 * resume = failure to training again: the kill, a new process (a fork of a zygote that imported
@@ -111,6 +119,8 @@ STRATEGIES = ("torch.save", "dcp-async", "pccheck", "ckpt-snapshots", "ckpt-delt
 YOUNG_DALY = {"torch.save": "torch_save_cost_s", "dcp-async": "dcp_cost_s",
               "pccheck": "pccheck_cost_s", "ckpt-snapshots": "ckpt_cost_s"}
 LOSSY = {"ckpt-topk"}
+#: clean plain steps a job needs for its own plain reference (clean_plain_steps)
+MIN_CLEAN_STEPS = 5
 MODEL_ARGS = ["--layers", "3", "--dim", "256", "--heads", "4", "--vocab", "8192", "--ctx", "32",
               "--batch", "4"]
 DEFAULT_TRACES = ("bamboo-p3-trace.csv", "bamboo-g4dn-trace.csv")
@@ -150,6 +160,29 @@ def goodput_of(iterations: int, step_plain_s: float, wall_s: float) -> float:
     return iterations * step_plain_s / wall_s
 
 
+def clean_plain_steps(steps: Sequence[tuple[int, float, bool, float, int]],
+                      durable: Sequence[tuple[int, float, int]]) -> list[float]:
+    """The times of a job's steps that ran as plain training: steps that wrote no checkpoint, are
+    not a process' first (its warm-up), and overlapped no checkpoint in flight (from its
+    checkpointing step to its durability, or to the end of its process when it never became
+    durable). Their median is the machine's plain speed *while the job ran*: the job's own
+    reference, immune to the drift between a job and the plain runs beside it. ``steps``:
+    ``(i, dt, checkpointed, end t, incarnation)`` in order; ``durable``: ``(i, t, incarnation)``."""
+    done = {(inc, i): t for i, t, inc in durable}
+    out: list[float] = []
+    inflight: list[float] = []  # durability times of this process' checkpoints so far
+    prev_inc = None
+    for i, dt, ck, t_end, inc in steps:
+        first = inc != prev_inc
+        if first:
+            inflight, prev_inc = [], inc
+        if ck:
+            inflight.append(done.get((inc, i), math.inf))
+        elif not first and all(t <= t_end - dt for t in inflight):
+            out.append(dt)
+    return out
+
+
 def spread(values: Sequence[float]) -> dict[str, float]:
     """Median, mean, min, max and count of ``values`` (NaN-free; empty gives NaNs and n 0)."""
     v = [float(x) for x in values if x is not None and not math.isnan(x)]
@@ -183,8 +216,10 @@ class JobResult:
     wall_s: float = 0.0
     failures: list[dict] = field(default_factory=list)  # per failure: t, lost_s, lost_it, resume_s...
     restores: list[dict] = field(default_factory=list)  # per restore: i, load_s, restart_s, ok
-    steps: list[tuple[int, float, bool]] = field(default_factory=list)  # (i, dt, checkpointed)
+    #: (i, dt, checkpointed, end t, incarnation: the process that ran it, counted from 0)
+    steps: list[tuple[int, float, bool, float, int]] = field(default_factory=list)
     persist: list[float] = field(default_factory=list)  # durable t - end of the checkpointing step
+    durable: list[tuple[int, float, int]] = field(default_factory=list)  # (i, t, incarnation)
     bytes_written: int = 0
     final_ok: bool | None = None
     plans: list[dict] = field(default_factory=list)
@@ -351,8 +386,10 @@ def run_job(cfg: dict, failures: Sequence[float], reference: dict[int, str] | No
     reach: dict[int, float] = {}  # iteration -> when training went on after it (this incarnation)
     step_end: dict[int, float] = {}
     deadline = time.monotonic() + timeout_s
+    incarnation = -1
     while True:
         child = Child(cfg, env, zygote)
+        incarnation += 1
         started = False
         restored_i = None
         t_ready = None
@@ -400,10 +437,11 @@ def run_job(cfg: dict, failures: Sequence[float], reference: dict[int, str] | No
             elif ev == "it":
                 reach[e["i"]] = e["t"]
                 step_end[e["i"]] = e["t"]
-                res.steps.append((e["i"], e["dt"], bool(e["ck"])))
+                res.steps.append((e["i"], e["dt"], bool(e["ck"]), e["t"], incarnation))
                 if "hash" in e:
                     res.hashes[e["i"]] = e["hash"]
             elif ev == "durable":
+                res.durable.append((e["i"], e["t"], incarnation))
                 if e["i"] in step_end:
                     res.persist.append(e["t"] - step_end[e["i"]])
             elif ev == "plan":
@@ -460,8 +498,10 @@ def run_calibration(args: argparse.Namespace, tmp: Path) -> dict:
 # ---- summaries -----------------------------------------------------------------------------------
 def job_summary(r: JobResult, step_plain_s: float) -> dict:
     """Per-job figures: goodput and the simulator's inputs (medians/means over the job)."""
-    plain_dt = [dt for _, dt, ck in r.steps if not ck]
-    ck_dt = [dt for _, dt, ck in r.steps if ck]
+    plain_dt = [dt for _, dt, ck, _, _ in r.steps if not ck]
+    ck_dt = [dt for _, dt, ck, _, _ in r.steps if ck]
+    clean = clean_plain_steps(r.steps, r.durable)
+    in_job = statistics.median(clean) if len(clean) >= MIN_CLEAN_STEPS else math.nan
     if ck_dt and not plain_dt:  # a checkpoint every step (deltas): its cost is in the step
         plain_dt, ck_dt = ck_dt, []
     after = [x for x in r.restores if x["after_failure"]]
@@ -471,6 +511,11 @@ def job_summary(r: JobResult, step_plain_s: float) -> dict:
         "iterations": r.iterations, "wall_s": r.wall_s,
         "goodput": goodput_of(r.iterations, step_plain_s, r.wall_s) if r.wall_s > 0 else math.nan,
         "step_plain_s": step_plain_s,
+        # the same with the job's own plain speed (clean_plain_steps; NaN: too few such steps,
+        # a checkpoint every step)
+        "goodput_in_job": goodput_of(r.iterations, in_job, r.wall_s)
+        if r.wall_s > 0 and in_job > 0 else math.nan,
+        "step_plain_in_job_s": in_job, "clean_steps": len(clean),
         "failures": len(r.failures),
         "failure_times_s": [f["t"] for f in r.failures],
         "lost_s_per_failure": statistics.fmean([f["lost_s"] for f in r.failures]) if r.failures else 0.0,
@@ -500,7 +545,9 @@ def aggregate(jobs: list[dict]) -> dict[tuple[str, str], dict]:
         lost = [f["lost_s"] for j in js for f in j["failures_detail"]]
         lost_it = [f["lost_it"] for j in js for f in j["failures_detail"]]
         resume = [f["resume_s"] for j in js for f in j["failures_detail"]]
-        a.update(goodput=spread([j["goodput"] for j in js]), lost_s=spread(lost),
+        a.update(goodput=spread([j["goodput"] for j in js]),
+                 goodput_in_job=spread([j.get("goodput_in_job", math.nan) for j in js]),
+                 lost_s=spread(lost),
                  lost_it=spread(lost_it), resume_s=spread(resume),
                  bytes=spread([j["bytes_written"] for j in js]),
                  failures=sum(j["failures"] for j in js), every=sorted({j["every"] for j in js}))
@@ -508,8 +555,9 @@ def aggregate(jobs: list[dict]) -> dict[tuple[str, str], dict]:
 
 
 def markdown_table(agg: dict[tuple[str, str], dict], order: Sequence[str]) -> str:
-    """One row per scenario and strategy: goodput median [min-max], lost work and resume per
-    failure (means), MB written per job (median)."""
+    """One row per scenario and strategy: goodput median [min-max] against the plain runs beside
+    each job and against the job's own plain steps (:func:`clean_plain_steps`), lost work and
+    resume per failure (means), MB written per job (median)."""
     rows = []
     scenarios = list(dict.fromkeys(k[0] for k in agg))
     for sc in scenarios:
@@ -522,12 +570,15 @@ def markdown_table(agg: dict[tuple[str, str], dict], order: Sequence[str]) -> st
             if st == "ckpt-auto":
                 plans = {f"{p['mode']}:{p['interval']}" for j in a["jobs"] for p in j["plans"]}
                 every = ",".join(sorted(plans)) or "?"
+            gi = a["goodput_in_job"]
             rows.append([sc, st, every, f"{g['median']:.3f}", f"{g['min']:.3f}-{g['max']:.3f}",
+                         f"{gi['median']:.3f}" if gi["n"] else "-",
+                         f"{gi['min']:.3f}-{gi['max']:.3f}" if gi["n"] else "-",
                          f"{a['failures']}", f"{a['lost_s']['mean']:.2f}",
                          f"{a['lost_it']['mean']:.1f}", f"{a['resume_s']['mean']:.2f}",
                          f"{a['bytes']['median'] / 1e6:.0f}"])
     return harness.table(["scenario", "strategy", "every", "goodput (median)", "range",
-                          "failures", "lost s/failure", "lost it/failure",
+                          "in-job (median)", "in-job range", "failures", "lost s/failure", "lost it/failure",
                           "resume s/failure", "MB written/job"], rows, left=3)
 
 
@@ -626,9 +677,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    f"{bad[:5]}): nothing to verify restores against")
             # without its first step: a fresh process' warm-up (the jobs pay theirs, after every
             # start, as part of resuming; it is no part of the plain step)
-            step = statistics.fmean(dt for _, dt, _ in pr.steps[1:])
+            step = statistics.fmean(st[1] for st in pr.steps[1:])
             plains.append({"label": label, "iterations": its, "step_plain_s": step,
-                           "step_plain_median_s": statistics.median(dt for _, dt, _ in pr.steps)})
+                           "step_plain_median_s": statistics.median(st[1] for st in pr.steps)})
             return pr
 
         # the reference: one full plain run (a hash per iteration); then a plain segment of
@@ -660,7 +711,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     s["schedule_s"] = [t for t in fails if t <= r.wall_s]  # (goodput.py rebuilds the rest)
                     s["load_avg"] = os.getloadavg()[0]
                     jobs.append(s)
-                    print(f"  {sc.name:24s} {st:15s} every {s['every']:3d}: goodput {s['goodput']:.3f}, "
+                    print(f"  {sc.name:24s} {st:15s} every {s['every']:3d}: goodput {s['goodput']:.3f} "
+                          f"(in-job {s['goodput_in_job']:.3f}, {s['clean_steps']} clean steps), "
                           f"{s['failures']} failures, lost {s['lost_s_per_failure']:.2f} s, resume "
                           f"{s['resume_s_per_failure']:.2f} s, {s['bytes_written'] / 1e6:.0f} MB; plain "
                           f"{step_plain * 1e3:.0f} ms; load {s['load_avg']:.1f}"
