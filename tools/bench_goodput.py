@@ -46,14 +46,15 @@ neighbours' mean steps (each without its first step, a fresh process' warm-up): 
 drifts within minutes. Per job:
 
 * goodput = ``I x plain step / wall``;
-* goodput *in job* = ``I x (the job's own plain step) / wall``: the median of the job's steps
+* goodput *in job* = ``I x (the job's own plain step) / wall``: the mean of the job's steps
   that ran as plain training (no checkpoint written, none in flight, not a process' first step;
-  :func:`clean_plain_steps`). The machine's speed drifts ~10% within seconds here (consecutive
-  plain runs 12 s apart differ by a median 6-10%; so do 24-step windows of one process), so the
-  plain runs beside a job put jobs without a failure anywhere in 0.85-1.22; the job's own
-  plain steps ran at the same time as its checkpoints. NaN for a strategy that checkpoints every
-  step (deltas). It favours a strategy that leaves background work outside its checkpoints'
-  windows (after durability); both figures are reported;
+  :func:`clean_plain_steps`; the mean, as the plain runs': an occasional slow step is plain
+  training too). The machine's speed drifts ~10% within seconds here (consecutive plain runs
+  12 s apart differ by a median 6-10%; so do 24-step windows of one process), so the plain runs
+  beside a job put jobs without a failure anywhere in 0.85-1.22; the job's own plain steps ran
+  at the same time as its checkpoints. NaN for a strategy that checkpoints every step
+  (deltas). It favours a strategy that leaves background work outside its checkpoints' windows
+  (after durability); both figures are reported;
 * work lost per failure = the failure time minus when training went on after the checkpoint the
   next process restored (a failure while resuming loses nothing more and counts);
 * resume = failure to training again: the kill, a new process (a fork of a zygote that imported
@@ -165,7 +166,7 @@ def clean_plain_steps(steps: Sequence[tuple[int, float, bool, float, int]],
     """The times of a job's steps that ran as plain training: steps that wrote no checkpoint, are
     not a process' first (its warm-up), and overlapped no checkpoint in flight (from its
     checkpointing step to its durability, or to the end of its process when it never became
-    durable). Their median is the machine's plain speed *while the job ran*: the job's own
+    durable). Their mean is the machine's plain speed *while the job ran*: the job's own
     reference, immune to the drift between a job and the plain runs beside it. ``steps``:
     ``(i, dt, checkpointed, end t, incarnation)`` in order; ``durable``: ``(i, t, incarnation)``."""
     done = {(inc, i): t for i, t, inc in durable}
@@ -501,7 +502,8 @@ def job_summary(r: JobResult, step_plain_s: float) -> dict:
     plain_dt = [dt for _, dt, ck, _, _ in r.steps if not ck]
     ck_dt = [dt for _, dt, ck, _, _ in r.steps if ck]
     clean = clean_plain_steps(r.steps, r.durable)
-    in_job = statistics.median(clean) if len(clean) >= MIN_CLEAN_STEPS else math.nan
+    # (the mean, as the plain runs': a plain step's occasional slow one is plain training too)
+    in_job = statistics.fmean(clean) if len(clean) >= MIN_CLEAN_STEPS else math.nan
     if ck_dt and not plain_dt:  # a checkpoint every step (deltas): its cost is in the step
         plain_dt, ck_dt = ck_dt, []
     after = [x for x in r.restores if x["after_failure"]]
