@@ -156,6 +156,31 @@ def test_plan_charges_the_slowdown_of_the_steps_a_snapshot_overlaps(tmp_path):
     store.close()
 
 
+def test_the_first_plan_waits_for_several_snapshot_windows(tmp_path):
+    """One window's slowdown is two steps' noise (0-62 ms measured for a real ~10-30 ms, and a 0
+    planned a snapshot every 2-3 iterations): the measuring phases snapshot every few plain steps
+    until MEASURE_WINDOWS snapshots' costs are measured, and the first plan comes from them."""
+    model, opt = _model()
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=3, mtbf_s=60.0)
+    ck.restore()
+    snapshots = []
+    it = 0
+    while ck.plan() is None:
+        it += 1
+        out = _step(model, ck, opt, it)
+        if ck.mode == "snapshots" and out is not None:
+            snapshots.append(it)
+            out.result()  # (durable before the next step: a window of its own step)
+        assert it < 60
+    assert ck.meter.count("snapshot_cost") >= auto_policy.MEASURE_WINDOWS
+    assert len(snapshots) >= auto_policy.MEASURE_WINDOWS
+    gaps = {b - a for a, b in zip(snapshots, snapshots[1:])}
+    assert gaps == {auto_policy.MEASURE_SNAPSHOT_GAP}, snapshots
+    ck.close()
+    store.close()
+
+
 def test_deltas_mode_keeps_the_delta_overhead_measured_beside_plain_steps(tmp_path, one_mode):
     """Once planned in the deltas mode no plain step runs: later delta steps are no samples (their
     median against an older plain one would follow the machine's drift, not the delta's cost);

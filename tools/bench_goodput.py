@@ -409,8 +409,11 @@ def run_job(cfg: dict, failures: Sequence[float], reference: dict[int, str] | No
                 res.bytes_written += child.kill()
                 pending.pop(0)
                 last = max(reach) if (started and reach) else None
+                # the kill lands after tf: an event the child sent later (read before the kill)
+                # moves the failure to it (else the lost work can come out negative)
+                at = max([tf, *reach.values()]) if started else tf
                 killed = {"t": tf - t_job, "last_it": last, "reach": dict(reach) if started else {},
-                          "started": started, "at": tf}
+                          "started": started, "at": at}
                 break
             ev = e["ev"]
             if ev == "ready":

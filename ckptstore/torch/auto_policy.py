@@ -12,8 +12,9 @@ arithmetic); this module decides *when* to plan and what to plan from. Call sequ
 3. ``tock(iteration, wrote)``: remembered for the next sample.
 
 Phases without a persisted plan: ``measure_steps`` delta steps (policy "auto" with an optimizer
-replay knows), one snapshot, ``measure_steps`` plain steps, then "planned": the costs are
-compared with the plan's every 16 steps and a drift re-plans. A snapshot's cost is measured over
+replay knows), then ``measure_steps`` plain steps with a snapshot every
+:data:`MEASURE_SNAPSHOT_GAP` of them until :data:`MEASURE_WINDOWS` snapshots' costs are measured,
+then "planned": the costs are compared with the plan's every 16 steps and a drift re-plans. A snapshot's cost is measured over
 the steps it overlaps (:class:`~ckptstore.torch.plan.SnapshotWindow`); a delta step is a cost
 sample only while measuring (in the deltas mode no plain step runs to compare it with).
 
@@ -62,6 +63,12 @@ _CLOCK_SKEW_NS = 600 * 10**9
 _MAX_SECONDS = 1e6
 _MAX_BYTES = float(2 ** 60)
 _MAX_RESTARTS = 10 ** 9
+#: snapshot windows (``snapshot_cost`` samples) the first plan waits for: one window's slowdown
+#: measured 0 to 62 ms for a real ~10-30 ms here (two steps' noise), and a 0 planned a snapshot
+#: every 2-3 iterations where 5-9 was best
+MEASURE_WINDOWS = 3
+#: steps from one measuring snapshot to the next (room for its window and a plain step or two)
+MEASURE_SNAPSHOT_GAP = 4
 
 
 def default_policy(replayable: bool, multirank: bool) -> str:
@@ -197,6 +204,7 @@ class AutoPolicy:
         self.phase = "planned" if policy == "every-iteration" else \
             ("deltas" if self.mode == DELTAS else "plain")
         self._measure_snapshot = False  # the plain phase asked for the snapshot it measures
+        self._since_snapshot = 0  # steps started since the last snapshot was submitted
         self._since_check = 0  # steps since costs were last compared with the plan's
         self._replan_next = False  # replan_soon() asked for a plan at the next step
         #: the last step: (iteration, its start, what it wrote: "plain" | "delta" | "base")
@@ -301,6 +309,7 @@ class AutoPolicy:
             self.window.interrupt()
         self._t_step = now
         self._in_step = True
+        self._since_snapshot += 1
         if self.policy != "every-iteration":
             self.advance(iteration)
 
@@ -324,8 +333,10 @@ class AutoPolicy:
 
     def advance(self, iteration: int) -> None:
         """The phases: measure ``measure_steps`` delta steps (policy "auto" with an optimizer
-        replay knows), then one snapshot and ``measure_steps`` steps that write nothing, then
-        plan; once planned, compare the costs with the plan's every 16 steps and re-plan when
+        replay knows), then ``measure_steps`` steps that write nothing and
+        :data:`MEASURE_WINDOWS` snapshot windows (a snapshot every :data:`MEASURE_SNAPSHOT_GAP`
+        steps; beyond ``4 * measure_steps + MEASURE_WINDOWS * MEASURE_SNAPSHOT_GAP`` steps in
+        all, with what was measured), then plan; once planned, compare the costs with the plan's every 16 steps and re-plan when
         one drifted (:func:`ckptstore.torch.plan.drifted`). Every decision is made from
         :meth:`_shared` inputs, taken (on a multi-rank job store: agreed) at steps every rank
         counts alike: each step of a measuring phase, every 16th planned one, a replan asked."""
@@ -348,15 +359,23 @@ class AutoPolicy:
                 self._measure_snapshot = True  # (the switch snapshots this step)
                 self._apply(SNAPSHOTS, iteration)
         elif self.phase == "plain":
-            if counts["plain"] >= self.measure_steps or self._since_check > 4 * self.measure_steps:
-                if counts["stall"]:
-                    self._keep_delta_ratio(shared)
-                    self._replan(iteration, shared=shared)
-                elif not self._measure_snapshot and self.snapshot_every_fixed is None:
-                    # nothing snapshotted yet (a store restored from), and no interval that
-                    # will: one snapshot to measure
+            fixed = self.snapshot_every_fixed is not None  # (its snapshots are the windows)
+            windows = fixed or counts["windows"] >= MEASURE_WINDOWS
+            timeout = self._since_check > 4 * self.measure_steps + \
+                MEASURE_WINDOWS * MEASURE_SNAPSHOT_GAP
+            if counts["stall"] and ((counts["plain"] >= self.measure_steps and windows) or timeout):
+                self._keep_delta_ratio(shared)
+                self._replan(iteration, shared=shared)
+            elif fixed:
+                pass
+            elif not self._measure_snapshot:
+                if counts["plain"] >= self.measure_steps or timeout:
+                    # nothing snapshotted yet (a store restored from, policy "snapshots"): the
+                    # first snapshot to measure
                     self._measure_snapshot = True
                     self._snapshot_now()
+            elif not windows and not timeout and self._since_snapshot >= MEASURE_SNAPSHOT_GAP:
+                self._snapshot_now()  # (another window to measure)
         elif self._replan_next:
             self._replan_next = False
             self._replan(iteration, shared=shared)
@@ -402,7 +421,8 @@ class AutoPolicy:
             se = m.ratio_standard_error("delta", "plain")
             if se is not None:
                 medians["delta_ratio_se"] = se
-        local = Shared({**seen, "stall": m.count("stall")}, medians,
+        local = Shared({**seen, "stall": m.count("stall"), "windows": m.count("snapshot_cost")},
+                       medians,
                        mtbf, source, self.disk_budget, self.budget_source, self.restarts,
                        self.since_ns)
         if self._agreement is None:
@@ -471,6 +491,7 @@ class AutoPolicy:
         :meth:`observe_snapshot`); ``measured`` False: its window is no cost sample (a chain's
         first base, written in a process' first step: that step's time is its warm-up)."""
         self.window.submitted(self._in_step and measured)
+        self._since_snapshot = 0
 
     def observe_snapshot(self, fut) -> None:
         """A snapshot's AsyncStats, once it is durable: stall, persist, bytes, write time."""
@@ -497,6 +518,7 @@ class AutoPolicy:
         """A synchronous snapshot: the whole save stalled training; durable when it returned
         (``measured``: as in :meth:`snapshot_submitted`)."""
         self.window.submitted(self._in_step and measured)
+        self._since_snapshot = 0
         self.window.durable()
         self.meter.add("stall", stall_s)
         self.meter.add("persist", 0.0)
