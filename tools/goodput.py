@@ -62,7 +62,8 @@ Model (a discrete-event simulation; every time below is wall-clock seconds)
   window loses that checkpoint; ckptstore: one inside a group loses the group). **Lost work** is
   ``tf`` minus the moment training went on after ``D`` (the end of ``D``'s stall, or the end of the
   resume that restored ``D``): computation, stalls and waits thrown away.
-* **Resume.** ``restart + load``, then training continues at iteration ``D + 1``. ``restart``
+* **Resume.** ``restart + load`` (no load when ``D`` is the initial state), then training
+  continues at iteration ``D + 1``. ``restart``
   (scheduling, process start, rendezvous) is not measured here: ``--restart-s``, 0 by default, the
   same for every strategy. Load: torch.save and PCcheck a torch.load of the full checkpoint (cold);
   DCP its cold load; ckptstore the base load plus ``D mod base_every`` deltas replayed (bases every
@@ -84,7 +85,8 @@ Model (a discrete-event simulation; every time below is wall-clock seconds)
   run scales the same unit-rate draws by the rate, so every rate sees the same failure pattern.
 * **Calibration (``--from-e2e FILE``, tools/goodput_e2e.py).** tools/bench_goodput.py trains for real and SIGKILLs the
   trainer on the same scenarios compressed in time; its JSON keeps every job. ``--from-e2e``
-  simulates each job again (its iterations, the plain step measured beside it, the very failure
+  simulates each job again (its iterations, its plain step: the mean of its own steps that ran
+  as plain training where it has enough of them, else the plain runs' beside it; the very failure
   schedule it ran under: rebuilt from the seed and checked against the times the job recorded)
   with costs pooled per strategy over its jobs (medians), and prints simulated against measured
   goodput. What each figure assumes:
@@ -106,8 +108,8 @@ Model (a discrete-event simulation; every time below is wall-clock seconds)
     the pre-imported zygote (or a cold interpreter with ``--cold``), the model build; a failure
     during a resume restarts it, as below;
   - *ckpt-auto*: the mode and interval of the last plan the job logged, as if it had run from the
-    start; its measuring phases (8 delta steps, a snapshot, 8 plain steps, again in every new
-    process) are in the pooled step ratio only as an average.
+    start; its measuring phases (8 delta steps, then 8 plain steps and 3 snapshots, again in
+    every new process that has no persisted plan) are in the pooled step ratio only as an average.
 
   Nothing else is fitted: a gap between the two columns is what the model leaves out.
 * **Not modelled.** GPUs (every figure is from a 2-core CPU VM), contention of DCP's and PCcheck's
@@ -267,7 +269,10 @@ class Strategy:
                                  "(check the cost file's figures)")
 
     def resume_s(self, durable: int) -> float:
-        """Restart + load of the checkpoint at iteration ``durable``."""
+        """Restart + load of the checkpoint at iteration ``durable`` (0: the initial state,
+        nothing to load)."""
+        if durable == 0:
+            return self.restart_s
         since_base = durable % self.base_every if self.base_every else 0
         return self.restart_s + self.load_s + since_base * self.replay_s
 

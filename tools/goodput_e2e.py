@@ -67,7 +67,7 @@ def fit_replay(loads: Sequence[tuple[int, float]], base_every: int) -> tuple[flo
 @dataclass(frozen=True)
 class E2ECosts:
     """One strategy's costs as bench_goodput measured them, pooled over its jobs (medians):
-    step ratio to the plain step measured beside each job, stall per checkpoint, persist (end of
+    step ratio to each job's plain step (:func:`plain_reference`), stall per checkpoint, persist (end of
     the checkpointing step to durable), load (or base load + replay per delta), restart (failure
     to training again, minus the load)."""
 
@@ -80,6 +80,16 @@ class E2ECosts:
     restart_s: float
     base_every: int
     inflight: int
+
+
+def plain_reference(job: dict) -> tuple[float, float]:
+    """A job's plain step and its goodput against it: the job's own plain steps where it has
+    enough of them (bench_goodput's ``step_plain_in_job_s``, since 2026-11-29: immune to the
+    machine's drift between the job and the plain runs beside it), else those plain runs'."""
+    own = job.get("step_plain_in_job_s")
+    if isinstance(own, (int, float)) and math.isfinite(own) and own > 0:
+        return own, job["goodput_in_job"]
+    return job["step_plain_s"], job["goodput"]
 
 
 def e2e_costs(doc: dict, strategy: str, job: dict | None = None) -> E2ECosts:
@@ -99,7 +109,10 @@ def e2e_costs(doc: dict, strategy: str, job: dict | None = None) -> E2ECosts:
         return v if not math.isnan(v) or job is None else fn([j for j in jobs if pick(j)])
 
     def fit(js):
-        loads = [(d, s) for j in js for d, s in j["loads"]]
+        every = [(d, s) for j in js for d, s in j["loads"]]
+        # (a restore of iteration 0, before anything was durable, loads nothing: ~0 s that
+        # would pull a median of real loads towards 0)
+        loads = [(d, s) for d, s in every if d > 0] or every
         if not loads:
             return math.nan, math.nan
         return fit_replay(loads, base_every) if deltas else (_median(s for _, s in loads), 0.0)
@@ -111,7 +124,7 @@ def e2e_costs(doc: dict, strategy: str, job: dict | None = None) -> E2ECosts:
                             lambda j: j["failures"])
     stall = pooled_or_own(lambda js: _median(j["stall_s"] for j in js), lambda j: j["checkpoints"])
     inflight = E2E_INFLIGHT.get(strategy, 1) or int(args["inflight"])
-    return E2ECosts(strategy, _median(j["step_s"] / j["step_plain_s"] for j in own),
+    return E2ECosts(strategy, _median(j["step_s"] / plain_reference(j)[0] for j in own),
                     0.0 if math.isnan(stall) else max(0.0, stall),
                     max(0.0, _median(j["persist_s"] for j in own)),
                     0.0 if math.isnan(load) else load, 0.0 if math.isnan(replay) else replay,
@@ -120,8 +133,9 @@ def e2e_costs(doc: dict, strategy: str, job: dict | None = None) -> E2ECosts:
 
 def e2e_strategy(c: E2ECosts, job: dict) -> Strategy:
     """The simulator's strategy for one e2e job: its N (ckpt-auto: the mode and interval of the
-    last plan the job logged), the pooled costs of its strategy, its own plain step."""
-    st = Strategy(c.strategy, job["every"] or 1, job["step_plain_s"] * c.step_ratio,
+    last plan the job logged), the pooled costs of its strategy, its own plain step
+    (:func:`plain_reference`)."""
+    st = Strategy(c.strategy, job["every"] or 1, plain_reference(job)[0] * c.step_ratio,
                   stall_s=c.stall_s, persist_s=c.persist_s, max_inflight=c.inflight,
                   load_s=c.load_s, replay_s=c.replay_s, base_every=c.base_every,
                   restart_s=c.restart_s)
@@ -155,16 +169,17 @@ def calibrate_e2e(doc: dict, trace_dir: str | os.PathLike | None = None) -> list
             raise ValueError(f"{j['scenario']}, repeat {j['repeat']}: the rebuilt failure schedule "
                              f"differs from the one the job recorded")
         st = e2e_strategy(costs[j["strategy"]], j)
-        r = simulate(st, j["iterations"], j["step_plain_s"], sc.failure_times(seed, j["repeat"]))
+        plain, e2e = plain_reference(j)
+        r = simulate(st, j["iterations"], plain, sc.failure_times(seed, j["repeat"]))
         own = simulate(e2e_strategy(e2e_costs(doc, j["strategy"], j), j), j["iterations"],
-                       j["step_plain_s"], sc.failure_times(seed, j["repeat"]))
+                       plain, sc.failure_times(seed, j["repeat"]))
         # where in its checkpoint interval a failure lands is a draw of its own (uniform over
         # W = every x step + stall, sd W / sqrt(12)); the e2e run made one draw per failure, the
         # simulation another: the goodputs differ by about this much from that alone
         w = st.every * st.step_s + st.stall_s
         phase = math.sqrt(2 * max(1, j["failures"])) * w / math.sqrt(12) / (j["wall_s"] or math.inf)
         out.append({"scenario": j["scenario"], "strategy": j["strategy"], "repeat": j["repeat"],
-                    "e2e": j["goodput"], "sim": r.goodput, "sim_own": own.goodput, "phase_sd": phase,
+                    "e2e": e2e, "sim": r.goodput, "sim_own": own.goodput, "phase_sd": phase,
                     "e2e_failures": j["failures"],
                     "sim_failures": r.failures, "e2e_lost_s": j["lost_s_per_failure"],
                     "sim_lost_s": r.lost_per_failure_s, "e2e_resume_s": j["resume_s_per_failure"],
@@ -203,7 +218,8 @@ def e2e_report(doc: dict, rows: list[dict]) -> str:
     errs = [abs(float(t[4])) for t in table]
     errs_own = [abs(float(t[6])) for t in table]
     lines = [f"simulator vs bench_goodput ({doc.get('date', '?')}, {doc.get('machine', '?')}): the "
-             f"same jobs, failure schedules and plain steps, means over repeats; 'sim': costs "
+             f"same jobs, failure schedules and plain steps (each job's own plain steps where "
+             f"it has them, else the plain runs beside it), means over repeats; 'sim': costs "
              f"pooled per strategy (medians over its jobs), 'own': each job's own costs; 'phase "
              f"sd': how far apart the two would be from where failures land in a checkpoint "
              f"interval alone (sd of the difference of two uniform draws per failure)", "",
