@@ -132,6 +132,8 @@ def test_a_job_s_own_plain_steps_exclude_checkpoints_in_flight_and_warm_ups():
              (8, 0.40, False, 3.0, 1),   # the next process: warm-up
              (9, 0.09, False, 3.09, 1)]  # clean: the killed process' checkpoint is not its own
     assert bg.clean_plain_steps(steps, [(3, 1.45, 0)]) == [0.10, 0.11, 0.09]
+    # a durable event of another process does not close this one's checkpoint
+    assert bg.clean_plain_steps(steps, [(3, 1.45, 1)]) == [0.10, 0.09]
     assert bg.clean_plain_steps(steps, []) == [0.10, 0.09]
 
 

@@ -16,7 +16,7 @@ import ckptstore
 from ckptstore.errors import DeltaChainError, IterationOrderError, ReplayDivergenceError
 from ckptstore.ops.fsck import check
 from ckptstore.replay import ApproximateReplayWarning
-from ckptstore.torch import Checkpointer
+from ckptstore.torch import Checkpointer, auto_policy
 
 N_ITERS = 100
 BASE_EVERY = 30
@@ -921,7 +921,12 @@ def test_auto_plans_from_measured_costs(tmp_path):
     ck = Checkpointer(store, model, opt, policy="auto", measure_steps=3)
     assert ck.plan() is None and ck.mode == "deltas"
     ck.restore()
-    for it in range(1, 16):
+    # the measuring phases end by their documented limit (3 delta steps, then 3 plain steps and
+    # MEASURE_WINDOWS snapshots' windows, whose samples wait for the snapshots to be durable)
+    limit = 4 * 3 + auto_policy.MEASURE_WINDOWS * auto_policy.MEASURE_SNAPSHOT_GAP + 2
+    it = 0
+    while ck.plan() is None and it < limit:
+        it += 1
         _one_step(model, ck, opt, it)
     p = ck.plan()
     assert p is not None and p.mode in ("snapshots", "deltas") and ck.mode == p.mode
@@ -929,7 +934,7 @@ def test_auto_plans_from_measured_costs(tmp_path):
     assert p.costs.step_s > 0 and p.costs.delta_overhead_s is not None
     assert p.mtbf_source.startswith("assumed") and "24" in str(p) and "mtbf_s" in str(p)
     ck.replan(mtbf_s=600.0)
-    _one_step(model, ck, opt, 16)
+    _one_step(model, ck, opt, it + 1)
     assert ck.plan().mtbf_s == 600.0 and ck.plan().mtbf_source == "given"
     store.flush()
     assert store.iterations()[:4] == [0, 1, 2, 3]  # the measured deltas stay committed

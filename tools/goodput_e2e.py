@@ -109,10 +109,9 @@ def e2e_costs(doc: dict, strategy: str, job: dict | None = None) -> E2ECosts:
         return v if not math.isnan(v) or job is None else fn([j for j in jobs if pick(j)])
 
     def fit(js):
-        every = [(d, s) for j in js for d, s in j["loads"]]
-        # (a restore of iteration 0, before anything was durable, loads nothing: ~0 s that
-        # would pull a median of real loads towards 0)
-        loads = [(d, s) for d, s in every if d > 0] or every
+        # (a restore of iteration 0, before anything was durable, loads nothing or next to it:
+        # ~0 s that would pull a median of real loads towards 0; none left: the pooled load)
+        loads = [(d, s) for j in js for d, s in j["loads"] if d > 0]
         if not loads:
             return math.nan, math.nan
         return fit_replay(loads, base_every) if deltas else (_median(s for _, s in loads), 0.0)

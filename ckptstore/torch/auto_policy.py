@@ -67,8 +67,12 @@ _MAX_RESTARTS = 10 ** 9
 #: measured 0 to 62 ms for a real ~10-30 ms here (two steps' noise), and a 0 planned a snapshot
 #: every 2-3 iterations where 5-9 was best
 MEASURE_WINDOWS = 3
-#: steps from one measuring snapshot to the next (room for its window and a plain step or two)
+#: steps from one measuring snapshot to the next (room for its window and a plain step or two);
+#: the next also waits for the last one's window to give its sample
 MEASURE_SNAPSHOT_GAP = 4
+#: the delta/plain ratio's relative standard error assumed when fewer than 3 samples of a kind
+#: give no spread (``measure_steps`` < 3): a single step's spread on the 2-core VM, ~10%
+UNMEASURED_RATIO_REL_SE = 0.1
 
 
 def default_policy(replayable: bool, multirank: bool) -> str:
@@ -204,7 +208,9 @@ class AutoPolicy:
         self.phase = "planned" if policy == "every-iteration" else \
             ("deltas" if self.mode == DELTAS else "plain")
         self._measure_snapshot = False  # the plain phase asked for the snapshot it measures
-        self._since_snapshot = 0  # steps started since the last snapshot was submitted
+        #: (iteration, agreed window count) when the last measuring snapshot was asked for:
+        #: the next one waits for both to move on (decisions from agreed inputs only)
+        self._measure_asked: tuple[int, int] = (0, 0)
         self._since_check = 0  # steps since costs were last compared with the plan's
         self._replan_next = False  # replan_soon() asked for a plan at the next step
         #: the last step: (iteration, its start, what it wrote: "plain" | "delta" | "base")
@@ -309,7 +315,6 @@ class AutoPolicy:
             self.window.interrupt()
         self._t_step = now
         self._in_step = True
-        self._since_snapshot += 1
         if self.policy != "every-iteration":
             self.advance(iteration)
 
@@ -357,6 +362,7 @@ class AutoPolicy:
             if counts["delta"] >= self.measure_steps or self._since_check > 4 * self.measure_steps:
                 self.phase = "plain"
                 self._measure_snapshot = True  # (the switch snapshots this step)
+                self._measure_asked = (iteration, counts["windows"])
                 self._apply(SNAPSHOTS, iteration)
         elif self.phase == "plain":
             fixed = self.snapshot_every_fixed is not None  # (its snapshots are the windows)
@@ -373,9 +379,15 @@ class AutoPolicy:
                     # nothing snapshotted yet (a store restored from, policy "snapshots"): the
                     # first snapshot to measure
                     self._measure_snapshot = True
+                    self._measure_asked = (iteration, counts["windows"])
                     self._snapshot_now()
-            elif not windows and not timeout and self._since_snapshot >= MEASURE_SNAPSHOT_GAP:
-                self._snapshot_now()  # (another window to measure)
+            elif not windows and not timeout and \
+                    iteration - self._measure_asked[0] >= MEASURE_SNAPSHOT_GAP and \
+                    counts["windows"] > self._measure_asked[1]:
+                # another window, once the last one gave its sample on every rank (a snapshot
+                # still in flight would join its window: one sample counted twice)
+                self._measure_asked = (iteration, counts["windows"])
+                self._snapshot_now()
         elif self._replan_next:
             self._replan_next = False
             self._replan(iteration, shared=shared)
@@ -419,6 +431,10 @@ class AutoPolicy:
         medians = m.medians()
         if not m.count("delta_ratio"):  # (what _keep_delta_ratio keeps at the phases' end)
             se = m.ratio_standard_error("delta", "plain")
+            delta, plain = medians.get("delta"), medians.get("plain")
+            if se is None and delta is not None and plain:
+                # (under 3 samples of a kind: no spread to measure; one step's own spread here)
+                se = UNMEASURED_RATIO_REL_SE * delta / plain
             if se is not None:
                 medians["delta_ratio_se"] = se
         local = Shared({**seen, "stall": m.count("stall"), "windows": m.count("snapshot_cost")},
@@ -491,7 +507,6 @@ class AutoPolicy:
         :meth:`observe_snapshot`); ``measured`` False: its window is no cost sample (a chain's
         first base, written in a process' first step: that step's time is its warm-up)."""
         self.window.submitted(self._in_step and measured)
-        self._since_snapshot = 0
 
     def observe_snapshot(self, fut) -> None:
         """A snapshot's AsyncStats, once it is durable: stall, persist, bytes, write time."""
@@ -518,7 +533,6 @@ class AutoPolicy:
         """A synchronous snapshot: the whole save stalled training; durable when it returned
         (``measured``: as in :meth:`snapshot_submitted`)."""
         self.window.submitted(self._in_step and measured)
-        self._since_snapshot = 0
         self.window.durable()
         self.meter.add("stall", stall_s)
         self.meter.add("persist", 0.0)

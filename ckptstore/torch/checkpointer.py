@@ -119,10 +119,11 @@ class Checkpointer:
     ``policy``: what to write (:mod:`ckptstore.torch.plan`). "every-iteration": the delta records
     above. "snapshots": an asynchronous snapshot (``store.save_async``; ``store.save`` when not
     ``asynchronous``) every ``snapshot_every`` iterations (None: the planner's interval, chosen
-    after ``measure_steps`` steps and three snapshots measured its costs), nothing
-    in between (a step's ``meta`` is stored only when it snapshots; ``step`` returns None then).
-    "auto": ``measure_steps`` delta steps, then ``measure_steps`` plain steps with a snapshot
-    every 4 until three snapshots' costs are measured (one is too noisy to plan from), then the
+    after ``measure_steps`` steps and ``auto_policy.MEASURE_WINDOWS`` snapshots measured its
+    costs), nothing in between (a step's ``meta`` is stored only when it snapshots; ``step``
+    returns None then). "auto": ``measure_steps`` delta steps, then ``measure_steps`` plain
+    steps with a snapshot every ``auto_policy.MEASURE_SNAPSHOT_GAP`` steps until
+    ``MEASURE_WINDOWS`` snapshots' costs are measured (one is too noisy to plan from), then the
     plan with the better expected goodput (:meth:`plan` says which and why; logged, logger
     "ckptstore", INFO, whenever it changes); costs keep being measured and a drift of more than
     30% re-plans. In the deltas mode of "auto" the base interval is the plan's. Every base carries
@@ -475,7 +476,7 @@ class Checkpointer:
         the expected goodput of each mode compared, bytes per hour, retention, the costs and the
         failure rate it assumed; ``str()`` explains it), or None: policy "every-iteration" (no
         planner), or the costs are still being measured (the first ``2 * measure_steps`` steps
-        or so, and three snapshots, of a store without a persisted plan)."""
+        or so, and ``MEASURE_WINDOWS`` snapshots, of a store without a persisted plan)."""
         return self._auto.plan
 
     @property

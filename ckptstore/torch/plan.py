@@ -110,8 +110,11 @@ class Costs:
     @property
     def delta_step_extra_s(self) -> float:
         """What the planner charges a delta step beyond a plain one: the overhead plus its
-        margin (0 when deltas are impossible)."""
-        return (self.delta_overhead_s or 0.0) + self.delta_overhead_margin_s
+        margin (0 when deltas are impossible). The deltas option is costed at it throughout:
+        its interval, bounds, goodput and bytes per hour are those of the pessimistic end."""
+        if self.delta_overhead_s is None:
+            return 0.0
+        return self.delta_overhead_s + self.delta_overhead_margin_s
 
     def check(self) -> None:
         """Raise ValueError naming the first field that is not a finite number in range."""
