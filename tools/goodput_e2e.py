@@ -67,9 +67,9 @@ def fit_replay(loads: Sequence[tuple[int, float]], base_every: int) -> tuple[flo
 @dataclass(frozen=True)
 class E2ECosts:
     """One strategy's costs as bench_goodput measured them, pooled over its jobs (medians):
-    step ratio to each job's plain step (:func:`plain_reference`), stall per checkpoint, persist (end of
-    the checkpointing step to durable), load (or base load + replay per delta), restart (failure
-    to training again, minus the load)."""
+    step ratio to each job's plain step (:func:`plain_reference`), stall per checkpoint, persist
+    (end of the checkpointing step to durable), load (or base load + replay per delta), restart
+    (failure to training again, minus the load)."""
 
     strategy: str
     step_ratio: float

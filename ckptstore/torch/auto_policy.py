@@ -14,9 +14,10 @@ arithmetic); this module decides *when* to plan and what to plan from. Call sequ
 Phases without a persisted plan: ``measure_steps`` delta steps (policy "auto" with an optimizer
 replay knows), then ``measure_steps`` plain steps with a snapshot every
 :data:`MEASURE_SNAPSHOT_GAP` of them until :data:`MEASURE_WINDOWS` snapshots' costs are measured,
-then "planned": the costs are compared with the plan's every 16 steps and a drift re-plans. A snapshot's cost is measured over
-the steps it overlaps (:class:`~ckptstore.torch.plan.SnapshotWindow`); a delta step is a cost
-sample only while measuring (in the deltas mode no plain step runs to compare it with).
+then "planned": the costs are compared with the plan's every 16 steps and a drift re-plans. A
+snapshot's cost is measured over the steps it overlaps
+(:class:`~ckptstore.torch.plan.SnapshotWindow`); a delta step is a cost sample only while
+measuring (in the deltas mode no plain step runs to compare it with).
 
 **Persisted plan** (format-spec/deltas.md, "Base snapshot written by the Checkpointer"): every
 base the Checkpointer writes carries :meth:`AutoPolicy.persisted` under :data:`PLAN_KEY`: the
@@ -207,10 +208,9 @@ class AutoPolicy:
         #: "deltas" (measuring delta steps), "plain" (measuring steps that write nothing), "planned"
         self.phase = "planned" if policy == "every-iteration" else \
             ("deltas" if self.mode == DELTAS else "plain")
-        self._measure_snapshot = False  # the plain phase asked for the snapshot it measures
-        #: (iteration, agreed window count) when the last measuring snapshot was asked for:
-        #: the next one waits for both to move on (decisions from agreed inputs only)
-        self._measure_asked: tuple[int, int] = (0, 0)
+        #: (iteration, agreed window count) when the last measuring snapshot was asked for (None:
+        #: none yet); the next one waits for both to move on (decisions from agreed inputs only)
+        self._measure_asked: tuple[int, int] | None = None
         self._since_check = 0  # steps since costs were last compared with the plan's
         self._replan_next = False  # replan_soon() asked for a plan at the next step
         #: the last step: (iteration, its start, what it wrote: "plain" | "delta" | "base")
@@ -341,10 +341,11 @@ class AutoPolicy:
         replay knows), then ``measure_steps`` steps that write nothing and
         :data:`MEASURE_WINDOWS` snapshot windows (a snapshot every :data:`MEASURE_SNAPSHOT_GAP`
         steps; beyond ``4 * measure_steps + MEASURE_WINDOWS * MEASURE_SNAPSHOT_GAP`` steps in
-        all, with what was measured), then plan; once planned, compare the costs with the plan's every 16 steps and re-plan when
-        one drifted (:func:`ckptstore.torch.plan.drifted`). Every decision is made from
-        :meth:`_shared` inputs, taken (on a multi-rank job store: agreed) at steps every rank
-        counts alike: each step of a measuring phase, every 16th planned one, a replan asked."""
+        all, with what was measured), then plan; once planned, compare the costs with the plan's
+        every 16 steps and re-plan when one drifted (:func:`ckptstore.torch.plan.drifted`).
+        Every decision is made from :meth:`_shared` inputs, taken (on a multi-rank job store:
+        agreed) at steps every rank counts alike: each step of a measuring phase, every 16th
+        planned one, a replan asked."""
         self._since_check += 1
         if self.phase == "planned" and self._since_check < 16 and not self._replan_next:
             return
@@ -361,8 +362,7 @@ class AutoPolicy:
         if self.phase == "deltas":
             if counts["delta"] >= self.measure_steps or self._since_check > 4 * self.measure_steps:
                 self.phase = "plain"
-                self._measure_snapshot = True  # (the switch snapshots this step)
-                self._measure_asked = (iteration, counts["windows"])
+                self._measure_asked = (iteration, counts["windows"])  # (the switch snapshots)
                 self._apply(SNAPSHOTS, iteration)
         elif self.phase == "plain":
             fixed = self.snapshot_every_fixed is not None  # (its snapshots are the windows)
@@ -374,11 +374,10 @@ class AutoPolicy:
                 self._replan(iteration, shared=shared)
             elif fixed:
                 pass
-            elif not self._measure_snapshot:
+            elif self._measure_asked is None:
                 if counts["plain"] >= self.measure_steps or timeout:
                     # nothing snapshotted yet (a store restored from, policy "snapshots"): the
                     # first snapshot to measure
-                    self._measure_snapshot = True
                     self._measure_asked = (iteration, counts["windows"])
                     self._snapshot_now()
             elif not windows and not timeout and \

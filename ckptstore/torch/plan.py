@@ -217,7 +217,8 @@ class Plan:
         margin = (f" (planned at +{1e3 * c.delta_step_extra_s:.1f}: the pessimistic end of its "
                   f"measurement)" if c.delta_overhead_margin_s > 0 else "")
         delta = ("deltas impossible" if c.delta_overhead_s is None else
-                 f"delta +{1e3 * c.delta_overhead_s:.1f} ms/step{margin} ({_size(c.delta_bytes)}), "
+                 f"delta +{1e3 * c.delta_overhead_s:.1f} ms/step{margin} "
+                 f"({_size(c.delta_bytes)}), "
                  f"replay {1e3 * c.replay_s:.1f} ms/delta")
         lines.append(f"  costs: step {1e3 * c.step_s:.1f} ms; snapshot stall {1e3 * c.snapshot_stall_s:.1f} ms "
                      f"+ slowdown {1e3 * c.snapshot_slowdown_s:.1f} ms, persist {c.snapshot_persist_s:.2f} s ({_size(c.snapshot_bytes)}), load "
@@ -380,8 +381,8 @@ def plan(costs: Costs, mtbf_s: float, disk_budget: int | None = None, *,
 DELTA_MARGIN_Z = 2.0
 
 #: the kinds of sample a :class:`CostMeter` keeps (and a persisted plan may carry)
-COST_KINDS = ("plain", "delta", "delta_ratio", "delta_ratio_se", "stall", "snapshot_cost", "persist",
-              "snapshot_bytes", "load", "delta_bytes", "delta_write", "optimizer")
+COST_KINDS = ("plain", "delta", "delta_ratio", "delta_ratio_se", "stall", "snapshot_cost",
+              "persist", "snapshot_bytes", "load", "delta_bytes", "delta_write", "optimizer")
 
 
 class CostMeter:
