@@ -119,7 +119,7 @@ def delta_store(path: str) -> None:
     model = torch.nn.Linear(6, 2)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     with ckptstore.open(path, "a", chunk_size=512, segment_size=6000) as s:
-        ck = Checkpointer(s, model, opt, base_every=3, group_commit=2)
+        ck = Checkpointer(s, model, opt, policy="every-iteration", base_every=3, group_commit=2)
         ck.save_base(0)
         for it in range(1, 6):
             model(torch.randn(3, 6)).sum().backward()

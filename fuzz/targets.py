@@ -450,7 +450,8 @@ def delta_fixture() -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     path = os.path.join(_tmpdir("delta"), "store")
     with ckptstore.open(path, "a") as store:
-        ck = Checkpointer(store, model, opt, sched, base_every=100, fingerprint_every=1)
+        ck = Checkpointer(store, model, opt, sched, policy="every-iteration", base_every=100,
+                          fingerprint_every=1)
         ck.save_base(0)
         for it in (1, 2):
             model(torch.randn(5, 4)).square().sum().backward()

@@ -18,6 +18,7 @@ from ckptstore.torch import Checkpointer
 from ckptstore.torch import auto_policy
 from _crashkit import run_forked
 from ckptstore.torch.auto_policy import PLAN_KEY, parse_persisted
+from ckptstore.torch.delta_forecast import DeltaForecast
 from ckptstore.torch.plan import CostMeter
 
 
@@ -48,19 +49,27 @@ def _live(model, opt):
     return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
 
 
-def held_planner(mode):
-    """``auto_policy.make_plan`` held to the one mode ``mode()`` names when it plans (the
-    measured costs of a busy test machine decide nothing); also set by multi-rank scenarios in
-    their ranks."""
+def hold_planner(mode, setattr_=setattr):
+    """Hold the planner to the one mode ``mode()`` names when it plans (the measured costs of a
+    busy test machine decide nothing): ``auto_policy.make_plan`` plans that mode only, and
+    ``auto_policy.forecast_deltas`` says deltas are worth measuring exactly when it is
+    "deltas". ``setattr_``: how to set them (``monkeypatch.setattr``; the default sets them
+    for good, as multi-rank scenarios do in their ranks)."""
     real = auto_policy.make_plan
-    return lambda *a, **kw: real(*a, **{**kw, "modes": (mode(),)})
+
+    def forecast(costs, share, mtbf_s, budget=None, **kw):
+        deltas = mode() == "deltas"
+        return DeltaForecast(deltas, 0.0, 1.0 if deltas else 0.0, share)
+
+    setattr_(auto_policy, "make_plan", lambda *a, **kw: real(*a, **{**kw, "modes": (mode(),)}))
+    setattr_(auto_policy, "forecast_deltas", forecast)
 
 
 @pytest.fixture
 def one_mode(monkeypatch):
     """Force the planner to one mode (``want[0]``, which a test may change)."""
     want = ["snapshots"]
-    monkeypatch.setattr(auto_policy, "make_plan", held_planner(lambda: want[0]))
+    hold_planner(lambda: want[0], monkeypatch.setattr)
     return want
 
 
@@ -214,6 +223,67 @@ def test_deltas_mode_keeps_the_delta_overhead_measured_beside_plain_steps(tmp_pa
     store.close()
 
 
+def test_a_new_mtbf_asks_the_forecast_again_and_measures_deltas_once(tmp_path, monkeypatch,
+                                                                      caplog, assert_same):
+    """Planned with snapshots while deltas could not pay (the forecast held to no: no delta step
+    written), a new MTBF under which they could (held to yes) measures ``measure_steps`` delta
+    steps, logged, then plans from both modes; the forecast is asked with the agreed inputs (the
+    gradients' measured share, the new MTBF) and never again once deltas are measured. Nothing
+    committed is lost on the way and the newest iteration loads bit for bit."""
+    asked, pays = [], [False]
+
+    def forecast(costs, share, mtbf_s, budget=None, **kw):
+        asked.append((share, mtbf_s))
+        return DeltaForecast(pays[0], 0.0, 1.0 if pays[0] else 0.0, share)
+
+    monkeypatch.setattr(auto_policy, "forecast_deltas", forecast)
+    model, opt = _model()
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=3, mtbf_s=3600.0)
+    ck.restore()
+    it, lives = 0, {}
+    while ck.plan() is None:
+        it += 1
+        _step(model, ck, opt, it)
+        lives[it] = _live(model, opt)
+        assert it < 60
+    assert ck.mode == "snapshots" and ck.meter.count("delta") == 0
+    assert asked == [(ck.meter.median("delta_share"), 3600.0)] and 0 < asked[0][0] < 1
+    assert "deltas not measured" in str(ck.plan())
+    store.flush()
+    committed = store.iterations()
+    assert all(store.kind(i) == "snapshot" for i in committed)
+    pays[0] = True
+    ck.replan(mtbf_s=5.0)
+    with caplog.at_level(logging.INFO, logger="ckptstore"):
+        it += 1
+        _step(model, ck, opt, it)
+        lives[it] = _live(model, opt)
+    assert ck.mode == "deltas" and asked[-1][1] == 5.0
+    assert any("measuring deltas" in r.getMessage() for r in caplog.records)
+    start = it
+    while ck.meter.count("delta_ratio") == 0:
+        it += 1
+        _step(model, ck, opt, it)
+        lives[it] = _live(model, opt)
+        assert it < start + 4 * 3 + 2
+    p = ck.plan()
+    assert set(p.goodputs()) == {"snapshots", "deltas"} and p.mtbf_s == 5.0
+    assert ck.meter.count("delta") >= 3
+    n_asked = len(asked)
+    ck.replan(mtbf_s=4.0)
+    for it in range(it + 1, it + 3):
+        _step(model, ck, opt, it)
+        lives[it] = _live(model, opt)
+    assert len(asked) == n_asked and ck.plan().mtbf_s == 4.0
+    store.flush()
+    assert set(committed) <= set(store.iterations())
+    newest = store.iterations()[-1]
+    assert_same(lives[newest], {k: store.load(newest)[k] for k in ("model", "optimizer")})
+    ck.close()
+    store.close()
+
+
 HOSTILE = [
     "not a dict", 7, None, [1, 2], {}, {"v": 2, "restarts": 0, "since_ns": 1},
     {"v": 1, "restarts": -1, "since_ns": 1}, {"v": 1, "restarts": True, "since_ns": 1},
@@ -247,8 +317,8 @@ HOSTILE = [
 @pytest.mark.parametrize("hostile", HOSTILE, ids=range(len(HOSTILE)))
 def test_hostile_persisted_plan_is_ignored_and_remeasured(tmp_path, caplog, assert_same, hostile):
     """A base whose persisted plan is damaged or hostile: restore() loads it bit for bit, logs a
-    WARNING naming the problem, and the costs are measured again (deltas, a snapshot, plain
-    steps), then planned as on a new store."""
+    WARNING naming the problem, and the costs are measured again (plain steps and snapshots),
+    then planned as on a new store."""
     model, opt = _model()
     store = ckptstore.open(tmp_path / "s")
     ck = Checkpointer(store, model, opt, policy="auto", measure_steps=2)
@@ -269,7 +339,7 @@ def test_hostile_persisted_plan_is_ignored_and_remeasured(tmp_path, caplog, asse
     assert_same(live, _live(model2, opt2))
     warned = [r.getMessage() for r in caplog.records if "persisted plan" in r.getMessage()]
     assert len(warned) == 1 and "ignoring" in warned[0] and "measuring costs again" in warned[0]
-    assert ck2.plan() is None and ck2.mode == "deltas"
+    assert ck2.plan() is None and ck2.mode == "snapshots"
     it = 4
     while ck2.plan() is None and it < 100:  # (the measured snapshot's stall is known once durable)
         it += 1
@@ -297,7 +367,7 @@ def test_old_store_without_a_persisted_plan_measures_without_warning(tmp_path, c
     ck2 = Checkpointer(store, model2, opt2, policy="auto", measure_steps=2)
     with caplog.at_level(logging.WARNING, logger="ckptstore"):
         assert ck2.restore() == 5
-    assert not caplog.records and ck2.plan() is None and ck2.mode == "deltas"
+    assert not caplog.records and ck2.plan() is None and ck2.mode == "snapshots"
     ck2.close()
     store.close()
 
@@ -355,7 +425,7 @@ def test_default_checkpointer_plans_within_the_default_budget(tmp_path, monkeypa
                         budget / shutil.disk_usage(tmp_path).free)
     store = ckptstore.open(tmp_path / "s")
     ck = Checkpointer(store, model, opt, snapshot_every=2)
-    assert ck.checkpoint_policy == "auto" and ck.mode == "deltas"
+    assert ck.checkpoint_policy == "auto" and ck.mode == "snapshots"  # (measuring first)
     ck.restore()
     worst, first, lives = 0, None, {}
     with caplog.at_level(logging.INFO, logger="ckptstore"):
@@ -366,7 +436,7 @@ def test_default_checkpointer_plans_within_the_default_budget(tmp_path, monkeypa
                 first = it if first is None else first
             if store.iterations()[0] > 0:
                 # (from the plan's first gc on: until then the store also holds what measuring
-                # wrote, measure_steps deltas, which the plan's retention does not count)
+                # wrote, which the plan's retention does not count)
                 worst = max(worst, _store_bytes(tmp_path / "s"))
     p = ck.plan()
     assert p is not None and first is not None and first < 30 and ck.mode == "snapshots"

@@ -120,7 +120,7 @@ def test_two_phase_step_records_what_step_records(tmp_path, asynchronous, captur
 def test_two_phase_step_misuse_raises_and_changes_nothing(tmp_path):
     store = ckptstore.open(tmp_path / "s")
     model, opt, sched = _small()
-    ck = Checkpointer(store, model, opt, sched, asynchronous=False)
+    ck = Checkpointer(store, model, opt, sched, asynchronous=False, policy="every-iteration")
     ck.restore()
     with pytest.raises(ckptstore.DeltaChainError, match="without before_step"):
         ck.after_step()
@@ -322,12 +322,13 @@ def test_hf_refuses_a_used_store_without_resume(tmp_path, one_thread):
     from ckptstore.hf import StoreCallback
 
     path = tmp_path / "store"
-    _hf_train(tmp_path / "a", _gpt2(0), 3, callbacks=[StoreCallback(path)])
-    cb = StoreCallback(path)
+    every = {"policy": "every-iteration"}  # (iteration 1 is in the store to branch off)
+    _hf_train(tmp_path / "a", _gpt2(0), 3, callbacks=[StoreCallback(path, **every)])
+    cb = StoreCallback(path, **every)
     with pytest.raises(ValueError, match="resume"):
         _hf_train(tmp_path / "b", _gpt2(0), 3, callbacks=[cb])
     cb.close()
-    cb = StoreCallback(path)
+    cb = StoreCallback(path, **every)
     with pytest.raises(ValueError, match="another store"):  # branching off iteration 1
         _hf_train(tmp_path / "c", _gpt2(0), 3, callbacks=[cb], resume=cb.resume_from(1))
     cb.close()

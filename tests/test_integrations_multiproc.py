@@ -155,7 +155,8 @@ def _hf_resume(work: str, store: str, callbacks: tuple = ()) -> tuple[Any, int |
     """A new Trainer (another model init) resumed from the store to HF_STEPS."""
     from ckptstore.hf import StoreCallback
 
-    cb = StoreCallback(store, base_every=5, group_commit=3, commit_timeout=60)
+    cb = StoreCallback(store, policy="every-iteration", base_every=5, group_commit=3,
+                       commit_timeout=60)
     trainer = _hf_trainer(work, "resumed", _hf_model(99), [cb, *callbacks])
     resume = cb.resume_from()  # collective: torch.distributed runs since the Trainer exists
     resumed_at = None
@@ -183,7 +184,8 @@ def hf_resume(rank: int, cfg: dict) -> dict:
     work, store = cfg["work"], cfg["store"]
     plain = _hf_plain(work)
     live: dict = {}
-    cb = StoreCallback(store, base_every=5, group_commit=3, commit_timeout=60)
+    cb = StoreCallback(store, policy="every-iteration", base_every=5, group_commit=3,
+                       commit_timeout=60)
     first = _hf_trainer(work, "first", _hf_model(0), [cb, _hf_watch(rank, stop_at=HF_STOP,
                                                                     live=live)])
     first.train()
@@ -203,7 +205,8 @@ def hf_kill(rank: int, cfg: dict) -> dict:
     ``mark_at`` for the launcher, which kills every rank."""
     from ckptstore.hf import StoreCallback
 
-    cb = StoreCallback(cfg["store"], base_every=5, group_commit=3, commit_timeout=30)
+    cb = StoreCallback(cfg["store"], policy="every-iteration", base_every=5, group_commit=3,
+                       commit_timeout=30)
     trainer = _hf_trainer(cfg["work"], "killed", _hf_model(0),
                           [cb, _hf_watch(rank, kill_at=cfg.get("kill_at"),
                                          kill_ranks=tuple(cfg.get("kill_ranks", ())),
@@ -239,7 +242,7 @@ def hf_elastic(rank: int, cfg: dict) -> dict:
                 if rank == 0:  # (now: the job may be killed later)
                     save_file(restored, os.path.join(cfg["work"], "restored.safetensors"))
 
-    cb = StoreCallback(cfg["store"], base_every=5, commit_timeout=60,
+    cb = StoreCallback(cfg["store"], policy="every-iteration", base_every=5, commit_timeout=60,
                        group_commit=cfg.get("group_commit", 3),
                        asynchronous=cfg.get("asynchronous", True))
     trainer = _hf_trainer(cfg["work"], "elastic", _hf_model(99),
@@ -275,7 +278,8 @@ def hf_fail(rank: int, cfg: dict) -> dict:
         def on_step_begin(self, args, state, control, **kwargs):
             disk.full = rank == 1 and state.global_step + 1 >= 4
 
-    cb = StoreCallback(js, base_every=4, asynchronous=cfg.get("asynchronous", False))
+    cb = StoreCallback(js, policy="every-iteration", base_every=4,
+                       asynchronous=cfg.get("asynchronous", False))
     try:
         _hf_trainer(cfg["work"], "full", _hf_model(0), [Fill(), cb]).train()
         out["full"] = None

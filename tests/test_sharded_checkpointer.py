@@ -365,11 +365,11 @@ def fsdp_auto(rank, world, path, iterations, live_dir, tag, mode):
     local shards and the gathered state after every step."""
     import torch.distributed as dist
 
-    from test_auto_policy import held_planner
+    from test_auto_policy import hold_planner
 
-    from ckptstore.torch import Checkpointer, auto_policy
+    from ckptstore.torch import Checkpointer
 
-    auto_policy.make_plan = held_planner(lambda: mode)
+    hold_planner(lambda: mode)
     model, opt, sched = _fsdp(world)
     store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=60.0)
     ck = Checkpointer(store, model, opt, sched, policy="auto", measure_steps=2, snapshot_every=3)

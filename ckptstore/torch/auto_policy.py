@@ -11,11 +11,15 @@ arithmetic); this module decides *when* to plan and what to plan from. Call sequ
 2. the Checkpointer writes what ``mode`` says and feeds the meter (``observe_*``);
 3. ``tock(iteration, wrote)``: remembered for the next sample.
 
-Phases without a persisted plan: ``measure_steps`` delta steps (policy "auto" with an optimizer
-replay knows), then ``measure_steps`` plain steps with a snapshot every
-:data:`MEASURE_SNAPSHOT_GAP` of them until :data:`MEASURE_WINDOWS` snapshots' costs are measured,
-then "planned": the costs are compared with the plan's every 16 steps and a drift re-plans. A
-snapshot's cost is measured over the steps it overlaps
+Phases without a persisted plan: ``measure_steps`` plain steps with a snapshot every
+:data:`MEASURE_SNAPSHOT_GAP` of them (the first after as many) until :data:`MEASURE_WINDOWS`
+snapshots' costs are measured; then, with policy "auto" and an optimizer replay knows, deltas
+are measured (``measure_steps`` delta steps outside snapshots' windows) only if they could pay
+(:func:`~ckptstore.torch.delta_forecast.forecast_deltas`: the snapshot plan's goodput against
+deltas at a cost predicted from the snapshots'; most plans never use deltas, and measuring them
+costs every measured step their overhead); then "planned": the costs are compared with the
+plan's every 16 steps and a drift, or a new MTBF, re-plans, which asks the forecast again while
+deltas are unmeasured. A snapshot's cost is measured over the steps it overlaps
 (:class:`~ckptstore.torch.plan.SnapshotWindow`); a delta step is a cost sample only while
 measuring (in the deltas mode no plain step runs to compare it with).
 
@@ -43,10 +47,12 @@ errs low, the MTBF high).
 from __future__ import annotations
 
 import logging
+import dataclasses
 import math
 import time
 from typing import Any, Callable
 
+from .delta_forecast import forecast_deltas
 from .plan import (DEFAULT_MTBF_S, DELTAS, MODES, SNAPSHOTS, CostMeter, Plan, SnapshotWindow,
                    drifted, plan as make_plan)
 from .plan_agreement import RankAgreement, Shared
@@ -158,7 +164,9 @@ def parse_persisted(field: Any, now_ns: int | None = None) -> tuple[int, int, di
 
 class AutoPolicy:
     """The policy's state (see the module docstring). ``policy``: "auto", "snapshots" or
-    "every-iteration" (no planner: :meth:`tick` only samples). ``switch(mode, iteration)``: the
+    "every-iteration" (no planner: :meth:`tick` only samples). ``grad_bytes``: what a delta of
+    this rank reads (its gradients' bytes; 0: unknown), for the forecast of what deltas would
+    cost (:func:`~ckptstore.torch.delta_forecast.forecast_deltas`). ``switch(mode, iteration)``: the
     Checkpointer's write-path change (may raise: the mode is then unchanged);
     ``snapshot_now()``: the next record is a snapshot; ``planned(plan)``: a new plan is in force.
     Invariants: :attr:`mode` is what the steps write; :attr:`plan` is None until the first plan
@@ -170,8 +178,10 @@ class AutoPolicy:
                  job_history: Callable[[], tuple[int, int]] | None = None,
                  switch: Callable[[str, int], None], snapshot_now: Callable[[], None],
                  planned: Callable[[Plan], None], where: str = "",
-                 defaulted: bool = False, agreement: RankAgreement | None = None) -> None:
+                 defaulted: bool = False, agreement: RankAgreement | None = None,
+                 grad_bytes: int = 0) -> None:
         self.policy = policy
+        self.grad_bytes = grad_bytes
         self.replayable = replayable
         self.snapshot_every_fixed = snapshot_every
         self.mtbf_s = mtbf_s
@@ -182,8 +192,8 @@ class AutoPolicy:
         self.meter = CostMeter()
         #: turns the steps snapshots overlap into "snapshot_cost" samples
         self.window = SnapshotWindow()
-        #: steps timed, by what they wrote (the measuring phases' counts: a step in a snapshot's
-        #: window counts, though its time is part of the snapshot's cost, not a sample)
+        #: steps timed, by what they wrote (the plain measuring phase's count: a step in a
+        #: snapshot's window counts, though its time is part of the snapshot's cost, not a sample)
         self._seen = {"delta": 0, "plain": 0}
         self._in_step = False
         self.plan: Plan | None = None
@@ -203,15 +213,18 @@ class AutoPolicy:
         self.since_ns = time.time_ns()
         self._resumed = False
         #: what the steps write now: DELTAS or SNAPSHOTS
-        self.mode = DELTAS if policy == "every-iteration" or (policy == "auto" and replayable) \
-            else SNAPSHOTS
-        #: "deltas" (measuring delta steps), "plain" (measuring steps that write nothing), "planned"
-        self.phase = "planned" if policy == "every-iteration" else \
-            ("deltas" if self.mode == DELTAS else "plain")
+        self.mode = DELTAS if policy == "every-iteration" else SNAPSHOTS
+        #: "plain" (measuring steps that write nothing, and snapshots), "deltas" (measuring delta
+        #: steps, once the forecast said they could pay), "planned"
+        self.phase = "planned" if policy == "every-iteration" else "plain"
         #: (iteration, agreed window count) when the last measuring snapshot was asked for (None:
         #: none yet); the next one waits for both to move on (decisions from agreed inputs only)
         self._measure_asked: tuple[int, int] | None = None
         self._since_check = 0  # steps since costs were last compared with the plan's
+        #: deltas were measured in this process (or their phase was entered): never twice
+        self._deltas_tried = False
+        #: the forecast that had deltas measured in this process (the plans' notes quote it)
+        self._forecast: Any = None
         self._replan_next = False  # replan_soon() asked for a plan at the next step
         #: the last step: (iteration, its start, what it wrote: "plain" | "delta" | "base")
         self._prev: tuple[int, float, str] | None = None
@@ -337,12 +350,14 @@ class AutoPolicy:
             self._replan_next = True
 
     def advance(self, iteration: int) -> None:
-        """The phases: measure ``measure_steps`` delta steps (policy "auto" with an optimizer
-        replay knows), then ``measure_steps`` steps that write nothing and
+        """The phases: measure ``measure_steps`` steps that write nothing and
         :data:`MEASURE_WINDOWS` snapshot windows (a snapshot every :data:`MEASURE_SNAPSHOT_GAP`
         steps; beyond ``4 * measure_steps + MEASURE_WINDOWS * MEASURE_SNAPSHOT_GAP`` steps in
-        all, with what was measured), then plan; once planned, compare the costs with the plan's
-        every 16 steps and re-plan when one drifted (:func:`ckptstore.torch.plan.drifted`).
+        all, with what was measured), then plan (:meth:`_replan`, which may first measure
+        ``measure_steps`` delta steps outside snapshots' windows, for at most
+        ``4 * measure_steps`` steps, and plan again);
+        once planned, compare the costs with the plan's every 16 steps and re-plan when one
+        drifted (:func:`ckptstore.torch.plan.drifted`).
         Every decision is made from :meth:`_shared` inputs, taken (on a multi-rank job store:
         agreed) at steps every rank counts alike: each step of a measuring phase, every 16th
         planned one, a replan asked."""
@@ -351,7 +366,9 @@ class AutoPolicy:
             return
         if self.phase != "planned":
             kind = "delta" if self.phase == "deltas" else "plain"
-            if self._seen[kind] >= self.measure_steps or self._since_check > 4 * self.measure_steps:
+            # (the delta phase counts samples: it waits for them until its time is up)
+            if (kind == "plain" and self._seen[kind] >= self.measure_steps) or \
+                    self._since_check > 4 * self.measure_steps:
                 # (every such step ran while a snapshot was in flight: its time, slowed as it is,
                 # is all there is to plan from)
                 self.window.bootstrap(kind, self.meter)
@@ -361,9 +378,12 @@ class AutoPolicy:
         counts = shared.counts
         if self.phase == "deltas":
             if counts["delta"] >= self.measure_steps or self._since_check > 4 * self.measure_steps:
-                self.phase = "plain"
-                self._measure_asked = (iteration, counts["windows"])  # (the switch snapshots)
-                self._apply(SNAPSHOTS, iteration)
+                self._keep_delta_ratio(shared)
+                self._replan(iteration, shared=shared)
+                if self.mode == DELTAS:
+                    # (the chain's base predates the plan: a base now persists it, so that a
+                    # restart resumes the plan instead of measuring again)
+                    self._snapshot_now()
         elif self.phase == "plain":
             fixed = self.snapshot_every_fixed is not None  # (its snapshots are the windows)
             windows = fixed or counts["windows"] >= MEASURE_WINDOWS
@@ -375,9 +395,8 @@ class AutoPolicy:
             elif fixed:
                 pass
             elif self._measure_asked is None:
-                if counts["plain"] >= self.measure_steps or timeout:
-                    # nothing snapshotted yet (a store restored from, policy "snapshots"): the
-                    # first snapshot to measure
+                if counts["plain"] >= MEASURE_SNAPSHOT_GAP or timeout:
+                    # the first snapshot to measure, once plain steps give its window a median
                     self._measure_asked = (iteration, counts["windows"])
                     self._snapshot_now()
             elif not windows and not timeout and \
@@ -426,7 +445,9 @@ class AutoPolicy:
         whose failure history is then this process's too."""
         m = self.meter
         mtbf, source = self.failure_rate()
-        seen = {k: self._seen[k] for k in ("delta", "plain")}
+        # (delta steps: the samples, steps outside snapshots' windows; the switch to deltas writes
+        # a base whose window takes the first ones, and the ratio needs a median of its own)
+        seen = {"plain": self._seen["plain"], "delta": m.count("delta")}
         medians = m.medians()
         if not m.count("delta_ratio"):  # (what _keep_delta_ratio keeps at the phases' end)
             se = m.ratio_standard_error("delta", "plain")
@@ -449,7 +470,12 @@ class AutoPolicy:
 
     def _replan(self, iteration: int, resumed: bool = False, shared: Shared | None = None) -> None:
         """Plan from ``shared`` (None: taken now, :meth:`_shared`); a changed plan is logged
-        (INFO) and, when its mode differs, applied from this step on."""
+        (INFO); a plan whose mode differs from what the steps write is applied from this step
+        on. With policy "auto", an optimizer replay knows and no delta measured, the deltas
+        option needs a measurement: when :func:`~ckptstore.torch.delta_forecast.forecast_deltas`
+        says they could pay (once per process), the "deltas" phase measures them first (logged,
+        INFO) and this plan waits for it; otherwise the plan is of snapshots and its notes say
+        why deltas were left out."""
         if shared is None:
             shared = self._shared(f"iteration {iteration}, "
                                   f"{'resume' if resumed else 'plan'}")
@@ -458,8 +484,23 @@ class AutoPolicy:
             return
         modes = (SNAPSHOTS, DELTAS) if self.policy == "auto" else (SNAPSHOTS,)
         fixed = {SNAPSHOTS: self.snapshot_every_fixed} if self.snapshot_every_fixed else None
+        notes: tuple[str, ...] = ()
+        if DELTAS in modes and self.replayable and costs.delta_overhead_s is None:
+            forecast = forecast_deltas(costs, shared.medians.get("delta_share"), shared.mtbf_s,
+                                       shared.budget, fixed=fixed)
+            if forecast.pays and not self._deltas_tried:
+                self._measure_deltas(iteration, resumed, forecast)
+                return
+            modes = (SNAPSHOTS,)
+            notes = (str(forecast) if not forecast.pays else
+                     "deltas not planned: their measurement gave no delta step to compare",)
+        elif self._forecast is not None and costs.delta_overhead_s is not None:
+            # (what the forecast predicted beside what was measured: the forecast's check)
+            notes = (f"{self._forecast}; measured: +{1e3 * costs.delta_overhead_s:.1f} ms",)
         new = make_plan(costs, shared.mtbf_s, shared.budget, modes=modes, fixed=fixed,
                         mtbf_source=shared.mtbf_source, budget_source=shared.budget_source)
+        if notes:
+            new = dataclasses.replace(new, notes=new.notes + notes)
         old, self.plan, self._plan_costs = self.plan, new, dict(shared.medians)
         self.phase, self._since_check = "planned", 0
         if old is None or (old.mode, old.chosen.interval) != (new.mode, new.chosen.interval):
@@ -467,9 +508,17 @@ class AutoPolicy:
                      " (resumed from the persisted plan)" if resumed else "",
                      ' (policy="auto", the default: pass policy= to choose)'
                      if self._defaulted and old is None else "", new)
-            if new.mode != self.mode:
-                self._apply(new.mode, iteration, resumed)
+        if new.mode != self.mode:
+            self._apply(new.mode, iteration, resumed)
         self._planned(new)
+
+    def _measure_deltas(self, iteration: int, resumed: bool, forecast: Any) -> None:
+        """The "deltas" phase, from this step on: ``measure_steps`` delta steps beside the plain
+        steps just measured (:meth:`advance` plans again after them). Once per process."""
+        self._deltas_tried, self._forecast = True, forecast
+        log.info("Checkpointer %s, from iteration %d on: %s", self._where, iteration, forecast)
+        self._apply(DELTAS, iteration, resumed)  # (raises: the mode and the phase stay)
+        self.phase, self._since_check = "deltas", 0
 
     def _apply(self, mode: str, iteration: int, resumed: bool = False) -> None:
         """Write ``mode`` from ``iteration`` on. Right after a restore (``resumed``) the snapshots
@@ -519,6 +568,7 @@ class AutoPolicy:
         self.meter.add("snapshot_bytes", getattr(st, "written_bytes", 0) or
                        getattr(st, "snapshot_bytes", 0))
         self.meter.add("load", getattr(st, "write_s", 0.0))
+        self._observe_share(getattr(st, "logical_bytes", 0))
 
     def observe_delta(self, fut) -> None:
         if fut.cancelled() or fut.exception() is not None:
@@ -537,6 +587,15 @@ class AutoPolicy:
         self.meter.add("persist", 0.0)
         self.meter.add("snapshot_bytes", stats.written_bytes)
         self.meter.add("load", stats.seconds)
+        self._observe_share(stats.logical_bytes)
+
+    def _observe_share(self, snapshot_logical_bytes: int) -> None:
+        """A ``"delta_share"`` sample: the gradients' bytes over a snapshot's logical bytes (what
+        each reads), for the forecast of what a delta would cost; only while deltas could be
+        planned (policy "auto", an optimizer replay knows)."""
+        if self.grad_bytes > 0 and snapshot_logical_bytes > 0 and self.policy == "auto" and \
+                self.replayable:
+            self.meter.add("delta_share", self.grad_bytes / snapshot_logical_bytes)
 
     def observe_sync_delta(self, stats: Any) -> None:
         self.meter.add("delta_bytes", stats.written_bytes)

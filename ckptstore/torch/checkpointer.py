@@ -34,9 +34,8 @@ What to write is the ``policy`` (:mod:`ckptstore.torch.plan` holds the model): "
 (a delta every iteration, above), "snapshots" (an asynchronous snapshot every ``snapshot_every``
 iterations, nothing in between: any optimizer, no replay) or "auto" (costs measured over the
 first steps, then whichever of the two the goodput model prefers for the failure rate, re-planned
-when the costs drift, within a disk budget). The default: "auto" (on a multi-rank job store
-"every-iteration" for an optimizer replay knows, else "snapshots"); the example above writes a
-delta every iteration with ``policy="every-iteration"``.
+when the costs drift, within a disk budget). The default: "auto", for any number of ranks; the
+example above writes a delta every iteration with ``policy="every-iteration"``.
 """
 
 from __future__ import annotations
@@ -121,21 +120,22 @@ class Checkpointer:
     ``asynchronous``) every ``snapshot_every`` iterations (None: the planner's interval, chosen
     after ``measure_steps`` steps and ``auto_policy.MEASURE_WINDOWS`` snapshots measured its
     costs), nothing in between (a step's ``meta`` is stored only when it snapshots; ``step``
-    returns None then). "auto": ``measure_steps`` delta steps, then ``measure_steps`` plain
-    steps with a snapshot every ``auto_policy.MEASURE_SNAPSHOT_GAP`` steps until
-    ``MEASURE_WINDOWS`` snapshots' costs are measured (one is too noisy to plan from), then the
-    plan with the better expected goodput (:meth:`plan` says which and why; logged, logger
-    "ckptstore", INFO, whenever it changes); costs keep being measured and a drift of more than
-    30% re-plans. In the deltas mode of "auto" the base interval is the plan's. Every base carries
+    returns None then). "auto": ``measure_steps`` plain steps with a snapshot every
+    ``auto_policy.MEASURE_SNAPSHOT_GAP`` steps until ``MEASURE_WINDOWS`` snapshots' costs are
+    measured (one is too noisy to plan from); then, only where deltas could beat that snapshot
+    plan at the least a delta is predicted to cost (:mod:`ckptstore.torch.delta_forecast`, from
+    the snapshots' measured cost per byte), ``measure_steps`` delta steps; then the plan with the
+    better expected goodput (:meth:`plan` says which and why, and why deltas were not measured;
+    logged, logger "ckptstore", INFO, whenever it changes); costs keep being measured and a
+    drift of more than 30%, or a new ``mtbf_s`` (:meth:`replan`), re-plans. In the deltas mode of "auto" the base interval is the plan's. Every base carries
     the plan's inputs (format-spec/deltas.md, "Persisted plan"): a Checkpointer that restores
     from such a base plans at once from them, without measuring again. On a multi-rank job
     store every rank plans from the costs of all (the largest of each, the smallest MTBF and
     disk budget, split over the ranks: :mod:`ckptstore.torch.plan_agreement`), so all write the
     same plan; every rank must then step the same iterations and call :meth:`replan` together.
     None (default): "auto", so that a run given nothing is bounded by the default disk budget
-    (its first plan is logged, INFO, saying it is the default); on a multi-rank job store
-    "every-iteration" when replay knows the optimizer, else "snapshots" (a job's retention is
-    its collective gc, which the plan does not drive: pass ``retention``).
+    (its first plan is logged, INFO, saying it is the default), for any number of ranks (on a
+    multi-rank job store the plan's retention is the job's collective gc).
     An optimizer replay does not know (Lion, 8-bit Adam, a custom one) is always checkpointed by
     snapshots; ``policy="every-iteration"`` with one raises UnreplayableOptimizerError.
     ``mtbf_s``: the mean time between failures (seconds) the plan assumes; None: learned from a
@@ -238,7 +238,7 @@ class Checkpointer:
                                 planned=self._retention.planned, where=str(store.path),
                                 defaulted=defaulted,
                                 agreement=RankAgreement(store) if self._layout.world > 1
-                                else None)
+                                else None, grad_bytes=self._layout.grad_bytes())
         # ---- the write path (grad_capture.py, step_writer.py, async_steps.py) -------------------
         capture_grads = bool(asynchronous) and not self.codec.lossy and policy != "snapshots"
         auto = self._auto

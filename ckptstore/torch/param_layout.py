@@ -123,3 +123,13 @@ class ParamLayout:
         self.device = dev.pop() if len(dev) == 1 else "mixed"
         #: ``{id(parameter): its position}``
         self.index = {id(p): i for i, p in enumerate(self.params)}
+
+    def grad_bytes(self) -> int:
+        """The bytes of the gradients this rank writes in a delta (its parameters', local shards
+        of sharded ones), at the parameters' dtypes."""
+        total = 0
+        for p, mine in zip(self.params, self.owned):
+            if mine and p.requires_grad:
+                t = local(p)
+                total += t.numel() * t.element_size()
+        return total

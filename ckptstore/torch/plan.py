@@ -216,7 +216,8 @@ class Plan:
             lines.append(f"  instead of {o.describe()}" + ("" if o.fits else " [does not fit the disk budget]"))
         margin = (f" (planned at +{1e3 * c.delta_step_extra_s:.1f}: the pessimistic end of its "
                   f"measurement)" if c.delta_overhead_margin_s > 0 else "")
-        delta = ("deltas impossible" if c.delta_overhead_s is None else
+        delta = ("no delta cost (unmeasured or impossible: see the notes)"
+                 if c.delta_overhead_s is None else
                  f"delta +{1e3 * c.delta_overhead_s:.1f} ms/step{margin} "
                  f"({_size(c.delta_bytes)}), "
                  f"replay {1e3 * c.replay_s:.1f} ms/delta")
@@ -382,7 +383,8 @@ DELTA_MARGIN_Z = 2.0
 
 #: the kinds of sample a :class:`CostMeter` keeps (and a persisted plan may carry)
 COST_KINDS = ("plain", "delta", "delta_ratio", "delta_ratio_se", "stall", "snapshot_cost",
-              "persist", "snapshot_bytes", "load", "delta_bytes", "delta_write", "optimizer")
+              "persist", "snapshot_bytes", "load", "delta_bytes", "delta_write", "optimizer",
+              "delta_share")
 
 
 class CostMeter:
