@@ -61,7 +61,12 @@ def hold_planner(mode, setattr_=setattr):
         deltas = mode() == "deltas"
         return DeltaForecast(deltas, 0.0, 1.0 if deltas else 0.0, share)
 
-    setattr_(auto_policy, "make_plan", lambda *a, **kw: real(*a, **{**kw, "modes": (mode(),)}))
+    def held(costs, *a, **kw):
+        # (the snapshot plan deltas are measured under: held to snapshots until they are)
+        unmeasured = mode() == "deltas" and costs.delta_overhead_s is None
+        return real(costs, *a, **{**kw, "modes": ("snapshots",) if unmeasured else (mode(),)})
+
+    setattr_(auto_policy, "make_plan", held)
     setattr_(auto_policy, "forecast_deltas", forecast)
 
 
@@ -200,9 +205,10 @@ def test_deltas_mode_keeps_the_delta_overhead_measured_beside_plain_steps(tmp_pa
     ck = Checkpointer(store, model, opt, policy="auto", measure_steps=3, mtbf_s=60.0)
     ck.restore()
     it = 0
-    while ck.plan() is None:
+    while ck.plan() is None or ck.plan().mode != "deltas":  # (measured under a snapshot plan)
         it += 1
         _step(model, ck, opt, it)
+        assert it < 60
     assert ck.mode == "deltas"
     # the delta/plain ratio measured together is kept: the overhead follows the plain step
     ratio = ck.meter.median("delta") / ck.meter.median("plain")

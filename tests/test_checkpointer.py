@@ -933,9 +933,12 @@ def test_auto_plans_from_measured_costs(tmp_path, monkeypatch, deltas_pay):
     # steps when they could pay)
     limit = 4 * 3 + auto_policy.MEASURE_WINDOWS * auto_policy.MEASURE_SNAPSHOT_GAP + 4 * 3 + 2
     it = 0
-    while ck.plan() is None and it < limit:
+    while (ck.plan() is None or ck.mode != ck.plan().mode) and it < limit:
+        # (while deltas are measured, the snapshot plan is in force and the steps write deltas)
         it += 1
         _one_step(model, ck, opt, it)
+        if deltas_pay and ck.plan() is not None and ck.mode == "deltas":
+            assert "measuring deltas" in str(ck.plan()) or ck.plan().mode == "deltas"
     p = ck.plan()
     assert p is not None and p.mode in ("snapshots", "deltas") and ck.mode == p.mode
     assert p.costs.step_s > 0 and 0 <= p.goodput <= 1
@@ -993,8 +996,10 @@ def test_switching_plans_loses_nothing_committed(tmp_path, assert_same, caplog, 
     store.flush()
     its = store.iterations()
     plans = [r for r in caplog.records if r.levelname == "INFO" and "checkpoint plan" in r.getMessage()]
-    assert len(plans) >= 4
-    first = int(re.search(r"from iteration (\d+) on", plans[0].getMessage()).group(1))
+    assert len(plans) >= 5
+    first = next(int(re.search(r"from iteration (\d+) on", r.getMessage()).group(1))
+                 for r in plans if "a delta every iteration" in r.getMessage())
+    assert "measuring deltas" in plans[0].getMessage()  # (the snapshot plan they were measured in)
     # plain steps 1-2 (snapshots measured first; the fixed interval's first is not due yet),
     # then, the forecast held to "deltas pay", measured deltas after a base of the live state
     # (2), until 2 of them ran outside that base's window (at most 4 x 2 steps), planned deltas

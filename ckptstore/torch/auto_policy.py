@@ -170,7 +170,8 @@ class AutoPolicy:
     Checkpointer's write-path change (may raise: the mode is then unchanged);
     ``snapshot_now()``: the next record is a snapshot; ``planned(plan)``: a new plan is in force.
     Invariants: :attr:`mode` is what the steps write; :attr:`plan` is None until the first plan
-    (measured, or resumed from a persisted one), then always the plan in force."""
+    (measured, or resumed from a persisted one), then always the plan in force; ``mode`` is the
+    plan's except while deltas are measured (:attr:`phase` "deltas")."""
 
     def __init__(self, policy: str, replayable: bool, snapshot_every: int | None,
                  mtbf_s: float | None, disk_budget: int | None, measure_steps: int,
@@ -471,11 +472,11 @@ class AutoPolicy:
     def _replan(self, iteration: int, resumed: bool = False, shared: Shared | None = None) -> None:
         """Plan from ``shared`` (None: taken now, :meth:`_shared`); a changed plan is logged
         (INFO); a plan whose mode differs from what the steps write is applied from this step
-        on. With policy "auto", an optimizer replay knows and no delta measured, the deltas
-        option needs a measurement: when :func:`~ckptstore.torch.delta_forecast.forecast_deltas`
-        says they could pay (once per process), the "deltas" phase measures them first (logged,
-        INFO) and this plan waits for it; otherwise the plan is of snapshots and its notes say
-        why deltas were left out."""
+        on. With policy "auto", an optimizer replay knows and no delta measured, the plan is of
+        snapshots, and its notes say what :func:`~ckptstore.torch.delta_forecast.forecast_deltas`
+        found; when deltas could pay (once per process) the "deltas" phase then measures them
+        (logged, INFO) under this plan, which its bases persist (a process killed meanwhile
+        resumes it), and :meth:`advance` plans again from both modes after it."""
         if shared is None:
             shared = self._shared(f"iteration {iteration}, "
                                   f"{'resume' if resumed else 'plan'}")
@@ -485,15 +486,16 @@ class AutoPolicy:
         modes = (SNAPSHOTS, DELTAS) if self.policy == "auto" else (SNAPSHOTS,)
         fixed = {SNAPSHOTS: self.snapshot_every_fixed} if self.snapshot_every_fixed else None
         notes: tuple[str, ...] = ()
+        forecast = None
         if DELTAS in modes and self.replayable and costs.delta_overhead_s is None:
             forecast = forecast_deltas(costs, shared.medians.get("delta_share"), shared.mtbf_s,
                                        shared.budget, fixed=fixed)
-            if forecast.pays and not self._deltas_tried:
-                self._measure_deltas(iteration, resumed, forecast)
-                return
+            if forecast.pays and self._deltas_tried:
+                forecast = None  # (measured once in this process, without a sample to plan from)
+                notes = ("deltas not planned: their measurement gave no delta step to compare",)
+            else:
+                notes = (str(forecast),)
             modes = (SNAPSHOTS,)
-            notes = (str(forecast) if not forecast.pays else
-                     "deltas not planned: their measurement gave no delta step to compare",)
         elif self._forecast is not None and costs.delta_overhead_s is not None:
             # (what the forecast predicted beside what was measured: the forecast's check)
             notes = (f"{self._forecast}; measured: +{1e3 * costs.delta_overhead_s:.1f} ms",)
@@ -508,13 +510,17 @@ class AutoPolicy:
                      " (resumed from the persisted plan)" if resumed else "",
                      ' (policy="auto", the default: pass policy= to choose)'
                      if self._defaulted and old is None else "", new)
-        if new.mode != self.mode:
+        if forecast is not None and forecast.pays:
+            self._measure_deltas(iteration, resumed, forecast)
+        elif new.mode != self.mode:
             self._apply(new.mode, iteration, resumed)
         self._planned(new)
 
     def _measure_deltas(self, iteration: int, resumed: bool, forecast: Any) -> None:
         """The "deltas" phase, from this step on: ``measure_steps`` delta steps beside the plain
-        steps just measured (:meth:`advance` plans again after them). Once per process."""
+        steps just measured (:meth:`advance` plans again after them), the plan in force
+        unchanged meanwhile (its snapshots are not written: the steps write deltas). Once per
+        process."""
         self._deltas_tried, self._forecast = True, forecast
         log.info("Checkpointer %s, from iteration %d on: %s", self._where, iteration, forecast)
         self._apply(DELTAS, iteration, resumed)  # (raises: the mode and the phase stay)
