@@ -109,8 +109,9 @@ Model (a discrete-event simulation; every time below is wall-clock seconds)
     the pre-imported zygote (or a cold interpreter with ``--cold``), the model build; a failure
     during a resume restarts it, as below;
   - *ckpt-auto*: the mode and interval of the last plan the job logged, as if it had run from the
-    start; its measuring phases (8 delta steps, then 8 plain steps and 3 snapshots, again in
-    every new process that has no persisted plan) are in the pooled step ratio only as an average.
+    start; its measuring phases (8 plain steps and 3 snapshots, then 8 delta steps only where the
+    forecast says deltas could pay, again in every new process that has no persisted plan) are in
+    the pooled step ratio only as an average.
 
   Nothing else is fitted: a gap between the two columns is what the model leaves out.
 * **Not modelled.** GPUs (every figure is from a 2-core CPU VM), contention of DCP's and PCcheck's
