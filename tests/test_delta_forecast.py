@@ -37,7 +37,13 @@ def test_breakeven_is_where_deltas_stop_beating_the_snapshot_plan(step, cost, pe
     f = forecast_deltas(c, share, mtbf)
     snaps = plan(replace(c, delta_overhead_s=None), mtbf, modes=(SNAPSHOTS,)).goodput
     assert f.floor_s == pytest.approx(DELTA_FLOOR_PER_BYTE * cost * share)
-    assert f.pays == (f.floor_s < f.breakeven_s)
+    assert f.pays == (f.floor_s < f.breakeven_s and f.gain_s > f.measure_cost_s)
+    if f.floor_s < f.breakeven_s:  # (what deltas at the floor gain over one MTBF)
+        gain = _deltas_goodput(c, share, f.floor_s, mtbf) - snaps
+        assert f.gain_s == pytest.approx(max(0.0, gain) * mtbf, rel=1e-9, abs=1e-12)
+    else:
+        assert f.gain_s == 0.0
+    assert f.measure_cost_s >= 8 * f.floor_s
     if f.breakeven_s == 0:
         assert _deltas_goodput(c, share, 0.0, mtbf) <= snaps
     else:
@@ -48,9 +54,10 @@ def test_breakeven_is_where_deltas_stop_beating_the_snapshot_plan(step, cost, pe
 
 
 def test_the_benchmarks_costs_measure_deltas_only_where_failures_are_frequent():
-    """On bench_goodput's costs a delta is predicted at >= 4 ms a step (a third of the bytes of
-    a 25 ms snapshot, halved): worth measuring at an MTBF of 6 s (deltas pay under ~9 ms), not at
-    20 s (~3 ms) nor at a day (where snapshots every few hundred steps cost almost nothing)."""
+    """On bench_goodput's costs with the 27M GPT a delta is predicted at >= 4 ms a step (a third
+    of the bytes of a 25 ms snapshot, halved): worth measuring at an MTBF of 6 s (deltas pay under
+    ~6 ms, and at 4 ms would gain more than measuring costs), not at 20 s (under ~1 ms) nor at a
+    day (where snapshots every few hundred steps cost almost nothing)."""
     share = 1 / 3
     often, rare, day = (forecast_deltas(BENCH, share, m) for m in (6.0, 20.0, 86400.0))
     assert often.floor_s == rare.floor_s == pytest.approx(0.5 * 0.025 / 3)
@@ -59,6 +66,22 @@ def test_the_benchmarks_costs_measure_deltas_only_where_failures_are_frequent():
     assert not day.pays and day.breakeven_s < rare.breakeven_s
     assert str(often).startswith("measuring deltas: they would pay only under +")
     assert str(day).startswith("deltas not measured: ") and "33% of its bytes" in str(day)
+
+
+def test_deltas_are_measured_only_where_the_measurement_pays_for_itself_within_an_mtbf():
+    """Snapshots that cost 205 ms all in and a delta of 5% of their bytes (a floor of 5 ms): at
+    an MTBF of 6 s deltas at the floor would gain more than measuring them costs (8 delta steps
+    and the two switches' snapshots, less those the plan writes meanwhile); at 30 s they would
+    still beat snapshots, by less than that: not measured."""
+    c = replace(BENCH, snapshot_slowdown_s=0.2)
+    often, rare = forecast_deltas(c, 0.05, 6.0), forecast_deltas(c, 0.05, 30.0)
+    for f in (often, rare):
+        assert f.floor_s < f.breakeven_s
+        assert 8 * f.floor_s < f.measure_cost_s <= 8 * f.floor_s + 2 * c.snapshot_cost_s
+    assert often.pays and often.gain_s > often.measure_cost_s
+    assert not rare.pays and 0 < rare.gain_s < rare.measure_cost_s
+    assert "gain" in str(rare) and "under the" in str(rare) and "over the" in str(often)
+    assert forecast_deltas(c, 0.05, 6.0, measure_steps=64).measure_cost_s > often.measure_cost_s
 
 
 def test_deltas_that_lose_even_free_are_never_measured():

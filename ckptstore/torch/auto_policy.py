@@ -489,7 +489,8 @@ class AutoPolicy:
         forecast = None
         if DELTAS in modes and self.replayable and costs.delta_overhead_s is None:
             forecast = forecast_deltas(costs, shared.medians.get("delta_share"), shared.mtbf_s,
-                                       shared.budget, fixed=fixed)
+                                       shared.budget, fixed=fixed,
+                                       measure_steps=self.measure_steps)
             if forecast.pays and self._deltas_tried:
                 forecast = None  # (measured once in this process, without a sample to plan from)
                 notes = ("deltas not planned: their measurement gave no delta step to compare",)

@@ -15,13 +15,22 @@ iteration pays only where failures are frequent and a delta is cheap. So
   per byte it reads, times the bytes a delta reads (the gradients: ``delta_share``, their bytes
   over a snapshot's logical bytes), times :data:`DELTA_FLOOR_PER_BYTE`.
 
-Deltas are measured only when ``floor < break-even``. The assumption is that a delta's
-background work per gradient byte (capture, hash, compress, append: a lossy codec encodes every
-byte first) costs training at least half what a snapshot's costs per state byte. Measured on the
-2-core VM (bench_goodput, 27M GPT, AdamW, 2026-11-29): a snapshot cost 12-61 ms all in for ~3x
-the gradients' bytes, a predicted floor of 2-10 ms, against delta overheads measured at +10 to
-+35 ms a step. A floor above the truth would leave deltas unmeasured where they pay; the factor
-keeps it well below what was seen.
+Deltas are measured only when ``floor < break-even`` and the measurement would pay for itself
+within one MTBF (the expected life of this process: the measurement is persisted with the plan
+after it, so the real horizon is longer): deltas at the floor must gain, over ``mtbf_s``
+seconds, more than measuring them costs, ``measure_steps`` delta steps at the floor plus the two
+switches of the write path (a base to start the chain, a snapshot to leave it), each a
+snapshot's cost, less the snapshots the plan would have written in those steps. Where the floor sits far below the break-even the gain is large and the rule
+measures; it skips the measurements whose best case gains less than they cost.
+
+The floor's assumption is that a delta's background work per gradient byte (capture, hash,
+compress, append: a lossy codec encodes every byte first) costs training at least half what a
+snapshot's costs per state byte. Measured on the 2-core VM (bench_goodput, AdamW, 2026-11-29):
+with a 27M GPT a snapshot cost 12-61 ms all in for ~3x the gradients' bytes and deltas +10 to
++35 ms a step; with the 4.5M one, in 14 jobs that measured both, the delta overhead was 1.4 to
+7.8 times the floor (0.7 to 3.9 times a snapshot's cost per byte), and once +0.2 ms, a noisy
+measurement whose margin held it to snapshots. A floor above the truth would leave deltas
+unmeasured where they pay; the factor keeps it below what was seen.
 
 Pure arithmetic on :class:`~ckptstore.torch.plan.Costs`; no torch, no I/O.
 """
@@ -41,15 +50,19 @@ _BISECTIONS = 40
 @dataclass(frozen=True)
 class DeltaForecast:
     """What :func:`forecast_deltas` found. ``pays``: deltas are worth measuring
-    (``floor_s < breakeven_s``); ``floor_s``: the least a delta step is predicted to cost beyond a
-    plain one; ``breakeven_s``: the most it may cost and still reach the snapshot plan's goodput
-    (0: deltas lose even free); ``delta_share``: the gradients' bytes over a snapshot's (None: not
-    measured, the floor is then 0)."""
+    (``floor_s < breakeven_s`` and ``gain_s > measure_cost_s``); ``floor_s``: the least a delta
+    step is predicted to cost beyond a plain one; ``breakeven_s``: the most it may cost and still
+    reach the snapshot plan's goodput (0: deltas lose even free); ``delta_share``: the gradients'
+    bytes over a snapshot's (None: not measured, the floor is then 0); ``gain_s``: the training
+    time deltas at the floor would gain over one MTBF (0 when they would not);
+    ``measure_cost_s``: what measuring them is predicted to cost training."""
 
     pays: bool
     floor_s: float
     breakeven_s: float
     delta_share: float | None
+    gain_s: float = 0.0
+    measure_cost_s: float = 0.0
 
     def __str__(self) -> str:
         if self.breakeven_s <= 0:
@@ -60,6 +73,10 @@ class DeltaForecast:
                  f", and a delta is predicted to cost at least +{1e3 * self.floor_s:.2f} ms "
                  f"({DELTA_FLOOR_PER_BYTE:g} x a snapshot's cost per byte x the gradients' "
                  f"{100 * self.delta_share:.0f}% of its bytes)")
+        if self.floor_s < self.breakeven_s:
+            floor += (f"; at that cost they would gain {1e3 * self.gain_s:.0f} ms per MTBF "
+                      f"{'over' if self.pays else 'under'} the "
+                      f"{1e3 * self.measure_cost_s:.0f} ms measuring them costs")
         verdict = "measuring deltas" if self.pays else "deltas not measured"
         return f"{verdict}: {why}{floor}"
 
@@ -74,28 +91,37 @@ def _hypothetical(costs: Costs, share: float, overhead_s: float) -> Costs:
 
 
 def forecast_deltas(costs: Costs, delta_share: float | None, mtbf_s: float,
-                    disk_budget: int | None = None, *,
-                    fixed: dict[str, int] | None = None) -> DeltaForecast:
+                    disk_budget: int | None = None, *, fixed: dict[str, int] | None = None,
+                    measure_steps: int = 8) -> DeltaForecast:
     """Whether deltas could beat the snapshot plan for ``costs`` (whose deltas are unmeasured:
-    ``delta_overhead_s`` is ignored) under failures every ``mtbf_s`` seconds (see the module
-    docstring). ``fixed``: as for :func:`~ckptstore.torch.plan.plan` (an explicit
-    ``snapshot_every``). Pure; ValueError for bad costs or MTBF, as :func:`plan` raises."""
+    ``delta_overhead_s`` is ignored) under failures every ``mtbf_s`` seconds, by more than
+    measuring them (``measure_steps`` delta steps) costs (see the module docstring). ``fixed``:
+    as for :func:`~ckptstore.torch.plan.plan` (an explicit ``snapshot_every``). Pure;
+    ValueError for bad costs or MTBF, as :func:`plan` raises."""
     base = replace(costs, delta_overhead_s=None, delta_overhead_margin_s=0.0)
     snaps = plan(base, mtbf_s, disk_budget, modes=(SNAPSHOTS,), fixed=fixed)
     share = max(0.0, delta_share) if delta_share is not None else 0.0
 
-    def beats(overhead_s: float) -> bool:
+    def gain(overhead_s: float) -> float:
+        """Goodput deltas at ``overhead_s`` gain over the snapshot plan (<= 0: none)."""
         option = plan(_hypothetical(base, share, overhead_s), mtbf_s, disk_budget,
                       modes=(DELTAS,)).chosen
-        return (option.fits or not snaps.chosen.fits) and option.goodput > snaps.goodput
+        if not (option.fits or not snaps.chosen.fits):
+            return 0.0
+        return option.goodput - snaps.goodput
 
     floor = DELTA_FLOOR_PER_BYTE * base.snapshot_cost_s * share
-    if not beats(0.0):
-        return DeltaForecast(False, floor, 0.0, delta_share)
+    # (the two switches write a snapshot each, less those the plan writes in the steps measured)
+    extra_snapshots = max(0.0, 2.0 - measure_steps / snaps.chosen.interval)
+    measure_cost = measure_steps * floor + extra_snapshots * base.snapshot_cost_s
+    if gain(0.0) <= 0:
+        return DeltaForecast(False, floor, 0.0, delta_share, 0.0, measure_cost)
     lo, hi = 0.0, base.step_s
-    while beats(hi) and hi < 1e3 * base.step_s:
+    while gain(hi) > 0 and hi < 1e3 * base.step_s:
         lo, hi = hi, 2 * hi
     for _ in range(_BISECTIONS):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if beats(mid) else (lo, mid)
-    return DeltaForecast(floor < lo, floor, lo, delta_share)
+        lo, hi = (mid, hi) if gain(mid) > 0 else (lo, mid)
+    gained = max(0.0, gain(floor)) * mtbf_s if floor < lo else 0.0
+    return DeltaForecast(floor < lo and gained > measure_cost, floor, lo, delta_share, gained,
+                         measure_cost)
