@@ -275,7 +275,8 @@ def test_a_new_mtbf_asks_the_forecast_again_and_measures_deltas_once(tmp_path, m
         assert it < start + 4 * 3 + 2
     p = ck.plan()
     assert set(p.goodputs()) == {"snapshots", "deltas"} and p.mtbf_s == 5.0
-    assert ck.meter.count("delta") >= 3
+    store.flush()
+    assert sum(store.kind(i) == "delta" for i in store.iterations()) >= 3  # (the measured ones)
     n_asked = len(asked)
     ck.replan(mtbf_s=4.0)
     for it in range(it + 1, it + 3):
@@ -287,6 +288,52 @@ def test_a_new_mtbf_asks_the_forecast_again_and_measures_deltas_once(tmp_path, m
     newest = store.iterations()[-1]
     assert_same(lives[newest], {k: store.load(newest)[k] for k in ("model", "optimizer")})
     ck.close()
+    store.close()
+
+
+def test_a_process_stopped_while_measuring_deltas_resumes_the_snapshot_plan(tmp_path,
+                                                                             monkeypatch,
+                                                                             assert_same):
+    """Deltas are measured under the snapshot plan (the forecast held to "they could pay"): the
+    base written at the switch persists that plan, so a process restored from its chain is
+    planned at once (snapshots). It does not measure deltas at its first step (its plain median
+    is the other process'), but at its first drift check, from plain steps of its own."""
+    monkeypatch.setattr(auto_policy, "forecast_deltas",
+                        lambda costs, share, *a, **kw: DeltaForecast(True, 0.0, 1.0, share))
+    model, opt = _model()
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=3, mtbf_s=60.0)
+    ck.restore()
+    it, lives = 0, {}
+    while ck.mode != "deltas" or it < 3:  # (into the deltas phase, a few delta steps on)
+        it += 1
+        _step(model, ck, opt, it)
+        lives[it] = _live(model, opt)
+        assert it < 60
+    store.flush()
+    ck.close()  # (stopped before the phase ended: what a kill leaves, the pending deltas aside)
+    latest = store.iterations()[-1]
+    field = store.load_record(store.base_of(latest), keys=[PLAN_KEY])[PLAN_KEY]
+    assert field["mode"] == "snapshots" and "delta_ratio" not in field["costs"]
+    model2, opt2 = _model()
+    ck2 = Checkpointer(store, model2, opt2, policy="auto", measure_steps=3, mtbf_s=60.0)
+    assert ck2.restore() == latest
+    assert_same(lives[latest], _live(model2, opt2))
+    assert ck2.plan() is not None and ck2.mode == "snapshots"
+    assert "measured once this process has measured its own plain steps" in str(ck2.plan())
+    for it in range(latest + 1, latest + 16):
+        _step(model2, ck2, opt2, it)
+        assert ck2.mode == "snapshots" and ck2.meter.count("delta") == 0, it
+    assert ck2.meter.count("plain") >= 4  # (its own plain steps outvote the seeded one)
+    it += 1
+    _step(model2, ck2, opt2, it)  # (the 16th: the drift check asks the forecast again)
+    assert ck2.mode == "deltas"
+    while ck2.meter.count("delta_ratio") == 0:
+        it += 1
+        _step(model2, ck2, opt2, it)
+        assert it < latest + 16 + 4 * 3 + 2
+    assert set(ck2.plan().goodputs()) == {"snapshots", "deltas"}
+    ck2.close()
     store.close()
 
 

@@ -982,14 +982,14 @@ def test_switching_plans_loses_nothing_committed(tmp_path, assert_same, caplog, 
     committed: list[int] = []
     with caplog.at_level("INFO", logger="ckptstore"):
         for it in range(1, 31):
-            if it in (12, 19, 25):
+            if it in (14, 21, 27):
                 store.flush()
                 committed = store.iterations()
-                want[0] = {12: "snapshots", 19: "deltas", 25: "snapshots"}[it]
+                want[0] = {14: "snapshots", 21: "deltas", 27: "snapshots"}[it]
                 ck.replan()
             _one_step(model, ck, opt, it)
             saved[it] = live_state(model, opt, None)
-            if it in (12, 19, 25):
+            if it in (14, 21, 27):
                 assert ck.mode == want[0]
                 store.flush()
                 assert set(committed) <= set(store.iterations())
@@ -1002,11 +1002,11 @@ def test_switching_plans_loses_nothing_committed(tmp_path, assert_same, caplog, 
     assert "measuring deltas" in plans[0].getMessage()  # (the snapshot plan they were measured in)
     # plain steps 1-2 (snapshots measured first; the fixed interval's first is not due yet),
     # then, the forecast held to "deltas pay", measured deltas after a base of the live state
-    # (2), until 2 of them ran outside that base's window (at most 4 x 2 steps), planned deltas
-    # from ``first`` (a base of it persists the plan), snapshots from 12 every 3, deltas again
-    # from 19 (the snapshot at 18 is their base), snapshots from 25
-    assert 5 <= first <= 11
-    assert its == [0, 2, *range(3, first), *range(first, 13), 15, *range(18, 26), 28]
+    # (2), until 2 of them ran outside that base's window (the phase ends by iteration 12 at
+    # the latest), planned deltas from ``first`` (a base of it persists the plan), snapshots from
+    # 14 every 3, deltas again from 21 (the snapshot at 20 is their base), snapshots from 27
+    assert 5 <= first <= 12
+    assert its == [0, 2, *range(3, first), *range(first, 15), 17, *range(20, 28), 30]
     assert [store.kind(i) for i in its[:its.index(first) + 1]] == \
         ["snapshot", "snapshot", *["delta"] * (first - 3), "snapshot"]
     for it in its:

@@ -10,8 +10,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ckptstore.torch.delta_forecast import (DELTA_FLOOR_PER_BYTE, _hypothetical,
-                                            forecast_deltas)
+from ckptstore.torch.delta_forecast import DELTA_FLOOR_PER_BYTE, forecast_deltas, with_deltas
 from ckptstore.torch.plan import DELTAS, SNAPSHOTS, Costs, plan
 
 #: the bench_goodput model on the 2-core VM (27M GPT, AdamW, 2026-11-29): a ~100 ms step, an
@@ -22,7 +21,7 @@ BENCH = Costs(step_s=0.1, snapshot_stall_s=0.005, snapshot_slowdown_s=0.02,
 
 
 def _deltas_goodput(c: Costs, share: float, overhead_s: float, mtbf: float) -> float:
-    return plan(_hypothetical(c, share, overhead_s), mtbf, modes=(DELTAS,)).goodput
+    return plan(with_deltas(c, share, overhead_s), mtbf, modes=(DELTAS,)).goodput
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -400,13 +400,14 @@ def test_auto_policy_on_sharded_state_plans_and_restores_bit_exactly(tmp_path, m
     world, path, live = 2, str(tmp_path / "job"), str(tmp_path / "live")
     os.makedirs(live)
     res = ok(run_ranks(world, MOD, "fsdp_auto", path, str(tmp_path / "w1"), deadline=150,
-                       iterations=12, live_dir=live, tag="a", mode=mode))
+                       iterations=16, live_dir=live, tag="a", mode=mode))
     assert all(r["sharded"] and r["start"] == 0 and r["mode"] == mode for r in res), res
     assert res[0]["plan"] is not None and res[0]["plan"] == res[1]["plan"], res
+    assert res[0]["plan"][0] == mode, res  # (deltas: measured, then planned)
     with ckptstore.open(path, "r") as reader:
         its = [i for i in reader.iterations() if i > 0]
-        kinds = {reader.kind(i) for i in its if i > 8}  # after measuring: the plan's kind only
-    assert its and its[-1] <= 12
+        kinds = {reader.kind(i) for i in its if i > 12}  # after measuring: the plan's kind only
+    assert its and its[-1] <= 16
     assert kinds == {"snapshot"} if mode == "snapshots" else "delta" in kinds, kinds
     _check_parts(path, live, "a", its, world)
     res = ok(run_ranks(world, MOD, "fsdp_auto", path, str(tmp_path / "w2"), deadline=150,

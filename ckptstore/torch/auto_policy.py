@@ -46,13 +46,13 @@ errs low, the MTBF high).
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 import math
 import time
 from typing import Any, Callable
 
-from .delta_forecast import forecast_deltas
+from .delta_forecast import DeltaForecast, forecast_deltas
 from .plan import (DEFAULT_MTBF_S, DELTAS, MODES, SNAPSHOTS, CostMeter, Plan, SnapshotWindow,
                    drifted, plan as make_plan)
 from .plan_agreement import RankAgreement, Shared
@@ -193,9 +193,9 @@ class AutoPolicy:
         self.meter = CostMeter()
         #: turns the steps snapshots overlap into "snapshot_cost" samples
         self.window = SnapshotWindow()
-        #: steps timed, by what they wrote (the plain measuring phase's count: a step in a
-        #: snapshot's window counts, though its time is part of the snapshot's cost, not a sample)
-        self._seen = {"delta": 0, "plain": 0}
+        #: plain steps timed (the plain measuring phase's count: a step in a snapshot's window
+        #: counts, though its time is part of the snapshot's cost, not a sample)
+        self._plain_seen = 0
         self._in_step = False
         self.plan: Plan | None = None
         #: the cost medians ``plan`` was made from (what a base persists with it)
@@ -225,7 +225,10 @@ class AutoPolicy:
         #: deltas were measured in this process (or their phase was entered): never twice
         self._deltas_tried = False
         #: the forecast that had deltas measured in this process (the plans' notes quote it)
-        self._forecast: Any = None
+        self._forecast: DeltaForecast | None = None
+        #: a resumed process' forecast said deltas could pay: the next drift check asks again,
+        #: once this process measured its own plain steps (the seeded one is another process')
+        self._forecast_due = False
         self._replan_next = False  # replan_soon() asked for a plan at the next step
         #: the last step: (iteration, its start, what it wrote: "plain" | "delta" | "base")
         self._prev: tuple[int, float, str] | None = None
@@ -283,7 +286,7 @@ class AutoPolicy:
         except (ValueError, ArithmeticError) as e:  # (numbers in range that the model rejects)
             log.warning("Checkpointer %s: the persisted plan of iteration %d does not plan "
                         "(%s); measuring costs again", self._where, iteration, e)
-            self.meter, self.plan = CostMeter(), None
+            self.meter, self.plan, self.phase = CostMeter(), None, "plain"
 
     def _read_persisted(self, read: Callable[[], Any], iteration: int) -> dict | None:
         """The cost medians of the persisted field ``read()`` returns (None: none, or a field
@@ -323,8 +326,8 @@ class AutoPolicy:
             self.window.step(prev[2], now - prev[1], self.meter,
                              sample=prev[2] != "delta" or self.phase != "planned" or
                              self.policy != "auto")
-            if prev[2] in self._seen:
-                self._seen[prev[2]] += 1
+            if prev[2] == "plain":
+                self._plain_seen += 1
         else:
             self.window.interrupt()
         self._t_step = now
@@ -368,7 +371,7 @@ class AutoPolicy:
         if self.phase != "planned":
             kind = "delta" if self.phase == "deltas" else "plain"
             # (the delta phase counts samples: it waits for them until its time is up)
-            if (kind == "plain" and self._seen[kind] >= self.measure_steps) or \
+            if (kind == "plain" and self._plain_seen >= self.measure_steps) or \
                     self._since_check > 4 * self.measure_steps:
                 # (every such step ran while a snapshot was in flight: its time, slowed as it is,
                 # is all there is to plan from)
@@ -381,7 +384,7 @@ class AutoPolicy:
             if counts["delta"] >= self.measure_steps or self._since_check > 4 * self.measure_steps:
                 self._keep_delta_ratio(shared)
                 self._replan(iteration, shared=shared)
-                if self.mode == DELTAS:
+                if self.phase == "planned" and self.mode == DELTAS:
                     # (the chain's base predates the plan: a base now persists it, so that a
                     # restart resumes the plan instead of measuring again)
                     self._snapshot_now()
@@ -413,7 +416,9 @@ class AutoPolicy:
         else:
             self._since_check = 0
             costs = self._costs(shared.medians)
-            if costs is not None and (self.plan is None or drifted(self.plan.costs, costs)):
+            if costs is not None and (self.plan is None or self._forecast_due or
+                                      drifted(self.plan.costs, costs)):
+                self._forecast_due = False
                 self._replan(iteration, shared=shared)
 
     def _keep_delta_ratio(self, shared: Shared) -> None:
@@ -448,7 +453,9 @@ class AutoPolicy:
         mtbf, source = self.failure_rate()
         # (delta steps: the samples, steps outside snapshots' windows; the switch to deltas writes
         # a base whose window takes the first ones, and the ratio needs a median of its own)
-        seen = {"plain": self._seen["plain"], "delta": m.count("delta")}
+        seen = {"plain": self._plain_seen, "delta": m.count("delta"),
+                # (min over the ranks: once any rank measured deltas, none measures them again)
+                "deltas_untried": 0 if self._deltas_tried else 1}
         medians = m.medians()
         if not m.count("delta_ratio"):  # (what _keep_delta_ratio keeps at the phases' end)
             se = m.ratio_standard_error("delta", "plain")
@@ -474,9 +481,12 @@ class AutoPolicy:
         (INFO); a plan whose mode differs from what the steps write is applied from this step
         on. With policy "auto", an optimizer replay knows and no delta measured, the plan is of
         snapshots, and its notes say what :func:`~ckptstore.torch.delta_forecast.forecast_deltas`
-        found; when deltas could pay (once per process) the "deltas" phase then measures them
-        (logged, INFO) under this plan, which its bases persist (a process killed meanwhile
-        resumes it), and :meth:`advance` plans again from both modes after it."""
+        found; when deltas could pay (once per job: no rank has measured them in this process)
+        the "deltas" phase then measures them (logged, INFO) under this plan, which its bases
+        persist (a process killed meanwhile resumes it), and :meth:`advance` plans again from
+        both modes after it. A ``resumed`` plan does not measure at once: its plain median is
+        the persisted one, and the delta/plain ratio must come from steps measured together;
+        the first drift check asks the forecast again."""
         if shared is None:
             shared = self._shared(f"iteration {iteration}, "
                                   f"{'resume' if resumed else 'plan'}")
@@ -491,9 +501,13 @@ class AutoPolicy:
             forecast = forecast_deltas(costs, shared.medians.get("delta_share"), shared.mtbf_s,
                                        shared.budget, fixed=fixed,
                                        measure_steps=self.measure_steps)
-            if forecast.pays and self._deltas_tried:
+            if forecast.pays and not shared.counts.get("deltas_untried", 1):
                 forecast = None  # (measured once in this process, without a sample to plan from)
                 notes = ("deltas not planned: their measurement gave no delta step to compare",)
+            elif forecast.pays and resumed:
+                self._forecast_due, forecast = True, None
+                notes = ("deltas could pay: they are measured once this process has measured its "
+                         "own plain steps",)
             else:
                 notes = (str(forecast),)
             modes = (SNAPSHOTS,)
@@ -511,20 +525,21 @@ class AutoPolicy:
                      " (resumed from the persisted plan)" if resumed else "",
                      ' (policy="auto", the default: pass policy= to choose)'
                      if self._defaulted and old is None else "", new)
+        self._planned(new)  # (the plan is in force even if the switch below raises)
         if forecast is not None and forecast.pays:
-            self._measure_deltas(iteration, resumed, forecast)
+            self._measure_deltas(iteration, forecast)
         elif new.mode != self.mode:
             self._apply(new.mode, iteration, resumed)
-        self._planned(new)
 
-    def _measure_deltas(self, iteration: int, resumed: bool, forecast: Any) -> None:
+    def _measure_deltas(self, iteration: int, forecast: DeltaForecast) -> None:
         """The "deltas" phase, from this step on: ``measure_steps`` delta steps beside the plain
         steps just measured (:meth:`advance` plans again after them), the plan in force
         unchanged meanwhile (its snapshots are not written: the steps write deltas). Once per
-        process."""
-        self._deltas_tried, self._forecast = True, forecast
+        process (a switch that raises is not tried again: the plan stays snapshots)."""
+        self._deltas_tried = True
+        self._apply(DELTAS, iteration)  # (raises: the mode and the phase stay)
+        self._forecast = forecast
         log.info("Checkpointer %s, from iteration %d on: %s", self._where, iteration, forecast)
-        self._apply(DELTAS, iteration, resumed)  # (raises: the mode and the phase stay)
         self.phase, self._since_check = "deltas", 0
 
     def _apply(self, mode: str, iteration: int, resumed: bool = False) -> None:

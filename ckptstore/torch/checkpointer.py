@@ -127,9 +127,10 @@ class Checkpointer:
     the snapshots' measured cost per byte), ``measure_steps`` delta steps; then the plan with the
     better expected goodput (:meth:`plan` says which and why, and why deltas were not measured;
     logged, logger "ckptstore", INFO, whenever it changes); costs keep being measured and a
-    drift of more than 30%, or a new ``mtbf_s`` (:meth:`replan`), re-plans. In the deltas mode of "auto" the base interval is the plan's. Every base carries
-    the plan's inputs (format-spec/deltas.md, "Persisted plan"): a Checkpointer that restores
-    from such a base plans at once from them, without measuring again. On a multi-rank job
+    drift of more than 30%, or a new ``mtbf_s`` (:meth:`replan`), re-plans. In the deltas
+    mode of "auto" the base interval is the plan's. Every base carries the plan's inputs
+    (format-spec/deltas.md, "Persisted plan"): a Checkpointer that restores from such a base
+    plans at once from them, without measuring again. On a multi-rank job
     store every rank plans from the costs of all (the largest of each, the smallest MTBF and
     disk budget, split over the ranks: :mod:`ckptstore.torch.plan_agreement`), so all write the
     same plan; every rank must then step the same iterations and call :meth:`replan` together.

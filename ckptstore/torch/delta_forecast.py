@@ -9,7 +9,9 @@ iteration pays only where failures are frequent and a delta is cheap. So
 
 * **break-even**: the largest delta overhead (seconds a step) at which the deltas option's best
   goodput still reaches the snapshot plan's, by bisection (each interval's goodput falls as the
-  overhead grows, so their best does too); 0 when even free deltas lose;
+  overhead grows, so their best does too; only the persist bound on the interval,
+  ``ceil(persist / step)``, loosens as the step grows, and where it binds the bisection finds a
+  crossing, not necessarily the last); 0 when even free deltas lose;
 * **floor**: the least a delta step is predicted to cost, from what a snapshot was measured to
   cost training (its stall plus slowdown, :attr:`~ckptstore.torch.plan.Costs.snapshot_cost_s`)
   per byte it reads, times the bytes a delta reads (the gradients: ``delta_share``, their bytes
@@ -20,8 +22,9 @@ within one MTBF (the expected life of this process: the measurement is persisted
 after it, so the real horizon is longer): deltas at the floor must gain, over ``mtbf_s``
 seconds, more than measuring them costs, ``measure_steps`` delta steps at the floor plus the two
 switches of the write path (a base to start the chain, a snapshot to leave it), each a
-snapshot's cost, less the snapshots the plan would have written in those steps. Where the floor sits far below the break-even the gain is large and the rule
-measures; it skips the measurements whose best case gains less than they cost.
+snapshot's cost, less the snapshots the plan would have written in those steps. Where the floor
+sits far below the break-even the gain is large and the rule measures; it skips the measurements
+whose best case gains less than they cost.
 
 The floor's assumption is that a delta's background work per gradient byte (capture, hash,
 compress, append: a lossy codec encodes every byte first) costs training at least half what a
@@ -74,14 +77,15 @@ class DeltaForecast:
                  f"({DELTA_FLOOR_PER_BYTE:g} x a snapshot's cost per byte x the gradients' "
                  f"{100 * self.delta_share:.0f}% of its bytes)")
         if self.floor_s < self.breakeven_s:
-            floor += (f"; at that cost they would gain {1e3 * self.gain_s:.0f} ms per MTBF "
+            floor += (f"; at {'that cost' if self.delta_share is not None else 'no cost'} "
+                      f"they would gain {1e3 * self.gain_s:.0f} ms per MTBF "
                       f"{'over' if self.pays else 'under'} the "
                       f"{1e3 * self.measure_cost_s:.0f} ms measuring them costs")
         verdict = "measuring deltas" if self.pays else "deltas not measured"
         return f"{verdict}: {why}{floor}"
 
 
-def _hypothetical(costs: Costs, share: float, overhead_s: float) -> Costs:
+def with_deltas(costs: Costs, share: float, overhead_s: float) -> Costs:
     """``costs`` with deltas costing ``overhead_s`` a step, their bytes and replay estimated from
     the snapshot's (a delta holds ``share`` of a snapshot's bytes; replaying one reads that much
     on top of an optimizer step)."""
@@ -104,7 +108,7 @@ def forecast_deltas(costs: Costs, delta_share: float | None, mtbf_s: float,
 
     def gain(overhead_s: float) -> float:
         """Goodput deltas at ``overhead_s`` gain over the snapshot plan (<= 0: none)."""
-        option = plan(_hypothetical(base, share, overhead_s), mtbf_s, disk_budget,
+        option = plan(with_deltas(base, share, overhead_s), mtbf_s, disk_budget,
                       modes=(DELTAS,)).chosen
         if not (option.fits or not snaps.chosen.fits):
             return 0.0
