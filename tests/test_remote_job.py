@@ -79,17 +79,31 @@ def train_with_remote(rank, world, path, url, opts, start, stop):
         return s.iterations()
 
 
+def _names_an_iteration(url, opts) -> bool:
+    """Whether the remote copy at ``url`` has a job HEAD naming an iteration yet."""
+    try:
+        head = newest_job_head(ObjectStore(url, opts))
+    except ckptstore.StoreNotFoundError:  # (none yet)
+        return False
+    return head is not None and head.latest is not None
+
+
 def train_killed(rank, world, path, url, opts, victim, nth):
     """Snapshots with the remote tier on until rank ``victim`` is SIGKILLed at its ``nth`` file
-    operation; returns the iterations committed locally (the survivors)."""
+    operation counted from when the remote copy first names an iteration (a job HEAD with one:
+    the kill is then "while uploading" whatever the machine's speed; counted from the start, a
+    slow uploader had named none yet in ~1 of 10 runs); returns the iterations committed locally
+    (the survivors)."""
     from _crashkit import KillOps
 
-    ops = KillOps("any", nth) if rank == victim else None
+    ops = KillOps("any", nth, armed=False) if rank == victim else None
     s = ckptstore.open(path, "a", process_group=_pg(), commit_timeout=10.0, remote=url,
                        remote_options=opts, file_ops=ops)
     try:
         for it in range(100):
             _save(s, it, rank)
+            if ops is not None and not ops.armed:
+                ops.armed = _names_an_iteration(url, opts)
     except ckptstore.CkptStoreError:
         pass
     return s.iterations()
