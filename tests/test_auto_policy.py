@@ -254,7 +254,8 @@ def test_a_new_mtbf_asks_the_forecast_again_and_measures_deltas_once(tmp_path, m
         lives[it] = _live(model, opt)
         assert it < 60
     assert ck.mode == "snapshots" and ck.meter.count("delta") == 0
-    assert asked == [(ck.meter.median("delta_share"), 3600.0)] and 0 < asked[0][0] < 1
+    # (the gradients' share of a snapshot's bytes then: later snapshots may move it a little)
+    assert len(asked) == 1 and asked[0][1] == 3600.0 and 0 < asked[0][0] < 1
     assert "deltas not measured" in str(ck.plan())
     store.flush()
     committed = store.iterations()

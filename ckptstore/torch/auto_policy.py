@@ -166,8 +166,9 @@ class AutoPolicy:
     """The policy's state (see the module docstring). ``policy``: "auto", "snapshots" or
     "every-iteration" (no planner: :meth:`tick` only samples). ``grad_bytes``: what a delta of
     this rank reads (its gradients' bytes; 0: unknown), for the forecast of what deltas would
-    cost (:func:`~ckptstore.torch.delta_forecast.forecast_deltas`). ``switch(mode, iteration)``: the
-    Checkpointer's write-path change (may raise: the mode is then unchanged);
+    cost (:func:`~ckptstore.torch.delta_forecast.forecast_deltas`). ``switch(mode, iteration,
+    resumed)``: the Checkpointer's write-path change (may raise: the mode is then unchanged;
+    ``resumed``: right after a restore, whose base already persists the plan);
     ``snapshot_now()``: the next record is a snapshot; ``planned(plan)``: a new plan is in force.
     Invariants: :attr:`mode` is what the steps write; :attr:`plan` is None until the first plan
     (measured, or resumed from a persisted one), then always the plan in force; ``mode`` is the
@@ -177,7 +178,7 @@ class AutoPolicy:
                  mtbf_s: float | None, disk_budget: int | None, measure_steps: int,
                  group_commit: int, *, budget_source: str = "given",
                  job_history: Callable[[], tuple[int, int]] | None = None,
-                 switch: Callable[[str, int], None], snapshot_now: Callable[[], None],
+                 switch: Callable[[str, int, bool], None], snapshot_now: Callable[[], None],
                  planned: Callable[[Plan], None], where: str = "",
                  defaulted: bool = False, agreement: RankAgreement | None = None,
                  grad_bytes: int = 0) -> None:
@@ -547,7 +548,7 @@ class AutoPolicy:
         mode needs no switch: the restored checkpoint is the last one, nothing is captured yet,
         and a snapshot now would only repeat it."""
         if not (resumed and mode == SNAPSHOTS):
-            self._switch(mode, iteration)  # (raises: the mode stays)
+            self._switch(mode, iteration, resumed)  # (raises: the mode stays)
         self.mode = mode
 
     def close(self) -> None:

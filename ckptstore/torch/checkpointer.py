@@ -524,8 +524,8 @@ class Checkpointer:
     def _snapshot_now(self) -> None:
         self._writer.force_base = True
 
-    def _switch(self, mode: str, iteration: int) -> None:
-        self._writer.switch(mode, iteration)
+    def _switch(self, mode: str, iteration: int, resumed: bool) -> None:
+        self._writer.switch(mode, iteration, resumed)
 
     def _refuse_open_step(self, what: str) -> None:
         if self._open is not None:

@@ -261,11 +261,15 @@ class StepWriter:
         self.policy_failed(e, st.iteration)  # raises unless the policy keeps training
         return None
 
-    def switch(self, mode: str, iteration: int) -> None:
+    def switch(self, mode: str, iteration: int, resumed: bool = False) -> None:
         """Write ``mode`` from step ``iteration`` on. To snapshots: this step snapshots (which
         commits the pending deltas). To deltas: every save in flight is made durable first,
-        then the delta path restarts its chain at the live state (a base of ``iteration - 1``
-        unless the store's newest iteration is that). Nothing committed is lost either way."""
+        then the delta path restarts its chain at the live state (a base of ``iteration - 1``),
+        or, when the store's newest iteration is that already (a snapshot of the step before,
+        written before the switch), this step writes a base instead of its delta: either way
+        the chain's base is written after the switch and persists the plan in force
+        (format-spec/deltas.md, "Persisted plan"); not ``resumed`` right after a restore, whose
+        chain's base is the one the plan was read from. Nothing committed is lost either way."""
         if mode == SNAPSHOTS:
             pipe = self.store.running_pipeline
             if pipe is not None:
@@ -278,6 +282,8 @@ class StepWriter:
             except BaseException as e:
                 self.policy_failed(e, iteration)  # raises unless the policy keeps training
             self.resync = True
+            if not resumed and self.store.latest() == iteration - 1:
+                self.force_base = True
 
     # ---- the steps -----------------------------------------------------------------------------
     def begin_sync(self, iteration: int, own_grads: bool) -> Step:
