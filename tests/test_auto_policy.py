@@ -49,6 +49,18 @@ def _live(model, opt):
     return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
 
 
+def held_forecast(pays, asked=None):
+    """A stand-in for ``auto_policy.forecast_deltas`` that says deltas are worth measuring
+    exactly when ``pays()`` (a break-even of 1 s and a floor of 0 then, else 0 and 0), with the
+    share it was given; each call's ``(share, mtbf_s)`` is appended to ``asked`` when given."""
+    def forecast(costs, share, mtbf_s, budget=None, **kw):
+        if asked is not None:
+            asked.append((share, mtbf_s))
+        p = pays()
+        return DeltaForecast(p, 0.0, 1.0 if p else 0.0, share)
+    return forecast
+
+
 def hold_planner(mode, setattr_=setattr):
     """Hold the planner to the one mode ``mode()`` names when it plans (the measured costs of a
     busy test machine decide nothing): ``auto_policy.make_plan`` plans that mode only, and
@@ -57,17 +69,13 @@ def hold_planner(mode, setattr_=setattr):
     for good, as multi-rank scenarios do in their ranks)."""
     real = auto_policy.make_plan
 
-    def forecast(costs, share, mtbf_s, budget=None, **kw):
-        deltas = mode() == "deltas"
-        return DeltaForecast(deltas, 0.0, 1.0 if deltas else 0.0, share)
-
     def held(costs, *a, **kw):
         # (the snapshot plan deltas are measured under: held to snapshots until they are)
         unmeasured = mode() == "deltas" and costs.delta_overhead_s is None
         return real(costs, *a, **{**kw, "modes": ("snapshots",) if unmeasured else (mode(),)})
 
     setattr_(auto_policy, "make_plan", held)
-    setattr_(auto_policy, "forecast_deltas", forecast)
+    setattr_(auto_policy, "forecast_deltas", held_forecast(lambda: mode() == "deltas"))
 
 
 @pytest.fixture
@@ -237,12 +245,7 @@ def test_a_new_mtbf_asks_the_forecast_again_and_measures_deltas_once(tmp_path, m
     gradients' measured share, the new MTBF) and never again once deltas are measured. Nothing
     committed is lost on the way and the newest iteration loads bit for bit."""
     asked, pays = [], [False]
-
-    def forecast(costs, share, mtbf_s, budget=None, **kw):
-        asked.append((share, mtbf_s))
-        return DeltaForecast(pays[0], 0.0, 1.0 if pays[0] else 0.0, share)
-
-    monkeypatch.setattr(auto_policy, "forecast_deltas", forecast)
+    monkeypatch.setattr(auto_policy, "forecast_deltas", held_forecast(lambda: pays[0], asked))
     model, opt = _model()
     store = ckptstore.open(tmp_path / "s")
     ck = Checkpointer(store, model, opt, policy="auto", measure_steps=3, mtbf_s=3600.0)
@@ -299,8 +302,7 @@ def test_a_process_stopped_while_measuring_deltas_resumes_the_snapshot_plan(tmp_
     base written at the switch persists that plan, so a process restored from its chain is
     planned at once (snapshots). It does not measure deltas at its first step (its plain median
     is the other process'), but at its first drift check, from plain steps of its own."""
-    monkeypatch.setattr(auto_policy, "forecast_deltas",
-                        lambda costs, share, *a, **kw: DeltaForecast(True, 0.0, 1.0, share))
+    monkeypatch.setattr(auto_policy, "forecast_deltas", held_forecast(lambda: True))
     model, opt = _model()
     store = ckptstore.open(tmp_path / "s")
     ck = Checkpointer(store, model, opt, policy="auto", measure_steps=3, mtbf_s=60.0)

@@ -919,10 +919,9 @@ def test_auto_plans_from_measured_costs(tmp_path, monkeypatch, deltas_pay):
     deltas could pay (held either way here: a busy machine's costs decide nothing), then a plan
     with its numbers; the failure rate is said to be assumed when none is given, and given when
     it is. A plan without measured deltas says why in a note."""
-    from ckptstore.torch.delta_forecast import DeltaForecast
+    from test_auto_policy import held_forecast
 
-    monkeypatch.setattr(auto_policy, "forecast_deltas", lambda costs, share, *a, **kw:
-                        DeltaForecast(deltas_pay, 0.0, 1.0 if deltas_pay else 0.0, share))
+    monkeypatch.setattr(auto_policy, "forecast_deltas", held_forecast(lambda: deltas_pay))
     model, opt = _small(torch.optim.SGD, momentum=0.9)
     store = ckptstore.open(tmp_path / "s")
     ck = Checkpointer(store, model, opt, policy="auto", measure_steps=3)

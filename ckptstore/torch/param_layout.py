@@ -24,6 +24,7 @@ import torch
 from ..multirank.job_store import JobStore
 from ..replay.partition import Partition
 from ..replay.shards import is_dtensor, local
+from .live_state import tensor_bytes
 from .sharded import check_meshes, replicas_of
 
 
@@ -127,9 +128,5 @@ class ParamLayout:
     def grad_bytes(self) -> int:
         """The bytes of the gradients this rank writes in a delta (its parameters', local shards
         of sharded ones), at the parameters' dtypes."""
-        total = 0
-        for p, mine in zip(self.params, self.owned):
-            if mine and p.requires_grad:
-                t = local(p)
-                total += t.numel() * t.element_size()
-        return total
+        return sum(tensor_bytes(local(p)) for p, mine in zip(self.params, self.owned)
+                   if mine and p.requires_grad)
