@@ -7,7 +7,7 @@
 """
 
 from .errors import (BisectError, BisectPredicateError, CheckpointAbortedError, ChecksumMismatch, CkptStoreError, CorruptRecordError, DamagedCheckpointError,
-                     DamagedIndexWarning,
+                     DamagedIndexWarning, LoanWithdrawnError,
                      DeltaChainError, DiskFullError, FormatError, IndexUnusable,
                      IterationOrderError, JobStreamError, NotFoundError, ReadOnlyStoreError,
                      ReplayDivergenceError, StoreClosedError, StoreIOError, StoreLockedError,
@@ -149,6 +149,7 @@ __all__ = [
 __all__ += ["RemoteError", "RemoteIntegrityError", "RemoteConflictError", "RemoteUnsupportedError",
             "RemoteStreamMissingError"]
 __all__ += ["FollowerError", "FollowerMismatchError", "FollowerWarning"]
-__all__ += ["CheckpointPlanError", "UnreplayableOptimizerError", "LiveStateChangedError"]
+__all__ += ["CheckpointPlanError", "UnreplayableOptimizerError", "LiveStateChangedError",
+            "LoanWithdrawnError"]
 __all__ += ["ShardCoverageError", "ShardMismatchError", "ShardDamagedError", "ShardLayoutError",
             "ShardedStateError"]

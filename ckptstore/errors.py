@@ -215,6 +215,13 @@ class CheckpointAbortedError(CkptStoreError):
     rolled the group back. ``__cause__`` is the original failure."""
 
 
+
+class LoanWithdrawnError(CheckpointAbortedError):
+    """An asynchronous save was dropped unwritten because the tensors lent to it (instead of
+    copied: the Checkpointer's gradients, ckptstore/ops/loan.py) changed before the persister
+    read them; the lender records that state another way (the Checkpointer writes a base
+    snapshot of it). Nothing committed is affected."""
+
 class LiveStateChangedError(CkptStoreError):
     """A tensor handed to an overlapped snapshot (``save_async(..., deferred=...)``, the
     Checkpointer's snapshots) changed in place before its background copy had finished: the

@@ -875,10 +875,67 @@ def chunk_image_vectors() -> list[dict]:
                   "load": {"g": {"dtype": "<f4", "shape": [2500], "bytes": raw.hex()}, "i": 3}})]
 
 
+def lent_record_vectors() -> list[dict]:
+    """A segment whose checkpoint was written from a lent tensor's memory (format.md section 8,
+    "Lent records"): each record placed by a pad record so that its data's first block boundary
+    in memory (here at memory address 4096 * 9 + 100, so 3996 bytes in) falls on a block
+    boundary in the log; a chunk too small for a block of its own lies whole in a gap."""
+    import numpy as np
+
+    from ckptstore.format.image import BLOCK, LentFramer, pad_payload, pad_size
+
+    g = (np.arange(2500, dtype="<f4") * 0.25 + 3).astype("<f4")  # 10000 bytes: chunks of 9000
+    raw = g.tobytes()
+    chunk = 9000
+    seg = _Segment()
+    out, records, append = seg.out, seg.records, seg.append
+    append(rec.RecordType.CHUNK, pad_payload(pad_size(len(out))))
+    base = len(out)
+    assert base % BLOCK == 0
+    framer = LentFramer(False)  # beside store_header_v1: flags 0
+    addrs, at = [], []
+    for start in range(0, len(raw), chunk):
+        piece = memoryview(raw)[start:start + chunk]
+        addrs.append(address_of(piece))
+        at.append(framer.add(piece, 4096 * 9 + 100 + start, addrs[-1]))
+    written = b"".join(bytes(b) for b in framer.buffers())
+    off = 0
+    while off < len(written):  # every record of the written bytes, pads included
+        header, _ = rec.decode_record(written[off:])
+        records.append({"offset": base + off, "type": "CHUNK", "length": header.length})
+        off += header.total_size
+    out += written
+    seg.written += len(written)
+    assert [r["offset"] - base for r in records if r["length"] in (32 + 9000, 32 + 1000)] == at
+
+    tree = make_tree(len(raw), chunk, addrs)
+    append(rec.RecordType.TREE, encode_tree(tree))
+    entries = (TensorEntry("g", "numpy", "<f4", g.shape, len(raw), tree.root),)
+    skeleton, _ = flatten({"g": _Leaf(), "i": 4}, _leaf_hook)
+    manifest = encode_manifest(Manifest(4, CREATED_NS, chunk, skeleton, None, entries))
+    moff, mlen = append(rec.RecordType.MANIFEST, manifest)
+    commit = Commit(4, 1, moff, mlen, xxhash.xxh3_128_digest(manifest),
+                    snapshot_root([("g", tree.root)]), CREATED_NS, len(raw),
+                    seg.written + rec.OVERHEAD + 96, 0)
+    append(rec.RecordType.COMMIT, encode_commit(commit))
+    return [dict(name="segment_lent_records", kind="segment", hex=bytes(out).hex(), note=(
+        "segment 1 of store_header_v1's store written from a lent tensor's memory (chunk_size "
+        "9000, the data at memory address 36964): a pad record moves the log's end from 80 to "
+        "4096; a pad record of 4140 bytes (44 would be shorter than a record: 44 + 4096) "
+        "places the first CHUNK record at 8236 so that its data's byte 3996 (memory address "
+        "40960) lies at 12288; the second chunk (1000 bytes) "
+        "follows whole, then a pad record to a block boundary; then the TREE, MANIFEST and "
+        "COMMIT of iteration 4"),
+        expected={"records": records, "iterations": [4], "tail_bytes": 0,
+                  "commit": _commit_fields(commit),
+                  "load": {"g": {"dtype": "<f4", "shape": [2500], "bytes": raw.hex()}, "i": 4}})]
+
+
 def build() -> dict:
     vectors = (store_header_vectors() + record_vectors() + segment_header_vectors()
                + chunk_vectors() + tree_vectors() + snapshot_vectors() + commit_vectors()
                + manifest_vectors() + state_vectors() + segment_vectors() + chunk_image_vectors()
+               + lent_record_vectors()
                + job_vectors() + sharded_part_vectors() + dtensor_part_vectors())
     names = [v["name"] for v in vectors]
     assert len(names) == len(set(names)), "duplicate vector names"

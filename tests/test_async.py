@@ -457,7 +457,8 @@ def test_checkpointer_captures_grads_during_backward(tmp_path, assert_same, clip
 
     model, opt = _tiny()
     store = ckptstore.open(tmp_path / "s")
-    ck = Checkpointer(store, model, opt, base_every=7, group_commit=2, policy="every-iteration")
+    ck = Checkpointer(store, model, opt, base_every=7, group_commit=2, policy="every-iteration",
+                      capture="hooks")  # (the default "lend" lends the large ones instead)
     ck.restore()
     saved = {}
     for it in range(1, 16):

@@ -273,7 +273,8 @@ def test_the_checkpointer_captures_gradients_into_chunk_images(tmp_path: Path) -
     model = torch.nn.Sequential(torch.nn.Linear(64, 200), torch.nn.Tanh(), torch.nn.Linear(200, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with ckptstore.open(tmp_path / "s", chunk_size=CHUNK) as s:
-        ck = Checkpointer(s, model, opt, policy="every-iteration", base_every=50, group_commit=2)
+        ck = Checkpointer(s, model, opt, policy="every-iteration", base_every=50, group_commit=2,
+                          capture="hooks")  # (the default lends the large gradients instead)
         ck.restore()
         for it in range(1, 6):
             x = torch.randn(16, 64)

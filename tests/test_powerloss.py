@@ -216,6 +216,35 @@ def _run_imaged_deltas(its: list[int]) -> Callable[[Path, RecordingOps], None]:
     return run
 
 
+def _lent_gradient(i: int) -> torch.Tensor:
+    """:func:`delta`'s gradient, four times over, in a tensor at an address 5 floats past a
+    page boundary plus 4 KiB * i (no alignment: written by lent records, format.md section 8)."""
+    g = np.concatenate([delta(i)["g"]] * 4)
+    backing = torch.zeros(g.size + 4096 + 1024 * i + 5)
+    shift = (-backing.data_ptr() // 4 % 1024) + 1024 * i + 5
+    t = backing[shift:shift + g.size]
+    t.copy_(torch.from_numpy(g))
+    return t
+
+
+def _lent_delta(i: int) -> dict:
+    from ckptstore.tensors import LentTensor
+
+    return {"g": LentTensor(_lent_gradient(i)), "i": i}
+
+
+def _run_lent_deltas(its: list[int]) -> Callable[[Path, RecordingOps], None]:
+    def run(p: Path, ops: RecordingOps) -> None:
+        with open_writer(p, ops) as s:
+            for i in its:
+                ops.mark("begin", i)
+                s.save_delta(i, _lent_delta(i), durable=i % 2 == 0)
+                if i % 2 == 0:
+                    ops.mark("ack", i - 1)
+                    ops.mark("ack", i)
+    return run
+
+
 def _run_gc(p: Path, ops: RecordingOps) -> None:
     with open_writer(p, ops) as s:
         its = s.iterations()
@@ -297,6 +326,7 @@ SCENARIOS = [
     Scenario("delta-durable", _saves([0]), _run_deltas([1, 2], durable=True)),
     Scenario("delta-group", _saves([0]), _run_deltas([1, 2, 3], durable=False)),
     Scenario("delta-images", _saves([0]), _run_imaged_deltas([1, 2, 3, 4]), verify=verify_imaged),
+    Scenario("delta-lent", _saves([0]), _run_lent_deltas([1, 2, 3, 4]), verify=verify_imaged),
     Scenario("save-direct-overlap", _saves([0, 1], _small_stage_writer),
              _run_saves([2, 3], _small_stage_writer)),
     Scenario("checkpointer", lambda p: _train(p, None, 2), lambda p, ops: _train(p, ops, TRAIN_LAST),

@@ -169,11 +169,14 @@ class _Variant:
         self.ck = self.store = None
         if codec is not None:
             shutil.rmtree(path, ignore_errors=True)
-            name, _, how = codec.partition("@")  # "exact@buffered": appends without O_DIRECT
-            self.store = ckptstore.open(path, direct_io=how != "buffered")
+            # "exact@buffered": appends without O_DIRECT; "exact@hooks": gradients copied
+            # during backward (the capture before lending); "@buffered+hooks": both
+            name, _, how = codec.partition("@")
+            hows = set(how.split("+")) if how else set()
+            self.store = ckptstore.open(path, direct_io="buffered" not in hows)
             self.ck = Checkpointer(self.store, self.model, self.opt, policy="every-iteration",
-                                   base_every=10_000, codec=name,
-                                   fingerprint_every=10)
+                                   base_every=10_000, codec=name, fingerprint_every=10,
+                                   capture="hooks" if "hooks" in hows else "lend")
             self.ck.restore()
         self.it = 0
         self.times: list[float] = []
@@ -502,8 +505,9 @@ def main():
     ap.add_argument("--restore-only", action="store_true", help="skip the step-time runs")
     ap.add_argument("--steps-only", action="store_true", help="skip the restore runs")
     ap.add_argument("--codecs", default="exact,topk:0.01",
-                    help="comma-separated; a codec@buffered variant appends without O_DIRECT "
-                         "(step measurement only)")
+                    help="comma-separated; a codec@buffered variant appends without O_DIRECT, "
+                         "exact@hooks copies the gradients during backward instead of lending "
+                         "them (@buffered+hooks: both; step measurement only)")
     add_standard_args(ap, rounds=4, rounds_help="interleaved rounds of the step measurement",
                       quick_help="a smoke run: a 2-layer model of dim 128, 2 rounds of 3 "
                                  "iterations, k 4 (ks 2,4)")

@@ -25,7 +25,7 @@ from ..format import records as rec
 from ..format.chunk import (CHUNK_HEADER_SIZE, Codec, address_of, choose_encoding,
                            decode_chunk_header, encode_chunk_header)
 from ..format.commit import COMMIT_SIZE, KIND_DELTA, KIND_SNAPSHOT, Commit
-from ..format.image import seal_chunk, seal_pad
+from ..format.image import LentFramer, seal_chunk, seal_pad
 from ..format.manifest import INLINE_MAX, Manifest, TensorEntry, encode_manifest
 from ..format.tree import decode_tree, encode_tree, make_tree, snapshot_root, tree_root
 from ..storage.index import ChunkRef, Index
@@ -33,7 +33,7 @@ from ..storage.log import Log
 from ..storage.segments import Loc
 from ..format.state import flatten
 from ..errors import UnsupportedTypeError
-from ..tensors import ArrayLeaf, ImageTensor, no_leaves
+from ..tensors import ArrayLeaf, ImageTensor, LentTensor, no_leaves
 from .transaction import StagedCheckpoint
 
 
@@ -167,6 +167,13 @@ def append_checkpoint(target: CheckpointTarget, index: Index, iteration: int, sk
     for leaf in leaves:
         name = leaf.name  # (a path joined anew on every access)
         image = leaf.image
+        lent = leaf.lent
+        if lent is not None and leaf.nbytes > INLINE_MAX:
+            tree = images.frame_lent(lent, chunk_size, chunk_known, progress, name, trials)
+            entries.append(TensorEntry(name, leaf.lib, leaf.dtype, leaf.shape, leaf.nbytes,
+                                       tree.root, None, leaf.param, leaf.requires_grad))
+            roots.append((name, tree.root))
+            continue
         if image is not None and image.image.chunk_size == chunk_size and leaf.nbytes > INLINE_MAX:
             tree = images.frame(image, chunk_known, progress, name, trials)
             entries.append(TensorEntry(name, leaf.lib, leaf.dtype, leaf.shape, leaf.nbytes,
@@ -267,13 +274,15 @@ class _ImageBatch:
     (format/image.py): each tensor is framed in place by :meth:`frame`, then :meth:`write` appends
     them all at once, straight from the images' memory, adjacent images as one write. Chunks
     already stored are left out (each record owns a block-aligned span, so what remains stays
-    aligned); chunks that compress are appended compressed after the images."""
+    aligned); chunks that compress are appended compressed after the images. Lent tensors
+    (:meth:`frame_lent`) are written with them, from their owner's memory."""
 
     def __init__(self, framing_checks: bool) -> None:
         #: records are framed with FRAMING_CHECK trailers (the store's STORE flag)
         self.framing_checks = framing_checks
-        #: [buffer, start, end): spans of image memory to write, in order, adjacent ones merged
-        self.runs: list[list[Any]] = []
+        #: what to write, in order: [buffer, start, end) spans of image memory (adjacent ones
+        #: merged), or a lent tensor's gaps and middles (memoryviews, LentFramer)
+        self.runs: list[Any] = []
         #: (address, offset in the written bytes, payload length) of each framed record
         self.framed: list[tuple[bytes, int, int]] = []
         self.addresses: set[bytes] = set()  # of the chunks framed or packed so far
@@ -324,11 +333,52 @@ class _ImageBatch:
             self.out += hi - lo
             lo += tensor.offset
             hi += tensor.offset
-            if self.runs and self.runs[-1][0] is tensor.buffer and self.runs[-1][2] == lo:
+            if self.runs and isinstance(self.runs[-1], list) and \
+                    self.runs[-1][0] is tensor.buffer and self.runs[-1][2] == lo:
                 self.runs[-1][2] = hi
             else:
                 self.runs.append([tensor.buffer, lo, hi])
         tree = make_tree(geo.nbytes, geo.chunk_size, addresses)
+        self.trees.append(tree)
+        return tree
+
+    def frame_lent(self, lent: LentTensor, chunk_size: int, known: Callable[[bytes], bool],
+                   progress: Callable[[int], None] | None, name: str,
+                   trials: "CompressionTrials | None") -> Any:
+        """Hash and frame the chunks of ``lent`` (a lent tensor, format/image.py's
+        :class:`~ckptstore.format.image.LentFramer`: written from its owner's memory) at
+        ``chunk_size``; returns its tree (appended by the caller after the images)."""
+        mem = lent.memory()
+        framer = LentFramer(self.framing_checks)
+        framed: list[tuple[bytes, int, int]] = []
+        addresses: list[bytes] = []
+        for j, start in enumerate(range(0, lent.nbytes, chunk_size)):
+            piece = mem[start:start + chunk_size]
+            n = len(piece)
+            addr = address_of(piece)
+            addresses.append(addr)
+            if progress is not None:
+                progress(n)
+            if known(addr):
+                self.n_known += 1
+                self.known_bytes += n
+                continue
+            self.addresses.add(addr)
+            if trials is None or trials.due(name, j):
+                codec, data = choose_encoding(piece)
+                if trials is not None:
+                    trials.record(name, j, n, len(data))
+                if codec is not Codec.RAW:
+                    self.packed.append((addr, data, n))
+                    continue
+            framed.append((addr, framer.add(piece, lent.address + start, addr),
+                           CHUNK_HEADER_SIZE + n))
+        if framed:
+            buffers = framer.buffers()
+            self.framed.extend((addr, self.out + at, length) for addr, at, length in framed)
+            self.out += sum(len(b) for b in buffers)
+            self.runs.extend(buffers)
+        tree = make_tree(lent.nbytes, chunk_size, addresses)
         self.trees.append(tree)
         return tree
 
@@ -337,7 +387,8 @@ class _ImageBatch:
         Returns the bytes appended."""
         out = 0
         if self.runs:
-            buffers = [memoryview(b[lo:hi].numpy()) for b, lo, hi in self.runs]
+            buffers = [r if isinstance(r, memoryview) else memoryview(r[0][r[1]:r[2]].numpy())
+                       for r in self.runs]
             seq, base = target.append_image(buffers)
             for addr, off, length in self.framed:
                 new_chunks[addr] = ChunkRef(Loc(seq, base + off, length), int(Codec.RAW))

@@ -28,7 +28,9 @@ buffer. Nothing touches a file.
 from __future__ import annotations
 
 import functools
+import mmap
 from dataclasses import dataclass
+from typing import Any
 
 from . import records as rec
 from .chunk import CHUNK_HEADER_SIZE, Codec, address_of, encode_chunk_header
@@ -164,3 +166,98 @@ class ChunkImage:
         bytes, or for the last record everything to the image's end (its pad record included)."""
         start = j * self.stride
         return start, (self.size if j == self.n_chunks - 1 else start + self.stride)
+
+
+class LentFramer:
+    """CHUNK records whose data stay in their owner's memory (a lent tensor's, no image): each
+    record's data is written from that memory, its framing from small page-aligned *gaps*.
+
+    O_DIRECT writes whole blocks from block-aligned memory to block-aligned file offsets. A
+    chunk's data lies at an arbitrary address, so each record is placed so that the first block
+    boundary inside its data in memory falls on a block boundary in the file: the *middle* of
+    its data (whole blocks from that boundary) is written straight from the owner's memory; the
+    rest goes through the gap before it (a pad record to place it, the record header and chunk
+    header, the data's first bytes up to the boundary) and the gap after it (the data's last
+    bytes and the trailer). Written in order, gaps and middles are the records laid end to end,
+    with a pad record before each (valid v1 records, as in images; a chunk smaller than about
+    two blocks lies whole in a gap). The log must end on a block boundary before the first
+    gap (the log appends a pad record first, as for images).
+
+    Call sequence: :meth:`add` per chunk (returns the record's offset in the written bytes),
+    then :meth:`buffers` once (the parts to write, in order: gaps copied into one page-aligned
+    buffer, middles viewing the owner's memory).
+    """
+
+    def __init__(self, framing_check: bool) -> None:
+        self.flags = rec.FRAMING_CHECK if framing_check else 0
+        self.framing_check = framing_check
+        self._parts: list[tuple[bool, Any]] = []  # (is a gap, bytes or a memoryview)
+        self._pending = bytearray()  # framing and data bytes since the last middle
+        self._out = 0  # bytes in _parts
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far, the open gap included."""
+        return self._out + len(self._pending)
+
+    def add(self, data: memoryview, memory_address: int, address: bytes) -> int:
+        """Frame one raw chunk: ``data`` (its bytes, at ``memory_address``) with chunk
+        ``address``; returns the offset of its record in the written bytes."""
+        n = len(data)
+        chunk_header = encode_chunk_header(address, Codec.RAW, n)
+        framing = _chunk_record_header(CHUNK_HEADER_SIZE + n, self.flags) + chunk_header
+        trailer = rec.encode_trailer(*rec.checked_parts(self.flags, [chunk_header, data]))
+        head = -memory_address % BLOCK
+        middle = (n - head) // BLOCK * BLOCK if n > head else 0
+        pending = self._pending
+        if middle == 0:  # too small for a block of its own: whole in the gap
+            at = self.size
+            pending += framing
+            pending += data
+            pending += trailer
+            return at
+        pad = -(len(pending) + DATA_OFFSET + head) % BLOCK
+        if 0 < pad < RECORD_OVERHEAD:
+            pad += BLOCK
+        if pad:
+            pending += _pad_record(pad, self.framing_check)
+        at = self.size
+        pending += framing
+        pending += data[:head]
+        assert len(pending) % BLOCK == 0
+        self._close_gap()
+        self._parts.append((False, data[head:head + middle]))
+        self._out += middle
+        self._pending += data[head + middle:]
+        self._pending += trailer
+        return at
+
+    def _close_gap(self) -> None:
+        if self._pending:
+            self._parts.append((True, bytes(self._pending)))
+            self._out += len(self._pending)
+            self._pending = bytearray()
+
+    def buffers(self) -> list[memoryview]:
+        """The parts to write, in order, each page-aligned in memory and whole blocks long (the
+        last gap ends with a pad record to a block boundary). The gaps' memory is owned by the
+        returned views."""
+        pad = pad_size(len(self._pending))
+        if pad:
+            self._pending += _pad_record(pad, self.framing_check)
+        self._close_gap()
+        gap_bytes = sum(len(p) for is_gap, p in self._parts if is_gap)
+        if not gap_bytes:
+            return [p for _, p in self._parts]
+        area = mmap.mmap(-1, gap_bytes)  # anonymous: page-aligned
+        view = memoryview(area)
+        out: list[memoryview] = []
+        at = 0
+        for is_gap, p in self._parts:
+            if is_gap:
+                view[at:at + len(p)] = p
+                out.append(view[at:at + len(p)])
+                at += len(p)
+            else:
+                out.append(p)
+        return out

@@ -40,6 +40,7 @@ import torch
 
 from ..errors import LiveStateChangedError
 from ..tensors import ImageTensor
+from .loan import Loan
 
 
 class DeferredCopy:
@@ -105,6 +106,21 @@ class SaveFuture(Future):
     checkpoint is durable. :meth:`copied` waits only for its copy into host memory."""
 
     deferred: DeferredCopy | None = None
+    #: the gate of tensors lent to the save (ckptstore/ops/loan.py); None: nothing was lent
+    loan: Loan | None = None
+
+    def result(self, timeout: float | None = None) -> Any:
+        """``Future.result``; on the lender's thread it first decides the save's loan (the
+        persister waits for that decision, which only the lender can make)."""
+        if self.loan is not None:
+            self.loan.settle()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """``Future.exception``, deciding the loan first like :meth:`result`."""
+        if self.loan is not None:
+            self.loan.settle()
+        return super().exception(timeout)
 
     def copied(self) -> float:
         """Block until every tensor of the save is copied out of the caller's memory (at once

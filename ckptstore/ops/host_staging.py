@@ -30,7 +30,7 @@ import torch
 
 from ..format.image import BLOCK, ChunkImage
 from ..format.manifest import INLINE_MAX
-from ..tensors import TORCH_DTYPES, ArrayLeaf, ImageTensor
+from ..tensors import TORCH_DTYPES, ArrayLeaf, ImageTensor, LentTensor
 
 ALIGN = 64  # leaf offsets inside an arena: any dtype can view its slice
 _ROUND = 1 << 20  # arena capacities are rounded up to 1 MiB so similar sizes reuse the same arena
@@ -213,16 +213,18 @@ def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool,
     their place in the arena but are not copied: :attr:`Staged.deferred` lists them for the
     caller's overlapped copy (:mod:`ckptstore.ops.deferred_copy`). ``image_stride``: CPU torch
     tensors above the inline size are copied into chunk images of that stride (their ``value``
-    becomes an :class:`ImageTensor`; 0: none are).
+    becomes an :class:`ImageTensor`; 0: none are). A :class:`LentTensor` leaf is not copied at
+    all: the write path reads its owner's memory (the job's loan keeps it unchanged).
 
     CPU tensors are copied by one ``torch._foreach_copy_`` into views of their own dtype and shape
     (no Python call per tensor but a chunk image's split into its one or two strided pieces; a
     same-dtype copy moves bits, NaN payloads included, and resolves strided, conjugate and
     negative views)."""
     if owned:
-        todo = [lf for lf in leaves if lf.nbytes and not any(a.holds(lf.value) for a in owned)]
+        todo = [lf for lf in leaves if lf.nbytes and not isinstance(lf.value, LentTensor)
+                and not any(a.holds(lf.value) for a in owned)]
     else:
-        todo = [lf for lf in leaves if lf.nbytes]
+        todo = [lf for lf in leaves if lf.nbytes and not isinstance(lf.value, LentTensor)]
     if not todo:
         return Staged()
     key = tuple([(lf.lib, lf.dtype, lf.shape, lf.nbytes, _imaged(lf, image_stride))

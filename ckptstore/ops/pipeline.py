@@ -59,13 +59,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..errors import (CheckpointAbortedError, DeltaChainError, GlobalCommitAbortedError,
-                      IterationOrderError)
+                      IterationOrderError, LoanWithdrawnError)
 from ..format.image import ChunkImage
 from ..format.state import flatten
 from ..tensors import leaf_hook
 from ..engine.write_path import SaveStats, flatten_meta
 from . import shutdown
 from .deferred_copy import Copier, DeferredCopy, SaveFuture
+from .loan import Loan
 from .host_staging import Arena, ArenaLayout, HostPool, default_host_budget, snapshot_leaves
 
 if TYPE_CHECKING:
@@ -136,6 +137,8 @@ class _Job:
     t_start: float = 0.0
     #: "vote-failed": why the caller's submit failed (this rank's vote in that job's round)
     error: BaseException | None = None
+    #: the gate of tensors lent to the job (ckptstore/ops/loan.py: read only once confirmed)
+    loan: Loan | None = None
 
 
 class Pipeline:
@@ -190,14 +193,18 @@ class Pipeline:
     # ---- foreground -------------------------------------------------------------------------
     def submit(self, kind: str, iteration: int, state: Any, meta: dict | None = None, *,
                commit: bool = True, owned: list[Arena] | None = None,
-               deferred: Callable[[torch.Tensor], bool] | None = None) -> SaveFuture:
+               deferred: Callable[[torch.Tensor], bool] | None = None,
+               loan: Loan | None = None) -> SaveFuture:
         """Snapshot ``state`` and queue it; see the module docstring. ``owned``: arenas holding
         tensors of ``state`` already copied by the caller; they pass to the job (released by the
         pipeline whatever happens). ``deferred``: CPU tensors for which it returns True are copied
         in the background (:mod:`ckptstore.ops.deferred_copy`); the caller changes them only after
-        the future's ``copied()``."""
+        the future's ``copied()``. ``loan``: the gate of the :class:`~ckptstore.tensors.LentTensor`
+        leaves of ``state`` (:mod:`ckptstore.ops.loan`): the persister reads them once the lender
+        confirmed it; a withdrawn loan drops the job unwritten (its future raises
+        LoanWithdrawnError) and takes the pipeline's tail back to the iteration before it."""
         try:
-            return self._submit(kind, iteration, state, meta, commit, owned, deferred)
+            return self._submit(kind, iteration, state, meta, commit, owned, deferred, loan)
         except BaseException as e:
             if kind != "delta" or commit:
                 self.fail_round(e)
@@ -221,10 +228,12 @@ class Pipeline:
 
     def _submit(self, kind: str, iteration: int, state: Any, meta: dict | None, commit: bool,
                 owned: list[Arena] | None,
-                deferred: Callable[[torch.Tensor], bool] | None) -> SaveFuture:
+                deferred: Callable[[torch.Tensor], bool] | None,
+                loan: Loan | None) -> SaveFuture:
         t0 = time.perf_counter()
         owned = list(owned or [])
         try:
+            self.settle_loans()  # (a withdrawal moves the tail back: decided before this one)
             self.check()
             if type(iteration) is not int or iteration < (1 if kind == "delta" else 0) \
                     or iteration >= 1 << 63:
@@ -253,7 +262,11 @@ class Pipeline:
             for a in owned:
                 self.pool.release(a)
             raise
-        job = _Job(kind, iteration, skeleton, meta_skeleton, commit=commit, arenas=owned)
+        job = _Job(kind, iteration, skeleton, meta_skeleton, commit=commit, arenas=owned,
+                   loan=loan)
+        if loan is not None:
+            job.future.loan = loan
+            loan.on_withdraw = lambda: self._untail(iteration, prev)
         try:
             ts = time.perf_counter()
             own = sum(a.capacity for a in owned)
@@ -286,6 +299,23 @@ class Pipeline:
             self._drop([job], "the store's async saves were stopped at interpreter exit")
         return job.future
 
+    def _untail(self, iteration: int, prev: int | None) -> None:
+        """A job's loan was withdrawn (it will not be written): the tail goes back to ``prev``,
+        what preceded it (nothing was accepted after it: loans are decided before the next
+        submit)."""
+        with self._cond:
+            if self._tail == iteration:
+                self._tail = prev
+
+    def settle_loans(self) -> None:
+        """Decide the loans of the queued jobs that the calling thread lent (each lender decides
+        its own, :meth:`ckptstore.ops.loan.Loan.settle`): before anything that waits for the
+        persister, which waits for those decisions."""
+        with self._cond:
+            loans = [j.loan for j in self._queue if j.loan is not None and not j.loan.decided]
+        for loan in loans:
+            loan.settle()
+
     def _check_order(self, kind: str, iteration: int, prev: int | None) -> None:
         where = self.engine.path
         if kind == "delta":
@@ -315,6 +345,7 @@ class Pipeline:
         """Raise a background failure that no store call has reported yet (then forget it)."""
         if self._error is None or self._reported:
             return
+        self.settle_loans()
         with self._cond:
             while self._inflight or self._queue:
                 self._cond.wait()
@@ -330,6 +361,7 @@ class Pipeline:
         """Wait until every submitted checkpoint is persisted and every async delta committed;
         raise a failure not reported yet. With ``commit_round`` the flush's round is queued even
         when a failure is pending (this rank then votes FAILED in it: the others run it too)."""
+        self.settle_loans()
         if self.commit_round is None:
             self.check()
         with self._cond:
@@ -354,6 +386,7 @@ class Pipeline:
     def wait(self) -> None:
         """Wait until every submitted checkpoint is persisted (snapshots committed, async deltas
         appended); unlike :meth:`flush` this does not commit a group early."""
+        self.settle_loans()
         with self._cond:
             while self._inflight or any(j.kind != "stop" for j in self._queue):
                 self._cond.wait()
@@ -409,6 +442,9 @@ class Pipeline:
         """Fail jobs that will never run (their futures raise CheckpointAbortedError);
         ``queued``: they were still counted in flight (not yet persisted)."""
         for j in jobs:
+            if j.loan is not None:
+                j.loan.withdraw(why)  # (never read now)
+                j.loan.give_back()
             if j.copy is not None:
                 j.copy.wait()  # (no arena is released while a copy into it may run)
             for a in j.arenas:
@@ -478,6 +514,10 @@ class Pipeline:
                     raise
 
             try:
+                if job.loan is not None and not job.loan.wait(lambda: self._abandoned):
+                    # (not a failure: the lender records the state another way; nothing
+                    # appended is rolled back)
+                    raise LoanWithdrawnError(f"{self._what(job)} was not written: {job.loan.why}")
                 if self.commit_round is not None and (job.kind != "delta" or job.commit):
                     # this rank votes in the round, also on failure; futures resolve only once
                     # the round is over (a caller woken earlier could start a collective of its
@@ -486,9 +526,13 @@ class Pipeline:
                 else:
                     done = attempt()
                 self._resolve(job, done)
+            except LoanWithdrawnError as e:
+                job.future.set_exception(e)
             except BaseException as e:  # noqa: BLE001 - handed to the future and the store
                 self._fail(job, e)
             finally:
+                if job.loan is not None:
+                    job.loan.give_back()
                 if job.copy is not None:
                     job.copy.wait()  # (a job failed before its copy ended: not released under it)
                 for a in job.arenas:

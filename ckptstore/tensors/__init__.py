@@ -3,8 +3,8 @@ tensors the caller already has (:mod:`.inplace`). Above ``format/``, below ``sto
 
 The names the layers above use are re-exported here from :mod:`.leaves`."""
 
-from .leaves import (TORCH_DTYPES, ArrayLeaf, ImageTensor, allocate, empty_torch, finish, into_view,
-                     leaf_hook, no_leaves)
+from .leaves import (TORCH_DTYPES, ArrayLeaf, ImageTensor, LentTensor, allocate, empty_torch,
+                     finish, into_view, leaf_hook, no_leaves)
 
-__all__ = ["TORCH_DTYPES", "ArrayLeaf", "ImageTensor", "allocate", "empty_torch", "finish",
-           "into_view", "leaf_hook", "no_leaves"]
+__all__ = ["TORCH_DTYPES", "ArrayLeaf", "ImageTensor", "LentTensor", "allocate", "empty_torch",
+           "finish", "into_view", "leaf_hook", "no_leaves"]

@@ -136,6 +136,37 @@ class ImageTensor:
         return mem
 
 
+class LentTensor:
+    """A contiguous CPU tensor lent to a save by its owner instead of copied: the write path
+    hashes and writes its chunks straight from its memory (format/image.py's lent framing,
+    ckptstore/engine/write_path.py), so nothing copies it on the owner's time. It is a
+    save-side leaf only: it is never loaded as such.
+
+    Invariant (the lender's promise, enforced by :class:`ckptstore.ops.loan.Loan`): the bytes do
+    not change from the save's submission until its job has written them; the persister reads
+    them only after the lender confirmed that they did not change (the gradient capture checks
+    the version counter and that the tensor is no longer the live gradient).
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided or \
+                not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+            raise ValueError("only a dense, contiguous CPU tensor can be lent")
+        self.tensor = tensor.detach()
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
+        self.nbytes = tensor.numel() * tensor.element_size()
+
+    @property
+    def address(self) -> int:
+        """The memory address of the first byte."""
+        return self.tensor.data_ptr()
+
+    def memory(self) -> memoryview:
+        """The bytes, read-only in spirit (the write path never writes them)."""
+        return memoryview(self.tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
 @dataclass
 class ArrayLeaf:
     """One array found in a state, with what the manifest records about it."""
@@ -158,13 +189,19 @@ class ArrayLeaf:
         """The chunk image holding this leaf's bytes, when it lies in one."""
         return self.value if isinstance(self.value, ImageTensor) else None
 
+    @property
+    def lent(self) -> LentTensor | None:
+        """The lent tensor holding this leaf's bytes, when it was lent (not copied)."""
+        return self.value if isinstance(self.value, LentTensor) else None
+
     def byte_view(self) -> memoryview:
         """The array's bytes, C order, as a flat memoryview (kept alive by the view itself)."""
         if self.nbytes == 0:
             return _EMPTY
         if self.lib == "torch":
-            t: torch.Tensor = self.value.to_tensor() if isinstance(self.value, ImageTensor) \
-                else self.value.detach()
+            v = self.value
+            t: torch.Tensor = v.to_tensor() if isinstance(v, ImageTensor) else \
+                v.tensor if isinstance(v, LentTensor) else v.detach()
             if t.device.type != "cpu":
                 t = t.to("cpu")
             if t.is_conj():
@@ -232,7 +269,7 @@ def leaf_hook(x: Any, path: Path) -> ArrayLeaf | None:
     """State-encoding hook: recognise tensors and arrays; None for anything else."""
     if isinstance(x, torch.Tensor):
         return _torch_leaf(x, path)
-    if isinstance(x, ImageTensor):
+    if isinstance(x, (ImageTensor, LentTensor)):
         return ArrayLeaf(path, "torch", _TORCH_DTYPE_NAMES[x.dtype], x.shape, x.nbytes, x)
     if isinstance(x, np.ndarray):
         if type(x) is not np.ndarray:  # a subclass (masked array, matrix, memmap) would lose its type
@@ -249,7 +286,7 @@ def leaf_hook(x: Any, path: Path) -> ArrayLeaf | None:
 
 def no_leaves(x: Any, path: Path) -> None:
     """Hook for structures that must not hold arrays (user meta)."""
-    if isinstance(x, (torch.Tensor, np.ndarray, ImageTensor)):
+    if isinstance(x, (torch.Tensor, np.ndarray, ImageTensor, LentTensor)):
         raise UnsupportedTypeError(f"meta holds an array at {format_path(path)}; meta must be JSON-like")
     return None
 

@@ -60,6 +60,6 @@ def check_step_args(base_every: Any, group_commit: Any, group_seconds: Any,
                                       not isinstance(group_seconds, (int, float)) or
                                       not group_seconds >= 0):
         raise ValueError("group_seconds must be a non-negative number or None")
-    if capture not in ("hooks", "step"):
-        raise ValueError('capture must be "hooks" or "step"')
+    if capture not in ("lend", "hooks", "step"):
+        raise ValueError('capture must be "lend", "hooks" or "step"')
     return base_every

@@ -66,6 +66,7 @@ def end_async(w: StepWriter, st: Step, meta: dict | None) -> Any:
     try:
         if w.base_due(iteration):
             st.release()
+            w.capture.forget()  # (gradients lent for a delta not written)
             w.last = iteration
             fut = w.save_base(iteration, meta)
         else:
@@ -83,7 +84,8 @@ def end_async(w: StepWriter, st: Step, meta: dict | None) -> Any:
             owned, st.arena = st.arena, None
             w.last = iteration
             fut = pipe.submit("delta", iteration, record, meta, commit=commit,
-                              owned=[owned] if owned is not None else None)
+                              owned=[owned] if owned is not None else None,
+                              loan=w.capture.lend_to(iteration))
             fut.add_done_callback(w.cost_callback("delta_cost", time.perf_counter() - st.t0))
             fut.add_done_callback(w.durable_callback)
             fut.add_done_callback(w.auto.observe_delta)

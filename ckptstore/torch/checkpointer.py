@@ -104,7 +104,17 @@ class Checkpointer:
     raised by the next ``step`` (before ``optimizer.step()``); the step after it restarts the chain
     with a base snapshot of the live state when deltas were lost. The synchronous path does the
     same after a failed write or commit (see :meth:`step`).
-    ``capture``: "hooks" (default: copy gradients during backward, exact codec only) or "step".
+    ``capture`` (exact codec, asynchronous): "lend" (default): once the training loop is seen
+    to drop its gradients after each step (``zero_grad()``'s default ``set_to_none=True``), the
+    large CPU gradients are not copied: the persister writes them from their own memory, after
+    the next step's start confirms nothing changed them (:mod:`ckptstore.torch.grad_capture`,
+    "Lending"; a gradient changed in place stops lending for good and that iteration is
+    written as a base instead); until then, and for the rest, as "hooks": copy gradients
+    during backward; "step": copy them at ``step``. A lent record is written once the loop's
+    next forward (or backward, step, flush, close, or a wait on its future) has confirmed its
+    gradients unchanged: durable about one step later than a copied one. Lending is off on
+    multi-rank job stores, under DDP (buckets are captured) and with ``group_seconds`` (its
+    time bound must hold while training pauses, with no step to confirm a loan).
     ``partition``: on a multi-rank job store, each rank writes only its share (default): whole
     parameters for data parallelism (format-spec/deltas.md, "Partitioned states"); for DTensor
     parameters its local shards, each box several ranks hold written by one of them ("Sharded
@@ -184,7 +194,7 @@ class Checkpointer:
                  scheduler: Any = None, *, base_every: int | str | None = 200, codec: str = "exact",
                  apply_decoded: bool = False, group_commit: int = 1, group_seconds: float | None = None,
                  fingerprint_every: int = 10, target_recovery_s: float = 30.0,
-                 asynchronous: bool = True, capture: str = "hooks",
+                 asynchronous: bool = True, capture: str = "lend",
                  partition: bool | None = None, on_failure: str = "raise",
                  max_failures: int = 3, max_lag_s: float | None = 3600.0,
                  policy: str | None = None, snapshot_every: int | None = None,
@@ -245,7 +255,9 @@ class Checkpointer:
         auto = self._auto
         self._capture = GradCapture(store, self._layout,
                                     getattr(store, "chunk_size", None) or DEFAULT_CHUNK_SIZE,
-                                    active=lambda: capture_grads and auto.mode == DELTAS)
+                                    active=lambda: capture_grads and auto.mode == DELTAS,
+                                    lend=capture_grads and capture == "lend" and not job
+                                    and group_seconds is None)
         self._writer = StepWriter(store, self._records, self._capture, self._auto, failures,
                                   asynchronous=bool(asynchronous), base_every=base_every,
                                   group_commit=group_commit, group_seconds=group_seconds,
@@ -253,8 +265,8 @@ class Checkpointer:
                                   capture_grads=capture_grads, overlap=overlap)
         if capture_grads:
             self.store.pipeline  # noqa: B018 - start it now: hooks need its pool
-            if capture == "hooks":
-                self._capture.install_hooks()
+            if capture in ("hooks", "lend"):
+                self._capture.install_hooks(model)
         if group_seconds is not None:
             # the time bound holds between steps too (the store's timer stays set after close)
             self.store.set_group_seconds(group_seconds)
@@ -351,6 +363,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Remove the gradient hooks and give the capture buffer back (the store stays open)."""
+        self._capture.settle()  # (the last step's lent gradients: decided while still here)
         self._writer.await_copy()
         self._capture.remove_hooks()
         self._drop_open_step()
@@ -542,6 +555,7 @@ class Checkpointer:
         ends with the overlapped copy of any base written so far complete, also when it fails
         (the caller may step the optimizer after an error)."""
         try:
+            self._capture.settle()  # (the last step's lent gradients: see grad_capture.py)
             if self._auto.mode == SNAPSHOTS:
                 return self._writer.snap_begin(iteration)
             if self.asynchronous:

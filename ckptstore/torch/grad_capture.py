@@ -16,10 +16,26 @@ Call sequence, per step:
 Invariant: a slot handed on by :meth:`take` holds exactly the bits of the live gradient at that
 time (in-place changes such as ``clip_grad_norm_`` are seen through ``_version``; writes through
 ``.data`` or numpy aliases are not, and the recorded fingerprints then make replay fail loudly).
+
+Lending (zero-copy capture). When the training loop drops its gradients after each step
+(``optimizer.zero_grad()``'s default ``set_to_none=True``: every step's gradients are new
+tensors, seen by :meth:`take` two steps running), the large gradients are not copied at all:
+:meth:`take` lends them to the record (:class:`~ckptstore.tensors.LentTensor`), under a
+:class:`~ckptstore.ops.loan.Loan` that the persister waits for before it reads them. The next
+step's :meth:`settle` (or a flush, a wait on the future, close) decides it on the training
+thread (early, at the next forward's start or the next backward's first gradient, when it
+can be decided without waiting): confirmed when no lent gradient changed (``_version``) and the
+training loop no longer holds it as ``p.grad`` (nothing will change it then; while it still
+does, the decision at the next step waits until the persister has read it); withdrawn when one changed in place: the record is dropped
+unwritten, lending stops for good, and the step writer sees the chain end one iteration early
+and writes a base snapshot of the live state, that iteration's, instead (nothing committed is
+lost; the iteration is recorded all the same).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -30,9 +46,12 @@ import torch
 from ..format.image import BLOCK as IMAGE_BLOCK, ChunkImage
 from ..format.manifest import INLINE_MAX
 from ..ops.host_staging import align
+from ..ops.loan import Loan
 from ..replay.shards import local
-from ..tensors import ImageTensor
+from ..tensors import ImageTensor, LentTensor
 from .param_layout import ParamLayout
+
+log = logging.getLogger("ckptstore")
 
 
 def same_bits(slot: Any, g: torch.Tensor) -> bool:
@@ -48,8 +67,22 @@ class GradCapture:
     while they write snapshots)."""
 
     def __init__(self, store: Any, layout: ParamLayout, chunk_size: int,
-                 active: Callable[[], bool]) -> None:
+                 active: Callable[[], bool], lend: bool = False) -> None:
+        """``lend``: large gradients may be lent instead of copied (see the module docstring)
+        once the training loop is seen to drop them after each step."""
         self.store = store
+        #: lending is allowed (the caller's choice; False for good after a withdrawal)
+        self.lend_allowed = lend
+        #: the steps lend now (the hooks leave the large gradients alone)
+        self.lending = False
+        #: why lending stopped ("" while it did not)
+        self.lend_stopped = ""
+        #: the loan of the last record submitted, until :meth:`settle` decides it
+        self.pending_loan: Loan | None = None
+        self._open_loan: Loan | None = None  # lent by take(), not yet submitted
+        self._last_taken: list[Any] = [None] * len(layout.params)  # weakrefs of take()'s grads
+        self._open_lent: list[tuple[int, torch.Tensor, int]] = []  # (i, gradient, _version)
+        self._pending_lent: list[tuple[int, torch.Tensor, int]] = []
         self.layout = layout
         self.active = active
         self.lock = threading.Lock()
@@ -58,15 +91,19 @@ class GradCapture:
         self._hooks: list[Any] = []
         #: DDP buckets were seen: the hooks stand aside (the comm hook captures)
         self.ddp = False
-        #: gradients captured during backward ("hook"), from DDP buckets ("ddp"), at step ("step")
-        self.counts = {"hook": 0, "ddp": 0, "step": 0}
+        #: gradients captured during backward ("hook"), from DDP buckets ("ddp"), at step
+        #: ("step"), or lent without a copy ("lent")
+        self.counts = {"hook": 0, "ddp": 0, "step": 0, "lent": 0}
         self.wait_s = 0.0  # backpressure met while capturing gradients
         self._layout_slots(chunk_size)
 
-    def install_hooks(self) -> None:
-        """Capture each parameter's gradient as soon as backward has accumulated it."""
+    def install_hooks(self, model: torch.nn.Module | None = None) -> None:
+        """Capture each parameter's gradient as soon as backward has accumulated it; when
+        lending, decide a pending loan early at ``model``'s next forward."""
         for i, p in enumerate(self.layout.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self.hook(i)))
+        if model is not None and self.lend_allowed:
+            self._hooks.append(model.register_forward_pre_hook(self.early_settle))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -139,10 +176,12 @@ class GradCapture:
     def hook(self, i: int) -> Callable[[torch.Tensor], None]:
         """The post-accumulate-grad hook of parameter ``i``."""
         def on_grad(p: torch.Tensor) -> None:
+            if self.pending_loan is not None:
+                self.settle(early=True)
             g = local(p.grad)
             if self.ddp or g is None or not self.layout.owned[i] or not self.active() or \
-                    not self.capturable(i, g):
-                return
+                    not self.capturable(i, g) or (self.lending and self._slots[i][2]):
+                return  # (a large gradient while lending: take() lends it)
             self._slot(i, self._ensure_arena()).copy_(g)
             self._captured[i] = (weakref.ref(g), g._version)
             self.counts["hook"] += 1
@@ -174,6 +213,9 @@ class GradCapture:
         a slot too (else the payload is the live gradient, copied when the record is submitted)."""
         grads: list[Any] = []
         arena = None
+        lend = self.lending and not own and not self.ddp
+        lent: list[tuple[int, torch.Tensor, int]] = []
+        fresh = True  # every large gradient is a new tensor since the last take()
         for i, p in enumerate(self.layout.params):
             g = local(p.grad)
             if g is None or not self.layout.owned[i]:  # (not owned: dropped from the record)
@@ -182,6 +224,15 @@ class GradCapture:
             if not self.capturable(i, g):
                 grads.append({"g": g.detach().clone() if own else g.detach()})  # (else copied
                 continue                                 # by the pipeline's snapshot)
+            if self._slots[i][2]:
+                prev = self._last_taken[i]
+                fresh = fresh and prev is not None and prev() is not g
+                self._last_taken[i] = weakref.ref(g)
+                if lend and g.is_contiguous():
+                    grads.append({"g": LentTensor(g)})
+                    lent.append((i, g, g._version))
+                    self.counts["lent"] += 1
+                    continue
             arena = arena or self._ensure_arena()
             slot = self._slot(i, arena)
             c = self._captured[i]
@@ -197,11 +248,67 @@ class GradCapture:
             if arena is not None:
                 self._arena = None
             self._captured = [None] * len(self.layout.params)
+        self._open_loan = Loan(-1, functools.partial(self._decide, lent, False)) if lent else None
+        self._open_lent = lent
+        # (from the next backward on; the two-part step, before_step, takes copies)
+        self.lending = fresh and self.lend_allowed and not own and not self.ddp
         return grads, arena
 
+    def lend_to(self, iteration: int) -> Loan | None:
+        """The loan of the gradients :meth:`take` lent, for the record of ``iteration`` being
+        submitted now (it becomes :attr:`pending_loan`); None when nothing was lent."""
+        loan, self._open_loan = self._open_loan, None
+        if loan is not None:
+            loan.iteration = iteration
+            self.pending_loan, self._pending_lent = loan, self._open_lent
+        return loan
+
+    def settle(self, early: bool = False) -> None:
+        """Decide the pending loan now (on the training thread: the start of a step, close).
+        ``early`` (the next forward's start, the next backward's first gradient): decide only
+        what can be decided without waiting; a lent gradient still held as ``p.grad`` is left
+        for later (the loop may drop it before its next backward)."""
+        loan = self.pending_loan
+        if loan is None:
+            return
+        if not loan.decided and threading.get_ident() == loan.lender:
+            self._decide(self._pending_lent, early, loan)
+        if loan.decided:
+            self.pending_loan = None
+            self._pending_lent = []
+
+    def early_settle(self, *_: Any) -> None:
+        """A forward pre-hook of the model: :meth:`settle` early (see there)."""
+        if self.pending_loan is not None:
+            self.settle(early=True)
+
+    def _decide(self, lent: list[tuple[int, torch.Tensor, int]], early: bool, loan: Loan) -> None:
+        """The lender's decision on ``loan`` (:mod:`ckptstore.ops.loan`, run on the training
+        thread): withdrawn when a lent gradient changed in place, else confirmed; while the
+        training loop still holds one as ``p.grad`` it could change it next, so the decision
+        then waits until the persister has read it (``early``: is left for later instead)."""
+        changed = [self.layout.names[i] for i, g, v in lent if g._version != v]
+        if changed:
+            self.lending = self.lend_allowed = False
+            self.lend_stopped = (f"the gradient of {changed[0]} changed in place after step "
+                                 f"{loan.iteration} (optimizer.zero_grad(set_to_none=False)?): "
+                                 "gradients are copied during backward from now on")
+            log.info("ckptstore: %s; iteration %d is written as a base snapshot instead of its "
+                     "delta", self.lend_stopped, loan.iteration)
+            loan.withdraw(self.lend_stopped)
+            return
+        held = any(local(self.layout.params[i].grad) is g for i, g, _ in lent)
+        if held and early:
+            return
+        loan.confirm()
+        if held:
+            loan.wait_returned()
+
     def forget(self) -> None:
-        """Nothing captured so far counts (the next step copies every gradient again)."""
+        """Nothing captured so far counts (the next step copies every gradient again; a loan
+        not yet submitted is dropped: nothing will read it)."""
         self._captured = [None] * len(self.layout.params)
+        self._open_loan, self._open_lent = None, []
 
     def release(self, pipe: Any) -> None:
         """Give back the gradients captured for a step that records nothing (to ``pipe``'s pool;

@@ -1,0 +1,107 @@
+"""Loans: tensors a caller lends to an asynchronous save instead of copying them, and the gate
+that keeps the persister off them until the lender says they are safe to read.
+
+The Checkpointer lends a step's large gradients (:class:`~ckptstore.tensors.LentTensor` leaves of
+the delta record): nothing copies them on the training thread, and the persister hashes and
+writes them straight from their memory. That is safe only while nobody changes them, and the
+lender cannot know at submission: ``optimizer.zero_grad()`` drops them (the default,
+``set_to_none=True``: safe) or zeroes them in place (``set_to_none=False``: not). So a loan is
+*decided* later, by the lender, on its own thread, at a point where it knows whether they
+changed (the next step's start, a flush, a wait on the save's future, close):
+
+1. ``Pipeline.submit(..., loan=loan)``: the job is queued with the loan; the persister reaches it
+   and waits (:meth:`Loan.wait`);
+2. the lender decides (:meth:`Loan.settle`, through the ``settle`` callback it gave): either
+   :meth:`Loan.confirm` (unchanged, and nothing will change them before the job has read them)
+   or :meth:`Loan.withdraw` (changed: the job is dropped unwritten, the lender records the state
+   another way);
+3. a confirmed job is written; :meth:`Loan.returned` is set once the persister no longer reads
+   the lent memory (written, failed or dropped), so a lender that must change the tensors soon
+   can wait for it (:meth:`Loan.wait_returned`).
+
+Invariant: the persister reads lent memory only after :meth:`Loan.confirm`, and never after
+:meth:`Loan.returned` is set. Anyone blocking on the pipeline from the lender's thread settles
+its loans first (a persister waiting for a decision only the blocked thread can make would
+never go on).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+
+class Loan:
+    """The gate of one job's lent tensors (see the module docstring). ``settle``: the lender's
+    decision, run on the lender's thread only (:meth:`settle`); it calls :meth:`confirm` or
+    :meth:`withdraw`."""
+
+    def __init__(self, iteration: int, settle: Callable[["Loan"], None]) -> None:
+        self.iteration = iteration
+        self._settle = settle
+        self.lender = threading.get_ident()
+        self._cond = threading.Condition()
+        self._decision: bool | None = None  # None: undecided; True: confirmed; False: withdrawn
+        self.why = ""  # why it was withdrawn
+        self._returned = False
+        #: called (no arguments) when the loan is withdrawn: its pipeline takes its tail back
+        self.on_withdraw: Callable[[], None] | None = None
+
+    @property
+    def decided(self) -> bool:
+        return self._decision is not None
+
+    @property
+    def confirmed(self) -> bool:
+        return self._decision is True
+
+    def confirm(self) -> None:
+        self._decide(True, "")
+
+    def withdraw(self, why: str) -> None:
+        self._decide(False, why)
+
+    def _decide(self, ok: bool, why: str) -> None:
+        with self._cond:
+            if self._decision is not None:
+                return
+            self._decision, self.why = ok, why
+            self._cond.notify_all()
+        if not ok and self.on_withdraw is not None:
+            self.on_withdraw()
+
+    def settle(self) -> bool:
+        """Decide now if the calling thread is the lender's and the loan is undecided (step 2);
+        returns whether it is decided afterwards. Any other thread leaves it to the lender."""
+        if self._decision is None and threading.get_ident() == self.lender:
+            self._settle(self)
+        return self._decision is not None
+
+    def wait(self, cancelled: Callable[[], bool] | None = None, poll_s: float = 0.5) -> bool:
+        """Block until the lender decided (the persister, step 1); returns whether the loan was
+        confirmed. ``cancelled``: polled every ``poll_s``; True ends the wait as a withdrawal
+        (the pipeline was stopped at interpreter exit)."""
+        with self._cond:
+            while self._decision is None:
+                if cancelled is not None and cancelled():
+                    self._decision, self.why = False, "the store's async saves were stopped"
+                    break
+                self._cond.wait(poll_s)
+            return bool(self._decision)
+
+    def give_back(self) -> None:
+        """The persister no longer reads the lent memory (step 3)."""
+        with self._cond:
+            self._returned = True
+            self._cond.notify_all()
+
+    @property
+    def returned(self) -> bool:
+        return self._returned
+
+    def wait_returned(self) -> None:
+        """Block until the persister no longer reads the lent memory (a confirmed loan's lender
+        about to let the tensors change)."""
+        with self._cond:
+            while not self._returned:
+                self._cond.wait()

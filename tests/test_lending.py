@@ -1,0 +1,371 @@
+"""Lent gradients (zero-copy capture): records written straight from a tensor's own memory
+(format/image.py's LentFramer), the loan that keeps the persister off that memory until the
+lender decides (ckptstore/ops/loan.py), and the Checkpointer lending its gradients
+(ckptstore/torch/grad_capture.py, "Lending")."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckptstore
+from ckptstore.errors import LoanWithdrawnError
+from ckptstore.format import records as rec
+from ckptstore.format.chunk import Codec, address_of, decode_chunk
+from ckptstore.format.image import BLOCK, LentFramer
+from ckptstore.ops.fsck import check
+from ckptstore.ops.loan import Loan
+from ckptstore.storage import direct
+from ckptstore.tensors import LentTensor
+from ckptstore.torch import Checkpointer
+from test_direct import _RefusingOpen, _RefusingWrite, dio_dir  # noqa: F401 - a fixture
+
+CHUNK = 16 << 10
+
+
+def _walk(buf: bytes, flags: int) -> list[tuple[int, bytes]]:
+    """Every record of ``buf`` in order, each a CHUNK record with ``flags`` whose data matches
+    its address: (offset, data)."""
+    out, off = [], 0
+    while off < len(buf):
+        header, payload = rec.decode_record(buf[off:])
+        assert header.type == rec.RecordType.CHUNK and header.flags == flags
+        ch, data = decode_chunk(payload)
+        assert ch.codec is Codec.RAW and address_of(data) == ch.address
+        out.append((off, bytes(data)))
+        off += header.total_size
+    assert off == len(buf)
+    return out
+
+
+def _misaligned(n: int, shift: int, seed: int) -> torch.Tensor:
+    """A contiguous float32 tensor of ``n`` entries starting ``shift`` entries into its storage
+    (so its address is at no particular alignment)."""
+    base = torch.from_numpy(np.random.default_rng(seed).standard_normal(n + shift).astype(np.float32))
+    return base[shift:]
+
+
+# ---- the pure layer ------------------------------------------------------------------------------
+
+@settings(max_examples=120, deadline=None)
+@given(n=st.integers(1, 5 * BLOCK), shift=st.integers(0, 2000), chunk=st.sampled_from([4096, 9000, 16384]),
+       seed=st.integers(0, 2**31), framing=st.booleans())
+def test_lent_records_are_valid_records_whose_middles_are_the_owners_memory(
+        n: int, shift: int, chunk: int, seed: int, framing: bool) -> None:
+    t = _misaligned(n, shift, seed)
+    lent = LentTensor(t)
+    mem = lent.memory()
+    framer = LentFramer(framing)
+    offsets = []
+    for start in range(0, lent.nbytes, chunk):
+        piece = mem[start:start + chunk]
+        offsets.append(framer.add(piece, lent.address + start, address_of(piece)))
+    buffers = framer.buffers()
+    lo, hi = lent.address, lent.address + lent.nbytes
+    for b in buffers:
+        addr = np.frombuffer(b, dtype=np.uint8).ctypes.data
+        assert addr % BLOCK == 0 and len(b) % BLOCK == 0  # what O_DIRECT takes
+        assert lo <= addr < hi or not (lo <= addr < hi)  # (a gap or a middle)
+    middles = [b for b in buffers if lo <= np.frombuffer(b, dtype=np.uint8).ctypes.data < hi]
+    records = _walk(b"".join(bytes(b) for b in buffers), rec.FRAMING_CHECK if framing else 0)
+    data = [r for r in records if r[0] in offsets]
+    assert [r[0] for r in data] == offsets
+    assert b"".join(r[1] for r in data) == bytes(mem)
+    assert all(r[1] == bytes(len(r[1])) for r in records if r[0] not in offsets)  # the pads
+    # every whole block of the data that a middle could take went straight from memory
+    assert sum(len(m) for m in middles) >= lent.nbytes - (lent.nbytes // chunk + 1) * 2 * BLOCK
+
+
+def test_only_dense_contiguous_cpu_tensors_can_be_lent() -> None:
+    with pytest.raises(ValueError):
+        LentTensor(torch.zeros(4, 4).t())
+    LentTensor(torch.zeros(4, 4))
+
+
+# ---- through the store ---------------------------------------------------------------------------
+
+def _grads(i: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return {"w": _misaligned(3 * CHUNK // 4 + 123 * i, 17 * i, i),
+            "v": torch.randn(CHUNK // 2 + 5, generator=g), "b": torch.randn(7, generator=g)}
+
+
+def _lent(i: int) -> dict:
+    grads = _grads(i)
+    return {"g": {"w": LentTensor(grads["w"]), "v": LentTensor(grads["v"])}, "b": grads["b"], "i": i}
+
+
+def _check_loads(path: Path, its: list[int]) -> None:
+    with ckptstore.open(path, mode="r") as r:
+        assert r.iterations() == [0, *its]
+        for i in its:
+            got, want = r.load_record(i), _grads(i)
+            assert torch.equal(got["g"]["w"], want["w"]) and torch.equal(got["g"]["v"], want["v"])
+            assert torch.equal(got["b"], want["b"]) and got["i"] == i
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered", "refused-open", "refused-write"])
+def test_lent_deltas_load_exactly_through_every_kind_of_append(tmp_path: Path, mode: str) -> None:
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    fd = direct.supported() and ckptstore.storage.fileops.FileOps().open_direct(str(probe))
+    if mode == "direct" and not fd:
+        pytest.skip("no O_DIRECT here")
+    if fd:
+        import os
+        os.close(fd)
+    ops = {"refused-open": _RefusingOpen, "refused-write": _RefusingWrite}.get(mode)
+    kw = dict(chunk_size=CHUNK, direct_io=mode != "buffered")
+    if ops is not None:
+        kw["file_ops"] = ops()
+    path = tmp_path / "s"
+    with ckptstore.open(path, **kw) as s:
+        s.save(0, {"w": torch.zeros(10)})
+        for i in range(1, 7):
+            s.save_delta(i, _lent(i), durable=i % 2 == 0)
+        s.flush()
+        writer = s.engine.log.writer
+        if mode == "direct":
+            assert writer.direct is not None and writer.direct.direct_bytes > 6 * 2 * CHUNK
+        elif mode != "buffered":
+            assert writer.direct is None  # fell back to buffered appends
+    report = check(str(path))
+    assert report.clean, report.lines()
+    _check_loads(path, list(range(1, 7)))
+    shutil.rmtree(path / "index")  # a rebuilt cache indexes the lent records (and the pads)
+    with ckptstore.open(path, chunk_size=CHUNK) as s:
+        s.save_delta(7, _lent(7), durable=True)
+    assert check(str(path)).clean
+    _check_loads(path, list(range(1, 8)))
+
+
+def test_lent_chunks_already_stored_or_compressible_are_not_written_from_memory(dio_dir: Path) -> None:
+    path = dio_dir / "s"
+    first = _misaligned(4 * CHUNK // 4, 3, 1)
+    with ckptstore.open(path, chunk_size=CHUNK) as s:
+        s.save(0, {"w": torch.zeros(10)})
+        s.save_delta(1, {"g": LentTensor(first)}, durable=True)
+        again = first.clone()
+        again[CHUNK // 4:2 * CHUNK // 4] = 0  # chunk 1: zeros (compresses)
+        stats = s.save_delta(2, {"g": LentTensor(again), "h": LentTensor(again)}, durable=True)
+        assert stats.chunks_written == 1 and stats.dedup_bytes == 2 * again.nbytes - CHUNK
+    assert check(str(path)).clean
+    with ckptstore.open(path, mode="r") as r:
+        assert torch.equal(r.load_record(2)["g"], again) and torch.equal(r.load_record(2)["h"], again)
+        assert torch.equal(r.load_record(1)["g"], first)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["framing_checks", "full_checks"])
+def test_sigkill_at_every_write_and_fsync_of_lent_deltas(dio_dir: Path, assert_same, kind: str) -> None:
+    """Kill the writer at each of its writes (an O_DIRECT write torn on a block boundary) and
+    fsyncs while it appends lent deltas: a prefix of whole iterations survives, every durable
+    one among them, fsck is clean and the next writer finishes the run."""
+    from _crashkit import kill_sweep
+    from conftest import chunk_record_flags, create_store_without_features
+
+    template = dio_dir / "template"
+    if kind == "full_checks":
+        create_store_without_features(template, CHUNK)
+    with ckptstore.open(template, chunk_size=CHUNK) as s:
+        s.save(0, {"w": torch.zeros(10)})
+
+    def run(path: Path, ops, journal=None) -> None:
+        s = ckptstore.open(path, chunk_size=CHUNK, file_ops=ops)
+        for i in range(1, 5):
+            s.save_delta(i, _lent(i), durable=i % 2 == 0)
+            if journal is not None and s.durable_iteration() is not None:
+                journal(f"durable {s.durable_iteration()}")
+        s.close()
+
+    for path, where, durable in kill_sweep(template, dio_dir, run):
+        with ckptstore.open(path, chunk_size=CHUNK) as w:
+            its = w.iterations()
+            assert its == list(range(len(its))) and its[-1] >= durable, f"{where}: {its}"
+            for i in its[1:]:
+                got = w.load_record(i)
+                assert_same(_grads(i), {**got["g"], "b": got["b"]}, f"{where}: iteration {i}")
+            for i in range(its[-1] + 1, 5):
+                w.save_delta(i, _lent(i), durable=True)
+        assert check(str(path)).clean, where
+        _check_loads(path, [1, 2, 3, 4])
+        assert set(chunk_record_flags(path)) == {rec.FRAMING_CHECK if kind == "framing_checks" else 0}
+        shutil.rmtree(path)
+
+
+# ---- the loan ------------------------------------------------------------------------------------
+
+def test_the_persister_reads_lent_tensors_only_once_the_lender_confirms(tmp_path: Path) -> None:
+    t = torch.randn(CHUNK)
+    decided = []
+    with ckptstore.open(tmp_path / "s", chunk_size=CHUNK) as s:
+        s.save(0, {"w": torch.zeros(10)})
+        loan = Loan(1, lambda ln: (decided.append(1), ln.confirm()))
+        fut = s.pipeline.submit("delta", 1, {"g": LentTensor(t)}, loan=loan)
+        other = threading.Thread(target=lambda: decided.append(fut.done()))
+        other.start()
+        other.join()
+        assert decided == [False] and not fut.done() and not loan.decided  # (not the lender)
+        want = t.clone()
+        fut.result(timeout=30)  # the lender's wait decides it
+        assert decided == [False, 1] and loan.confirmed and loan.returned
+        t.zero_()
+    with ckptstore.open(tmp_path / "s", mode="r") as r:
+        assert torch.equal(r.load_record(1)["g"], want)
+
+
+def test_a_withdrawn_loan_drops_its_delta_and_the_chain_goes_on_from_the_one_before(tmp_path: Path) -> None:
+    a, b = torch.randn(CHUNK), torch.randn(CHUNK)
+    with ckptstore.open(tmp_path / "s", chunk_size=CHUNK) as s:
+        s.save(0, {"w": torch.zeros(10)})
+        s.pipeline.submit("delta", 1, {"g": LentTensor(a)}, commit=False,
+                          loan=Loan(1, lambda ln: ln.confirm()))
+        f2 = s.pipeline.submit("delta", 2, {"g": LentTensor(b)},
+                               loan=Loan(2, lambda ln: ln.withdraw("changed")))
+        with pytest.raises(LoanWithdrawnError, match="iteration 2.*changed"):
+            f2.result(timeout=30)
+        assert s.pipeline.tail() == 1
+        s.save_async(2, {"w": torch.ones(10)}).result(timeout=30)  # the lender's base instead
+        s.flush()
+        assert s.iterations() == [0, 1, 2]
+    assert check(str(tmp_path / "s")).clean
+    with ckptstore.open(tmp_path / "s", mode="r") as r:
+        assert torch.equal(r.load_record(1)["g"], a) and torch.equal(r.load(2)["w"], torch.ones(10))
+
+
+def test_a_flush_on_the_lenders_thread_decides_its_loans(tmp_path: Path) -> None:
+    with ckptstore.open(tmp_path / "s", chunk_size=CHUNK) as s:
+        s.save(0, {"w": torch.zeros(10)})
+        loans = [Loan(i, lambda ln: ln.confirm()) for i in (1, 2)]
+        for i, loan in zip((1, 2), loans):
+            s.pipeline.submit("delta", i, {"g": LentTensor(torch.randn(CHUNK))}, loan=loan)
+        s.flush()
+        assert all(ln.confirmed and ln.returned for ln in loans)
+        assert s.iterations() == [0, 1, 2]
+
+
+# ---- the Checkpointer ----------------------------------------------------------------------------
+
+def _train(path: Path, steps: int, set_to_none, wait_each: bool = False, **kw):
+    """Train a small model ``steps`` steps with a Checkpointer (every iteration a delta);
+    ``set_to_none(it)``: how zero_grad clears after step ``it``. Returns (the live states by
+    iteration, the capture counts, why lending stopped)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    states = {}
+    with ckptstore.open(path) as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50, **kw)
+        ck.restore()
+        for it in range(1, steps + 1):
+            model(torch.randn(8, 32)).pow(2).mean().backward()
+            fut = ck.step(it)
+            if wait_each:
+                fut.result(timeout=60)  # (on the training thread: no deadlock)
+            states[it] = copy.deepcopy(model.state_dict())
+            opt.zero_grad(set_to_none=set_to_none(it))
+        counts, stopped = dict(ck.capture_counts), ck._capture.lend_stopped
+        ck.close()
+    return states, counts, stopped
+
+
+def _restores_every_iteration(path: Path, states: dict) -> None:
+    assert check(str(path)).clean
+    with ckptstore.open(path, mode="r") as r:
+        assert r.iterations() == [0, *states]
+        for it, want in states.items():
+            got = r.load(it)["model"]
+            assert all(torch.equal(got[k], v) for k, v in want.items()), it
+
+
+def test_the_checkpointer_lends_gradients_a_loop_drops_and_restores_every_iteration(tmp_path: Path) -> None:
+    states, counts, stopped = _train(tmp_path / "s", 10, lambda it: True)
+    assert counts["lent"] >= 2 * 7 and not stopped  # lending from the third step on
+    _restores_every_iteration(tmp_path / "s", states)
+
+
+def test_gradients_zeroed_in_place_are_never_lent(tmp_path: Path) -> None:
+    states, counts, stopped = _train(tmp_path / "s", 8, lambda it: False)
+    assert counts["lent"] == 0 and not stopped
+    _restores_every_iteration(tmp_path / "s", states)
+
+
+@pytest.mark.parametrize("at", [3, 6])
+def test_a_lent_gradient_changed_in_place_turns_its_iteration_into_a_base(tmp_path: Path, at: int) -> None:
+    """The loop switches to zero_grad(set_to_none=False) after lending began: the delta whose
+    gradients were zeroed in place is dropped unwritten, its iteration written as a base of
+    the live state, lending stops; every iteration restores exactly."""
+    states, counts, stopped = _train(tmp_path / "s", 10, lambda it: it < at)
+    assert counts["lent"] > 0 and f"after step {at}" in stopped
+    _restores_every_iteration(tmp_path / "s", states)
+    with ckptstore.open(tmp_path / "s", mode="r") as r:
+        assert r.base_of(at) == at
+
+
+def test_waiting_for_a_lent_steps_future_on_the_training_thread_decides_it(tmp_path: Path) -> None:
+    states, counts, _ = _train(tmp_path / "s", 6, lambda it: True, wait_each=True)
+    assert counts["lent"] > 0
+    _restores_every_iteration(tmp_path / "s", states)
+
+
+def test_the_hooks_capture_keeps_copying(tmp_path: Path) -> None:
+    states, counts, _ = _train(tmp_path / "s", 6, lambda it: True, capture="hooks")
+    assert counts["lent"] == 0 and counts["hook"] > 0
+    _restores_every_iteration(tmp_path / "s", states)
+
+
+def test_the_next_forward_decides_the_loan_so_the_last_step_becomes_durable(tmp_path: Path) -> None:
+    """Training pauses after step 6 (gradients dropped): a forward pass alone (an evaluation)
+    decides the loan and the delta becomes durable with no further step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
+        ck.restore()
+        for it in range(1, 7):
+            model(torch.randn(8, 32)).pow(2).mean().backward()
+            fut = ck.step(it)
+            opt.zero_grad()
+        assert ck.capture_counts["lent"] > 0 and not fut.done()
+        with torch.no_grad():
+            model(torch.randn(8, 32))
+        import time
+        deadline = time.monotonic() + 60
+        while store.durable_iteration() != 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.durable_iteration() == 6 and fut.done() and fut.exception() is None
+        ck.close()
+
+
+def test_close_waits_for_gradients_still_held_so_changing_them_after_is_safe(tmp_path: Path) -> None:
+    """The loop stops without zero_grad: the last step's lent gradients are still ``p.grad``;
+    close() confirms the loan and returns only once the persister has read them, so zeroing
+    them right after cannot tear the record."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
+        ck.restore()
+        for it in range(1, 6):
+            model(torch.randn(8, 32)).pow(2).mean().backward()
+            ck.step(it)
+            if it < 5:
+                opt.zero_grad()
+        want = copy.deepcopy(model.state_dict())
+        assert ck.capture_counts["lent"] > 0
+        ck.close()
+        for p in model.parameters():
+            p.grad.fill_(float("nan"))
+    with ckptstore.open(tmp_path / "s", mode="r") as r:
+        got = r.load(5)["model"]
+        assert all(torch.equal(got[k], v) for k, v in want.items())
