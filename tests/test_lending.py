@@ -298,12 +298,15 @@ def test_gradients_zeroed_in_place_are_never_lent(tmp_path: Path) -> None:
     _restores_every_iteration(tmp_path / "s", states)
 
 
+@pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("at", [3, 6])
-def test_a_lent_gradient_changed_in_place_turns_its_iteration_into_a_base(tmp_path: Path, at: int) -> None:
+def test_a_lent_gradient_changed_in_place_turns_its_iteration_into_a_base(tmp_path: Path, at: int,
+                                                                          group: int) -> None:
     """The loop switches to zero_grad(set_to_none=False) after lending began: the delta whose
     gradients were zeroed in place is dropped unwritten, its iteration written as a base of
-    the live state, lending stops; every iteration restores exactly."""
-    states, counts, stopped = _train(tmp_path / "s", 10, lambda it: it < at)
+    the live state (which commits the group's earlier deltas), lending stops; every iteration
+    restores exactly."""
+    states, counts, stopped = _train(tmp_path / "s", 10, lambda it: it < at, group_commit=group)
     assert counts["lent"] > 0 and f"after step {at}" in stopped
     _restores_every_iteration(tmp_path / "s", states)
     with ckptstore.open(tmp_path / "s", mode="r") as r:
@@ -369,3 +372,30 @@ def test_close_waits_for_gradients_still_held_so_changing_them_after_is_safe(tmp
     with ckptstore.open(tmp_path / "s", mode="r") as r:
         got = r.load(5)["model"]
         assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_kept_futures_do_not_keep_lent_gradients_alive(tmp_path: Path) -> None:
+    """A caller keeping every step's future (a benchmark, a callback list) must not keep every
+    step's gradients: a decided loan lets go of them (each would otherwise be fresh memory,
+    page-faulted in by the next backward)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    futures, grads = [], []
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
+        ck.restore()
+        for it in range(1, 9):
+            model(torch.randn(8, 32)).pow(2).mean().backward()
+            grads.append(weakref.ref(model[0].weight.grad))
+            futures.append(ck.step(it))
+            opt.zero_grad()
+        ck.flush()
+        assert ck.capture_counts["lent"] > 0
+        gc.collect()
+        assert all(g() is None for g in grads[:-1]), [g() is None for g in grads]
+        assert all(f.exception() is None for f in futures)
+        ck.close()

@@ -31,15 +31,17 @@ def child(path: str, kill_at_append: int | str, durable_log: str, out: str) -> N
     torch.set_num_threads(1)
     if kill_at_append > 0:
         calls = [0]
-        orig = Log.append
 
-        def append(self, *a, **kw):
-            calls[0] += 1
-            if calls[0] == kill_at_append:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return orig(self, *a, **kw)
+        def killing(orig):
+            def append(self, *a, **kw):
+                calls[0] += 1
+                if calls[0] == kill_at_append:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return orig(self, *a, **kw)
+            return append
 
-        Log.append = append
+        # records, and the lent gradients' records (written from the gradients' own memory)
+        Log.append, Log.append_image = killing(Log.append), killing(Log.append_image)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.GELU(),
                                 torch.nn.Linear(32, 4))

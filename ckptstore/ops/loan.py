@@ -31,6 +31,10 @@ import threading
 from collections.abc import Callable
 
 
+def _decided(loan: "Loan") -> None:
+    """The settle callback of a decided loan (nothing to decide)."""
+
+
 class Loan:
     """The gate of one job's lent tensors (see the module docstring). ``settle``: the lender's
     decision, run on the lender's thread only (:meth:`settle`); it calls :meth:`confirm` or
@@ -66,6 +70,9 @@ class Loan:
             if self._decision is not None:
                 return
             self._decision, self.why = ok, why
+            # the lender's callback holds the lent tensors: a future kept by the caller (which
+            # keeps its loan) must not keep every step's gradients alive
+            self._settle = _decided
             self._cond.notify_all()
         if not ok and self.on_withdraw is not None:
             self.on_withdraw()

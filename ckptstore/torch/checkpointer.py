@@ -27,8 +27,11 @@ layer by layer while backward runs (``register_post_accumulate_grad_hook`` copie
 gradient into a pooled host buffer as soon as it is accumulated), so ``step`` copies only what
 was not captured or changed since (checked by the gradient tensor's identity and ``_version``:
 in-place changes such as ``clip_grad_norm_`` are seen and recopied; writes through ``.data`` or
-numpy aliases are not, and the recorded fingerprints then make replay fail loudly). Under
-DistributedDataParallel, :func:`ddp_comm_hook` captures the all-reduced buckets instead.
+numpy aliases are not, and the recorded fingerprints then make replay fail loudly). Once the
+loop is seen to drop its gradients after each step (``zero_grad()``'s default), the large ones
+are not copied at all but lent to the record and written from their own memory after the next
+step's start confirms them unchanged (``capture="lend"``, :mod:`ckptstore.torch.grad_capture`).
+Under DistributedDataParallel, :func:`ddp_comm_hook` captures the all-reduced buckets instead.
 
 What to write is the ``policy`` (:mod:`ckptstore.torch.plan` holds the model): "every-iteration"
 (a delta every iteration, above), "snapshots" (an asynchronous snapshot every ``snapshot_every``

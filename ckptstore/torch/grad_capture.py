@@ -258,9 +258,10 @@ class GradCapture:
         """The loan of the gradients :meth:`take` lent, for the record of ``iteration`` being
         submitted now (it becomes :attr:`pending_loan`); None when nothing was lent."""
         loan, self._open_loan = self._open_loan, None
+        lent, self._open_lent = self._open_lent, []
         if loan is not None:
             loan.iteration = iteration
-            self.pending_loan, self._pending_lent = loan, self._open_lent
+            self.pending_loan, self._pending_lent = loan, lent
         return loan
 
     def settle(self, early: bool = False) -> None:
