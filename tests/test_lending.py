@@ -147,6 +147,30 @@ def test_lent_deltas_load_exactly_through_every_kind_of_append(tmp_path: Path, m
     _check_loads(path, list(range(1, 8)))
 
 
+class _ShortDirect(_RefusingWrite):
+    """O_DIRECT writes of several buffers stop short: only the first buffer and one block of
+    the second are written (a device that stopped mid-request); single buffers go whole."""
+
+    def _pwritev(self, fd, buffers, offset):
+        if fd in self.direct_fds and len(buffers) > 1:
+            self.refused += 1
+            return super(_RefusingWrite, self)._pwritev(
+                fd, [buffers[0], memoryview(buffers[1])[:BLOCK]], offset)
+        return super(_RefusingWrite, self)._pwritev(fd, buffers, offset)
+
+
+def test_a_short_vectored_direct_write_of_lent_records_is_finished_buffered(dio_dir: Path) -> None:
+    ops = _ShortDirect()
+    path = dio_dir / "s"
+    with ckptstore.open(path, chunk_size=CHUNK, file_ops=ops) as s:
+        s.save(0, {"w": torch.zeros(10)})
+        for i in range(1, 4):
+            s.save_delta(i, _lent(i), durable=True)
+        assert ops.refused >= 3 and s.engine.log.writer.direct is not None
+    assert check(str(path)).clean
+    _check_loads(path, [1, 2, 3])
+
+
 def test_lent_chunks_already_stored_or_compressible_are_not_written_from_memory(dio_dir: Path) -> None:
     path = dio_dir / "s"
     first = _misaligned(4 * CHUNK // 4, 3, 1)

@@ -61,6 +61,8 @@ import numpy as np
 
 from .fileops import O_DIRECT, FileOps
 
+#: Buffers per vectored O_DIRECT write of :meth:`put_aligned` (well under IOV_MAX, 1024)
+IOV_BATCH = 256
 #: Alignment of O_DIRECT buffers, lengths and offsets: the page size, which is a multiple of every
 #: logical block size Linux devices use (512 or 4096).
 ALIGN = 4096
@@ -253,20 +255,27 @@ class DirectAppender:
             self._load()
         self._write_blocks()  # the stage holds whole blocks only (end is aligned): now empty
         assert self.fill == 0
-        for buf in buffers:
-            n = len(buf)
-            if n == 0:
-                continue
+        views = [b for b in buffers if len(b)]
+        for k in range(0, len(views), IOV_BATCH):  # (a lent tensor's gaps and middles: many)
+            batch = views[k:k + IOV_BATCH]
+            n = sum(len(b) for b in batch)
             written = 0
             if self.active and self.in_file <= self.base:
-                got = self.ops.write_direct(self.direct_fd, self.path, buf, self.base)
+                got = self.ops.write_direct(self.direct_fd, self.path, batch, self.base)
                 if got is None:  # refused: this file system does not do O_DIRECT
                     self.close()
                 else:
                     written = got
                     self.direct_bytes += got
             if written < n:  # the rest (a refused or short direct write) goes buffered
-                self.ops.writev(self.fd, self.path, [buf[written:]], self.base + written)
+                rest, skip = [], written
+                for b in batch:
+                    if skip >= len(b):
+                        skip -= len(b)
+                        continue
+                    rest.append(b[skip:])
+                    skip = 0
+                self.ops.writev(self.fd, self.path, rest, self.base + written)
             self.base += n
             self.in_file = max(self.in_file, self.base)
 

@@ -120,12 +120,15 @@ class FileOps:
                 n = self._pwritev(fd, views, offset + done)
                 done += n
 
-    def write_direct(self, fd: int, path: str, buffer: memoryview, offset: int) -> int | None:
-        """One O_DIRECT write of ``buffer`` (aligned address, length and offset) at ``offset``.
-        Returns the bytes written (fewer than asked only when the device stopped short; the caller
-        writes the rest through its buffered descriptor, which reports the cause), or None when
-        the file system refuses O_DIRECT writes (EINVAL: nothing was written)."""
-        return _unless_refused("write (O_DIRECT)", path, self._pwritev, fd, [buffer], offset)
+    def write_direct(self, fd: int, path: str, buffer: memoryview | Sequence[memoryview],
+                     offset: int) -> int | None:
+        """One O_DIRECT write of ``buffer`` (aligned address, length and offset), or of several
+        such buffers in order as one vectored write, at ``offset``. Returns the bytes written
+        (fewer than asked only when the device stopped short; the caller writes the rest through
+        its buffered descriptor, which reports the cause), or None when the file system refuses
+        O_DIRECT writes (EINVAL: nothing was written)."""
+        views = [buffer] if isinstance(buffer, memoryview) else list(buffer)
+        return _unless_refused("write (O_DIRECT)", path, self._pwritev, fd, views, offset)
 
     def fsync(self, fd: int, path: str) -> None:
         with io_errors("fsync", path):
