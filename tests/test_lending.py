@@ -349,9 +349,10 @@ def test_the_hooks_capture_keeps_copying(tmp_path: Path) -> None:
     _restores_every_iteration(tmp_path / "s", states)
 
 
-def test_the_next_forward_decides_the_loan_so_the_last_step_becomes_durable(tmp_path: Path) -> None:
-    """Training pauses after step 6 (gradients dropped): a forward pass alone (an evaluation)
-    decides the loan and the delta becomes durable with no further step."""
+def test_the_next_backward_decides_the_loan_before_the_next_step(tmp_path: Path) -> None:
+    """After step 6 (gradients dropped) an evaluation forward alone decides nothing (no module
+    hook: it would be traced into a compiled model); the next backward's first gradient does,
+    and the delta becomes durable before step 7."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -365,6 +366,8 @@ def test_the_next_forward_decides_the_loan_so_the_last_step_becomes_durable(tmp_
         assert ck.capture_counts["lent"] > 0 and not fut.done()
         with torch.no_grad():
             model(torch.randn(8, 32))
+        assert not fut.done() and store.durable_iteration() != 6
+        model(torch.randn(8, 32)).pow(2).mean().backward()
         import time
         deadline = time.monotonic() + 60
         while store.durable_iteration() != 6 and time.monotonic() < deadline:

@@ -114,8 +114,8 @@ class Checkpointer:
     "Lending"; a gradient changed in place stops lending for good and that iteration is
     written as a base instead); until then, and for the rest, as "hooks": copy gradients
     during backward; "step": copy them at ``step``. A lent record is written once the loop's
-    next forward (or backward, step, flush, close, or a wait on its future) has confirmed its
-    gradients unchanged: durable about one step later than a copied one. Lending is off on
+    next backward (or step, flush, close, or a wait on its future) has confirmed its gradients
+    unchanged: durable about a forward pass later than a copied one. Lending is off on
     multi-rank job stores, under DDP (buckets are captured) and with ``group_seconds`` (its
     time bound must hold while training pauses, with no step to confirm a loan).
     ``partition``: on a multi-rank job store, each rank writes only its share (default): whole
@@ -269,7 +269,7 @@ class Checkpointer:
         if capture_grads:
             self.store.pipeline  # noqa: B018 - start it now: hooks need its pool
             if capture in ("hooks", "lend"):
-                self._capture.install_hooks(model)
+                self._capture.install_hooks()
         if group_seconds is not None:
             # the time bound holds between steps too (the store's timer stays set after close)
             self.store.set_group_seconds(group_seconds)

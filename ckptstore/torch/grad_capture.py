@@ -23,8 +23,8 @@ tensors, seen by :meth:`take` two steps running), the large gradients are not co
 :meth:`take` lends them to the record (:class:`~ckptstore.tensors.LentTensor`), under a
 :class:`~ckptstore.ops.loan.Loan` that the persister waits for before it reads them. The next
 step's :meth:`settle` (or a flush, a wait on the future, close) decides it on the training
-thread (early, at the next forward's start or the next backward's first gradient, when it
-can be decided without waiting): confirmed when no lent gradient changed (``_version``) and the
+thread (early, at the next backward's first gradient, when it can be decided without
+waiting): confirmed when no lent gradient changed (``_version``) and the
 training loop no longer holds it as ``p.grad`` (nothing will change it then; while it still
 does, the decision at the next step waits until the persister has read it); withdrawn when one changed in place: the record is dropped
 unwritten, lending stops for good, and the step writer sees the chain end one iteration early
@@ -97,13 +97,12 @@ class GradCapture:
         self.wait_s = 0.0  # backpressure met while capturing gradients
         self._layout_slots(chunk_size)
 
-    def install_hooks(self, model: torch.nn.Module | None = None) -> None:
-        """Capture each parameter's gradient as soon as backward has accumulated it; when
-        lending, decide a pending loan early at ``model``'s next forward."""
+    def install_hooks(self) -> None:
+        """Capture each parameter's gradient as soon as backward has accumulated it (and, when
+        lending, decide a pending loan early at the next backward's first gradient; not at the
+        next forward: a module hook would be traced into a compiled model's graph)."""
         for i, p in enumerate(self.layout.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self.hook(i)))
-        if model is not None and self.lend_allowed:
-            self._hooks.append(model.register_forward_pre_hook(self.early_settle))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -266,7 +265,7 @@ class GradCapture:
 
     def settle(self, early: bool = False) -> None:
         """Decide the pending loan now (on the training thread: the start of a step, close).
-        ``early`` (the next forward's start, the next backward's first gradient): decide only
+        ``early`` (the next backward's first gradient): decide only
         what can be decided without waiting; a lent gradient still held as ``p.grad`` is left
         for later (the loop may drop it before its next backward)."""
         loan = self.pending_loan
@@ -277,11 +276,6 @@ class GradCapture:
         if loan.decided:
             self.pending_loan = None
             self._pending_lent = []
-
-    def early_settle(self, *_: Any) -> None:
-        """A forward pre-hook of the model: :meth:`settle` early (see there)."""
-        if self.pending_loan is not None:
-            self.settle(early=True)
 
     def _decide(self, lent: list[tuple[int, torch.Tensor, int]], early: bool, loan: Loan) -> None:
         """The lender's decision on ``loan`` (:mod:`ckptstore.ops.loan`, run on the training
