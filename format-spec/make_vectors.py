@@ -50,6 +50,7 @@ import os
 import struct
 import sys
 from collections import OrderedDict
+from typing import Any
 
 import lz4.block
 import xxhash
@@ -824,6 +825,24 @@ def segment_vectors() -> list[dict]:
     ]
 
 
+def _commit_tensor_g(seg: "_Segment", g: Any, chunk_size: int, addrs: list[bytes],
+                     iteration: int) -> Commit:
+    """Append the TREE of ``g`` (its chunks' ``addrs`` at ``chunk_size``, already in ``seg``),
+    the MANIFEST of ``{"g": g, "i": iteration}`` and its COMMIT; returns the commit."""
+    raw = g.tobytes()
+    tree = make_tree(len(raw), chunk_size, addrs)
+    seg.append(rec.RecordType.TREE, encode_tree(tree))
+    entries = (TensorEntry("g", "numpy", "<f4", g.shape, len(raw), tree.root),)
+    skeleton, _ = flatten({"g": _Leaf(), "i": iteration}, _leaf_hook)
+    manifest = encode_manifest(Manifest(iteration, CREATED_NS, chunk_size, skeleton, None, entries))
+    moff, mlen = seg.append(rec.RecordType.MANIFEST, manifest)
+    commit = Commit(iteration, 1, moff, mlen, xxhash.xxh3_128_digest(manifest),
+                    snapshot_root([("g", tree.root)]), CREATED_NS, len(raw),
+                    seg.written + rec.OVERHEAD + 96, 0)
+    seg.append(rec.RecordType.COMMIT, encode_commit(commit))
+    return commit
+
+
 def chunk_image_vectors() -> list[dict]:
     """A segment whose checkpoint was written from a chunk image (format.md section 8, "Chunk
     images" and "Alignment padding"): pad records, block-aligned CHUNK records of a stride."""
@@ -855,16 +874,7 @@ def chunk_image_vectors() -> list[dict]:
     out += image
     seg.written += geo.size
 
-    tree = make_tree(len(raw), geo.chunk_size, addrs)
-    append(rec.RecordType.TREE, encode_tree(tree))
-    entries = (TensorEntry("g", "numpy", "<f4", g.shape, len(raw), tree.root),)
-    skeleton, _ = flatten({"g": _Leaf(), "i": 3}, _leaf_hook)
-    manifest = encode_manifest(Manifest(3, CREATED_NS, geo.chunk_size, skeleton, None, entries))
-    moff, mlen = append(rec.RecordType.MANIFEST, manifest)
-    commit = Commit(3, 1, moff, mlen, xxhash.xxh3_128_digest(manifest),
-                    snapshot_root([("g", tree.root)]), CREATED_NS, len(raw),
-                    seg.written + rec.OVERHEAD + 96, 0)
-    append(rec.RecordType.COMMIT, encode_commit(commit))
+    commit = _commit_tensor_g(seg, g, geo.chunk_size, addrs, 3)
     return [dict(name="segment_chunk_image", kind="segment", hex=bytes(out).hex(), note=(
         "segment 1 of store_header_v1's store written from a chunk image (stride 8192, manifest "
         "chunk_size 8128): a pad record moves the log's end from 80 to 4096, the CHUNK records "
@@ -908,16 +918,7 @@ def lent_record_vectors() -> list[dict]:
     seg.written += len(written)
     assert [r["offset"] - base for r in records if r["length"] in (32 + 9000, 32 + 1000)] == at
 
-    tree = make_tree(len(raw), chunk, addrs)
-    append(rec.RecordType.TREE, encode_tree(tree))
-    entries = (TensorEntry("g", "numpy", "<f4", g.shape, len(raw), tree.root),)
-    skeleton, _ = flatten({"g": _Leaf(), "i": 4}, _leaf_hook)
-    manifest = encode_manifest(Manifest(4, CREATED_NS, chunk, skeleton, None, entries))
-    moff, mlen = append(rec.RecordType.MANIFEST, manifest)
-    commit = Commit(4, 1, moff, mlen, xxhash.xxh3_128_digest(manifest),
-                    snapshot_root([("g", tree.root)]), CREATED_NS, len(raw),
-                    seg.written + rec.OVERHEAD + 96, 0)
-    append(rec.RecordType.COMMIT, encode_commit(commit))
+    commit = _commit_tensor_g(seg, g, chunk, addrs, 4)
     return [dict(name="segment_lent_records", kind="segment", hex=bytes(out).hex(), note=(
         "segment 1 of store_header_v1's store written from a lent tensor's memory (chunk_size "
         "9000, the data at memory address 36964): a pad record moves the log's end from 80 to "

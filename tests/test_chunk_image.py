@@ -10,6 +10,7 @@ Checkpointer captures gradients into images."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -143,18 +144,29 @@ def _imaged(i: int) -> dict:
     return {"g": imaged, "b": grads["b"], "i": i}
 
 
-def _check_loads(path: Path, its: list[int]) -> None:
+def check_loads_of(path: Path, its: list[int], grads: Callable[[int], dict],
+                   chunk_size: int | None = None) -> None:
+    """The store at ``path`` holds iteration 0 and the delta records ``its``, each holding
+    ``grads(i)`` ("w", "v" under "g"; "b"; "i") bit for bit, at ``chunk_size`` when given."""
     with ckptstore.open(path, mode="r") as r:
         assert r.iterations() == [0, *its]
         for i in its:
-            got, want = r.load_record(i), _grads(i)
+            got, want = r.load_record(i), grads(i)
             assert torch.equal(got["g"]["w"], want["w"]) and torch.equal(got["g"]["v"], want["v"])
             assert torch.equal(got["b"], want["b"]) and got["i"] == i
-            assert r.manifest(i).chunk_size == STRIDE - RECORD_OVERHEAD
+            assert chunk_size is None or r.manifest(i).chunk_size == chunk_size
 
 
-@pytest.mark.parametrize("mode", ["direct", "buffered", "refused-open", "refused-write"])
-def test_imaged_deltas_load_exactly_through_every_kind_of_append(tmp_path: Path, mode: str) -> None:
+def _check_loads(path: Path, its: list[int]) -> None:
+    check_loads_of(path, its, _grads, STRIDE - RECORD_OVERHEAD)
+
+
+def every_kind_of_append(tmp_path: Path, mode: str, record: Callable[[int], dict],
+                         check_loads: Callable[[Path, list[int]], None], direct_bytes: int) -> None:
+    """Deltas ``record(1..6)`` appended in ``mode`` (O_DIRECT, buffered, O_DIRECT refused at
+    open or at the first write) load exactly, fsck is clean, and after the index is deleted the
+    next writer appends ``record(7)`` to a rebuilt cache. ``direct_bytes``: the least the
+    O_DIRECT mode writes so."""
     probe = tmp_path / "probe"
     probe.write_bytes(b"")
     fd = direct.supported() and ckptstore.storage.fileops.FileOps().open_direct(str(probe))
@@ -171,23 +183,30 @@ def test_imaged_deltas_load_exactly_through_every_kind_of_append(tmp_path: Path,
     with ckptstore.open(path, **kw) as s:
         s.save(0, {"w": torch.zeros(10)})
         for i in range(1, 7):
-            s.save_delta(i, _imaged(i), durable=i % 2 == 0)
+            s.save_delta(i, record(i), durable=i % 2 == 0)
         s.flush()
         writer = s.engine.log.writer
         if mode == "direct":
-            assert writer.direct is not None and writer.direct.direct_bytes > 6 * 3 * CHUNK
-            ref = s.engine.index.get_chunk(address_of(_grads(6)["w"].numpy().tobytes()[:STRIDE - 64]))
-            assert ref is not None and ref.loc.offset % BLOCK == 0  # framed where the image lay
+            assert writer.direct is not None and writer.direct.direct_bytes > direct_bytes
         elif mode != "buffered":
             assert writer.direct is None  # fell back to buffered appends
     report = check(str(path))
     assert report.clean, report.lines()
-    _check_loads(path, list(range(1, 7)))
+    check_loads(path, list(range(1, 7)))
     shutil.rmtree(path / "index")  # a rebuilt cache indexes the framed records (and the pads)
     with ckptstore.open(path, chunk_size=CHUNK) as s:
-        s.save_delta(7, _imaged(7), durable=True)
+        s.save_delta(7, record(7), durable=True)
     assert check(str(path)).clean
-    _check_loads(path, list(range(1, 8)))
+    check_loads(path, list(range(1, 8)))
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered", "refused-open", "refused-write"])
+def test_imaged_deltas_load_exactly_through_every_kind_of_append(tmp_path: Path, mode: str) -> None:
+    every_kind_of_append(tmp_path, mode, _imaged, _check_loads, 6 * 3 * CHUNK)
+    if mode == "direct":
+        with ckptstore.open(tmp_path / "s", mode="r") as r:
+            ref = r.engine.index.get_chunk(address_of(_grads(6)["w"].numpy().tobytes()[:STRIDE - 64]))
+            assert ref is not None and ref.loc.offset % BLOCK == 0  # framed where the image lay
 
 
 def test_chunks_already_stored_or_compressible_are_left_out_of_the_image(dio_dir: Path) -> None:
@@ -226,14 +245,14 @@ def _durable_prefix(path: Path, where: str, durable: int) -> list[int]:
     return its
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["framing_checks", "full_checks"])
-def test_sigkill_at_every_write_and_fsync_of_imaged_deltas(dio_dir: Path, assert_same, kind: str) -> None:
+def sigkill_sweep_of_deltas(dio_dir: Path, assert_same, kind: str, record: Callable[[int], dict],
+                            grads: Callable[[int], dict],
+                            check_loads: Callable[[Path, list[int]], None]) -> None:
     """Kill the writer at each of its writes (an O_DIRECT write torn on a block boundary) and
-    fsyncs while it appends imaged deltas: a prefix of whole iterations survives, every durable
-    one among them, fsck is clean and the next writer finishes the run. In a store created now
-    (FRAMING_CHECK records, whose trailers do not cover the data) and in one created without
-    the feature."""
+    fsyncs while it appends deltas ``record(1..4)``: a prefix of whole iterations survives
+    (``grads(i)`` bit for bit), every durable one among them, fsck is clean and the next writer
+    finishes the run. ``kind`` "framing_checks": a store created now (FRAMING_CHECK records,
+    whose trailers do not cover the data); "full_checks": one created without the feature."""
     from _crashkit import kill_sweep
     from conftest import chunk_record_flags, create_store_without_features
 
@@ -246,7 +265,7 @@ def test_sigkill_at_every_write_and_fsync_of_imaged_deltas(dio_dir: Path, assert
     def run(path: Path, ops, journal=None) -> None:
         s = ckptstore.open(path, chunk_size=CHUNK, file_ops=ops)
         for i in range(1, 5):
-            s.save_delta(i, _imaged(i), durable=i % 2 == 0)
+            s.save_delta(i, record(i), durable=i % 2 == 0)
             if journal is not None and s.durable_iteration() is not None:
                 journal(f"durable {s.durable_iteration()}")
         s.close()
@@ -256,12 +275,19 @@ def test_sigkill_at_every_write_and_fsync_of_imaged_deltas(dio_dir: Path, assert
         with ckptstore.open(path, chunk_size=CHUNK) as w:
             for i in its[1:]:
                 got = w.load_record(i)
-                assert_same(_grads(i), {**got["g"], "b": got["b"]}, f"{where}: iteration {i}")
+                assert_same(grads(i), {**got["g"], "b": got["b"]}, f"{where}: iteration {i}")
             for i in range(its[-1] + 1, 5):
-                w.save_delta(i, _imaged(i), durable=True)
-        _check_loads(path, [1, 2, 3, 4])
+                w.save_delta(i, record(i), durable=True)
+        assert check(str(path)).clean, where
+        check_loads(path, [1, 2, 3, 4])
         assert set(chunk_record_flags(path)) == {rec.FRAMING_CHECK if kind == "framing_checks" else 0}
         shutil.rmtree(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["framing_checks", "full_checks"])
+def test_sigkill_at_every_write_and_fsync_of_imaged_deltas(dio_dir: Path, assert_same, kind: str) -> None:
+    sigkill_sweep_of_deltas(dio_dir, assert_same, kind, _imaged, _grads, _check_loads)
 
 
 def test_the_checkpointer_captures_gradients_into_chunk_images(tmp_path: Path) -> None:

@@ -19,31 +19,16 @@ from hypothesis import strategies as st
 import ckptstore
 from ckptstore.errors import LoanWithdrawnError
 from ckptstore.format import records as rec
-from ckptstore.format.chunk import Codec, address_of, decode_chunk
+from ckptstore.format.chunk import address_of
 from ckptstore.format.image import BLOCK, LentFramer
 from ckptstore.ops.fsck import check
 from ckptstore.ops.loan import Loan
-from ckptstore.storage import direct
 from ckptstore.tensors import LentTensor
 from ckptstore.torch import Checkpointer
-from test_direct import _RefusingOpen, _RefusingWrite, dio_dir  # noqa: F401 - a fixture
+from test_chunk_image import _walk, check_loads_of, every_kind_of_append, sigkill_sweep_of_deltas
+from test_direct import _RefusingWrite, dio_dir  # noqa: F401 - a fixture
 
 CHUNK = 16 << 10
-
-
-def _walk(buf: bytes, flags: int) -> list[tuple[int, bytes]]:
-    """Every record of ``buf`` in order, each a CHUNK record with ``flags`` whose data matches
-    its address: (offset, data)."""
-    out, off = [], 0
-    while off < len(buf):
-        header, payload = rec.decode_record(buf[off:])
-        assert header.type == rec.RecordType.CHUNK and header.flags == flags
-        ch, data = decode_chunk(payload)
-        assert ch.codec is Codec.RAW and address_of(data) == ch.address
-        out.append((off, bytes(data)))
-        off += header.total_size
-    assert off == len(buf)
-    return out
 
 
 def _misaligned(n: int, shift: int, seed: int) -> torch.Tensor:
@@ -75,7 +60,8 @@ def test_lent_records_are_valid_records_whose_middles_are_the_owners_memory(
         assert addr % BLOCK == 0 and len(b) % BLOCK == 0  # what O_DIRECT takes
         assert lo <= addr < hi or not (lo <= addr < hi)  # (a gap or a middle)
     middles = [b for b in buffers if lo <= np.frombuffer(b, dtype=np.uint8).ctypes.data < hi]
-    records = _walk(b"".join(bytes(b) for b in buffers), rec.FRAMING_CHECK if framing else 0)
+    records = [(r[0], r[3]) for r in
+               _walk(b"".join(bytes(b) for b in buffers), rec.FRAMING_CHECK if framing else 0)]
     data = [r for r in records if r[0] in offsets]
     assert [r[0] for r in data] == offsets
     assert b"".join(r[1] for r in data) == bytes(mem)
@@ -104,47 +90,12 @@ def _lent(i: int) -> dict:
 
 
 def _check_loads(path: Path, its: list[int]) -> None:
-    with ckptstore.open(path, mode="r") as r:
-        assert r.iterations() == [0, *its]
-        for i in its:
-            got, want = r.load_record(i), _grads(i)
-            assert torch.equal(got["g"]["w"], want["w"]) and torch.equal(got["g"]["v"], want["v"])
-            assert torch.equal(got["b"], want["b"]) and got["i"] == i
+    check_loads_of(path, its, _grads)
 
 
 @pytest.mark.parametrize("mode", ["direct", "buffered", "refused-open", "refused-write"])
 def test_lent_deltas_load_exactly_through_every_kind_of_append(tmp_path: Path, mode: str) -> None:
-    probe = tmp_path / "probe"
-    probe.write_bytes(b"")
-    fd = direct.supported() and ckptstore.storage.fileops.FileOps().open_direct(str(probe))
-    if mode == "direct" and not fd:
-        pytest.skip("no O_DIRECT here")
-    if fd:
-        import os
-        os.close(fd)
-    ops = {"refused-open": _RefusingOpen, "refused-write": _RefusingWrite}.get(mode)
-    kw = dict(chunk_size=CHUNK, direct_io=mode != "buffered")
-    if ops is not None:
-        kw["file_ops"] = ops()
-    path = tmp_path / "s"
-    with ckptstore.open(path, **kw) as s:
-        s.save(0, {"w": torch.zeros(10)})
-        for i in range(1, 7):
-            s.save_delta(i, _lent(i), durable=i % 2 == 0)
-        s.flush()
-        writer = s.engine.log.writer
-        if mode == "direct":
-            assert writer.direct is not None and writer.direct.direct_bytes > 6 * 2 * CHUNK
-        elif mode != "buffered":
-            assert writer.direct is None  # fell back to buffered appends
-    report = check(str(path))
-    assert report.clean, report.lines()
-    _check_loads(path, list(range(1, 7)))
-    shutil.rmtree(path / "index")  # a rebuilt cache indexes the lent records (and the pads)
-    with ckptstore.open(path, chunk_size=CHUNK) as s:
-        s.save_delta(7, _lent(7), durable=True)
-    assert check(str(path)).clean
-    _check_loads(path, list(range(1, 8)))
+    every_kind_of_append(tmp_path, mode, _lent, _check_loads, 6 * 2 * CHUNK)
 
 
 class _ShortDirect(_RefusingWrite):
@@ -190,39 +141,8 @@ def test_lent_chunks_already_stored_or_compressible_are_not_written_from_memory(
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["framing_checks", "full_checks"])
 def test_sigkill_at_every_write_and_fsync_of_lent_deltas(dio_dir: Path, assert_same, kind: str) -> None:
-    """Kill the writer at each of its writes (an O_DIRECT write torn on a block boundary) and
-    fsyncs while it appends lent deltas: a prefix of whole iterations survives, every durable
-    one among them, fsck is clean and the next writer finishes the run."""
-    from _crashkit import kill_sweep
-    from conftest import chunk_record_flags, create_store_without_features
-
-    template = dio_dir / "template"
-    if kind == "full_checks":
-        create_store_without_features(template, CHUNK)
-    with ckptstore.open(template, chunk_size=CHUNK) as s:
-        s.save(0, {"w": torch.zeros(10)})
-
-    def run(path: Path, ops, journal=None) -> None:
-        s = ckptstore.open(path, chunk_size=CHUNK, file_ops=ops)
-        for i in range(1, 5):
-            s.save_delta(i, _lent(i), durable=i % 2 == 0)
-            if journal is not None and s.durable_iteration() is not None:
-                journal(f"durable {s.durable_iteration()}")
-        s.close()
-
-    for path, where, durable in kill_sweep(template, dio_dir, run):
-        with ckptstore.open(path, chunk_size=CHUNK) as w:
-            its = w.iterations()
-            assert its == list(range(len(its))) and its[-1] >= durable, f"{where}: {its}"
-            for i in its[1:]:
-                got = w.load_record(i)
-                assert_same(_grads(i), {**got["g"], "b": got["b"]}, f"{where}: iteration {i}")
-            for i in range(its[-1] + 1, 5):
-                w.save_delta(i, _lent(i), durable=True)
-        assert check(str(path)).clean, where
-        _check_loads(path, [1, 2, 3, 4])
-        assert set(chunk_record_flags(path)) == {rec.FRAMING_CHECK if kind == "framing_checks" else 0}
-        shutil.rmtree(path)
+    """test_chunk_image's sweep (every write and fsync killed) over lent deltas."""
+    sigkill_sweep_of_deltas(dio_dir, assert_same, kind, _lent, _grads, _check_loads)
 
 
 # ---- the loan ------------------------------------------------------------------------------------
@@ -278,13 +198,30 @@ def test_a_flush_on_the_lenders_thread_decides_its_loans(tmp_path: Path) -> None
 
 # ---- the Checkpointer ----------------------------------------------------------------------------
 
+def _trainer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small model (two large gradients, two small ones) and its AdamW, seeded."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _steps(ck: Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer, n: int,
+           zero_last: bool = True):
+    """Train steps 1..n (gradients dropped after each, but the last unless ``zero_last``);
+    returns the last step's future."""
+    for it in range(1, n + 1):
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+        fut = ck.step(it)
+        if it < n or zero_last:
+            opt.zero_grad()
+    return fut
+
+
 def _train(path: Path, steps: int, set_to_none, wait_each: bool = False, **kw):
     """Train a small model ``steps`` steps with a Checkpointer (every iteration a delta);
     ``set_to_none(it)``: how zero_grad clears after step ``it``. Returns (the live states by
     iteration, the capture counts, why lending stopped)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = _trainer()
     states = {}
     with ckptstore.open(path) as store:
         ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50, **kw)
@@ -353,16 +290,11 @@ def test_the_next_backward_decides_the_loan_before_the_next_step(tmp_path: Path)
     """After step 6 (gradients dropped) an evaluation forward alone decides nothing (no module
     hook: it would be traced into a compiled model); the next backward's first gradient does,
     and the delta becomes durable before step 7."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = _trainer()
     with ckptstore.open(tmp_path / "s") as store:
         ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
         ck.restore()
-        for it in range(1, 7):
-            model(torch.randn(8, 32)).pow(2).mean().backward()
-            fut = ck.step(it)
-            opt.zero_grad()
+        fut = _steps(ck, model, opt, 6)
         assert ck.capture_counts["lent"] > 0 and not fut.done()
         with torch.no_grad():
             model(torch.randn(8, 32))
@@ -380,17 +312,11 @@ def test_close_waits_for_gradients_still_held_so_changing_them_after_is_safe(tmp
     """The loop stops without zero_grad: the last step's lent gradients are still ``p.grad``;
     close() confirms the loan and returns only once the persister has read them, so zeroing
     them right after cannot tear the record."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = _trainer()
     with ckptstore.open(tmp_path / "s") as store:
         ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
         ck.restore()
-        for it in range(1, 6):
-            model(torch.randn(8, 32)).pow(2).mean().backward()
-            ck.step(it)
-            if it < 5:
-                opt.zero_grad()
+        _steps(ck, model, opt, 5, zero_last=False)
         want = copy.deepcopy(model.state_dict())
         assert ck.capture_counts["lent"] > 0
         ck.close()
@@ -408,9 +334,7 @@ def test_kept_futures_do_not_keep_lent_gradients_alive(tmp_path: Path) -> None:
     import gc
     import weakref
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = _trainer()
     futures, grads = [], []
     with ckptstore.open(tmp_path / "s") as store:
         ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)

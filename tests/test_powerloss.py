@@ -204,12 +204,13 @@ def verify_imaged(r: ckptstore.Store, i: int, assert_same) -> None:
         f"iteration {i}"
 
 
-def _run_imaged_deltas(its: list[int]) -> Callable[[Path, RecordingOps], None]:
+def _run_deltas_of(record: Callable[[int], dict], its: list[int]) -> Callable[[Path, RecordingOps], None]:
+    """Deltas ``record(i)`` for ``its``, every second one durable (acknowledging the pair)."""
     def run(p: Path, ops: RecordingOps) -> None:
         with open_writer(p, ops) as s:
             for i in its:
                 ops.mark("begin", i)
-                s.save_delta(i, _imaged_delta(i), durable=i % 2 == 0)
+                s.save_delta(i, record(i), durable=i % 2 == 0)
                 if i % 2 == 0:
                     ops.mark("ack", i - 1)
                     ops.mark("ack", i)
@@ -231,18 +232,6 @@ def _lent_delta(i: int) -> dict:
     from ckptstore.tensors import LentTensor
 
     return {"g": LentTensor(_lent_gradient(i)), "i": i}
-
-
-def _run_lent_deltas(its: list[int]) -> Callable[[Path, RecordingOps], None]:
-    def run(p: Path, ops: RecordingOps) -> None:
-        with open_writer(p, ops) as s:
-            for i in its:
-                ops.mark("begin", i)
-                s.save_delta(i, _lent_delta(i), durable=i % 2 == 0)
-                if i % 2 == 0:
-                    ops.mark("ack", i - 1)
-                    ops.mark("ack", i)
-    return run
 
 
 def _run_gc(p: Path, ops: RecordingOps) -> None:
@@ -325,8 +314,10 @@ SCENARIOS = [
     Scenario("save-roll", _saves([0, 1]), _run_saves([2, 3, 4])),
     Scenario("delta-durable", _saves([0]), _run_deltas([1, 2], durable=True)),
     Scenario("delta-group", _saves([0]), _run_deltas([1, 2, 3], durable=False)),
-    Scenario("delta-images", _saves([0]), _run_imaged_deltas([1, 2, 3, 4]), verify=verify_imaged),
-    Scenario("delta-lent", _saves([0]), _run_lent_deltas([1, 2, 3, 4]), verify=verify_imaged),
+    Scenario("delta-images", _saves([0]), _run_deltas_of(_imaged_delta, [1, 2, 3, 4]),
+             verify=verify_imaged),
+    Scenario("delta-lent", _saves([0]), _run_deltas_of(_lent_delta, [1, 2, 3, 4]),
+             verify=verify_imaged),
     Scenario("save-direct-overlap", _saves([0, 1], _small_stage_writer),
              _run_saves([2, 3], _small_stage_writer)),
     Scenario("checkpointer", lambda p: _train(p, None, 2), lambda p, ops: _train(p, ops, TRAIN_LAST),

@@ -294,6 +294,31 @@ class _ImageBatch:
     def n_new(self) -> int:
         return len(self.framed) + len(self.packed)
 
+    def _raw_address(self, piece: memoryview, j: int, known: Callable[[bytes], bool],
+                     progress: Callable[[int], None] | None, name: str,
+                     trials: "CompressionTrials | None", addresses: list[bytes]) -> bytes | None:
+        """Chunk ``j`` (``piece``) of tensor ``name``: its address, appended to ``addresses``,
+        when it is to be written raw where it lies; None when it is not written there (already
+        stored, counted as known; or compressible, queued compressed in :attr:`packed`)."""
+        n = len(piece)
+        addr = address_of(piece)
+        addresses.append(addr)
+        if progress is not None:
+            progress(n)
+        if known(addr):
+            self.n_known += 1
+            self.known_bytes += n
+            return None
+        self.addresses.add(addr)
+        if trials is None or trials.due(name, j):
+            codec, data = choose_encoding(piece)
+            if trials is not None:
+                trials.record(name, j, n, len(data))
+            if codec is not Codec.RAW:
+                self.packed.append((addr, data, n))
+                return None
+        return addr
+
     def frame(self, tensor: ImageTensor, known: Callable[[bytes], bool],
               progress: Callable[[int], None] | None, name: str,
               trials: "CompressionTrials | None") -> Any:
@@ -307,23 +332,8 @@ class _ImageBatch:
             start = geo.data_offset(j)
             n = geo.data_length(j)
             piece = buf[start:start + n]
-            addr = address_of(piece)
-            addresses.append(addr)
-            if progress is not None:
-                progress(n)
-            if known(addr):
-                self.n_known += 1
-                self.known_bytes += n
-                continue
-            self.addresses.add(addr)
-            codec: Codec = Codec.RAW
-            data: Any = piece
-            if trials is None or trials.due(name, j):
-                codec, data = choose_encoding(piece)
-                if trials is not None:
-                    trials.record(name, j, n, len(data))
-            if codec is not Codec.RAW:
-                self.packed.append((addr, data, n))
+            addr = self._raw_address(piece, j, known, progress, name, trials, addresses)
+            if addr is None:
                 continue
             lo, hi = geo.span(j)
             seal_chunk(buf, lo, addr, n, self.framing_checks)
@@ -354,25 +364,10 @@ class _ImageBatch:
         addresses: list[bytes] = []
         for j, start in enumerate(range(0, lent.nbytes, chunk_size)):
             piece = mem[start:start + chunk_size]
-            n = len(piece)
-            addr = address_of(piece)
-            addresses.append(addr)
-            if progress is not None:
-                progress(n)
-            if known(addr):
-                self.n_known += 1
-                self.known_bytes += n
-                continue
-            self.addresses.add(addr)
-            if trials is None or trials.due(name, j):
-                codec, data = choose_encoding(piece)
-                if trials is not None:
-                    trials.record(name, j, n, len(data))
-                if codec is not Codec.RAW:
-                    self.packed.append((addr, data, n))
-                    continue
-            framed.append((addr, framer.add(piece, lent.address + start, addr),
-                           CHUNK_HEADER_SIZE + n))
+            addr = self._raw_address(piece, j, known, progress, name, trials, addresses)
+            if addr is not None:
+                framed.append((addr, framer.add(piece, lent.address + start, addr),
+                               CHUNK_HEADER_SIZE + len(piece)))
         if framed:
             buffers = framer.buffers()
             self.framed.extend((addr, self.out + at, length) for addr, at, length in framed)

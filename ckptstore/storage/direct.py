@@ -59,7 +59,7 @@ from typing import Callable
 
 import numpy as np
 
-from .fileops import O_DIRECT, FileOps
+from .fileops import O_DIRECT, FileOps, skip_bytes
 
 #: Buffers per vectored O_DIRECT write of :meth:`put_aligned` (well under IOV_MAX, 1024)
 IOV_BATCH = 256
@@ -268,14 +268,7 @@ class DirectAppender:
                     written = got
                     self.direct_bytes += got
             if written < n:  # the rest (a refused or short direct write) goes buffered
-                rest, skip = [], written
-                for b in batch:
-                    if skip >= len(b):
-                        skip -= len(b)
-                        continue
-                    rest.append(b[skip:])
-                    skip = 0
-                self.ops.writev(self.fd, self.path, rest, self.base + written)
+                self.ops.writev(self.fd, self.path, skip_bytes(batch, written), self.base + written)
             self.base += n
             self.in_file = max(self.in_file, self.base)
 

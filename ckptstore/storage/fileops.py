@@ -38,6 +38,18 @@ _FULL = {errno.ENOSPC, errno.EDQUOT}
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 
+def skip_bytes(views: Sequence[memoryview], n: int) -> list[memoryview]:
+    """What is left of ``views`` (byte views, written in order) after their first ``n`` bytes."""
+    rest: list[memoryview] = []
+    for b in views:
+        if n >= len(b):
+            n -= len(b)
+            continue
+        rest.append(b[n:])
+        n = 0
+    return rest
+
+
 def wrap_os_error(operation: str, path: str, err: OSError) -> StoreIOError:
     cls = DiskFullError if err.errno in _FULL else StoreIOError
     return cls(operation, path, err)
@@ -109,14 +121,7 @@ class FileOps:
                 if n == 0:
                     raise OSError(errno.EIO, "write returned 0 bytes")
                 # ``views`` starts where the previous call started: skip what that call wrote
-                rest, skip = [], n
-                for b in views:
-                    if skip >= len(b):
-                        skip -= len(b)
-                        continue
-                    rest.append(b[skip:])
-                    skip = 0
-                views = rest
+                views = skip_bytes(views, n)
                 n = self._pwritev(fd, views, offset + done)
                 done += n
 
