@@ -157,9 +157,11 @@ def test_the_persister_reads_lent_tensors_only_once_the_lender_confirms(tmp_path
         other = threading.Thread(target=lambda: decided.append(fut.done()))
         other.start()
         other.join()
-        assert decided == [False] and not fut.done() and not loan.decided  # (not the lender)
+        assert decided == [False] and not loan.decided  # (another thread's wait: not the lender)
         want = t.clone()
-        fut.result(timeout=30)  # the lender's wait decides it
+        fut.done()  # a poll on the lender's thread decides it
+        assert loan.decided
+        fut.result(timeout=30)
         assert decided == [False, 1] and loan.confirmed and loan.returned
         t.zero_()
     with ckptstore.open(tmp_path / "s", mode="r") as r:
@@ -233,8 +235,8 @@ def _train(path: Path, steps: int, set_to_none, wait_each: bool = False, **kw):
                 fut.result(timeout=60)  # (on the training thread: no deadlock)
             states[it] = copy.deepcopy(model.state_dict())
             opt.zero_grad(set_to_none=set_to_none(it))
-        counts, stopped = dict(ck.capture_counts), ck._capture.lend_stopped
         ck.close()
+        counts, stopped = dict(ck.capture_counts), ck._capture.lend_stopped
     return states, counts, stopped
 
 
@@ -286,26 +288,46 @@ def test_the_hooks_capture_keeps_copying(tmp_path: Path) -> None:
     _restores_every_iteration(tmp_path / "s", states)
 
 
-def test_the_next_backward_decides_the_loan_before_the_next_step(tmp_path: Path) -> None:
-    """After step 6 (gradients dropped) an evaluation forward alone decides nothing (no module
-    hook: it would be traced into a compiled model); the next backward's first gradient does,
-    and the delta becomes durable before step 7."""
+def test_a_dropped_lent_gradient_is_written_without_waiting_for_the_next_step(tmp_path: Path) -> None:
+    """After step 6 the loop drops its gradients and pauses (no further step, flush or wait):
+    the persister sees them unreachable, confirms the loan itself and the delta becomes
+    durable."""
     model, opt = _trainer()
     with ckptstore.open(tmp_path / "s") as store:
         ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
         ck.restore()
-        fut = _steps(ck, model, opt, 6)
-        assert ck.capture_counts["lent"] > 0 and not fut.done()
+        _steps(ck, model, opt, 6)
+        assert ck.capture_counts["lent"] > 0
+        _wait_durable(store, 6)
+        ck.close()
+
+
+def test_gradients_still_held_are_written_once_the_next_backward_decides(tmp_path: Path) -> None:
+    """After step 6 the loop keeps its gradients (it zeroes them before the next backward,
+    after an evaluation forward): nothing is written while they are ``p.grad``; the next
+    backward's first gradient decides the loan and the delta becomes durable before step 7."""
+    model, opt = _trainer()
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
+        ck.restore()
+        _steps(ck, model, opt, 6, zero_last=False)
         with torch.no_grad():
             model(torch.randn(8, 32))
-        assert not fut.done() and store.durable_iteration() != 6
-        model(torch.randn(8, 32)).pow(2).mean().backward()
         import time
-        deadline = time.monotonic() + 60
-        while store.durable_iteration() != 6 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert store.durable_iteration() == 6 and fut.done() and fut.exception() is None
+        time.sleep(0.2)
+        assert store.durable_iteration() == 5 and ck.capture_counts["lent"] > 0
+        opt.zero_grad()
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+        _wait_durable(store, 6)
         ck.close()
+
+
+def _wait_durable(store, it: int) -> None:
+    import time
+    deadline = time.monotonic() + 60
+    while store.durable_iteration() != it and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.durable_iteration() == it
 
 
 def test_close_waits_for_gradients_still_held_so_changing_them_after_is_safe(tmp_path: Path) -> None:
@@ -350,3 +372,83 @@ def test_kept_futures_do_not_keep_lent_gradients_alive(tmp_path: Path) -> None:
         assert all(g() is None for g in grads[:-1]), [g() is None for g in grads]
         assert all(f.exception() is None for f in futures)
         ck.close()
+
+
+def test_gradients_zeroed_in_place_after_the_last_step_are_recorded_by_close(tmp_path: Path) -> None:
+    """The in-place zeroing comes after the last step: no delta step follows to restart the
+    chain, so close() writes that iteration as a base (nothing lost)."""
+    states, counts, stopped = _train(tmp_path / "s", 6, lambda it: it < 6)
+    assert counts["lent"] > 0 and "after step 6" in stopped
+    _restores_every_iteration(tmp_path / "s", states)
+
+
+def test_a_lent_step_whose_submit_fails_does_not_hang_close(tmp_path: Path, monkeypatch) -> None:
+    """The record of a lent step cannot be submitted (an error in the pipeline's submit): the
+    step raises, and close(), with the gradients still p.grad, returns instead of waiting for
+    a write that will never happen."""
+    from ckptstore.ops import pipeline
+
+    model, opt = _trainer()
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
+        ck.restore()
+        _steps(ck, model, opt, 4)
+        real = pipeline.snapshot_leaves
+
+        def fail(*a, **kw):
+            raise RuntimeError("injected submit failure")
+
+        monkeypatch.setattr(pipeline, "snapshot_leaves", fail)
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+        with pytest.raises(RuntimeError, match="injected"):
+            ck.step(5)
+        monkeypatch.setattr(pipeline, "snapshot_leaves", real)
+        closing = threading.Thread(target=ck.close, daemon=True)
+        closing.start()
+        closing.join(timeout=60)
+        assert not closing.is_alive(), "close() hung on a loan no job will read"
+    with ckptstore.open(tmp_path / "s", mode="r") as r:
+        assert r.iterations()[-1] == 4
+
+
+def test_polling_a_future_on_the_training_thread_ends_while_gradients_are_held(tmp_path: Path) -> None:
+    import time
+
+    model, opt = _trainer()
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
+        ck.restore()
+        fut = _steps(ck, model, opt, 5, zero_last=False)
+        assert ck.capture_counts["lent"] > 0
+        deadline = time.monotonic() + 60
+        while not fut.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert fut.done() and fut.exception() is None
+        ck.close()
+
+
+def test_gradients_that_view_a_persistent_buffer_are_copied_not_lent(tmp_path: Path) -> None:
+    """A loop that lays each step's gradients in one flat buffer (new views each step, the same
+    memory) looks like one that drops them; they are not lent (the buffer is written again)."""
+    model, opt = _trainer()
+    params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    states = {}
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
+        ck.restore()
+        for it in range(1, 7):
+            loss = model(torch.randn(8, 32)).pow(2).mean()
+            grads = torch.autograd.grad(loss, params)
+            off = 0
+            for p, g in zip(params, grads):
+                view = flat[off:off + g.numel()].view_as(g)
+                view.copy_(g)
+                p.grad = view
+                off += g.numel()
+            ck.step(it)
+            states[it] = copy.deepcopy(model.state_dict())
+            opt.zero_grad()
+        assert ck.capture_counts["lent"] == 0
+        ck.close()
+    _restores_every_iteration(tmp_path / "s", states)

@@ -122,6 +122,13 @@ class SaveFuture(Future):
             self.loan.settle()
         return super().exception(timeout)
 
+    def done(self) -> bool:
+        """``Future.done``, deciding the loan first like :meth:`result` (a loop polling it on
+        the lender's thread would otherwise never see it done while it holds the tensors)."""
+        if self.loan is not None:
+            self.loan.settle()
+        return super().done()
+
     def copied(self) -> float:
         """Block until every tensor of the save is copied out of the caller's memory (at once
         unless some were ``deferred``); returns the seconds waited. The caller may change the

@@ -10,8 +10,9 @@ lender cannot know at submission: ``optimizer.zero_grad()`` drops them (the defa
 changed (the next step's start, a flush, a wait on the save's future, close):
 
 1. ``Pipeline.submit(..., loan=loan)``: the job is queued with the loan; the persister reaches it
-   and waits (:meth:`Loan.wait`);
-2. the lender decides (:meth:`Loan.settle`, through the ``settle`` callback it gave): either
+   and waits (:meth:`Loan.wait`), confirming it itself as soon as the lender's
+   :attr:`Loan.unreachable` test says nobody can change the tensors any more;
+2. else the lender decides (:meth:`Loan.settle`, through the ``settle`` callback it gave): either
    :meth:`Loan.confirm` (unchanged, and nothing will change them before the job has read them)
    or :meth:`Loan.withdraw` (changed: the job is dropped unwritten, the lender records the state
    another way);
@@ -50,6 +51,10 @@ class Loan:
         self._returned = False
         #: called (no arguments) when the loan is withdrawn: its pipeline takes its tail back
         self.on_withdraw: Callable[[], None] | None = None
+        #: the lender's test, safe from any thread, that nobody can change the lent tensors any
+        #: more (the training loop dropped them, unchanged): the waiting persister then confirms
+        #: the loan itself (:meth:`wait`); None: only the lender decides
+        self.unreachable: Callable[[], bool] | None = None
 
     @property
     def decided(self) -> bool:
@@ -70,9 +75,9 @@ class Loan:
             if self._decision is not None:
                 return
             self._decision, self.why = ok, why
-            # the lender's callback holds the lent tensors: a future kept by the caller (which
+            # the lender's callbacks hold the lent tensors: a future kept by the caller (which
             # keeps its loan) must not keep every step's gradients alive
-            self._settle = _decided
+            self._settle, self.unreachable = _decided, None
             self._cond.notify_all()
         if not ok and self.on_withdraw is not None:
             self.on_withdraw()
@@ -84,17 +89,29 @@ class Loan:
             self._settle(self)
         return self._decision is not None
 
-    def wait(self, cancelled: Callable[[], bool] | None = None, poll_s: float = 0.5) -> bool:
-        """Block until the lender decided (the persister, step 1); returns whether the loan was
-        confirmed. ``cancelled``: polled every ``poll_s``; True ends the wait as a withdrawal
-        (the pipeline was stopped at interpreter exit)."""
-        with self._cond:
-            while self._decision is None:
+    def wait(self, cancelled: Callable[[], bool] | None = None, poll_s: float = 0.02) -> bool:
+        """Block until the loan is decided (the persister, step 1); returns whether it was
+        confirmed. Every ``poll_s`` it asks :attr:`unreachable` and confirms the loan itself
+        when the lent tensors can no longer change (the common case: the loop dropped them
+        right after its step, so the delta is written then, not at the lender's next
+        decision point, and a lender blocked in a wait the loan cannot see still gets its
+        save); ``cancelled``: True ends the wait as a withdrawal (the pipeline was stopped at
+        interpreter exit)."""
+        while True:
+            with self._cond:
+                if self._decision is not None:
+                    return self._decision
                 if cancelled is not None and cancelled():
                     self._decision, self.why = False, "the store's async saves were stopped"
-                    break
-                self._cond.wait(poll_s)
-            return bool(self._decision)
+                    self._settle, self.unreachable = _decided, None
+                    return False
+                test = self.unreachable
+            if test is not None and test():  # (outside the lock: it reads the lender's objects)
+                self.confirm()
+                continue
+            with self._cond:
+                if self._decision is None:
+                    self._cond.wait(poll_s)
 
     def give_back(self) -> None:
         """The persister no longer reads the lent memory (step 3)."""

@@ -75,6 +75,9 @@ if TYPE_CHECKING:
 #: Name of the manifest field that records a pipeline checkpoint's statistics (format.md section 10).
 STATS_FIELD = "pipeline"
 DEFAULT_MAX_INFLIGHT = 4
+#: how often a persister waiting for a loan's decision asks whether the lent tensors became
+#: unreachable (ckptstore/ops/loan.py): the latency it adds to a lent delta's durability
+LOAN_POLL_S = 0.01
 
 
 @dataclass
@@ -206,6 +209,9 @@ class Pipeline:
         try:
             return self._submit(kind, iteration, state, meta, commit, owned, deferred, loan)
         except BaseException as e:
+            if loan is not None:  # (no job will read it: its lender must not wait for that)
+                loan.withdraw(f"iteration {iteration} was not submitted ({e})")
+                loan.give_back()
             if kind != "delta" or commit:
                 self.fail_round(e)
             raise
@@ -514,7 +520,7 @@ class Pipeline:
                     raise
 
             try:
-                if job.loan is not None and not job.loan.wait(lambda: self._abandoned):
+                if job.loan is not None and not job.loan.wait(lambda: self._abandoned, LOAN_POLL_S):
                     # (not a failure: the lender records the state another way; nothing
                     # appended is rolled back)
                     raise LoanWithdrawnError(f"{self._what(job)} was not written: {job.loan.why}")

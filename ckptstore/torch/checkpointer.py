@@ -29,8 +29,8 @@ was not captured or changed since (checked by the gradient tensor's identity and
 in-place changes such as ``clip_grad_norm_`` are seen and recopied; writes through ``.data`` or
 numpy aliases are not, and the recorded fingerprints then make replay fail loudly). Once the
 loop is seen to drop its gradients after each step (``zero_grad()``'s default), the large ones
-are not copied at all but lent to the record and written from their own memory after the next
-step's start confirms them unchanged (``capture="lend"``, :mod:`ckptstore.torch.grad_capture`).
+are not copied at all but lent to the record and written from their own memory once the loop
+has dropped them unchanged (``capture="lend"``, :mod:`ckptstore.torch.grad_capture`).
 Under DistributedDataParallel, :func:`ddp_comm_hook` captures the all-reduced buckets instead.
 
 What to write is the ``policy`` (:mod:`ckptstore.torch.plan` holds the model): "every-iteration"
@@ -109,13 +109,13 @@ class Checkpointer:
     same after a failed write or commit (see :meth:`step`).
     ``capture`` (exact codec, asynchronous): "lend" (default): once the training loop is seen
     to drop its gradients after each step (``zero_grad()``'s default ``set_to_none=True``), the
-    large CPU gradients are not copied: the persister writes them from their own memory, after
-    the next step's start confirms nothing changed them (:mod:`ckptstore.torch.grad_capture`,
-    "Lending"; a gradient changed in place stops lending for good and that iteration is
+    large CPU gradients that own their memory are not copied: the persister writes them from
+    their own memory (:mod:`ckptstore.torch.grad_capture`, "Lending"; a gradient changed in place stops lending for good and that iteration is
     written as a base instead); until then, and for the rest, as "hooks": copy gradients
-    during backward; "step": copy them at ``step``. A lent record is written once the loop's
-    next backward (or step, flush, close, or a wait on its future) has confirmed its gradients
-    unchanged: durable about a forward pass later than a copied one. Lending is off on
+    during backward; "step": copy them at ``step``. A lent record is written once its
+    gradients cannot change: the loop dropped them unchanged (seen by the persister itself), or
+    its next backward, step, flush, close, or ``result()``/``exception()``/``done()`` on the
+    step's future confirmed them (not ``concurrent.futures.wait``, which none of these sees). Lending is off on
     multi-rank job stores, under DDP (buckets are captured) and with ``group_seconds`` (its
     time bound must hold while training pauses, with no step to confirm a loan).
     ``partition``: on a multi-rank job store, each rank writes only its share (default): whole
@@ -367,6 +367,7 @@ class Checkpointer:
     def close(self) -> None:
         """Remove the gradient hooks and give the capture buffer back (the store stays open)."""
         self._capture.settle()  # (the last step's lent gradients: decided while still here)
+        self._writer.rebase_withdrawn()
         self._writer.await_copy()
         self._capture.remove_hooks()
         self._drop_open_step()
@@ -478,6 +479,9 @@ class Checkpointer:
 
     def flush(self) -> int | None:
         """Commit pending deltas now; returns store.durable_iteration()."""
+        if self._open is None:
+            self._capture.settle()
+            self._writer.rebase_withdrawn()
         return self.store.flush()
 
     def base_due(self, iteration: int) -> bool:

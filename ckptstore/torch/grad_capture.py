@@ -19,17 +19,22 @@ time (in-place changes such as ``clip_grad_norm_`` are seen through ``_version``
 
 Lending (zero-copy capture). When the training loop drops its gradients after each step
 (``optimizer.zero_grad()``'s default ``set_to_none=True``: every step's gradients are new
-tensors, seen by :meth:`take` two steps running), the large gradients are not copied at all:
-:meth:`take` lends them to the record (:class:`~ckptstore.tensors.LentTensor`), under a
-:class:`~ckptstore.ops.loan.Loan` that the persister waits for before it reads them. The next
-step's :meth:`settle` (or a flush, a wait on the future, close) decides it on the training
-thread (early, at the next backward's first gradient, when it can be decided without
-waiting): confirmed when no lent gradient changed (``_version``) and the
-training loop no longer holds it as ``p.grad`` (nothing will change it then; while it still
-does, the decision at the next step waits until the persister has read it); withdrawn when one changed in place: the record is dropped
-unwritten, lending stops for good, and the step writer sees the chain end one iteration early
-and writes a base snapshot of the live state, that iteration's, instead (nothing committed is
-lost; the iteration is recorded all the same).
+tensors, seen by :meth:`take` two steps running), the large gradients that own their storage
+are not copied at all: :meth:`take` lends them to the record
+(:class:`~ckptstore.tensors.LentTensor`), under a :class:`~ckptstore.ops.loan.Loan` that the
+persister waits for before it reads them. It is decided:
+
+1. by the persister itself, as soon as no lent gradient changed (``_version``) and none is its
+   parameter's ``p.grad`` any more (the loop dropped them: nothing it does can change them),
+   usually right after the step's ``zero_grad()``;
+2. else on the training thread (:meth:`settle`), early at the next backward's first gradient
+   when that needs no wait, at the latest at the next step's start, a flush, a wait on the
+   future or close: confirmed when unchanged (while a gradient is still ``p.grad``, the
+   decision waits until the persister has read it), withdrawn when one changed in place. A
+   withdrawn record is dropped unwritten, lending stops for good, and the step writer writes
+   a base snapshot of the live state, that iteration's, instead (the next delta step's
+   restart, or :meth:`StepWriter.rebase_withdrawn` at a flush, close or switch to
+   snapshots): nothing committed is lost, and the iteration is recorded all the same.
 """
 
 from __future__ import annotations
@@ -77,6 +82,9 @@ class GradCapture:
         self.lending = False
         #: why lending stopped ("" while it did not)
         self.lend_stopped = ""
+        #: the iteration whose loan this capture withdrew (its delta was not written: the step
+        #: writer owes a base of it, :meth:`StepWriter.rebase_withdrawn`); None: none owed
+        self.withdrawn: int | None = None
         #: the loan of the last record submitted, until :meth:`settle` decides it
         self.pending_loan: Loan | None = None
         self._open_loan: Loan | None = None  # lent by take(), not yet submitted
@@ -177,6 +185,10 @@ class GradCapture:
         def on_grad(p: torch.Tensor) -> None:
             if self.pending_loan is not None:
                 self.settle(early=True)
+                if self.pending_loan is not None:
+                    # (undecided: its job may hold the arena this capture would wait for;
+                    # take() copies this gradient once the step's start has decided the loan)
+                    return
             g = local(p.grad)
             if self.ddp or g is None or not self.layout.owned[i] or not self.active() or \
                     not self.capturable(i, g) or (self.lending and self._slots[i][2]):
@@ -227,7 +239,7 @@ class GradCapture:
                 prev = self._last_taken[i]
                 fresh = fresh and prev is not None and prev() is not g
                 self._last_taken[i] = weakref.ref(g)
-                if lend and g.is_contiguous():
+                if lend and self.lendable(g):
                     grads.append({"g": LentTensor(g)})
                     lent.append((i, g, g._version))
                     self.counts["lent"] += 1
@@ -247,7 +259,10 @@ class GradCapture:
             if arena is not None:
                 self._arena = None
             self._captured = [None] * len(self.layout.params)
-        self._open_loan = Loan(-1, functools.partial(self._decide, lent, False)) if lent else None
+        self._open_loan = None
+        if lent:
+            self._open_loan = Loan(-1, functools.partial(self._decide, lent, False))
+            self._open_loan.unreachable = functools.partial(self._unreachable, lent)
         self._open_lent = lent
         # (from the next backward on; the two-part step, before_step, takes copies)
         self.lending = fresh and self.lend_allowed and not own and not self.ddp
@@ -277,6 +292,20 @@ class GradCapture:
             self.pending_loan = None
             self._pending_lent = []
 
+    @staticmethod
+    def lendable(g: torch.Tensor) -> bool:
+        """Whether gradient ``g`` may be lent: contiguous and owning its whole storage (not a
+        view: a gradient laid in a persistent flat buffer would be written again there)."""
+        return g.is_contiguous() and g._base is None and g.storage_offset() == 0 and \
+            g.untyped_storage().nbytes() == g.numel() * g.element_size()
+
+    def _unreachable(self, lent: list[tuple[int, torch.Tensor, int]]) -> bool:
+        """Whether no lent gradient changed and none is its parameter's ``p.grad`` any more:
+        the training loop dropped them (``zero_grad()``), so nothing it does can change them
+        (the persister asks this from its own thread, :class:`~ckptstore.ops.loan.Loan`)."""
+        return all(g._version == v and local(self.layout.params[i].grad) is not g
+                   for i, g, v in lent)
+
     def _decide(self, lent: list[tuple[int, torch.Tensor, int]], early: bool, loan: Loan) -> None:
         """The lender's decision on ``loan`` (:mod:`ckptstore.ops.loan`, run on the training
         thread): withdrawn when a lent gradient changed in place, else confirmed; while the
@@ -290,6 +319,7 @@ class GradCapture:
                                  "gradients are copied during backward from now on")
             log.info("ckptstore: %s; iteration %d is written as a base snapshot instead of its "
                      "delta", self.lend_stopped, loan.iteration)
+            self.withdrawn = loan.iteration
             loan.withdraw(self.lend_stopped)
             return
         held = any(local(self.layout.params[i].grad) is g for i, g, _ in lent)

@@ -237,6 +237,19 @@ class StepWriter:
             self.continue_chain(latest)
         self.resync = False
 
+    def rebase_withdrawn(self) -> None:
+        """A withdrawn loan (:mod:`ckptstore.torch.grad_capture`, "Lending") left the chain one
+        iteration short of the live state, and no delta step follows to restart it (a flush, a
+        close, a switch to snapshots): write the live state, that iteration's, as a base now.
+        Called between steps only."""
+        owed, self.capture.withdrawn = self.capture.withdrawn, None
+        pipe = self.store.running_pipeline if self.asynchronous else None
+        if owed is None or pipe is None or owed != self.last:
+            return
+        tail = pipe.tail()
+        if tail is None or tail < owed:
+            self.save_base(owed, measured=False)
+
     # ---- failures ------------------------------------------------------------------------------
     def policy_failed(self, error: BaseException, iteration: int) -> None:
         """The failure policy's verdict on ``error`` (returns to keep training). When it raises,
@@ -256,6 +269,7 @@ class StepWriter:
         record (or group) back, the live objects may hold the state of ``st.iteration``: the next
         step re-reads the store and restarts the chain with a base when records were lost."""
         st.release()
+        self.capture.forget()  # (gradients lent for the record that failed: let go of them)
         self.last = st.iteration
         self.resync = True
         self.policy_failed(e, st.iteration)  # raises unless the policy keeps training
@@ -361,6 +375,12 @@ class StepWriter:
             self.force_base = True
             self.policy_failed(e, iteration)  # raises unless the policy keeps training
             pipe = self.store.running_pipeline if self.asynchronous else None
+        if self.capture.withdrawn is not None:  # (a delta step would restart the chain itself)
+            try:
+                self.rebase_withdrawn()
+            except BaseException as e:
+                self.force_base = True
+                self.policy_failed(e, iteration)  # raises unless the policy keeps training
         if self.last is None:
             try:
                 latest = self.store.latest()
