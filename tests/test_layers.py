@@ -53,6 +53,7 @@ LAYERS = [
 FOREIGN_PRIVATE = {
     "_foreach_copy_": "torch's batched copy (one call per snapshot instead of one per tensor)",
     "_version": "torch's tensor version counter (the Checkpointer's capture hooks)",
+    "_base": "torch's view base (a gradient is lent only when it is no view: grad_capture.py)",
     "_metadata": "the attribute torch's state_dict() sets on its OrderedDict (kept exactly)",
 }
 

@@ -32,6 +32,14 @@ import threading
 from collections.abc import Callable
 
 
+def _holds(test: Callable[[], bool]) -> bool:
+    """``test()``, False when it raises (the lender then decides, as without a test)."""
+    try:
+        return bool(test())
+    except Exception:  # noqa: BLE001 - a test that cannot tell says nothing
+        return False
+
+
 def _decided(loan: "Loan") -> None:
     """The settle callback of a decided loan (nothing to decide)."""
 
@@ -106,7 +114,7 @@ class Loan:
                     self._settle, self.unreachable = _decided, None
                     return False
                 test = self.unreachable
-            if test is not None and test():  # (outside the lock: it reads the lender's objects)
+            if test is not None and _holds(test):  # (outside the lock: reads the lender's objects)
                 self.confirm()
                 continue
             with self._cond:
