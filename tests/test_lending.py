@@ -152,7 +152,7 @@ def test_the_persister_reads_lent_tensors_only_once_the_lender_confirms(tmp_path
     decided = []
     with ckptstore.open(tmp_path / "s", chunk_size=CHUNK) as s:
         s.save(0, {"w": torch.zeros(10)})
-        loan = Loan(1, lambda ln: (decided.append(1), ln.confirm()))
+        loan = Loan(1, lambda ln, early: (decided.append(1), ln.confirm()))
         fut = s.pipeline.submit("delta", 1, {"g": LentTensor(t)}, loan=loan)
         other = threading.Thread(target=lambda: decided.append(fut.done()))
         other.start()
@@ -173,9 +173,9 @@ def test_a_withdrawn_loan_drops_its_delta_and_the_chain_goes_on_from_the_one_bef
     with ckptstore.open(tmp_path / "s", chunk_size=CHUNK) as s:
         s.save(0, {"w": torch.zeros(10)})
         s.pipeline.submit("delta", 1, {"g": LentTensor(a)}, commit=False,
-                          loan=Loan(1, lambda ln: ln.confirm()))
+                          loan=Loan(1, lambda ln, early: ln.confirm()))
         f2 = s.pipeline.submit("delta", 2, {"g": LentTensor(b)},
-                               loan=Loan(2, lambda ln: ln.withdraw("changed")))
+                               loan=Loan(2, lambda ln, early: ln.withdraw("changed")))
         with pytest.raises(LoanWithdrawnError, match="iteration 2.*changed"):
             f2.result(timeout=30)
         assert s.pipeline.tail() == 1
@@ -190,7 +190,7 @@ def test_a_withdrawn_loan_drops_its_delta_and_the_chain_goes_on_from_the_one_bef
 def test_a_flush_on_the_lenders_thread_decides_its_loans(tmp_path: Path) -> None:
     with ckptstore.open(tmp_path / "s", chunk_size=CHUNK) as s:
         s.save(0, {"w": torch.zeros(10)})
-        loans = [Loan(i, lambda ln: ln.confirm()) for i in (1, 2)]
+        loans = [Loan(i, lambda ln, early: ln.confirm()) for i in (1, 2)]
         for i, loan in zip((1, 2), loans):
             s.pipeline.submit("delta", i, {"g": LentTensor(torch.randn(CHUNK))}, loan=loan)
         s.flush()

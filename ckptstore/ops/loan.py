@@ -40,16 +40,16 @@ def _holds(test: Callable[[], bool]) -> bool:
         return False
 
 
-def _decided(loan: "Loan") -> None:
+def _decided(loan: "Loan", early: bool) -> None:
     """The settle callback of a decided loan (nothing to decide)."""
 
 
 class Loan:
-    """The gate of one job's lent tensors (see the module docstring). ``settle``: the lender's
-    decision, run on the lender's thread only (:meth:`settle`); it calls :meth:`confirm` or
-    :meth:`withdraw`."""
+    """The gate of one job's lent tensors (see the module docstring). ``settle(loan, early)``:
+    the lender's decision, run on the lender's thread only (:meth:`settle`); it calls
+    :meth:`confirm` or :meth:`withdraw`, or with ``early`` may leave the loan undecided."""
 
-    def __init__(self, iteration: int, settle: Callable[["Loan"], None]) -> None:
+    def __init__(self, iteration: int, settle: Callable[["Loan", bool], None]) -> None:
         self.iteration = iteration
         self._settle = settle
         self.lender = threading.get_ident()
@@ -90,11 +90,12 @@ class Loan:
         if not ok and self.on_withdraw is not None:
             self.on_withdraw()
 
-    def settle(self) -> bool:
-        """Decide now if the calling thread is the lender's and the loan is undecided (step 2);
-        returns whether it is decided afterwards. Any other thread leaves it to the lender."""
+    def settle(self, early: bool = False) -> bool:
+        """Decide now if the calling thread is the lender's and the loan is undecided (step 2;
+        ``early``: only if that needs no wait, as the lender's callback judges); returns
+        whether it is decided afterwards. Any other thread leaves it to the lender."""
         if self._decision is None and threading.get_ident() == self.lender:
-            self._settle(self)
+            self._settle(self, early)
         return self._decision is not None
 
     def wait(self, cancelled: Callable[[], bool] | None = None, poll_s: float = 0.02) -> bool:

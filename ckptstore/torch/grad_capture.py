@@ -89,8 +89,6 @@ class GradCapture:
         self.pending_loan: Loan | None = None
         self._open_loan: Loan | None = None  # lent by take(), not yet submitted
         self._last_taken: list[Any] = [None] * len(layout.params)  # weakrefs of take()'s grads
-        self._open_lent: list[tuple[int, torch.Tensor, int]] = []  # (i, gradient, _version)
-        self._pending_lent: list[tuple[int, torch.Tensor, int]] = []
         self.layout = layout
         self.active = active
         self.lock = threading.Lock()
@@ -261,9 +259,8 @@ class GradCapture:
             self._captured = [None] * len(self.layout.params)
         self._open_loan = None
         if lent:
-            self._open_loan = Loan(-1, functools.partial(self._decide, lent, False))
+            self._open_loan = Loan(-1, functools.partial(self._decide, lent))
             self._open_loan.unreachable = functools.partial(self._unreachable, lent)
-        self._open_lent = lent
         # (from the next backward on; the two-part step, before_step, takes copies)
         self.lending = fresh and self.lend_allowed and not own and not self.ddp
         return grads, arena
@@ -272,10 +269,9 @@ class GradCapture:
         """The loan of the gradients :meth:`take` lent, for the record of ``iteration`` being
         submitted now (it becomes :attr:`pending_loan`); None when nothing was lent."""
         loan, self._open_loan = self._open_loan, None
-        lent, self._open_lent = self._open_lent, []
         if loan is not None:
             loan.iteration = iteration
-            self.pending_loan, self._pending_lent = loan, lent
+            self.pending_loan = loan
         return loan
 
     def settle(self, early: bool = False) -> None:
@@ -284,13 +280,8 @@ class GradCapture:
         what can be decided without waiting; a lent gradient still held as ``p.grad`` is left
         for later (the loop may drop it before its next backward)."""
         loan = self.pending_loan
-        if loan is None:
-            return
-        if not loan.decided and threading.get_ident() == loan.lender:
-            self._decide(self._pending_lent, early, loan)
-        if loan.decided:
+        if loan is not None and loan.settle(early):
             self.pending_loan = None
-            self._pending_lent = []
 
     @staticmethod
     def lendable(g: torch.Tensor) -> bool:
@@ -306,7 +297,7 @@ class GradCapture:
         return all(g._version == v and local(self.layout.params[i].grad) is not g
                    for i, g, v in lent)
 
-    def _decide(self, lent: list[tuple[int, torch.Tensor, int]], early: bool, loan: Loan) -> None:
+    def _decide(self, lent: list[tuple[int, torch.Tensor, int]], loan: Loan, early: bool) -> None:
         """The lender's decision on ``loan`` (:mod:`ckptstore.ops.loan`, run on the training
         thread): withdrawn when a lent gradient changed in place, else confirmed; while the
         training loop still holds one as ``p.grad`` it could change it next, so the decision
@@ -333,7 +324,7 @@ class GradCapture:
         """Nothing captured so far counts (the next step copies every gradient again; a loan
         not yet submitted is dropped: nothing will read it)."""
         self._captured = [None] * len(self.layout.params)
-        self._open_loan, self._open_lent = None, []
+        self._open_loan = None
 
     def release(self, pipe: Any) -> None:
         """Give back the gradients captured for a step that records nothing (to ``pipe``'s pool;
