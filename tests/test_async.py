@@ -285,6 +285,40 @@ def test_failure_rolls_back_uncommitted_async_deltas(tmp_path, assert_same, dire
     assert check(tmp_path / "s").clean
 
 
+def test_host_pool_reuses_an_arena_only_for_requests_near_its_size_and_frees_retired_ones():
+    """Best fit among cached arenas at most twice the request while the budget has room for a
+    new one (a small request does not take, and hold, the arena a large one will want again),
+    else among all; a retired arena is freed, not cached: at once when cached, at its release
+    when reserved."""
+    import weakref
+
+    from ckptstore.ops.host_staging import HostPool
+    pool = HostPool(64 << 20, pin=False)
+    big, _ = pool.acquire(8 << 20)
+    pool.release(big)
+    small, _ = pool.acquire(1 << 20)
+    assert small is not big and pool.allocations == 2 and pool.cached == 8 << 20
+    again, _ = pool.acquire(5 << 20)
+    assert again is big and pool.cached == 0  # (5 MiB <= 8 MiB <= 2 x 5 MiB)
+    gone = weakref.ref(again)
+    pool.retire(again)  # reserved: freed at its release
+    pool.release(again)
+    del big, again
+    gc.collect()
+    assert gone() is None and pool.cached == 0 and pool.reserved == 1 << 20
+    pool.release(small)
+    assert pool.cached == 1 << 20
+    tight = HostPool(8 << 20, pin=False)  # no room for another: the cached one serves
+    big, _ = tight.acquire(8 << 20)
+    tight.release(big)
+    assert tight.acquire(1 << 20)[0] is big and tight.allocations == 1
+    gone = weakref.ref(small)
+    pool.retire(small)  # cached: freed now
+    del small
+    gc.collect()
+    assert gone() is None and pool.cached == 0 and pool.reserved == 0
+
+
 def test_backpressure_budget_and_buffer_reuse(tmp_path):
     ops = GateOps()
     one = sum(v.nbytes for v in state_for(1)["model"].values())

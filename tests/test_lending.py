@@ -6,7 +6,9 @@ lender decides (ckptstore/ops/loan.py), and the Checkpointer lending its gradien
 from __future__ import annotations
 
 import copy
+import gc
 import shutil
+import weakref
 import threading
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from ckptstore.format import records as rec
 from ckptstore.format.chunk import address_of
 from ckptstore.format.image import BLOCK, LentFramer
 from ckptstore.ops.fsck import check
+from ckptstore.ops.host_staging import HostPool
 from ckptstore.ops.loan import Loan
 from ckptstore.tensors import LentTensor
 from ckptstore.torch import Checkpointer
@@ -200,10 +203,10 @@ def test_a_flush_on_the_lenders_thread_decides_its_loans(tmp_path: Path) -> None
 
 # ---- the Checkpointer ----------------------------------------------------------------------------
 
-def _trainer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A small model (two large gradients, two small ones) and its AdamW, seeded."""
+def _trainer(width: int = 2048) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small model (three large gradients, a small one) and its AdamW, seeded."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -451,4 +454,70 @@ def test_gradients_that_view_a_persistent_buffer_are_copied_not_lent(tmp_path: P
             opt.zero_grad()
         assert ck.capture_counts["lent"] == 0
         ck.close()
+    _restores_every_iteration(tmp_path / "s", states)
+
+
+def _spy_on_acquire(monkeypatch) -> list[tuple[int, weakref.ref]]:
+    """Every host arena acquired from now on: (bytes asked for, a weak reference to it)."""
+    asked: list[tuple[int, weakref.ref]] = []
+    acquire = HostPool.acquire
+
+    def spy(self, nbytes, own=0):
+        arena, waited = acquire(self, nbytes, own)
+        asked.append((nbytes, weakref.ref(arena)))
+        return arena, waited
+    monkeypatch.setattr(HostPool, "acquire", spy)
+    return asked
+
+
+def test_lending_steps_hold_host_memory_for_the_small_gradients_only(tmp_path: Path, monkeypatch) -> None:
+    """Once the large gradients are lent, a step's arena has room for the small ones alone, and
+    the full-size arenas of the two steps before lending are freed, not kept in the pool."""
+    asked = _spy_on_acquire(monkeypatch)
+    model, opt = _trainer()
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
+        ck.restore()
+        _steps(ck, model, opt, 8)
+        ck.flush()
+        cap = ck._capture
+        full = [ref for n, ref in asked if n == cap._slot_bytes]
+        small = [n for n, _ in asked if n == cap._small_bytes]
+        assert cap._small_bytes < cap._slot_bytes
+        assert len(full) == 2 and len(small) == 6  # steps 1-2 copy; 3-8 lend
+        gc.collect()
+        assert all(ref() is None for ref in full)
+        ck.close()
+
+
+def test_a_gradient_lending_cannot_take_is_copied_beside_the_small_ones_captured(
+        tmp_path: Path, monkeypatch) -> None:
+    """While lending, backward captures the small gradients into an arena with room for them
+    alone; a step whose large gradient cannot be lent (a view) copies it into a full arena, the
+    small gradients moved over, and every iteration restores exactly."""
+    asked = _spy_on_acquire(monkeypatch)
+    model, opt = _trainer(width=8192)  # (all slots: over the pool's 1 MiB rounding)
+    weight = model[0].weight
+    states = {}
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
+        ck.restore()
+        cap = ck._capture
+        sizes = {cap._small_bytes: "small", cap._slot_bytes: "full"}
+        assert cap._slot_bytes > 1 << 20
+        for it in range(1, 9):
+            n_asked = len(asked)
+            model(torch.randn(8, 32)).pow(2).mean().backward()
+            if it == 5:
+                view = torch.zeros(weight.numel() + 16)[16:].view_as(weight)
+                view.copy_(weight.grad)
+                weight.grad = view
+            ck.step(it)
+            step = [sizes[n] for n, _ in asked[n_asked:] if n in sizes]
+            assert step == (["full"] if it <= 2 else ["small", "full"] if it == 5 else ["small"]), it
+            states[it] = copy.deepcopy(model.state_dict())
+            opt.zero_grad()
+        counts = dict(ck.capture_counts)
+        ck.close()
+    assert counts["lent"] == 3 * 6 - 1 and counts["step"] == 1
     _restores_every_iteration(tmp_path / "s", states)

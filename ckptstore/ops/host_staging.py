@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,6 +35,8 @@ from ..tensors import TORCH_DTYPES, ArrayLeaf, ImageTensor, LentTensor
 
 ALIGN = 64  # leaf offsets inside an arena: any dtype can view its slice
 _ROUND = 1 << 20  # arena capacities are rounded up to 1 MiB so similar sizes reuse the same arena
+#: a cached arena is reused for requests down to 1/_REUSE_SLACK of its capacity, no smaller
+_REUSE_SLACK = 2
 
 
 def default_host_budget() -> int:
@@ -131,15 +134,20 @@ class ArenaLayout:
 
 
 class HostPool:
-    """Host staging memory: arenas are reused (best fit) and the bytes held by reserved plus cached
-    arenas stay within ``budget``; a reservation that does not fit waits until others are
-    released. One reservation larger than the whole budget proceeds when it is alone."""
+    """Host staging memory: arenas are reused (best fit; while the budget has room for a new
+    arena, only among those at most :data:`_REUSE_SLACK` times the request, so a small request
+    does not take the arena a large one will want) and the bytes held by reserved plus cached
+    arenas stay within ``budget``; a
+    reservation that does not fit waits until others are released. One reservation larger than
+    the whole budget proceeds when it is alone. A holder that will not ask for an arena's size
+    again :meth:`retire` s it: it is freed instead of cached."""
 
     def __init__(self, budget: int, pin: bool) -> None:
         self.budget = budget
         self.pin = pin
         self._cond = threading.Condition()
         self._free: list[Arena] = []
+        self._retired: weakref.WeakSet[Arena] = weakref.WeakSet()  # freed at release, not cached
         self.reserved = 0
         self.cached = 0
         self.allocations = 0
@@ -154,6 +162,8 @@ class HostPool:
                 self._cond.wait()
             waited = time.perf_counter() - t0
             fits = [a for a in self._free if a.capacity >= need]
+            if self.reserved + self.cached + need <= self.budget:  # room for a new one
+                fits = [a for a in fits if a.capacity <= need * _REUSE_SLACK]
             if fits:
                 arena = min(fits, key=lambda a: a.capacity)
                 self._free.remove(arena)
@@ -169,11 +179,24 @@ class HostPool:
     def release(self, arena: Arena) -> None:
         with self._cond:
             self.reserved -= arena.capacity
-            self._free.append(arena)
-            self.cached += arena.capacity
+            if arena in self._retired:
+                self._retired.discard(arena)
+            else:
+                self._free.append(arena)
+                self.cached += arena.capacity
             while self._free and self.reserved + self.cached > self.budget:
                 self.cached -= self._free.pop(0).capacity
             self._cond.notify_all()
+
+    def retire(self, arena: Arena) -> None:
+        """Free ``arena`` now if it is cached, else when it is released (its holder will not ask
+        for its size again: e.g. gradient copies that lending replaced)."""
+        with self._cond:
+            if arena in self._free:
+                self._free.remove(arena)
+                self.cached -= arena.capacity
+            else:
+                self._retired.add(arena)
 
     def set_budget(self, budget: int) -> None:
         with self._cond:

@@ -115,49 +115,80 @@ class GradCapture:
             h.remove()
         self._hooks = []
 
-    def _ensure_arena(self) -> Any:
+    def _ensure_arena(self, full: bool = True) -> Any:
+        """This iteration's arena: one with every gradient slot (``full``), or one with only the
+        small gradients' slots, the layout's prefix (while lending: the large gradients need
+        none). A small arena asked for ``full`` is replaced by a full one, its slots copied over
+        (so a caller takes slot views only of the arena it will hand on)."""
         with self.lock:
-            if self._arena is None:
+            arena = self._arena
+            if arena is None or (full and arena.capacity < self._slot_bytes):
                 # the running pipeline (started with the Checkpointer), not the property, which
                 # would raise a background failure inside backward (the next step raises it instead)
                 pipe = self.store.running_pipeline
                 assert pipe is not None
-                self._arena, waited = pipe.pool.acquire(self._slot_bytes)
+                bigger, waited = pipe.pool.acquire(self._slot_bytes if full else self._small_bytes)
                 self.wait_s += waited
-            return self._arena
+                if full:
+                    self._full_arenas.add(bigger)
+                if arena is not None:  # the small gradients captured so far move over
+                    n = self._small_bytes - IMAGE_BLOCK
+                    src = -arena.buf.data_ptr() % IMAGE_BLOCK
+                    dst = -bigger.buf.data_ptr() % IMAGE_BLOCK
+                    bigger.slice(dst, n).copy_(arena.slice(src, n))
+                    pipe.pool.release(arena)
+                self._arena = arena = bigger
+            return arena
+
+    def _retire_full_arenas(self) -> None:
+        """While lending, an arena with room for the large gradients is not needed again: the
+        pool frees it (now, or when its job releases it) instead of keeping it cached."""
+        pipe = self.store.running_pipeline
+        for arena in list(self._full_arenas):
+            if pipe is not None:
+                pipe.pool.retire(arena)
+            self._slot_views.pop(id(arena), None)  # (its views would keep it alive)
+        self._full_arenas.clear()
 
     def _layout_slots(self, chunk_size: int) -> None:
-        """Where each parameter's captured gradient lies in an arena. Large CPU gradients get a
-        chunk image each (ckptstore/format/image.py: the store writes their records straight
-        from the arena, no staging copy), laid end to end from the arena's first page boundary;
-        the rest get plain ``ALIGN``-aligned slots (:mod:`ckptstore.ops.host_staging`) after them. ``_slots[i]``: (offset from that
-        boundary, bytes, whether it is an image)."""
+        """Where each parameter's captured gradient lies in an arena, counted from the arena's
+        first page boundary: the small gradients first, in plain ``ALIGN``-aligned slots
+        (:mod:`ckptstore.ops.host_staging`), then from the next page boundary the large CPU
+        gradients, a chunk image each (ckptstore/format/image.py: the store writes their records
+        straight from the arena, no staging copy). So an arena of the small slots alone
+        (``_small_bytes``) serves the steps that lend the large gradients. ``_slots[i]``:
+        (offset, bytes, whether it is an image)."""
         params = self.layout.params
         self._stride = ChunkImage.stride_for(chunk_size)
         self._slots: list[tuple[int, int, bool]] = [(0, 0, False)] * len(params)
+        images = []
         off = 0
-        rest = []
         for i, (p, owned) in enumerate(zip(params, self.layout.owned)):
             p = local(p)  # a DTensor's gradient is captured as its local shard
             n = p.numel() * p.element_size() if owned else 0  # (others' gradients: never captured)
             if n > INLINE_MAX and p.device.type == "cpu" and ImageTensor.fits(p.dtype, n, self._stride):
-                self._slots[i] = (off, n, True)
-                off += ChunkImage(n, self._stride).size
+                images.append((i, n))
             else:
-                rest.append((i, n))
-        for i, n in rest:
-            self._slots[i] = (off, n, False)
-            off += align(n)
-        self._slot_bytes = off + IMAGE_BLOCK  # + room to start at a page boundary in any arena
+                self._slots[i] = (off, n, False)
+                off += align(n)
+        self._small_bytes = off + IMAGE_BLOCK  # + room to start at a page boundary in any arena
+        off = -(-off // IMAGE_BLOCK) * IMAGE_BLOCK
+        for i, n in images:
+            self._slots[i] = (off, n, True)
+            off += ChunkImage(n, self._stride).size
+        self._slot_bytes = off + IMAGE_BLOCK
         self._slot_views: dict[int, tuple[Any, list[Any]]] = {}
+        self._full_arenas: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def _slot(self, i: int, arena: Any) -> Any:
-        """Parameter ``i``'s gradient slot in ``arena``: a tensor view, or an ImageTensor."""
+        """Parameter ``i``'s gradient slot in ``arena``: a tensor view, or an ImageTensor (None
+        for a large gradient's slot in a small arena: never asked for)."""
         cached = self._slot_views.get(id(arena))
         if cached is None or cached[0] is not arena:
             if len(self._slot_views) >= 8:
                 self._slot_views.clear()
             shift = -arena.buf.data_ptr() % IMAGE_BLOCK
+            full = arena.capacity >= self._slot_bytes
             views: list[Any] = []
             for p, (off, n, image) in zip(self.layout.params, self._slots):
                 p = local(p)
@@ -165,7 +196,7 @@ class GradCapture:
                     views.append(None)  # another rank's gradient: never captured here
                 elif image:
                     views.append(ImageTensor(arena.buf, shift + off, p.dtype, tuple(p.shape),
-                                             self._stride))
+                                             self._stride) if full else None)
                 else:
                     views.append(arena.slice(shift + off, n).view(p.dtype).view(p.shape))
             cached = self._slot_views[id(arena)] = (arena, views)
@@ -191,7 +222,7 @@ class GradCapture:
             if self.ddp or g is None or not self.layout.owned[i] or not self.active() or \
                     not self.capturable(i, g) or (self.lending and self._slots[i][2]):
                 return  # (a large gradient while lending: take() lends it)
-            self._slot(i, self._ensure_arena()).copy_(g)
+            self._slot(i, self._ensure_arena(full=not self.lending)).copy_(g)
             self._captured[i] = (weakref.ref(g), g._version)
             self.counts["hook"] += 1
         return on_grad
@@ -223,6 +254,9 @@ class GradCapture:
         grads: list[Any] = []
         arena = None
         lend = self.lending and not own and not self.ddp
+        # an arena with the large gradients' slots only when one of them is copied
+        full = not lend or any(self._slots[i][2] and self.capturable(i, g) and not self.lendable(g)
+                               for i, g in self._owned_grads())
         lent: list[tuple[int, torch.Tensor, int]] = []
         fresh = True  # every large gradient is a new tensor since the last take()
         for i, p in enumerate(self.layout.params):
@@ -242,7 +276,7 @@ class GradCapture:
                     lent.append((i, g, g._version))
                     self.counts["lent"] += 1
                     continue
-            arena = arena or self._ensure_arena()
+            arena = arena or self._ensure_arena(full)
             slot = self._slot(i, arena)
             c = self._captured[i]
             if c == "ddp":
@@ -263,7 +297,16 @@ class GradCapture:
             self._open_loan.unreachable = functools.partial(self._unreachable, lent)
         # (from the next backward on; the two-part step, before_step, takes copies)
         self.lending = fresh and self.lend_allowed and not own and not self.ddp
+        if self.lending:
+            self._retire_full_arenas()
         return grads, arena
+
+    def _owned_grads(self) -> Any:
+        """(index, gradient) of each owned parameter with a gradient (a DTensor's local shard)."""
+        for i, p in enumerate(self.layout.params):
+            g = local(p.grad)
+            if g is not None and self.layout.owned[i]:
+                yield i, g
 
     def lend_to(self, iteration: int) -> Loan | None:
         """The loan of the gradients :meth:`take` lent, for the record of ``iteration`` being
