@@ -275,13 +275,14 @@ class _ImageBatch:
     them all at once, straight from the images' memory, adjacent images as one write. Chunks
     already stored are left out (each record owns a block-aligned span, so what remains stays
     aligned); chunks that compress are appended compressed after the images. Lent tensors
-    (:meth:`frame_lent`) are written with them, from their owner's memory."""
+    (:meth:`frame_lent`) are written in the same write after the images, from their owner's
+    memory, framed by one :class:`~ckptstore.format.image.LentFramer` (one gap buffer)."""
 
     def __init__(self, framing_checks: bool) -> None:
         #: records are framed with FRAMING_CHECK trailers (the store's STORE flag)
         self.framing_checks = framing_checks
         #: what to write, in order: [buffer, start, end) spans of image memory (adjacent ones
-        #: merged), or a lent tensor's gaps and middles (memoryviews, LentFramer)
+        #: merged), then the lent tensors' gaps and middles (memoryviews, LentFramer)
         self.runs: list[Any] = []
         #: (address, offset in the written bytes, payload length) of each framed record
         self.framed: list[tuple[bytes, int, int]] = []
@@ -289,10 +290,14 @@ class _ImageBatch:
         self.packed: list[tuple[bytes, Any, int]] = []  # (address, lz4 data, raw length)
         self.trees: list[Any] = []
         self.n_known = self.known_bytes = self.out = 0
+        #: the lent tensors' records, written after the images (one framer: one gap buffer)
+        self.lent = LentFramer(framing_checks)
+        #: (address, offset in the framer's bytes, payload length) of each lent record
+        self.lent_framed: list[tuple[bytes, int, int]] = []
 
     @property
     def n_new(self) -> int:
-        return len(self.framed) + len(self.packed)
+        return len(self.framed) + len(self.lent_framed) + len(self.packed)
 
     def _raw_address(self, piece: memoryview, j: int, known: Callable[[bytes], bool],
                      progress: Callable[[int], None] | None, name: str,
@@ -356,23 +361,16 @@ class _ImageBatch:
                    progress: Callable[[int], None] | None, name: str,
                    trials: "CompressionTrials | None") -> Any:
         """Hash and frame the chunks of ``lent`` (a lent tensor, format/image.py's
-        :class:`~ckptstore.format.image.LentFramer`: written from its owner's memory) at
-        ``chunk_size``; returns its tree (appended by the caller after the images)."""
+        :class:`~ckptstore.format.image.LentFramer`: written from its owner's memory, after the
+        images) at ``chunk_size``; returns its tree (appended by the caller after the images)."""
         mem = lent.memory()
-        framer = LentFramer(self.framing_checks)
-        framed: list[tuple[bytes, int, int]] = []
         addresses: list[bytes] = []
         for j, start in enumerate(range(0, lent.nbytes, chunk_size)):
             piece = mem[start:start + chunk_size]
             addr = self._raw_address(piece, j, known, progress, name, trials, addresses)
             if addr is not None:
-                framed.append((addr, framer.add(piece, lent.address + start, addr),
-                               CHUNK_HEADER_SIZE + len(piece)))
-        if framed:
-            buffers = framer.buffers()
-            self.framed.extend((addr, self.out + at, length) for addr, at, length in framed)
-            self.out += sum(len(b) for b in buffers)
-            self.runs.extend(buffers)
+                self.lent_framed.append((addr, self.lent.add(piece, lent.address + start, addr),
+                                         CHUNK_HEADER_SIZE + len(piece)))
         tree = make_tree(lent.nbytes, chunk_size, addresses)
         self.trees.append(tree)
         return tree
@@ -381,12 +379,19 @@ class _ImageBatch:
         """Append everything framed, then the compressed chunks; index them in ``new_chunks``.
         Returns the bytes appended."""
         out = 0
+        lent_at = self.out  # the lent records follow the images (which end on a block boundary)
+        if self.lent_framed:
+            lent = self.lent.buffers()
+            self.out += sum(len(b) for b in lent)
+            self.runs.extend(lent)
         if self.runs:
             buffers = [r if isinstance(r, memoryview) else memoryview(r[0][r[1]:r[2]].numpy())
                        for r in self.runs]
             seq, base = target.append_image(buffers)
             for addr, off, length in self.framed:
                 new_chunks[addr] = ChunkRef(Loc(seq, base + off, length), int(Codec.RAW))
+            for addr, off, length in self.lent_framed:
+                new_chunks[addr] = ChunkRef(Loc(seq, base + lent_at + off, length), int(Codec.RAW))
             out += self.out
         for addr, data, n in self.packed:
             loc = target.append(rec.RecordType.CHUNK, [encode_chunk_header(addr, Codec.LZ4, n), data])
