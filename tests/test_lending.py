@@ -490,34 +490,74 @@ def test_lending_steps_hold_host_memory_for_the_small_gradients_only(tmp_path: P
         ck.close()
 
 
-def test_a_gradient_lending_cannot_take_is_copied_beside_the_small_ones_captured(
-        tmp_path: Path, monkeypatch) -> None:
-    """While lending, backward captures the small gradients into an arena with room for them
-    alone; a step whose large gradient cannot be lent (a view) copies it into a full arena, the
-    small gradients moved over, and every iteration restores exactly."""
-    asked = _spy_on_acquire(monkeypatch)
-    model, opt = _trainer(width=8192)  # (all slots: over the pool's 1 MiB rounding)
+def _train_with_unlendable_steps(path: Path, asked: list, unlendable: set[int], steps: int = 8,
+                                  **store_options) -> tuple[dict, dict, dict]:
+    """Train ``_trainer(width=8192)`` (all its slots: over the pool's 1 MiB rounding) with every
+    iteration a delta, its first weight's gradient made a view (which cannot be lent) at the
+    iterations in ``unlendable`` (each then flushed: its arenas are back in the pool); appends
+    ("step", it) to ``asked`` as each step starts. Returns (the live states, the capture counts,
+    the capture's arena bytes -> "small" or "full")."""
+    model, opt = _trainer(width=8192)
     weight = model[0].weight
-    states = {}
-    with ckptstore.open(tmp_path / "s") as store:
+    states, kinds = {}, {}
+    with ckptstore.open(path, **store_options) as store:
         ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
         ck.restore()
         cap = ck._capture
-        sizes = {cap._small_bytes: "small", cap._slot_bytes: "full"}
+        kinds = {cap._small_bytes: "small", cap._slot_bytes: "full"}
         assert cap._slot_bytes > 1 << 20
-        for it in range(1, 9):
-            n_asked = len(asked)
+        for it in range(1, steps + 1):
+            asked.append(("step", it))
             model(torch.randn(8, 32)).pow(2).mean().backward()
-            if it == 5:
+            if it in unlendable:
                 view = torch.zeros(weight.numel() + 16)[16:].view_as(weight)
                 view.copy_(weight.grad)
                 weight.grad = view
             ck.step(it)
-            step = [sizes[n] for n, _ in asked[n_asked:] if n in sizes]
-            assert step == (["full"] if it <= 2 else ["small", "full"] if it == 5 else ["small"]), it
             states[it] = copy.deepcopy(model.state_dict())
             opt.zero_grad()
+            if it in unlendable:
+                ck.flush()
         counts = dict(ck.capture_counts)
         ck.close()
-    assert counts["lent"] == 3 * 6 - 1 and counts["step"] == 1
+    return states, counts, kinds
+
+
+def test_a_gradient_lending_cannot_take_is_copied_beside_the_small_ones_captured(
+        tmp_path: Path, monkeypatch) -> None:
+    """While lending, backward captures the small gradients into an arena with room for them
+    alone; a step whose large gradient cannot be lent (a view) copies it into a full arena, the
+    small gradients moved over; the next such step reuses that arena; every iteration restores
+    exactly."""
+    asked = _spy_on_acquire(monkeypatch)
+    states, counts, kinds = _train_with_unlendable_steps(tmp_path / "s", asked, {5, 6})
+    by_step: dict[int, list] = {}
+    it = 0
+    for n, ref in asked:
+        if n == "step":
+            it = ref
+        elif n in kinds:
+            by_step.setdefault(it, []).append((kinds[n], ref))
+    assert [k for k, _ in by_step[1]] == ["full"] and [k for k, _ in by_step[2]] == ["full"]
+    for i in (3, 4, 7, 8):
+        assert [k for k, _ in by_step[i]] == ["small"], i
+    for i in (5, 6):
+        assert [k for k, _ in by_step[i]] == ["small", "full"], i
+    assert by_step[6][1][1]() is not None and by_step[6][1][1]() is by_step[5][1][1]()
+    assert counts["lent"] == 3 * 6 - 2 and counts["step"] == 2
+    _restores_every_iteration(tmp_path / "s", states)
+
+
+def test_moving_to_a_full_arena_within_a_tight_host_budget_does_not_wait_for_itself(
+        tmp_path: Path) -> None:
+    """The capture's own small arena does not count against the full one it moves to (with a
+    budget that fits the full arena alone, waiting for it would wait forever)."""
+    done = []
+    worker = threading.Thread(target=lambda: done.append(_train_with_unlendable_steps(
+        tmp_path / "s", [], {5}, steps=6, host_budget=2 << 20)), daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "the step that needed a full arena waited for its own small one"
+    states, counts, _ = done[0]
+    assert counts["step"] == 1
     _restores_every_iteration(tmp_path / "s", states)

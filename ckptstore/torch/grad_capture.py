@@ -127,22 +127,27 @@ class GradCapture:
                 # would raise a background failure inside backward (the next step raises it instead)
                 pipe = self.store.running_pipeline
                 assert pipe is not None
-                bigger, waited = pipe.pool.acquire(self._slot_bytes if full else self._small_bytes)
+                # (own: the small arena held here must not keep the pool waiting for itself)
+                bigger, waited = pipe.pool.acquire(self._slot_bytes if full else self._small_bytes,
+                                                   own=arena.capacity if arena is not None else 0)
                 self.wait_s += waited
-                if full:
+                if full and not self.lending:
                     self._full_arenas.add(bigger)
                 if arena is not None:  # the small gradients captured so far move over
                     n = self._small_bytes - IMAGE_BLOCK
                     src = -arena.buf.data_ptr() % IMAGE_BLOCK
                     dst = -bigger.buf.data_ptr() % IMAGE_BLOCK
                     bigger.slice(dst, n).copy_(arena.slice(src, n))
+                    self._slot_views.pop(id(arena), None)  # (its views would keep it alive)
                     pipe.pool.release(arena)
                 self._arena = arena = bigger
             return arena
 
     def _retire_full_arenas(self) -> None:
-        """While lending, an arena with room for the large gradients is not needed again: the
-        pool frees it (now, or when its job releases it) instead of keeping it cached."""
+        """Once lending starts, the full arenas of the steps before it are not needed again: the
+        pool frees them (now, or when their jobs release them) instead of keeping them cached.
+        (A full arena a lending step needs, for a large gradient it cannot lend, is cached as
+        usual: such a gradient tends to come back every step.)"""
         pipe = self.store.running_pipeline
         for arena in list(self._full_arenas):
             if pipe is not None:
@@ -253,6 +258,7 @@ class GradCapture:
         a slot too (else the payload is the live gradient, copied when the record is submitted)."""
         grads: list[Any] = []
         arena = None
+        lent_before = self.lending
         lend = self.lending and not own and not self.ddp
         # an arena with the large gradients' slots only when one of them is copied
         full = not lend or any(self._slots[i][2] and self.capturable(i, g) and not self.lendable(g)
@@ -297,7 +303,7 @@ class GradCapture:
             self._open_loan.unreachable = functools.partial(self._unreachable, lent)
         # (from the next backward on; the two-part step, before_step, takes copies)
         self.lending = fresh and self.lend_allowed and not own and not self.ddp
-        if self.lending:
+        if self.lending and not lent_before:
             self._retire_full_arenas()
         return grads, arena
 
