@@ -561,3 +561,26 @@ def test_moving_to_a_full_arena_within_a_tight_host_budget_does_not_wait_for_its
     states, counts, _ = done[0]
     assert counts["step"] == 1
     _restores_every_iteration(tmp_path / "s", states)
+
+
+def test_an_arena_the_pool_drops_is_freed_though_the_capture_viewed_it(tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    """The capture's cached slot views do not keep an arena alive: once the pool drops it (here
+    to make room within a smaller budget), its memory is freed."""
+    asked = _spy_on_acquire(monkeypatch)
+    model, opt = _trainer()
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50,
+                          capture="hooks")
+        ck.restore()
+        _steps(ck, model, opt, 3)
+        ck.flush()
+        slots = [ref for n, ref in asked if n == ck._capture._slot_bytes]
+        assert slots and slots[0]() is not None  # cached by the pool
+        pool = store.running_pipeline.pool
+        pool.set_budget(2 << 20)
+        other, _ = pool.acquire(2 << 20)  # no room: the pool drops what it cached
+        gc.collect()
+        assert all(ref() is None for ref in slots)
+        pool.release(other)
+        ck.close()

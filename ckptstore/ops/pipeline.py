@@ -444,6 +444,13 @@ class Pipeline:
                 "abandoned (as in a crash: committed ones are kept; close() the store to commit "
                 "them)" + (f": iterations {[j.iteration for j in saves]}" if saves else ""))
 
+    def _release_arenas(self, job: _Job) -> None:
+        """Give ``job``'s arenas back to the pool, keeping no name bound to one (the persister's
+        loop outlives its jobs: a loop variable would keep the last arena alive after the pool
+        dropped it)."""
+        while job.arenas:
+            self.pool.release(job.arenas.pop())
+
     def _drop(self, jobs: list[_Job], why: str, queued: bool = True) -> None:
         """Fail jobs that will never run (their futures raise CheckpointAbortedError);
         ``queued``: they were still counted in flight (not yet persisted)."""
@@ -453,9 +460,8 @@ class Pipeline:
                 j.loan.give_back()
             if j.copy is not None:
                 j.copy.wait()  # (no arena is released while a copy into it may run)
-            for a in j.arenas:
-                self.pool.release(a)
-            j.arenas, j.leaves = [], []
+            self._release_arenas(j)
+            j.leaves = []
             if queued and j.kind in ("snapshot", "delta"):
                 with self._cond:
                     self._inflight -= 1
@@ -541,9 +547,7 @@ class Pipeline:
                     job.loan.give_back()
                 if job.copy is not None:
                     job.copy.wait()  # (a job failed before its copy ended: not released under it)
-                for a in job.arenas:
-                    self.pool.release(a)
-                job.arenas = []
+                self._release_arenas(job)
                 job.leaves = []
                 with self._cond:
                     self._queue.popleft()

@@ -138,7 +138,6 @@ class GradCapture:
                     src = -arena.buf.data_ptr() % IMAGE_BLOCK
                     dst = -bigger.buf.data_ptr() % IMAGE_BLOCK
                     bigger.slice(dst, n).copy_(arena.slice(src, n))
-                    self._slot_views.pop(id(arena), None)  # (its views would keep it alive)
                     pipe.pool.release(arena)
                 self._arena = arena = bigger
             return arena
@@ -152,7 +151,6 @@ class GradCapture:
         for arena in list(self._full_arenas):
             if pipe is not None:
                 pipe.pool.retire(arena)
-            self._slot_views.pop(id(arena), None)  # (its views would keep it alive)
         self._full_arenas.clear()
 
     def _layout_slots(self, chunk_size: int) -> None:
@@ -182,19 +180,19 @@ class GradCapture:
             self._slots[i] = (off, n, True)
             off += ChunkImage(n, self._stride).size
         self._slot_bytes = off + IMAGE_BLOCK
-        self._slot_views: dict[int, tuple[Any, list[Any]]] = {}
+        #: each arena's slot views, dropped with the arena (they view its buffer, not the
+        #: Arena: the pool alone decides how long an arena lives)
+        self._slot_views: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
         self._full_arenas: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def _slot(self, i: int, arena: Any) -> Any:
         """Parameter ``i``'s gradient slot in ``arena``: a tensor view, or an ImageTensor (None
         for a large gradient's slot in a small arena: never asked for)."""
-        cached = self._slot_views.get(id(arena))
-        if cached is None or cached[0] is not arena:
-            if len(self._slot_views) >= 8:
-                self._slot_views.clear()
+        views = self._slot_views.get(arena)
+        if views is None:
             shift = -arena.buf.data_ptr() % IMAGE_BLOCK
             full = arena.capacity >= self._slot_bytes
-            views: list[Any] = []
+            views = []
             for p, (off, n, image) in zip(self.layout.params, self._slots):
                 p = local(p)
                 if n == 0 and p.numel() > 0:
@@ -204,8 +202,8 @@ class GradCapture:
                                              self._stride) if full else None)
                 else:
                     views.append(arena.slice(shift + off, n).view(p.dtype).view(p.shape))
-            cached = self._slot_views[id(arena)] = (arena, views)
-        return cached[1][i]
+            self._slot_views[arena] = views
+        return views[i]
 
     def capturable(self, i: int, g: torch.Tensor | None) -> bool:
         """Whether gradient ``g`` of parameter ``i`` fits its slot (a dense CPU tensor of the
