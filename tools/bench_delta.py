@@ -16,6 +16,13 @@ A GPT-style model (~25M parameters by default) trained with AdamW on CPU:
     python tools/bench_delta.py [--rounds 4 --block 15] [--k 50] [--dir /tmp/bench_delta] [--layers 6 --dim 512]
                                 [--restore-only] [--codecs exact,topk:0.01] [--json OUT] [--quick]
 
+``--memory`` measures instead each variant's resident memory (issue 30): plain training and a
+Checkpointer per codec each train ``--memory-steps`` iterations in a fresh process (``--rounds``
+rounds, the order rotated), which then reports its peak (VmHWM) and final (VmRSS) resident
+memory after a flush, and the bytes the store's host pool keeps cached; medians with the range.
+
+    python tools/bench_delta.py --memory [--codecs exact,exact@hooks] [--memory-steps 40]
+
 ``--restore-vs-recompute`` (issue 17) measures instead what restoring base+k costs against the
 honest alternative, recomputing: torch.load of the full base checkpoint + k real training steps
 of the same model from it. For each k of ``--ks`` (default 10,50,200), page cache warm and cold:
@@ -41,8 +48,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -277,6 +286,58 @@ def report_steps(variants: list["_Variant"], bandwidth: float | None, full_bytes
             zip(("forward", "backward", "step"), phases(v), base)), flush=True)
         print(f"  [{v.codec}] step: {Stats.of(v.times).show(1e3, '.0f', ' ms')}", flush=True)
     return {v.codec or "plain": Stats.of(v.times).as_dict() for v in variants}
+
+
+MODEL_ARGS = ("layers", "dim", "heads", "vocab", "ctx", "batch", "threads")
+
+
+def _resident_kib() -> dict[str, int]:
+    """This process's VmHWM and VmRSS (KiB, /proc/self/status)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                out[key] = int(value.split()[0])
+    return out
+
+
+def memory_child(args) -> None:
+    """--memory's child: variant ``args.memory_child`` ("plain" or a codec) trains
+    ``args.memory_steps`` iterations in this fresh process, flushes, and prints one JSON line:
+    VmHWM and VmRSS (KiB), and the host pool's cached bytes."""
+    codec = None if args.memory_child == "plain" else args.memory_child
+    v = _Variant(args, codec, os.path.join(args.dir, "memory"))
+    for _ in range(args.memory_steps):
+        v.step(args, timed=False)
+    v.drain()
+    pipe = v.store.running_pipeline if v.store is not None else None
+    print(json.dumps({**_resident_kib(), "pool_cached": pipe.pool.cached if pipe else 0}))
+    v.close()
+
+
+def memory_runs(args, codecs: list[str]) -> dict:
+    """--memory: every variant in its own fresh process, ``args.rounds`` rounds in rotated
+    order; prints the medians (and ranges) of peak and final resident memory and the pool's
+    cache. Returns the samples by variant."""
+    variants = ["plain", *codecs]
+    samples: dict[str, list[dict]] = {v: [] for v in variants}
+    model = [x for k in MODEL_ARGS for x in (f"--{k}", str(getattr(args, k)))]
+    for r in range(args.rounds):
+        for v in rotated(variants, r):
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child", v,
+                                  "--memory-steps", str(args.memory_steps), "--dir", args.dir,
+                                  *model], capture_output=True, text=True, check=True)
+            samples[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    def mib(v: str, key: str) -> str:
+        xs = [s[key] / 1024 for s in samples[v]]
+        return f"{median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})"
+    rows = [(v, mib(v, "VmHWM"), mib(v, "VmRSS"),
+             f"{median([s['pool_cached'] for s in samples[v]]) / 2**20:.0f}") for v in variants]
+    print(f"resident memory after {args.memory_steps} iterations and a flush, fresh process per "
+          f"run, {args.rounds} rounds (MiB, median (range)):")
+    print(table(("variant", "peak (VmHWM)", "final (VmRSS)", "host pool cached"), rows))
+    return samples
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -524,15 +585,28 @@ def main():
                     help="--restore-vs-recompute: follower base interval (0: no follower part)")
     ap.add_argument("--reps", type=int, default=2, help="--restore-vs-recompute: restores per cell")
     ap.add_argument("--keep", action="store_true", help="--restore-vs-recompute: keep the store")
+    ap.add_argument("--memory", action="store_true",
+                    help="resident memory of each variant, a fresh process per run (module docstring)")
+    ap.add_argument("--memory-steps", type=int, default=40, help="--memory: iterations per run")
+    ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     add_model_args(ap)
     args = ap.parse_args()
+    if args.memory_child is not None:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        memory_child(args)
+        return
     quick(args, ap, layers=2, dim=128, vocab=2048, rounds=2, block=3, k=4, ks="2,4",
-          recompute_steps=4, warmup=1, follower_every=2, reps=1)
+          recompute_steps=4, warmup=1, follower_every=2, reps=1, memory_steps=4)
     rvr = args.restore_vs_recompute
     mach = setup(args, f"bench_delta{' --restore-vs-recompute' if rvr else ''}")
     if args.restore_vs_recompute:
         rows = restore_vs_recompute(args)
         write_json(args.json, "bench_delta --restore-vs-recompute", args, mach, rows, None)
+        return
+    if args.memory:
+        write_json(args.json, "bench_delta --memory", args, mach,
+                   memory_runs(args, args.codecs.split(",")), None)
         return
     samples: dict = {"steps": {}, "restores": []}
     aggregates: dict = {}
