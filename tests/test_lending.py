@@ -584,3 +584,29 @@ def test_an_arena_the_pool_drops_is_freed_though_the_capture_viewed_it(tmp_path:
         assert all(ref() is None for ref in slots)
         pool.release(other)
         ck.close()
+
+
+@pytest.mark.parametrize("in_place_from", [None, 5])
+def test_the_two_part_step_lends_too(tmp_path: Path, in_place_from: int | None) -> None:
+    """before_step/after_step (a framework's trainer: the Hugging Face integration) lend like
+    step, the loop dropping its gradients between the halves; one that zeroes them in place
+    there from some step on has that iteration written as a base instead, then copies."""
+    model, opt = _trainer()
+    states = {}
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
+        ck.restore()
+        for it in range(1, 9):
+            model(torch.randn(8, 32)).pow(2).mean().backward()
+            ck.before_step(it)
+            opt.step()
+            opt.zero_grad(set_to_none=in_place_from is None or it < in_place_from)
+            ck.after_step()
+            states[it] = copy.deepcopy(model.state_dict())
+        counts, stopped = dict(ck.capture_counts), ck._capture.lend_stopped
+        ck.close()
+    if in_place_from is None:
+        assert counts["lent"] == 3 * 6 and not stopped
+    else:
+        assert counts["lent"] == 3 * 3 and stopped  # steps 3-5 lent; 5 withdrawn
+    _restores_every_iteration(tmp_path / "s", states)

@@ -179,7 +179,9 @@ class _Variant:
         if codec is not None:
             shutil.rmtree(path, ignore_errors=True)
             # "exact@buffered": appends without O_DIRECT; "exact@hooks": gradients copied
-            # during backward (the capture before lending); "@buffered+hooks": both
+            # during backward (the capture before lending); "@twopart": the two-part step of a
+            # framework's trainer (before_step, optimizer step, zero_grad, after_step); "+"
+            # joins them ("@buffered+hooks")
             name, _, how = codec.partition("@")
             hows = set(how.split("+")) if how else set()
             self.store = ckptstore.open(path, direct_io="buffered" not in hows)
@@ -187,6 +189,7 @@ class _Variant:
                                    base_every=10_000, codec=name, fingerprint_every=10,
                                    capture="hooks" if "hooks" in hows else "lend")
             self.ck.restore()
+        self.two_part = codec is not None and "twopart" in codec.partition("@")[2].split("+")
         self.it = 0
         self.times: list[float] = []
         self.phases: list[tuple[float, float, float]] = []  # (forward, backward, step) per step
@@ -200,13 +203,21 @@ class _Variant:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        if self.ck is not None:
+        if self.two_part:
+            self.ck.before_step(self.it)
+            self.opt.step()
+            self.opt.zero_grad()
+            fut = self.ck.after_step()
+            if timed:
+                self.futures.append(fut)
+        elif self.ck is not None:
             fut = self.ck.step(self.it)
             if timed:
                 self.futures.append(fut)
+            self.opt.zero_grad()
         else:
             self.opt.step()
-        self.opt.zero_grad()
+            self.opt.zero_grad()
         if timed:
             t3 = time.perf_counter()
             self.times.append(t3 - t0)
@@ -568,7 +579,8 @@ def main():
     ap.add_argument("--codecs", default="exact,topk:0.01",
                     help="comma-separated; a codec@buffered variant appends without O_DIRECT, "
                          "exact@hooks copies the gradients during backward instead of lending "
-                         "them (@buffered+hooks: both; step measurement only)")
+                         "them, @twopart steps through before_step/after_step (joined with +: "
+                         "@buffered+hooks; step measurement only)")
     add_standard_args(ap, rounds=4, rounds_help="interleaved rounds of the step measurement",
                       quick_help="a smoke run: a 2-layer model of dim 128, 2 rounds of 3 "
                                  "iterations, k 4 (ks 2,4)")

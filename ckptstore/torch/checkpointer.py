@@ -449,9 +449,10 @@ class Checkpointer:
 
         ``before_step`` does what :meth:`step` does before ``optimizer.step()``: the checks (a
         refused iteration raises here and leaves everything untouched: retry it) and it takes
-        what the record holds from before the step: the gradients (copied, so the caller may
-        zero or free them before ``after_step``), the hyperparameters in effect and the RNG
-        states. ``after_step`` takes the rest from after it (parameter groups, scheduler state,
+        what the record holds from before the step: the gradients (copied or, once the loop is
+        seen to free them, lent; either way the caller may zero or free them before
+        ``after_step``: a lent gradient zeroed in place has its iteration written as a base), the
+        hyperparameters in effect and the RNG states. ``after_step`` takes the rest from after it (parameter groups, scheduler state,
         buffers, fingerprint) and writes the record with the same failure handling as
         :meth:`step` (an error there means the step was applied but its record is lost: continue
         with ``it + 1``, whose record starts a new chain with a base).

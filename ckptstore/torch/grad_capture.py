@@ -252,12 +252,15 @@ class GradCapture:
 
     def take(self, own: bool = False) -> tuple[list[Any], Any]:
         """Gradient payloads for the delta record, in slots of a host arena (ownership passes to
-        the caller, who hands it to the pipeline). ``own``: copy the gradients that cannot go to
-        a slot too (else the payload is the live gradient, copied when the record is submitted)."""
+        the caller, who hands it to the pipeline), or lent. ``own`` (the two-part step, whose
+        caller may zero or free its gradients before the record is submitted): copy the
+        gradients that cannot go to a slot too (else the payload is the live gradient, copied
+        when the record is submitted); a lent gradient needs no copy (its loan holds the tensor,
+        and one zeroed in place is seen and withdrawn)."""
         grads: list[Any] = []
         arena = None
         lent_before = self.lending
-        lend = self.lending and not own and not self.ddp
+        lend = self.lending and not self.ddp
         # an arena with the large gradients' slots only when one of them is copied
         full = not lend or any(self._slots[i][2] and self.capturable(i, g) and not self.lendable(g)
                                for i, g in self._owned_grads())
@@ -299,8 +302,8 @@ class GradCapture:
         if lent:
             self._open_loan = Loan(-1, functools.partial(self._decide, lent))
             self._open_loan.unreachable = functools.partial(self._unreachable, lent)
-        # (from the next backward on; the two-part step, before_step, takes copies)
-        self.lending = fresh and self.lend_allowed and not own and not self.ddp
+        # (from the next backward on)
+        self.lending = fresh and self.lend_allowed and not self.ddp
         if self.lending and not lent_before:
             self._retire_full_arenas()
         return grads, arena
