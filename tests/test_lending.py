@@ -610,3 +610,24 @@ def test_the_two_part_step_lends_too(tmp_path: Path, in_place_from: int | None) 
     else:
         assert counts["lent"] == 3 * 3 and stopped  # steps 3-5 lent; 5 withdrawn
     _restores_every_iteration(tmp_path / "s", states)
+
+
+def test_accumulated_gradients_are_lent_and_every_iteration_restores(tmp_path: Path) -> None:
+    """Two backward passes per step (the second accumulates in place into the gradients the
+    first created; dropped after the step): lent from the third step on, and the next step's
+    first backward decides the loan before the second changes anything."""
+    model, opt = _trainer()
+    states = {}
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
+        ck.restore()
+        for it in range(1, 9):
+            for _ in range(2):
+                model(torch.randn(8, 32)).pow(2).mean().backward()
+            ck.step(it)
+            states[it] = copy.deepcopy(model.state_dict())
+            opt.zero_grad()
+        counts, stopped = dict(ck.capture_counts), ck._capture.lend_stopped
+        ck.close()
+    assert counts["lent"] == 3 * 6 and not stopped
+    _restores_every_iteration(tmp_path / "s", states)
