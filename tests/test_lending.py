@@ -222,17 +222,20 @@ def _steps(ck: Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer,
     return fut
 
 
-def _train(path: Path, steps: int, set_to_none, wait_each: bool = False, **kw):
-    """Train a small model ``steps`` steps with a Checkpointer (every iteration a delta);
-    ``set_to_none(it)``: how zero_grad clears after step ``it``. Returns (the live states by
-    iteration, the capture counts, why lending stopped)."""
+def _train(path: Path, steps: int, set_to_none, wait_each: bool = False, backwards: int = 1,
+           **kw):
+    """Train a small model ``steps`` steps with a Checkpointer (every iteration a delta),
+    ``backwards`` backward passes per step (accumulated); ``set_to_none(it)``: how zero_grad
+    clears after step ``it``. Returns (the live states by iteration, the capture counts, why
+    lending stopped)."""
     model, opt = _trainer()
     states = {}
     with ckptstore.open(path) as store:
         ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50, **kw)
         ck.restore()
         for it in range(1, steps + 1):
-            model(torch.randn(8, 32)).pow(2).mean().backward()
+            for _ in range(backwards):
+                model(torch.randn(8, 32)).pow(2).mean().backward()
             fut = ck.step(it)
             if wait_each:
                 fut.result(timeout=60)  # (on the training thread: no deadlock)
@@ -616,18 +619,6 @@ def test_accumulated_gradients_are_lent_and_every_iteration_restores(tmp_path: P
     """Two backward passes per step (the second accumulates in place into the gradients the
     first created; dropped after the step): lent from the third step on, and the next step's
     first backward decides the loan before the second changes anything."""
-    model, opt = _trainer()
-    states = {}
-    with ckptstore.open(tmp_path / "s") as store:
-        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=50)
-        ck.restore()
-        for it in range(1, 9):
-            for _ in range(2):
-                model(torch.randn(8, 32)).pow(2).mean().backward()
-            ck.step(it)
-            states[it] = copy.deepcopy(model.state_dict())
-            opt.zero_grad()
-        counts, stopped = dict(ck.capture_counts), ck._capture.lend_stopped
-        ck.close()
+    states, counts, stopped = _train(tmp_path / "s", 8, lambda it: True, backwards=2)
     assert counts["lent"] == 3 * 6 and not stopped
     _restores_every_iteration(tmp_path / "s", states)
