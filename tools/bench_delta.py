@@ -63,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ckptstore  # noqa: E402
 from ckptstore.torch import Checkpointer  # noqa: E402
+from bench_core_state import proc_status  # noqa: E402
 from harness import (Stats, add_standard_args, dir_bytes, direct_write_bandwidth,  # noqa: E402
                      evict_files as evict, header, load_average, machine, median, mem_available,
                      parser, quick, read_tree, rotated, table, write_json)
@@ -176,6 +177,7 @@ class _Variant:
         self.codec = codec
         self.model, self.opt = build(args)
         self.ck = self.store = None
+        hows: set[str] = set()
         if codec is not None:
             shutil.rmtree(path, ignore_errors=True)
             # "exact@buffered": appends without O_DIRECT; "exact@hooks": gradients copied
@@ -189,7 +191,7 @@ class _Variant:
                                    base_every=10_000, codec=name, fingerprint_every=10,
                                    capture="hooks" if "hooks" in hows else "lend")
             self.ck.restore()
-        self.two_part = codec is not None and "twopart" in codec.partition("@")[2].split("+")
+        self.two_part = "twopart" in hows
         self.it = 0
         self.times: list[float] = []
         self.phases: list[tuple[float, float, float]] = []  # (forward, backward, step) per step
@@ -203,21 +205,20 @@ class _Variant:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
+        fut = None
         if self.two_part:
             self.ck.before_step(self.it)
             self.opt.step()
             self.opt.zero_grad()
             fut = self.ck.after_step()
-            if timed:
-                self.futures.append(fut)
-        elif self.ck is not None:
-            fut = self.ck.step(self.it)
-            if timed:
-                self.futures.append(fut)
-            self.opt.zero_grad()
         else:
-            self.opt.step()
+            if self.ck is not None:
+                fut = self.ck.step(self.it)
+            else:
+                self.opt.step()
             self.opt.zero_grad()
+        if timed and fut is not None:
+            self.futures.append(fut)
         if timed:
             t3 = time.perf_counter()
             self.times.append(t3 - t0)
@@ -302,28 +303,17 @@ def report_steps(variants: list["_Variant"], bandwidth: float | None, full_bytes
 MODEL_ARGS = ("layers", "dim", "heads", "vocab", "ctx", "batch", "threads")
 
 
-def _resident_kib() -> dict[str, int]:
-    """This process's VmHWM and VmRSS (KiB, /proc/self/status)."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0])
-    return out
-
-
 def memory_child(args) -> None:
     """--memory's child: variant ``args.memory_child`` ("plain" or a codec) trains
     ``args.memory_steps`` iterations in this fresh process, flushes, and prints one JSON line:
-    VmHWM and VmRSS (KiB), and the host pool's cached bytes."""
+    VmHWM and VmRSS (bytes, with RssFile), and the host pool's cached bytes."""
     codec = None if args.memory_child == "plain" else args.memory_child
     v = _Variant(args, codec, os.path.join(args.dir, "memory"))
     for _ in range(args.memory_steps):
         v.step(args, timed=False)
     v.drain()
     pipe = v.store.running_pipeline if v.store is not None else None
-    print(json.dumps({**_resident_kib(), "pool_cached": pipe.pool.cached if pipe else 0}))
+    print(json.dumps({**proc_status(), "pool_cached": pipe.pool.cached if pipe else 0}))
     v.close()
 
 
@@ -341,7 +331,7 @@ def memory_runs(args, codecs: list[str]) -> dict:
                                   *model], capture_output=True, text=True, check=True)
             samples[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
     def mib(v: str, key: str) -> str:
-        xs = [s[key] / 1024 for s in samples[v]]
+        xs = [s[key] / 2**20 for s in samples[v]]
         return f"{median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})"
     rows = [(v, mib(v, "VmHWM"), mib(v, "VmRSS"),
              f"{median([s['pool_cached'] for s in samples[v]]) / 2**20:.0f}") for v in variants]

@@ -137,10 +137,10 @@ class HostPool:
     """Host staging memory: arenas are reused (best fit; while the budget has room for a new
     arena, only among those at most :data:`_REUSE_SLACK` times the request, so a small request
     does not take the arena a large one will want) and the bytes held by reserved plus cached
-    arenas stay within ``budget``; a
-    reservation that does not fit waits until others are released. One reservation larger than
-    the whole budget proceeds when it is alone. A holder that will not ask for an arena's size
-    again :meth:`retire` s it: it is freed instead of cached."""
+    arenas stay within ``budget``; a reservation that does not fit waits until others are
+    released. One reservation larger than the whole budget proceeds when it is alone. A holder
+    that will not ask for an arena's size again :meth:`retire` s it: it is freed instead of
+    cached."""
 
     def __init__(self, budget: int, pin: bool) -> None:
         self.budget = budget

@@ -110,14 +110,15 @@ class Checkpointer:
     ``capture`` (exact codec, asynchronous): "lend" (default): once the training loop is seen
     to drop its gradients after each step (``zero_grad()``'s default ``set_to_none=True``), the
     large CPU gradients that own their memory are not copied: the persister writes them from
-    their own memory (:mod:`ckptstore.torch.grad_capture`, "Lending"; a gradient changed in place stops lending for good and that iteration is
-    written as a base instead); until then, and for the rest, as "hooks": copy gradients
-    during backward; "step": copy them at ``step``. A lent record is written once its
-    gradients cannot change: the loop dropped them unchanged (seen by the persister itself), or
-    its next backward, step, flush, close, or ``result()``/``exception()``/``done()`` on the
-    step's future confirmed them (not ``concurrent.futures.wait``, which none of these sees). Lending is off on
-    multi-rank job stores, under DDP (buckets are captured) and with ``group_seconds`` (its
-    time bound must hold while training pauses, with no step to confirm a loan).
+    their own memory (:mod:`ckptstore.torch.grad_capture`, "Lending"; a gradient changed in
+    place stops lending for good and that iteration is written as a base instead); until
+    then, and for the rest, as "hooks": copy gradients during backward; "step": copy them at
+    ``step``. A lent record is written once its gradients cannot change: the loop dropped them
+    unchanged (seen by the persister itself), or its next backward, step, flush, close, or
+    ``result()``/``exception()``/``done()`` on the step's future confirmed them (not
+    ``concurrent.futures.wait``, which none of these sees). Lending is off on multi-rank job
+    stores, under DDP (buckets are captured) and with ``group_seconds`` (its time bound must
+    hold while training pauses, with no step to confirm a loan).
     ``partition``: on a multi-rank job store, each rank writes only its share (default): whole
     parameters for data parallelism (format-spec/deltas.md, "Partitioned states"); for DTensor
     parameters its local shards, each box several ranks hold written by one of them ("Sharded
@@ -452,10 +453,11 @@ class Checkpointer:
         what the record holds from before the step: the gradients (copied or, once the loop is
         seen to free them, lent; either way the caller may zero or free them before
         ``after_step``: a lent gradient zeroed in place has its iteration written as a base), the
-        hyperparameters in effect and the RNG states. ``after_step`` takes the rest from after it (parameter groups, scheduler state,
-        buffers, fingerprint) and writes the record with the same failure handling as
-        :meth:`step` (an error there means the step was applied but its record is lost: continue
-        with ``it + 1``, whose record starts a new chain with a base).
+        hyperparameters in effect and the RNG states. ``after_step`` takes the rest from after
+        it (parameter groups, scheduler state, buffers, fingerprint) and writes the record with
+        the same failure handling as :meth:`step` (an error there means the step was applied
+        but its record is lost: continue with ``it + 1``, whose record starts a new chain with a
+        base).
 
         Between the two the caller applies exactly one ``optimizer.step()`` of the optimizer
         given to the Checkpointer, with the gradients it had at ``before_step``, and nothing else

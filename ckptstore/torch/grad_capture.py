@@ -261,14 +261,15 @@ class GradCapture:
         arena = None
         lent_before = self.lending
         lend = self.lending and not self.ddp
+        live = [local(p.grad) if owned else None
+                for p, owned in zip(self.layout.params, self.layout.owned)]
         # an arena with the large gradients' slots only when one of them is copied
-        full = not lend or any(self._slots[i][2] and self.capturable(i, g) and not self.lendable(g)
-                               for i, g in self._owned_grads())
+        full = not lend or any(g is not None and self._slots[i][2] and self.capturable(i, g) and
+                               not self.lendable(g) for i, g in enumerate(live))
         lent: list[tuple[int, torch.Tensor, int]] = []
         fresh = True  # every large gradient is a new tensor since the last take()
-        for i, p in enumerate(self.layout.params):
-            g = local(p.grad)
-            if g is None or not self.layout.owned[i]:  # (not owned: dropped from the record)
+        for i, g in enumerate(live):
+            if g is None:  # (not owned: dropped from the record)
                 grads.append(None)
                 continue
             if not self.capturable(i, g):
@@ -307,13 +308,6 @@ class GradCapture:
         if self.lending and not lent_before:
             self._retire_full_arenas()
         return grads, arena
-
-    def _owned_grads(self) -> Any:
-        """(index, gradient) of each owned parameter with a gradient (a DTensor's local shard)."""
-        for i, p in enumerate(self.layout.params):
-            g = local(p.grad)
-            if g is not None and self.layout.owned[i]:
-                yield i, g
 
     def lend_to(self, iteration: int) -> Loan | None:
         """The loan of the gradients :meth:`take` lent, for the record of ``iteration`` being
