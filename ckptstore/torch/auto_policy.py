@@ -12,12 +12,15 @@ arithmetic); this module decides *when* to plan and what to plan from. Call sequ
 3. ``tock(iteration, wrote)``: remembered for the next sample.
 
 Phases without a persisted plan: ``measure_steps`` plain steps with a snapshot every
-:data:`MEASURE_SNAPSHOT_GAP` of them (the first after as many) until :data:`MEASURE_WINDOWS`
-snapshots' costs are measured; then, with policy "auto" and an optimizer replay knows, deltas
+:data:`MEASURE_SNAPSHOT_GAP` of them or more (the first after as many, the next ones at the
+interval a plan from the windows measured so far would choose, up to ``2 * measure_steps``:
+:meth:`AutoPolicy.measure_gap`) until :data:`MEASURE_WINDOWS` snapshots' costs are measured; then, with policy "auto" and an optimizer replay knows, deltas
 are measured (``measure_steps`` delta steps outside snapshots' windows) only if they could pay
 (:func:`~ckptstore.torch.delta_forecast.forecast_deltas`: the snapshot plan's goodput against
 deltas at a cost predicted from the snapshots'; most plans never use deltas, and measuring them
-costs every measured step their overhead); then "planned": the costs are compared with the
+costs every measured step their overhead), and no longer than it takes to see them lose (a
+sequential test: from :data:`EARLY_STOP_SAMPLES` delta steps on, the measurement stops once even
+its optimistic end is above the forecast's break-even); then "planned": the costs are compared with the
 plan's every 16 steps and a drift, or a new MTBF, re-plans, which asks the forecast again while
 deltas are unmeasured. A snapshot's cost is measured over the steps it overlaps
 (:class:`~ckptstore.torch.plan.SnapshotWindow`); a delta step is a cost sample only while
@@ -53,8 +56,8 @@ import time
 from typing import Any, Callable
 
 from .delta_forecast import DeltaForecast, forecast_deltas
-from .plan import (DEFAULT_MTBF_S, DELTAS, MODES, SNAPSHOTS, CostMeter, Plan, SnapshotWindow,
-                   drifted, plan as make_plan)
+from .plan import (DEFAULT_MTBF_S, DELTA_MARGIN_Z, DELTAS, MODES, SNAPSHOTS, CostMeter, Plan,
+                   SnapshotWindow, drifted, plan as make_plan)
 from .plan_agreement import RankAgreement, Shared
 
 log = logging.getLogger("ckptstore")
@@ -74,12 +77,17 @@ _MAX_RESTARTS = 10 ** 9
 #: measured 0 to 62 ms for a real ~10-30 ms here (two steps' noise), and a 0 planned a snapshot
 #: every 2-3 iterations where 5-9 was best
 MEASURE_WINDOWS = 3
-#: steps from one measuring snapshot to the next (room for its window and a plain step or two);
-#: the next also waits for the last one's window to give its sample
+#: the fewest steps from one measuring snapshot to the next (room for its window and a plain
+#: step or two); the next also waits for the last one's window to give its sample
 MEASURE_SNAPSHOT_GAP = 4
 #: the delta/plain ratio's relative standard error assumed when fewer than 3 samples of a kind
 #: give no spread (``measure_steps`` < 3): a single step's spread on the 2-core VM, ~10%
 UNMEASURED_RATIO_REL_SE = 0.1
+#: delta steps measured before the deltas phase may stop early (:meth:`AutoPolicy.deltas_lose`):
+#: a spread is measured from 3, but the standard error of 3 is rough (the median absolute
+#: deviation of 3 samples is one sample's distance from the median); half the default
+#: ``measure_steps``
+EARLY_STOP_SAMPLES = 4
 
 
 def default_policy(replayable: bool, multirank: bool) -> str:
@@ -222,11 +230,16 @@ class AutoPolicy:
         #: (iteration, agreed window count) when the last measuring snapshot was asked for (None:
         #: none yet); the next one waits for both to move on (decisions from agreed inputs only)
         self._measure_asked: tuple[int, int] | None = None
+        #: (windows measured, the gap to the next measuring snapshot they give): measure_gap's
+        self._gap: tuple[int, int] | None = None
         self._since_check = 0  # steps since costs were last compared with the plan's
         #: deltas were measured in this process (or their phase was entered): never twice
         self._deltas_tried = False
         #: the forecast that had deltas measured in this process (the plans' notes quote it)
         self._forecast: DeltaForecast | None = None
+        #: (delta steps measured, the overhead's optimistic end) when :meth:`deltas_lose` ended
+        #: the measurement early (the plans' notes say so)
+        self._stopped_early: tuple[int, float] | None = None
         #: a resumed process' forecast said deltas could pay: the next drift check asks again,
         #: once this process measured its own plain steps (the seeded one is another process')
         self._forecast_due = False
@@ -356,11 +369,11 @@ class AutoPolicy:
 
     def advance(self, iteration: int) -> None:
         """The phases: measure ``measure_steps`` steps that write nothing and
-        :data:`MEASURE_WINDOWS` snapshot windows (a snapshot every :data:`MEASURE_SNAPSHOT_GAP`
-        steps; beyond ``4 * measure_steps + MEASURE_WINDOWS * MEASURE_SNAPSHOT_GAP`` steps in
+        :data:`MEASURE_WINDOWS` snapshot windows (a snapshot every :meth:`measure_gap` steps;
+        beyond ``4 * measure_steps + MEASURE_WINDOWS * MEASURE_SNAPSHOT_GAP`` steps in
         all, with what was measured), then plan (:meth:`_replan`, which may first measure
         ``measure_steps`` delta steps outside snapshots' windows, for at most
-        ``4 * measure_steps`` steps, and plan again);
+        ``4 * measure_steps`` steps, fewer when :meth:`deltas_lose` says so, and plan again);
         once planned, compare the costs with the plan's every 16 steps and re-plan when one
         drifted (:func:`ckptstore.torch.plan.drifted`).
         Every decision is made from :meth:`_shared` inputs, taken (on a multi-rank job store:
@@ -382,7 +395,8 @@ class AutoPolicy:
             "drift check" if self.phase == "planned" else "measuring"))
         counts = shared.counts
         if self.phase == "deltas":
-            if counts["delta"] >= self.measure_steps or self._since_check > 4 * self.measure_steps:
+            if counts["delta"] >= self.measure_steps or \
+                    self._since_check > 4 * self.measure_steps or self.deltas_lose(shared):
                 self._keep_delta_ratio(shared)
                 self._replan(iteration, shared=shared)
                 if self.phase == "planned" and self.mode == DELTAS:
@@ -405,8 +419,8 @@ class AutoPolicy:
                     self._measure_asked = (iteration, counts["windows"])
                     self._snapshot_now()
             elif not windows and not timeout and \
-                    iteration - self._measure_asked[0] >= MEASURE_SNAPSHOT_GAP and \
-                    counts["windows"] > self._measure_asked[1]:
+                    counts["windows"] > self._measure_asked[1] and \
+                    iteration - self._measure_asked[0] >= self.measure_gap(shared):
                 # another window, once the last one gave its sample on every rank (a snapshot
                 # still in flight would join its window: one sample counted twice)
                 self._measure_asked = (iteration, counts["windows"])
@@ -421,6 +435,54 @@ class AutoPolicy:
                                       drifted(self.plan.costs, costs)):
                 self._forecast_due = False
                 self._replan(iteration, shared=shared)
+
+    def measure_gap(self, shared: Shared) -> int:
+        """Steps from one measuring snapshot to the next: the interval of the snapshot plan the
+        windows measured so far give (``shared``'s medians), at least
+        :data:`MEASURE_SNAPSHOT_GAP` and at most ``2 * measure_steps`` (so that the
+        :data:`MEASURE_WINDOWS` windows fit in the measuring phase's time bound); a gap of
+        :data:`MEASURE_SNAPSHOT_GAP` while no plan can be made. Measuring snapshots thus cost
+        about what the plan's own will where the plan wants them rarer (they were one every
+        :data:`MEASURE_SNAPSHOT_GAP` steps: 3 snapshots in 13 steps where the plan then wrote
+        one every 10-14). Computed once per window count, from agreed inputs: every rank
+        waits the same gap."""
+        windows = shared.counts["windows"]
+        if self._gap is None or self._gap[0] != windows:
+            gap = MEASURE_SNAPSHOT_GAP
+            costs = self._costs(shared.medians) if windows else None
+            if costs is not None:  # (never with a fixed snapshot_every: its snapshots measure)
+                try:
+                    interval = make_plan(costs, shared.mtbf_s, shared.budget,
+                                         modes=(SNAPSHOTS,)).chosen.interval
+                except (ValueError, ArithmeticError):
+                    interval = gap  # (numbers the model rejects: the plan will say so)
+                gap = min(max(gap, interval), max(gap, 2 * self.measure_steps))
+            self._gap = (windows, gap)
+        return self._gap[1]
+
+    def deltas_lose(self, shared: Shared) -> bool:
+        """While deltas are measured: they lose already, so measuring more of them would only
+        cost more delta steps. True once :data:`EARLY_STOP_SAMPLES` delta steps (on every rank)
+        give the delta/plain ratio a measured standard error and even the optimistic end of the
+        overhead, ``plain x (ratio - 1 - DELTA_MARGIN_Z x se)``, is above the break-even the
+        forecast that had them measured found (the most a delta step may cost and still reach
+        the snapshot plan's goodput). The plan made next costs deltas at the pessimistic end
+        (``ratio - 1 + DELTA_MARGIN_Z x se``), further above: it chooses snapshots, as it would
+        after ``measure_steps`` samples unless the later ones moved the median down by more than
+        the ``2 x DELTA_MARGIN_Z`` standard errors between the two ends. Decided from ``shared``
+        (agreed) inputs only: every rank stops at the same step (each input is the slowest
+        rank's: the job's deltas cost what its slowest rank's do)."""
+        f = self._forecast
+        delta, plain = shared.medians.get("delta"), shared.medians.get("plain")
+        se = shared.medians.get("delta_ratio_se")
+        if f is None or shared.counts["delta"] < EARLY_STOP_SAMPLES or not delta or not plain \
+                or se is None:
+            return False
+        low = plain * (delta / plain - 1.0 - DELTA_MARGIN_Z * se)
+        if low <= f.breakeven_s:
+            return False
+        self._stopped_early = (shared.counts["delta"], low)
+        return True
 
     def _keep_delta_ratio(self, shared: Shared) -> None:
         """At the end of the measuring phases: the delta step's time over the plain step's, both
@@ -515,6 +577,10 @@ class AutoPolicy:
         elif self._forecast is not None and costs.delta_overhead_s is not None:
             # (what the forecast predicted beside what was measured: the forecast's check)
             notes = (f"{self._forecast}; measured: +{1e3 * costs.delta_overhead_s:.1f} ms",)
+            if self._stopped_early is not None:
+                n, low = self._stopped_early
+                notes += (f"deltas measured on {n} steps only: at least +{1e3 * low:.1f} ms "
+                          f"already, above the break-even",)
         new = make_plan(costs, shared.mtbf_s, shared.budget, modes=modes, fixed=fixed,
                         mtbf_source=shared.mtbf_source, budget_source=shared.budget_source)
         if notes:

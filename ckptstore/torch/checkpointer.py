@@ -135,10 +135,12 @@ class Checkpointer:
     after ``measure_steps`` steps and ``auto_policy.MEASURE_WINDOWS`` snapshots measured its
     costs), nothing in between (a step's ``meta`` is stored only when it snapshots; ``step``
     returns None then). "auto": ``measure_steps`` plain steps with a snapshot every
-    ``auto_policy.MEASURE_SNAPSHOT_GAP`` steps until ``MEASURE_WINDOWS`` snapshots' costs are
+    ``auto_policy.MEASURE_SNAPSHOT_GAP`` steps or more (the interval the snapshots measured so
+    far plan, up to ``2 * measure_steps``) until ``MEASURE_WINDOWS`` snapshots' costs are
     measured (one is too noisy to plan from); then, only where deltas could beat that snapshot
     plan at the least a delta is predicted to cost (:mod:`ckptstore.torch.delta_forecast`, from
-    the snapshots' measured cost per byte), ``measure_steps`` delta steps; then the plan with the
+    the snapshots' measured cost per byte), ``measure_steps`` delta steps (from
+    ``auto_policy.EARLY_STOP_SAMPLES`` on, fewer once they clearly lose); then the plan with the
     better expected goodput (:meth:`plan` says which and why, and why deltas were not measured;
     logged, logger "ckptstore", INFO, whenever it changes); costs keep being measured and a
     drift of more than 30%, or a new ``mtbf_s`` (:meth:`replan`), re-plans. In the deltas
