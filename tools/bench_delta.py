@@ -182,14 +182,16 @@ class _Variant:
             shutil.rmtree(path, ignore_errors=True)
             # "exact@buffered": appends without O_DIRECT; "exact@hooks": gradients copied
             # during backward (the capture before lending); "@twopart": the two-part step of a
-            # framework's trainer (before_step, optimizer step, zero_grad, after_step); "+"
-            # joins them ("@buffered+hooks")
+            # framework's trainer (before_step, optimizer step, zero_grad, after_step); "@sync":
+            # the synchronous Checkpointer (the delta written in the step, no persister thread);
+            # "+" joins them ("@buffered+hooks")
             name, _, how = codec.partition("@")
             hows = set(how.split("+")) if how else set()
             self.store = ckptstore.open(path, direct_io="buffered" not in hows)
             self.ck = Checkpointer(self.store, self.model, self.opt, policy="every-iteration",
                                    base_every=10_000, codec=name, fingerprint_every=10,
-                                   capture="hooks" if "hooks" in hows else "lend")
+                                   capture="hooks" if "hooks" in hows else "lend",
+                                   asynchronous="sync" not in hows)
             self.ck.restore()
         self.two_part = "twopart" in hows
         self.it = 0
@@ -274,16 +276,19 @@ def report_steps(variants: list["_Variant"], bandwidth: float | None, full_bytes
         f"{name} {t * 1e3:.1f} ms" for name, t in zip(("forward", "backward", "step"), base)))
     for v in variants[1:]:
         step = median(v.times)
-        stats = [f.result() for f in v.futures if f is not None]
-        stats = [s for s in stats if s is not None and s.kind == "delta"]
-        cpu = median([s.cpu_s for s in stats])
+        # (the asynchronous path's futures give AsyncStats; @sync's steps return SaveStats, the
+        # write's wall time in the step instead of the persister's CPU)
+        stats = [f.result() if hasattr(f, "result") else f for f in v.futures if f is not None]
+        stats = [s for s in stats if s is not None and getattr(s, "kind", "delta") == "delta"]
+        cpu = median([s.cpu_s if hasattr(s, "cpu_s") else s.seconds for s in stats])
+        what = "persister CPU" if hasattr(stats[0], "cpu_s") else "write in the step (wall)"
         written = median([s.written_bytes for s in stats])
         rate = written / step
         disk = f"{100 * rate / bandwidth:.1f}% of the disk's O_DIRECT bandwidth " \
                f"({bandwidth / 1e9:.2f} GB/s)" if bandwidth else "O_DIRECT bandwidth unknown"
         print(f"[{v.codec}] step with Checkpointer every iteration: {step * 1e3:.0f} ms "
               f"(ratio {step / plain:.3f}x plain, medians of {len(v.times)} interleaved); "
-              f"persister CPU {cpu * 1e3:.1f} ms/iteration = {cpu * 1e3 / (written / 1e6):.3f} ms/MB; "
+              f"{what} {cpu * 1e3:.1f} ms/iteration = {cpu * 1e3 / (written / 1e6):.3f} ms/MB; "
               f"delta {written / 2**20:.2f} MiB/iteration = {100 * written / full_bytes:.2f}% of a full "
               f"checkpoint; {rate / 1e6:.0f} MB/s written = {disk}; flush at a block's end "
               f"{median(v.drains) * 1e3:.0f} ms", flush=True)
@@ -569,7 +574,8 @@ def main():
     ap.add_argument("--codecs", default="exact,topk:0.01",
                     help="comma-separated; a codec@buffered variant appends without O_DIRECT, "
                          "exact@hooks copies the gradients during backward instead of lending "
-                         "them, @twopart steps through before_step/after_step (joined with +: "
+                         "them, @twopart steps through before_step/after_step, @sync writes "
+                         "the delta in the step (asynchronous=False) (joined with +: "
                          "@buffered+hooks; step measurement only)")
     add_standard_args(ap, rounds=4, rounds_help="interleaved rounds of the step measurement",
                       quick_help="a smoke run: a 2-layer model of dim 128, 2 rounds of 3 "
