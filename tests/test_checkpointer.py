@@ -930,7 +930,7 @@ def test_auto_plans_from_measured_costs(tmp_path, monkeypatch, deltas_pay):
     # the measuring phases end by their documented limit (3 plain steps and MEASURE_WINDOWS
     # snapshots' windows, whose samples wait for the snapshots to be durable, then 3 delta
     # steps when they could pay)
-    limit = 4 * 3 + auto_policy.MEASURE_WINDOWS * auto_policy.MEASURE_SNAPSHOT_GAP + 4 * 3 + 2
+    limit = auto_policy.measuring_steps_max(3) + 4 * 3 + 2
     it = 0
     while (ck.plan() is None or ck.mode != ck.plan().mode) and it < limit:
         # (while deltas are measured, the snapshot plan is in force and the steps write deltas)

@@ -13,16 +13,17 @@ arithmetic); this module decides *when* to plan and what to plan from. Call sequ
 
 Phases without a persisted plan: ``measure_steps`` plain steps with a snapshot every
 :data:`MEASURE_SNAPSHOT_GAP` of them or more (the first after as many, the next ones at the
-interval a plan from the windows measured so far would choose, up to ``2 * measure_steps``:
-:meth:`AutoPolicy.measure_gap`) until :data:`MEASURE_WINDOWS` snapshots' costs are measured; then, with policy "auto" and an optimizer replay knows, deltas
-are measured (``measure_steps`` delta steps outside snapshots' windows) only if they could pay
-(:func:`~ckptstore.torch.delta_forecast.forecast_deltas`: the snapshot plan's goodput against
-deltas at a cost predicted from the snapshots'; most plans never use deltas, and measuring them
-costs every measured step their overhead), and no longer than it takes to see them lose (a
-sequential test: from :data:`EARLY_STOP_SAMPLES` delta steps on, the measurement stops once even
-its optimistic end is above the forecast's break-even); then "planned": the costs are compared with the
-plan's every 16 steps and a drift, or a new MTBF, re-plans, which asks the forecast again while
-deltas are unmeasured. A snapshot's cost is measured over the steps it overlaps
+interval a plan from the windows measured so far would choose, up to ``2 * measure_steps``)
+until :data:`MEASURE_WINDOWS` snapshots' costs are measured, for at most
+:func:`measuring_steps_max` steps; then, with policy "auto" and an optimizer replay knows,
+deltas are measured (``measure_steps`` delta steps outside snapshots' windows) only if they
+could pay (:func:`~ckptstore.torch.delta_forecast.forecast_deltas`: the snapshot plan's goodput
+against deltas at a cost predicted from the snapshots'; most plans never use deltas, and
+measuring them costs every measured step their overhead), and no longer than it takes to see
+them lose (a sequential test: from :data:`EARLY_STOP_SAMPLES` delta steps on, the measurement
+stops once the plan would choose snapshots even at the optimistic end of their measured cost);
+then "planned": the costs are compared with the plan's every 16 steps and a drift, or a new
+MTBF, re-plans, which asks the forecast again while deltas are unmeasured. A snapshot's cost is measured over the steps it overlaps
 (:class:`~ckptstore.torch.plan.SnapshotWindow`); a delta step is a cost sample only while
 measuring (in the deltas mode no plain step runs to compare it with).
 
@@ -83,11 +84,25 @@ MEASURE_SNAPSHOT_GAP = 4
 #: the delta/plain ratio's relative standard error assumed when fewer than 3 samples of a kind
 #: give no spread (``measure_steps`` < 3): a single step's spread on the 2-core VM, ~10%
 UNMEASURED_RATIO_REL_SE = 0.1
-#: delta steps measured before the deltas phase may stop early (:meth:`AutoPolicy.deltas_lose`):
-#: a spread is measured from 3, but the standard error of 3 is rough (the median absolute
-#: deviation of 3 samples is one sample's distance from the median); half the default
-#: ``measure_steps``
+#: delta steps measured before the deltas phase may stop early (a sequential test, see
+#: :meth:`AutoPolicy.advance`): a spread is measured from 3, but the standard error of 3 is rough
+#: (the median absolute deviation of 3 samples is one sample's distance from the median); half
+#: the default ``measure_steps`` (with ``measure_steps`` <= 4 the phase never stops early)
 EARLY_STOP_SAMPLES = 4
+
+
+def measure_gap_max(measure_steps: int) -> int:
+    """The most steps from one measuring snapshot to the next: ``2 * measure_steps``, at
+    least :data:`MEASURE_SNAPSHOT_GAP`."""
+    return max(MEASURE_SNAPSHOT_GAP, 2 * measure_steps)
+
+
+def measuring_steps_max(measure_steps: int) -> int:
+    """The steps the plain measuring phase may last before it plans with what it measured:
+    ``4 * measure_steps`` for the plain steps, plus room for :data:`MEASURE_WINDOWS` windows at
+    the widest gap (:func:`measure_gap_max`; a window's sample waits for its snapshot to be
+    durable, so the last window needs its gap and its snapshot's persist time)."""
+    return 4 * measure_steps + MEASURE_WINDOWS * measure_gap_max(measure_steps)
 
 
 def default_policy(replayable: bool, multirank: bool) -> str:
@@ -230,15 +245,15 @@ class AutoPolicy:
         #: (iteration, agreed window count) when the last measuring snapshot was asked for (None:
         #: none yet); the next one waits for both to move on (decisions from agreed inputs only)
         self._measure_asked: tuple[int, int] | None = None
-        #: (windows measured, the gap to the next measuring snapshot they give): measure_gap's
+        #: (windows measured, the gap to the next measuring snapshot they give): _measure_gap's
         self._gap: tuple[int, int] | None = None
         self._since_check = 0  # steps since costs were last compared with the plan's
         #: deltas were measured in this process (or their phase was entered): never twice
         self._deltas_tried = False
         #: the forecast that had deltas measured in this process (the plans' notes quote it)
         self._forecast: DeltaForecast | None = None
-        #: (delta steps measured, the overhead's optimistic end) when :meth:`deltas_lose` ended
-        #: the measurement early (the plans' notes say so)
+        #: (delta steps measured, the overhead's optimistic end) when the deltas phase stopped
+        #: early (the plan made then says so; taken by it)
         self._stopped_early: tuple[int, float] | None = None
         #: a resumed process' forecast said deltas could pay: the next drift check asks again,
         #: once this process measured its own plain steps (the seeded one is another process')
@@ -369,11 +384,14 @@ class AutoPolicy:
 
     def advance(self, iteration: int) -> None:
         """The phases: measure ``measure_steps`` steps that write nothing and
-        :data:`MEASURE_WINDOWS` snapshot windows (a snapshot every :meth:`measure_gap` steps;
-        beyond ``4 * measure_steps + MEASURE_WINDOWS * MEASURE_SNAPSHOT_GAP`` steps in
+        :data:`MEASURE_WINDOWS` snapshot windows (a measuring snapshot every
+        :data:`MEASURE_SNAPSHOT_GAP` to :func:`measure_gap_max` steps, the interval the windows
+        so far plan; beyond :func:`measuring_steps_max` steps in
         all, with what was measured), then plan (:meth:`_replan`, which may first measure
         ``measure_steps`` delta steps outside snapshots' windows, for at most
-        ``4 * measure_steps`` steps, fewer when :meth:`deltas_lose` says so, and plan again);
+        ``4 * measure_steps`` steps, fewer once deltas clearly lose: from
+        :data:`EARLY_STOP_SAMPLES` delta samples on, when the plan would choose snapshots even
+        at the optimistic end of the overhead measured so far, and plan again);
         once planned, compare the costs with the plan's every 16 steps and re-plan when one
         drifted (:func:`ckptstore.torch.plan.drifted`).
         Every decision is made from :meth:`_shared` inputs, taken (on a multi-rank job store:
@@ -396,7 +414,8 @@ class AutoPolicy:
         counts = shared.counts
         if self.phase == "deltas":
             if counts["delta"] >= self.measure_steps or \
-                    self._since_check > 4 * self.measure_steps or self.deltas_lose(shared):
+                    self._since_check > 4 * self.measure_steps or \
+                    self._early_stop(iteration, shared):
                 self._keep_delta_ratio(shared)
                 self._replan(iteration, shared=shared)
                 if self.phase == "planned" and self.mode == DELTAS:
@@ -406,8 +425,7 @@ class AutoPolicy:
         elif self.phase == "plain":
             fixed = self.snapshot_every_fixed is not None  # (its snapshots are the windows)
             windows = fixed or counts["windows"] >= MEASURE_WINDOWS
-            timeout = self._since_check > 4 * self.measure_steps + \
-                MEASURE_WINDOWS * MEASURE_SNAPSHOT_GAP
+            timeout = self._since_check > measuring_steps_max(self.measure_steps)
             if counts["stall"] and ((counts["plain"] >= self.measure_steps and windows) or timeout):
                 self._keep_delta_ratio(shared)
                 self._replan(iteration, shared=shared)
@@ -420,7 +438,7 @@ class AutoPolicy:
                     self._snapshot_now()
             elif not windows and not timeout and \
                     counts["windows"] > self._measure_asked[1] and \
-                    iteration - self._measure_asked[0] >= self.measure_gap(shared):
+                    iteration - self._measure_asked[0] >= self._measure_gap(shared):
                 # another window, once the last one gave its sample on every rank (a snapshot
                 # still in flight would join its window: one sample counted twice)
                 self._measure_asked = (iteration, counts["windows"])
@@ -436,52 +454,65 @@ class AutoPolicy:
                 self._forecast_due = False
                 self._replan(iteration, shared=shared)
 
-    def measure_gap(self, shared: Shared) -> int:
-        """Steps from one measuring snapshot to the next: the interval of the snapshot plan the
-        windows measured so far give (``shared``'s medians), at least
-        :data:`MEASURE_SNAPSHOT_GAP` and at most ``2 * measure_steps`` (so that the
-        :data:`MEASURE_WINDOWS` windows fit in the measuring phase's time bound); a gap of
+    def _measure_gap(self, shared: Shared) -> int:
+        """Steps from one measuring snapshot to the next, once a window gave its sample: the
+        interval of the snapshot plan the windows measured so far give (``shared``'s medians),
+        within [:data:`MEASURE_SNAPSHOT_GAP`, :func:`measure_gap_max`];
         :data:`MEASURE_SNAPSHOT_GAP` while no plan can be made. Measuring snapshots thus cost
         about what the plan's own will where the plan wants them rarer (they were one every
         :data:`MEASURE_SNAPSHOT_GAP` steps: 3 snapshots in 13 steps where the plan then wrote
-        one every 10-14). Computed once per window count, from agreed inputs: every rank
-        waits the same gap."""
+        one every 10-14). Computed once per window count, at the step every rank first sees that
+        count, from agreed inputs: every rank waits the same gap."""
         windows = shared.counts["windows"]
+        widest = measure_gap_max(self.measure_steps)
         if self._gap is None or self._gap[0] != windows:
             gap = MEASURE_SNAPSHOT_GAP
-            costs = self._costs(shared.medians) if windows else None
-            if costs is not None:  # (never with a fixed snapshot_every: its snapshots measure)
+            costs = self._costs(shared.medians) if widest > gap else None
+            if costs is not None:
                 try:
                     interval = make_plan(costs, shared.mtbf_s, shared.budget,
                                          modes=(SNAPSHOTS,)).chosen.interval
                 except (ValueError, ArithmeticError):
                     interval = gap  # (numbers the model rejects: the plan will say so)
-                gap = min(max(gap, interval), max(gap, 2 * self.measure_steps))
+                gap = min(max(gap, interval), widest)
             self._gap = (windows, gap)
         return self._gap[1]
 
-    def deltas_lose(self, shared: Shared) -> bool:
-        """While deltas are measured: they lose already, so measuring more of them would only
-        cost more delta steps. True once :data:`EARLY_STOP_SAMPLES` delta steps (on every rank)
-        give the delta/plain ratio a measured standard error and even the optimistic end of the
-        overhead, ``plain x (ratio - 1 - DELTA_MARGIN_Z x se)``, is above the break-even the
-        forecast that had them measured found (the most a delta step may cost and still reach
-        the snapshot plan's goodput). The plan made next costs deltas at the pessimistic end
-        (``ratio - 1 + DELTA_MARGIN_Z x se``), further above: it chooses snapshots, as it would
-        after ``measure_steps`` samples unless the later ones moved the median down by more than
-        the ``2 x DELTA_MARGIN_Z`` standard errors between the two ends. Decided from ``shared``
-        (agreed) inputs only: every rank stops at the same step (each input is the slowest
-        rank's: the job's deltas cost what its slowest rank's do)."""
-        f = self._forecast
+    def _early_stop(self, iteration: int, shared: Shared) -> bool:
+        """While deltas are measured: True when they lose already, so that measuring more of
+        them would only cost more delta steps (a sequential test). Needs
+        :data:`EARLY_STOP_SAMPLES` delta samples and a measured standard error of the
+        delta/plain ratio on every rank (``counts["ratio_se"]``: 3 samples of each kind, not
+        the assumed :data:`UNMEASURED_RATIO_REL_SE`); then the overhead's optimistic end,
+        ``plain x (ratio - 1 - DELTA_MARGIN_Z x se)``, is handed to the planner as if measured
+        exactly: if even then it plans snapshots, the plan made next, which costs deltas at the
+        pessimistic end (``2 x DELTA_MARGIN_Z`` standard errors higher), plans snapshots too,
+        as it would after ``measure_steps`` samples unless the later ones moved the median down
+        by more than that. From ``shared`` (agreed) inputs only, each the slowest rank's (the
+        job's deltas cost what its slowest rank's do): every rank stops at the same step."""
         delta, plain = shared.medians.get("delta"), shared.medians.get("plain")
         se = shared.medians.get("delta_ratio_se")
-        if f is None or shared.counts["delta"] < EARLY_STOP_SAMPLES or not delta or not plain \
-                or se is None:
+        if shared.counts["delta"] < EARLY_STOP_SAMPLES or not shared.counts.get("ratio_se") \
+                or not delta or not plain or se is None:
+            return False
+        costs = self._costs(shared.medians)
+        if costs is None:
             return False
         low = plain * (delta / plain - 1.0 - DELTA_MARGIN_Z * se)
-        if low <= f.breakeven_s:
+        optimistic = dataclasses.replace(costs, delta_overhead_s=max(0.0, low),
+                                         delta_overhead_margin_s=0.0)
+        fixed = {SNAPSHOTS: self.snapshot_every_fixed} if self.snapshot_every_fixed else None
+        try:
+            mode = make_plan(optimistic, shared.mtbf_s, shared.budget, modes=(SNAPSHOTS, DELTAS),
+                             fixed=fixed).mode
+        except (ValueError, ArithmeticError):
+            return False  # (the phase runs its course; the plan after it says what is wrong)
+        if mode != SNAPSHOTS:
             return False
         self._stopped_early = (shared.counts["delta"], low)
+        log.info("Checkpointer %s, iteration %d: deltas measured on %d steps only: even at "
+                 "+%.1f ms a step (the optimistic end) the plan is of snapshots", self._where,
+                 iteration, shared.counts["delta"], 1e3 * low)
         return True
 
     def _keep_delta_ratio(self, shared: Shared) -> None:
@@ -520,15 +551,18 @@ class AutoPolicy:
                 # (min over the ranks: once any rank measured deltas, none measures them again)
                 "deltas_untried": 0 if self._deltas_tried else 1}
         medians = m.medians()
+        se_measured = 0
         if not m.count("delta_ratio"):  # (what _keep_delta_ratio keeps at the phases' end)
             se = m.ratio_standard_error("delta", "plain")
+            se_measured = int(se is not None)
             delta, plain = medians.get("delta"), medians.get("plain")
             if se is None and delta is not None and plain:
                 # (under 3 samples of a kind: no spread to measure; one step's own spread here)
                 se = UNMEASURED_RATIO_REL_SE * delta / plain
             if se is not None:
                 medians["delta_ratio_se"] = se
-        local = Shared({**seen, "stall": m.count("stall"), "windows": m.count("snapshot_cost")},
+        local = Shared({**seen, "stall": m.count("stall"), "windows": m.count("snapshot_cost"),
+                        "ratio_se": se_measured},
                        medians,
                        mtbf, source, self.disk_budget, self.budget_source, self.restarts,
                        self.since_ns)
@@ -577,10 +611,10 @@ class AutoPolicy:
         elif self._forecast is not None and costs.delta_overhead_s is not None:
             # (what the forecast predicted beside what was measured: the forecast's check)
             notes = (f"{self._forecast}; measured: +{1e3 * costs.delta_overhead_s:.1f} ms",)
-            if self._stopped_early is not None:
-                n, low = self._stopped_early
-                notes += (f"deltas measured on {n} steps only: at least +{1e3 * low:.1f} ms "
-                          f"already, above the break-even",)
+            if self._stopped_early is not None:  # (said by the plan made then, not later ones)
+                (n, low), self._stopped_early = self._stopped_early, None
+                notes += (f"deltas measured on {n} steps only: even at +{1e3 * low:.1f} ms (the "
+                          f"optimistic end) the plan was of snapshots",)
         new = make_plan(costs, shared.mtbf_s, shared.budget, modes=modes, fixed=fixed,
                         mtbf_source=shared.mtbf_source, budget_source=shared.budget_source)
         if notes:

@@ -501,8 +501,10 @@ class Checkpointer:
         """The current checkpoint plan (:class:`ckptstore.torch.plan.Plan`: the mode, its interval,
         the expected goodput of each mode compared, bytes per hour, retention, the costs and the
         failure rate it assumed; ``str()`` explains it), or None: policy "every-iteration" (no
-        planner), or the costs are still being measured (the first ``2 * measure_steps`` steps
-        or so, and ``MEASURE_WINDOWS`` snapshots, of a store without a persisted plan)."""
+        planner), or the costs are still being measured (a store without a persisted plan:
+        ``measure_steps`` plain steps and ``MEASURE_WINDOWS`` snapshots' windows, the
+        snapshots spaced up to ``2 * measure_steps`` steps apart where failures are rare:
+        up to ``auto_policy.measuring_steps_max(measure_steps)`` steps, ~40 by default)."""
         return self._auto.plan
 
     @property
