@@ -353,7 +353,6 @@ def test_a_process_stopped_while_measuring_deltas_resumes_the_snapshot_plan(tmp_
     store.close()
 
 
-
 @pytest.mark.parametrize("stops", [True, False])
 def test_the_delta_measurement_stops_once_deltas_clearly_lose(tmp_path, monkeypatch, assert_same,
                                                               stops):

@@ -23,9 +23,10 @@ measuring them costs every measured step their overhead), and no longer than it 
 them lose (a sequential test: from :data:`EARLY_STOP_SAMPLES` delta steps on, the measurement
 stops once the plan would choose snapshots even at the optimistic end of their measured cost);
 then "planned": the costs are compared with the plan's every 16 steps and a drift, or a new
-MTBF, re-plans, which asks the forecast again while deltas are unmeasured. A snapshot's cost is measured over the steps it overlaps
-(:class:`~ckptstore.torch.plan.SnapshotWindow`); a delta step is a cost sample only while
-measuring (in the deltas mode no plain step runs to compare it with).
+MTBF, re-plans, which asks the forecast again while deltas are unmeasured. A snapshot's cost
+is measured over the steps it overlaps (:class:`~ckptstore.torch.plan.SnapshotWindow`); a delta
+step is a cost sample only while measuring (in the deltas mode no plain step runs to compare it
+with).
 
 **Persisted plan** (format-spec/deltas.md, "Base snapshot written by the Checkpointer"): every
 base the Checkpointer writes carries :meth:`AutoPolicy.persisted` under :data:`PLAN_KEY`: the
