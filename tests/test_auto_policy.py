@@ -727,6 +727,60 @@ def test_ranks_with_different_costs_write_one_plan(tmp_path, world):
     assert a2["field"]["restarts"] == 1
 
 
+
+def measuring_gaps(rank, world, path):
+    """Train with policy="auto" (measure_steps 3) on the job store, rank 1 measuring a base load
+    of 5 s (the ranks' step times do not differ: every commit waits for both), for as many
+    steps as the measuring phase may last and a few more, the planner held to an interval of 5
+    for a load of 1 s or more, else 4 (so that the gap depends on whose costs it is planned
+    from); returns the iterations that wrote a snapshot, and the first plan with its
+    iteration."""
+    import torch.distributed as dist
+
+    real = auto_policy.make_plan
+
+    def held(costs, *a, **kw):
+        return real(costs, *a, **{**kw, "fixed": {"snapshots": 5 if costs.load_s >= 1.0 else 4}})
+    auto_policy.make_plan = held  # (this rank's process only)
+    model, opt = _model()
+    store = ckptstore.open(path, "a", process_group=dist.group.WORLD, commit_timeout=30.0)
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=3, mtbf_s=60.0)
+    ck.restore()
+    for _ in range(5 if rank == 1 else 0):
+        ck.meter.add("load", 5.0)
+    snapshots, planned = [], None
+    for it in range(1, auto_policy.measuring_steps_max(3) + 5):
+        out = _step(model, ck, opt, it)
+        if out is not None and ck.mode == "snapshots":
+            snapshots.append(it)
+            out.result()
+        if planned is None and ck.plan() is not None:
+            p = ck.plan()
+            planned = [it, p.mode, p.chosen.interval]
+    store.flush()
+    ck.close()
+    store.close()
+    return {"snapshots": snapshots, "planned": planned}
+
+
+def test_ranks_wait_the_same_gaps_between_measuring_snapshots(tmp_path):
+    """The gap to the next measuring snapshot is planned from the windows measured so far
+    (agreed inputs): on a job store whose ranks measure different costs every rank asks for its
+    measuring snapshots at the same iterations, and plans at the same one; the gaps are planned
+    from the larger cost (the planner held to 5 for it, 4 for the smaller one's: a gap from a
+    rank's own costs would differ between the ranks, whose snapshots would then fall apart)."""
+    from _ranks import run_ranks
+
+    res = run_ranks(2, __name__, "measuring_gaps", str(tmp_path / "job"), str(tmp_path / "w"),
+                    deadline=180)
+    assert all("ok" in r for r in res), res
+    a, b = (r["ok"] for r in res)
+    assert a == b, (a, b)
+    assert a["planned"] is not None
+    measuring = [i for i in a["snapshots"] if i < a["planned"][0]]
+    assert len(measuring) == auto_policy.MEASURE_WINDOWS, a
+    assert [y - x for x, y in zip(measuring, measuring[1:])] == [5, 5], a
+
 def test_combined_plan_inputs_are_conservative_and_idempotent():
     """combine(): the largest cost of each kind (over the ranks that measured it), the smallest
     count, MTBF (with its source) and known budget (split over the ranks), the most restarts and
