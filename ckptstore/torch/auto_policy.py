@@ -58,8 +58,8 @@ import time
 from typing import Any, Callable
 
 from .delta_forecast import DeltaForecast, forecast_deltas
-from .plan import (DEFAULT_MTBF_S, DELTA_MARGIN_Z, DELTAS, MODES, SNAPSHOTS, CostMeter, Plan,
-                   SnapshotWindow, drifted, plan as make_plan)
+from .plan import (DEFAULT_MTBF_S, DELTAS, MODES, SNAPSHOTS, CostMeter, Plan, SnapshotWindow,
+                   drifted, plan as make_plan)
 from .plan_agreement import RankAgreement, Shared
 
 log = logging.getLogger("ckptstore")
@@ -485,27 +485,27 @@ class AutoPolicy:
         :data:`EARLY_STOP_SAMPLES` delta samples and a measured standard error of the
         delta/plain ratio on every rank (``counts["ratio_se"]``: 3 samples of each kind, not
         the assumed :data:`UNMEASURED_RATIO_REL_SE`); then the overhead's optimistic end,
-        ``plain x (ratio - 1 - DELTA_MARGIN_Z x se)``, is handed to the planner as if measured
-        exactly: if even then it plans snapshots, the plan made next, which costs deltas at the
-        pessimistic end (``2 x DELTA_MARGIN_Z`` standard errors higher), plans snapshots too,
+        the overhead less its margin (both as :class:`~ckptstore.torch.plan.CostMeter` derives
+        them from the ratio and its standard error, for the plan made after the phase), is
+        handed to the planner as if measured exactly: if even then it plans snapshots, the plan
+        made next, which costs deltas at the overhead plus its margin, plans snapshots too,
         as it would after ``measure_steps`` samples unless the later ones moved the median down
         by more than that. From ``shared`` (agreed) inputs only, each the slowest rank's (the
         job's deltas cost what its slowest rank's do): every rank stops at the same step."""
         delta, plain = shared.medians.get("delta"), shared.medians.get("plain")
-        se = shared.medians.get("delta_ratio_se")
         if shared.counts["delta"] < EARLY_STOP_SAMPLES or not shared.counts.get("ratio_se") \
-                or not delta or not plain or se is None:
+                or not delta or not plain:
             return False
-        costs = self._costs(shared.medians)
-        if costs is None:
+        # (the costs of the plan after this phase: the ratio _keep_delta_ratio keeps)
+        costs = self._costs({**shared.medians, "delta_ratio": delta / plain})
+        if costs is None or costs.delta_overhead_s is None:
             return False
-        low = plain * (delta / plain - 1.0 - DELTA_MARGIN_Z * se)
+        low = costs.delta_overhead_s - costs.delta_overhead_margin_s
         optimistic = dataclasses.replace(costs, delta_overhead_s=max(0.0, low),
                                          delta_overhead_margin_s=0.0)
-        fixed = {SNAPSHOTS: self.snapshot_every_fixed} if self.snapshot_every_fixed else None
         try:
             mode = make_plan(optimistic, shared.mtbf_s, shared.budget, modes=(SNAPSHOTS, DELTAS),
-                             fixed=fixed).mode
+                             fixed=self._fixed()).mode
         except (ValueError, ArithmeticError):
             return False  # (the phase runs its course; the plan after it says what is wrong)
         if mode != SNAPSHOTS:
@@ -532,6 +532,10 @@ class AutoPolicy:
         se = shared.medians.get("delta_ratio_se")
         if se is not None:  # (the planner adds a margin of it: deltas must win at its far end)
             self.meter.add("delta_ratio_se", se)
+
+    def _fixed(self) -> dict[str, int] | None:
+        """The planner's ``fixed`` argument: the explicit ``snapshot_every``, else None."""
+        return {SNAPSHOTS: self.snapshot_every_fixed} if self.snapshot_every_fixed else None
 
     def _costs(self, medians: dict[str, float]):
         frozen = CostMeter()
@@ -592,7 +596,7 @@ class AutoPolicy:
         if costs is None:
             return
         modes = (SNAPSHOTS, DELTAS) if self.policy == "auto" else (SNAPSHOTS,)
-        fixed = {SNAPSHOTS: self.snapshot_every_fixed} if self.snapshot_every_fixed else None
+        fixed = self._fixed()
         notes: tuple[str, ...] = ()
         forecast = None
         if DELTAS in modes and self.replayable and costs.delta_overhead_s is None:
