@@ -388,3 +388,96 @@ def test_cli_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "unknown strategy 'rsync'" in err
     assert "--rate/--gpus: failure rate must be a positive number" in err and "GPU count must be positive" in err
+
+
+# ---- the sweep on costs measured end to end (--sweep-e2e, tools/goodput_extrapolate.py) ---------
+E2E_LATEST = goodput.ROOT / "tools" / "data" / "goodput-e2e-2026-11-29.json"
+
+
+@pytest.fixture(scope="module")
+def gx():
+    import goodput_extrapolate   # (tools/ is on sys.path once goodput.py is loaded)
+    return goodput_extrapolate
+
+
+def e2e_job(**kw):
+    job = {"strategy": "pccheck", "scenario": "s", "every": 10, "iterations": 100, "failures": 1,
+           "lost_it_per_failure": 10.0, "lost_s_per_failure": 0.5, "checkpoints": 10,
+           "stall_s": 0.01, "step_s": 0.055, "step_plain_in_job_s": 0.05, "goodput_in_job": 0.9,
+           "step_plain_s": 0.06, "goodput": 0.8, "wall_s": 12.0, "mtbf_s": 6.0}
+    return {**job, **kw}
+
+
+def test_all_in_cost_is_the_stall_and_the_steps_excess_per_checkpoint(gx):
+    # 110 steps ran (100 iterations, 10 again after the failure), 10 wrote a checkpoint: each
+    # checkpoint costs its stall and 11 steps' excess over the job's own plain step
+    assert gx.all_in_cost_s(e2e_job()) == pytest.approx(0.01 + 110 / 10 * 0.005)
+    assert gx.all_in_cost_s(e2e_job(step_plain_in_job_s=math.nan)) == pytest.approx(
+        0.01 - 110 / 10 * 0.005)   # (no own plain steps: the plain runs' step beside the job)
+    assert gx.all_in_cost_s(e2e_job(checkpoints=0)) is None   # deltas: the cost is in the step
+
+
+def test_the_measured_points_sit_at_the_failure_rate_the_jobs_met(gx):
+    doc = {"jobs": [e2e_job(repeat=0), e2e_job(repeat=1, failures=2, wall_s=24.0, goodput_in_job=0.7),
+                    e2e_job(scenario="calm", failures=0),
+                    e2e_job(strategy="rsync")]}   # (a strategy the sweep does not know: ignored)
+    pts = gx.measured_points(doc)
+    assert list(pts) == ["pccheck"] and len(pts["pccheck"]) == 1   # (no failure: no rate)
+    name, per_hour, r = pts["pccheck"][0]
+    assert name == "s" and per_hour == pytest.approx(3600 * 3 / 36.0)
+    assert r.goodput == pytest.approx(0.8) and r.failures == 3
+    assert r.lost_per_failure_s == pytest.approx(0.5)
+
+
+def test_the_sweep_chooses_each_interval_again_at_each_rate(gx):
+    doc = json.loads(E2E_LATEST.read_text())
+    ms = gx.measured(doc)
+    assert set(ms) == {"torch.save", "dcp-async", "pccheck", "ckpt-snapshots", "ckpt-deltas",
+                       "ckpt-auto"}
+    plain = gx.step_plain_s(doc)
+    from ckptstore.torch import plan as ckplan
+    for mtbf in (3600.0 * 100, 60.0):
+        for name in ("torch.save", "pccheck", "ckpt-snapshots"):
+            st = gx.sweep_strategy(ms[name], mtbf, plain)
+            assert st.stall_s == ms[name].all_in_s > 0 and st.step_s == plain
+            assert st.every == goodput.young_daly_every(ms[name].all_in_s, mtbf, plain)
+            assert st.persist_s == ms[name].costs.persist_s
+        deltas = gx.sweep_strategy(ms["ckpt-deltas"], mtbf, plain)
+        assert (deltas.every, deltas.base_every) == (1, 30) and deltas.stall_s == 0
+        assert deltas.step_s == pytest.approx(plain * ms["ckpt-deltas"].costs.step_ratio)
+        auto = gx.sweep_strategy(ms["ckpt-auto"], mtbf, plain, deltas=ms["ckpt-deltas"])
+        p = ckplan.plan(ckplan.Costs(
+            step_s=plain, snapshot_stall_s=ms["ckpt-auto"].all_in_s,
+            snapshot_persist_s=ms["ckpt-auto"].costs.persist_s,
+            delta_overhead_s=plain * (ms["ckpt-deltas"].costs.step_ratio - 1),
+            replay_s=ms["ckpt-deltas"].costs.replay_s, load_s=ms["ckpt-auto"].costs.load_s,
+            restart_s=ms["ckpt-auto"].costs.restart_s), mtbf)
+        assert (auto.base_every or auto.every) == p.chosen.interval
+        assert auto.base_every == (p.chosen.interval if p.mode == "deltas" else 0)
+    # a failure every 100 h: snapshots far apart; every minute: closer than every 100 steps
+    far, near = (gx.sweep_strategy(ms["pccheck"], m, plain).every for m in (3.6e5, 60.0))
+    assert far > 1000 > 100 > near
+
+
+def test_cli_sweep_e2e(tmp_path, capsys):
+    png = tmp_path / "sweep.png"
+    try:
+        import matplotlib  # noqa: F401
+        plot = ["--plot", str(png)]
+    except ImportError:
+        plot = []
+    argv = ["--sweep-e2e", str(E2E_LATEST), "--hours", "1", "--runs", "2",
+            "--traces", str(tmp_path)]   # (no traces there: no calibration panel)
+    assert goodput.main(argv + plot) == 0
+    out, err = capsys.readouterr()
+    assert "measured:" in out and "all-in" in out and "| auto - best peer" in out
+    for rate in ("0.01", "600"):
+        assert sum(ln.startswith(f"| {rate:>10} |") for ln in out.splitlines()) == 1
+    if plot:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "no calibration panel" in err
+    for bad in (["--e2e", str(E2E_LATEST), "--plot", str(png)], ["--from-e2e", str(E2E_LATEST)]):
+        with pytest.raises(SystemExit) as e:
+            goodput.main(["--sweep-e2e", str(E2E_LATEST), *bad])
+        assert e.value.code == 2
+    assert "--sweep-e2e takes its costs from the run" in capsys.readouterr().err

@@ -14,6 +14,7 @@ then one Markdown table (a row per scenario and strategy) and, with ``--plot``, 
     python tools/goodput.py --gpus 4096 --strategies torch.save,ckptstore --hours 24
     python tools/goodput.py --from-bench core.json           # throughputs from bench_core.py --json
     python tools/goodput.py --from-e2e e2e.json              # calibrate against bench_goodput.py --json
+    python tools/goodput.py --sweep-e2e e2e.json --plot p.png  # sweep on that run's measured costs
 
 Model (a discrete-event simulation; every time below is wall-clock seconds)
 --------------------------------------------------------------------------
@@ -557,6 +558,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--from-e2e", metavar="FILE",
                    help="calibrate against a `bench_goodput.py --json FILE` run: simulate its jobs "
                         "(same schedules, measured costs) and compare goodputs; nothing else runs")
+    p.add_argument("--sweep-e2e", metavar="FILE",
+                   help="sweep failure rates on the costs a `bench_goodput.py --json FILE` run "
+                        "measured end to end (tools/goodput_extrapolate.py); with --plot, its "
+                        "measured points on the sweep and, with its traces, the calibration panel")
     p.add_argument("--traces", default=str(DEFAULT_TRACES),
                    help="directory of trace CSVs (default ../shared/traces from the repository root; "
                         "skipped when absent)")
@@ -592,6 +597,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--rate/--gpus: {e}")
     if a.e2e and not a.plot:
         p.error("--e2e needs --plot")
+    if a.sweep_e2e and (a.from_e2e or a.e2e or a.from_bench):
+        p.error("--sweep-e2e takes its costs from the run: not with --from-e2e, --e2e or --from-bench")
     if not (a.hours > 0 and math.isfinite(a.hours)) or a.runs < 1 or a.pccheck_inflight < 1 \
             or not a.restart_s >= 0:
         p.error("--hours, --runs and --pccheck-inflight must be positive, --restart-s >= 0")
@@ -608,6 +615,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.sweep_e2e:
+        return run_sweep_e2e(a)
     if a.from_e2e or a.e2e:
         import goodput_e2e  # (tools/goodput_e2e.py imports this module: loaded only here)
         with open(a.from_e2e or a.e2e) as f:
@@ -694,6 +703,45 @@ def run(a: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
         print(f"\nplot: {a.plot}")
+    return 0
+
+
+def run_sweep_e2e(a: argparse.Namespace) -> int:
+    """``--sweep-e2e FILE``: the Poisson sweep on the run's measured costs (printed), and with
+    ``--plot`` drawn with the run's measured points; the calibration panel when the run's traces
+    are at ``--traces`` (its jobs' failure schedules are rebuilt from them)."""
+    import goodput_e2e  # (both import this module: loaded only here)
+    import goodput_extrapolate as gx
+    with open(a.sweep_e2e) as f:
+        doc = json.load(f)
+    results, chosen = gx.sweep(doc, a.hours, a.runs, a.seed, a.restart_s)
+    print(gx.report(doc, a.hours, a.runs, results, chosen))
+    if not a.plot:
+        return 0
+    calibration, title = [], ""
+    if all((Path(a.traces) / t).is_file() for t in doc["args"]["traces"]):
+        calibration = goodput_e2e.e2e_means(doc, goodput_e2e.calibrate_e2e(doc, a.traces))
+        err = sum(abs(g["sim"] - g["e2e"]) for g in calibration) / max(1, len(calibration))
+        title = (f"the same run's jobs, each simulated on its own failures\nwith the pooled "
+                 f"costs: mean |sim - e2e| {err:.3f}")
+    else:
+        print(f"goodput: the run's traces are not in {a.traces}: no calibration panel",
+              file=sys.stderr)
+    plain = gx.step_plain_s(doc)
+    try:
+        goodput_plot.plot(a.plot, results, gx.measured_points(doc),
+                          f"lines: the simulator on the costs bench_goodput measured end to end "
+                          f"({doc.get('date', '?')}, model {doc['args'].get('model', '?')}, plain "
+                          f"step {plain * 1e3:.0f} ms), Poisson failures, {a.hours:g} h of useful "
+                          f"work, {a.runs} runs per point; markers: that run's measured jobs "
+                          f"(means over its repeats)", calibration, title,
+                          markers="measured jobs, at the rate they met",
+                          marker_prefix="measured: ")
+    except ImportError:
+        print("goodput: matplotlib is not installed (pip install -e '.[plots]'): no plot",
+              file=sys.stderr)
+        return 1
+    print(f"\nplot: {a.plot}")
     return 0
 
 

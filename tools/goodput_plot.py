@@ -11,6 +11,7 @@ runs is on the same page. :func:`sweep_table` is the sweep as text, with how far
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,10 +47,12 @@ def sweep_table(sweep: dict[str, list[tuple[float, Any]]]) -> str:
 
 def plot(path: str | os.PathLike, sweep: dict[str, list[tuple[float, Any]]],
          points: dict[str, list[tuple[str, float, Any]]], title: str,
-         e2e: Sequence[dict] | None = None, e2e_title: str = "") -> None:
+         e2e: Sequence[dict] | None = None, e2e_title: str = "", markers: str = "traces",
+         marker_prefix: str = "trace: ") -> None:
     """Goodput and lost work per failure against the failure rate: one line per strategy over the
-    Poisson sweep, the traces as labelled markers; with ``e2e`` (dicts with scenario, strategy,
-    e2e and sim goodput), a third panel of measured against simulated goodput."""
+    Poisson sweep, ``points`` as markers (``markers`` says what they are on the axes, e.g.
+    "traces", simulated, or measured jobs; ``marker_prefix`` starts their legend); with ``e2e`` (dicts with scenario, strategy, e2e and sim goodput), a third
+    panel of measured against simulated goodput."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -72,10 +75,11 @@ def plot(path: str | os.PathLike, sweep: dict[str, list[tuple[float, Any]]],
             if r.failures:
                 ax_l.plot([rate], [r.lost_per_failure_s], m, color=color, mfc="none", ms=7)
     for k, name in enumerate(trace_names):
-        ax_g.plot([], [], MARKERS[k % len(MARKERS)], color="k", mfc="none", label=f"trace: {name}")
+        ax_g.plot([], [], MARKERS[k % len(MARKERS)], color="k", mfc="none",
+                  label=f"{marker_prefix}{name}")
     for ax in (ax_g, ax_l):
         ax.set_xscale("log")
-        ax.set_xlabel("job failures per hour (lines: Poisson; markers: traces)")
+        ax.set_xlabel(f"job failures per hour (lines: Poisson; markers: {markers})")
         ax.grid(True, which="both", alpha=0.3)
         top = ax.secondary_xaxis("top", functions=(lambda r: r / llama3_rate_per_hour(1),
                                                    lambda g: g * llama3_rate_per_hour(1)))
@@ -86,7 +90,7 @@ def plot(path: str | os.PathLike, sweep: dict[str, list[tuple[float, Any]]],
     ax_g.legend(fontsize=8, loc="lower left")
     if e2e:
         _e2e_panel(axes[2], e2e, colors, e2e_title)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 200), fontsize=9)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -95,7 +99,7 @@ def plot(path: str | os.PathLike, sweep: dict[str, list[tuple[float, Any]]],
 def _e2e_panel(ax: Any, e2e: Sequence[dict], colors: dict[str, str], title: str) -> None:
     """Measured (x) against simulated (y) goodput per scenario (marker) and strategy (colour,
     that of the sweep's strategy of the same kind), with the diagonal where they agree."""
-    scenarios = list(dict.fromkeys(p["scenario"] for p in e2e))
+    scenarios = sorted({p["scenario"] for p in e2e})  # (the order of the other panels' markers)
     strategies = list(dict.fromkeys(p["strategy"] for p in e2e))
     extra = iter(f"C{k}" for k in range(len(colors), len(colors) + len(strategies)))
     color = {s: colors.get(E2E_AS_SWEEP.get(s, s)) or next(extra) for s in strategies}
