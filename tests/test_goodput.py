@@ -202,6 +202,9 @@ def test_ckptstore_auto_runs_what_plan_chooses(costs, per_hour):
     else:   # a delta every iteration, durable each (group commit 1), the base's stall spread over B
         assert (st.every, st.base_every, st.stall_s, st.max_inflight) == (1, p.chosen.interval, 0.0, 4)
         assert st.step_s == pytest.approx(0.412 * 1.079 + snap.stall_s / p.chosen.interval)
+        # a resume loads the base and replays the deltas since it (until 2026-11-30: no replay)
+        assert st.replay_s == goodput.make_strategy("ckptstore", costs, mtbf).replay_s > 0
+        assert st.load_s == snap.load_s
     assert st.derivation[-1].startswith(f"plan() at MTBF {mtbf:.0f} s: {p.chosen.describe()}")
     # frequent enough failures make deltas the better mode; rare ones snapshots
     assert p.mode == ("deltas" if per_hour >= 3000 else "snapshots")
@@ -212,8 +215,10 @@ def test_ckptstore_auto_is_never_below_its_better_mode(costs):
         sc = goodput.Scenario("p", rate_per_hour=per_hour)
         n = goodput.job_iterations(24.0 if per_hour < 100 else 0.5, 0.412)
         snap, p = plan_for(costs, sc.mtbf_s)
+        replay = goodput.make_strategy("ckptstore", costs, sc.mtbf_s).replay_s
         modes = [goodput.apply_mode(snap, o.mode, o.interval, delta_step_s=0.412 * 1.079,
-                                    delta_persist_s=0.0305) for o in p.options]
+                                    delta_persist_s=0.0305, delta_replay_s=replay)
+                 for o in p.options]
         auto = goodput.make_strategy("ckptstore-auto", costs, sc.mtbf_s)
         got = [goodput.run_scenario(sc, st, n, 0.412, runs=2, seed=0).goodput for st in (auto, *modes)]
         assert got[0] == got[1] and got[0] >= max(got) - 0.002, (per_hour, got)
@@ -420,7 +425,9 @@ def e2e_job(**kw):
            "lost_it_per_failure": 10.0, "lost_s_per_failure": 0.5, "checkpoints": 10,
            "stall_s": 0.01, "step_s": 0.055, "step_plain_in_job_s": 0.05, "goodput_in_job": 0.9,
            "step_plain_s": 0.06, "goodput": 0.8, "wall_s": 12.0, "mtbf_s": 6.0}
-    return {**job, **kw}
+    job.update(kw)
+    job.setdefault("failures_detail", [{"t": 1.0 + k, "lost_s": 0.5} for k in range(job["failures"])])
+    return job
 
 
 def test_all_in_cost_is_the_stall_and_the_steps_excess_per_checkpoint(gx):
@@ -433,12 +440,16 @@ def test_all_in_cost_is_the_stall_and_the_steps_excess_per_checkpoint(gx):
 
 
 def test_the_measured_points_sit_at_the_failure_rate_the_jobs_met(gx):
-    doc = {"jobs": [e2e_job(repeat=0), e2e_job(repeat=1, failures=2, wall_s=24.0, goodput_in_job=0.7),
+    at_start = [{"t": -0.4, "lost_s": 0.0}, {"t": 2.0, "lost_s": 0.5}, {"t": 3.0, "lost_s": 0.5}]
+    doc = {"jobs": [e2e_job(repeat=0), e2e_job(repeat=1, failures=3, wall_s=24.0, goodput_in_job=0.7,
+                                               failures_detail=at_start),
                     e2e_job(scenario="calm", failures=0),
+                    e2e_job(scenario="killed at start only", failures_detail=at_start[:1]),
                     e2e_job(strategy="rsync")]}   # (a strategy the sweep does not know: ignored)
     pts = gx.measured_points(doc)
     assert list(pts) == ["pccheck"] and len(pts["pccheck"]) == 1   # (no failure: no rate)
     name, per_hour, r = pts["pccheck"][0]
+    # (a kill as the job started, from a schedule before 2026-11-30, is not one of its failures)
     assert name == "s" and per_hour == pytest.approx(3600 * 3 / 36.0)
     assert r.goodput == pytest.approx(0.8) and r.failures == 3
     assert r.lost_per_failure_s == pytest.approx(0.5)
@@ -451,7 +462,8 @@ def test_the_sweep_chooses_each_interval_again_at_each_rate(gx):
                        "ckpt-auto"}
     plain = gx.step_plain_s(doc)
     from ckptstore.torch import plan as ckplan
-    for mtbf in (3600.0 * 100, 60.0):
+    modes = []
+    for mtbf in (3600.0 * 100, 60.0, 6.0):
         for name in ("torch.save", "pccheck", "ckpt-snapshots"):
             st = gx.sweep_strategy(ms[name], mtbf, plain)
             assert st.stall_s == ms[name].all_in_s > 0 and st.step_s == plain
@@ -461,14 +473,23 @@ def test_the_sweep_chooses_each_interval_again_at_each_rate(gx):
         assert (deltas.every, deltas.base_every) == (1, 30) and deltas.stall_s == 0
         assert deltas.step_s == pytest.approx(plain * ms["ckpt-deltas"].costs.step_ratio)
         auto = gx.sweep_strategy(ms["ckpt-auto"], mtbf, plain, deltas=ms["ckpt-deltas"])
+        d, a = ms["ckpt-deltas"].costs, ms["ckpt-auto"]
+        # ckpt-deltas' steps wrote a base every 30: their cost leaves the delta's overhead, and
+        # the plan adds bases back at its own interval and auto's snapshot cost
+        overhead = plain * (d.step_ratio - 1) - a.all_in_s / 30
         p = ckplan.plan(ckplan.Costs(
-            step_s=plain, snapshot_stall_s=ms["ckpt-auto"].all_in_s,
-            snapshot_persist_s=ms["ckpt-auto"].costs.persist_s,
-            delta_overhead_s=plain * (ms["ckpt-deltas"].costs.step_ratio - 1),
-            replay_s=ms["ckpt-deltas"].costs.replay_s, load_s=ms["ckpt-auto"].costs.load_s,
-            restart_s=ms["ckpt-auto"].costs.restart_s), mtbf)
-        assert (auto.base_every or auto.every) == p.chosen.interval
-        assert auto.base_every == (p.chosen.interval if p.mode == "deltas" else 0)
+            step_s=plain, snapshot_stall_s=a.all_in_s, snapshot_persist_s=a.costs.persist_s,
+            delta_overhead_s=overhead, replay_s=d.replay_s, load_s=a.costs.load_s,
+            restart_s=a.costs.restart_s), mtbf)
+        modes.append(p.mode)
+        if p.mode == "snapshots":
+            assert (auto.every, auto.base_every, auto.stall_s) == (p.chosen.interval, 0, a.all_in_s)
+            assert (auto.load_s, auto.replay_s) == (a.costs.load_s, 0.0)
+        else:   # a delta every step, bases every B: resumes load one and replay the deltas since
+            assert (auto.every, auto.base_every, auto.stall_s) == (1, p.chosen.interval, 0.0)
+            assert auto.step_s == pytest.approx(plain + overhead + a.all_in_s / p.chosen.interval)
+            assert (auto.load_s, auto.replay_s, auto.persist_s) == (d.load_s, d.replay_s, d.persist_s)
+    assert modes == ["snapshots", "snapshots", "deltas"]   # (this run's costs: deltas at MTBF 6 s)
     # a failure every 100 h: snapshots far apart; every minute: closer than every 100 steps
     far, near = (gx.sweep_strategy(ms["pccheck"], m, plain).every for m in (3.6e5, 60.0))
     assert far > 1000 > 100 > near
@@ -496,3 +517,7 @@ def test_cli_sweep_e2e(tmp_path, capsys):
             goodput.main(["--sweep-e2e", str(E2E_LATEST), *bad])
         assert e.value.code == 2
     assert "--sweep-e2e takes its costs from the run" in capsys.readouterr().err
+    # a run of 2026-11-28: no step time of deltas (left out), no in-job plain steps: its steps
+    # measured against the plain runs beside them ran faster than those: a clear error, not a 0
+    assert goodput.main(["--sweep-e2e", str(E2E_RUN), "--hours", "1", "--runs", "1"]) == 2
+    assert "below 0: its steps ran faster than the plain step" in capsys.readouterr().err

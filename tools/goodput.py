@@ -281,13 +281,15 @@ class Strategy:
 
 
 def apply_mode(st: Strategy, mode: str, interval: int, *, group: int = 1, delta_inflight: int = 4,
-               delta_step_s: float | None = None, delta_persist_s: float | None = None) -> Strategy:
+               delta_step_s: float | None = None, delta_persist_s: float | None = None,
+               delta_replay_s: float | None = None, delta_load_s: float | None = None) -> Strategy:
     """``st``, a strategy of snapshots (its stall a snapshot's), under one of the modes of
     ``ckptstore.torch.plan``: ``"snapshots"``, one every ``interval`` iterations; ``"deltas"``, a
     delta every iteration (steps of ``delta_step_s``, default ``st``'s), durable per group of
     ``group`` after ``delta_persist_s`` (default ``st``'s persist), ``delta_inflight`` groups in
     flight, and a base every ``interval``: its stall is spread over the steps between bases (they
-    come every B steps, not every group)."""
+    come every B steps, not every group); a resume loads the base (``delta_load_s``, default
+    ``st``'s load) and replays ``delta_replay_s`` per delta since it (default ``st``'s)."""
     if mode == "snapshots":
         return replace(st, every=interval, base_every=0)
     if mode != "deltas":
@@ -295,7 +297,9 @@ def apply_mode(st: Strategy, mode: str, interval: int, *, group: int = 1, delta_
     step = (st.step_s if delta_step_s is None else delta_step_s) + st.stall_s / interval
     return replace(st, every=group, step_s=step, stall_s=0.0, base_every=interval,
                    max_inflight=delta_inflight,
-                   persist_s=st.persist_s if delta_persist_s is None else delta_persist_s)
+                   persist_s=st.persist_s if delta_persist_s is None else delta_persist_s,
+                   replay_s=st.replay_s if delta_replay_s is None else delta_replay_s,
+                   load_s=st.load_s if delta_load_s is None else delta_load_s)
 
 
 def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:
@@ -419,7 +423,7 @@ def ckptstore_auto(snap: Strategy, costs: Costs, mtbf_s: float, *, replay_s: flo
                       restart_s=snap.restart_s, group_commit=1)
     p = ckplan.plan(pc, mtbf_s)
     st = apply_mode(snap, p.mode, p.chosen.interval, delta_step_s=delta_step,
-                    delta_persist_s=delta_persist_s)
+                    delta_persist_s=delta_persist_s, delta_replay_s=replay_s)
     others = "; ".join(f"{o.mode} {o.goodput:.4f}" for o in p.options[1:])
     return replace(st, derivation=(*snap.derivation, *derivation, (
         f"delta step = step_plain_s * ckptstore_step_ratio_no_bases = {delta_step:.4f} s"),

@@ -10,13 +10,13 @@ figure assumes:
 * **All-in cost per checkpoint** (:func:`all_in_cost_s`): per job, the stall plus the excess of
   its mean step over its plain step (:func:`goodput_e2e.plain_reference`) times the steps it
   ran per checkpoint (for a fixed interval N: a period of N steps costs ``N x step + stall``;
-  for ``policy="auto"`` its measuring steps and snapshots are in it). It holds the background work's contention with training (ckptstore's persister,
-  PCcheck-style's writer, DCP's thread) for every strategy alike, and is assumed to be a cost
-  per checkpoint, independent of the interval (the background work of one checkpoint is the
-  same whether the next comes 6 or 600 steps later). The slower first steps after a restart are
-  in it too (torch.save, with no background work, shows them: its steps ran ~0.5% above plain),
-  charged per checkpoint instead of per restart: a small overstatement for every strategy.
-  The median over a strategy's jobs.
+  for ``policy="auto"`` its measuring steps and snapshots are in it). It holds the background
+  work's contention with training (ckptstore's persister, PCcheck-style's writer, DCP's thread)
+  for every strategy alike, and is assumed to be a cost per checkpoint, independent of the
+  interval (the background work of one checkpoint is the same whether the next comes 6 or 600
+  steps later). The slower first steps after a restart are in it too (torch.save, with no
+  background work, shows them: its steps ran ~0.5% above plain), charged per checkpoint instead
+  of per restart: a small overstatement for every strategy. The median over a strategy's jobs.
 * **Interval**: Young/Daly on the all-in cost for torch.save, DCP, PCcheck-style and ckptstore's
   snapshots; ``plan()`` of ckptstore for ``policy="auto"`` (its snapshots' all-in cost from its
   own jobs, measuring phases included, so pessimistic for long jobs; the deltas' overhead from
@@ -72,15 +72,25 @@ class MeasuredStrategy:
 
 
 def measured(doc: dict) -> dict[str, MeasuredStrategy]:
-    """Every strategy of a bench_goodput JSON that the sweep knows, with its measured figures."""
+    """Every strategy of a bench_goodput JSON that the sweep knows and whose steps were timed
+    (runs of 2026-11-28 and before timed no delta step: left out), with its measured figures.
+    ValueError: a negative all-in cost (steps faster than the plain reference: a run without
+    the jobs' own plain steps, before 2026-11-29, against the plain runs beside them)."""
     out: dict[str, MeasuredStrategy] = {}
     for name in dict.fromkeys(j["strategy"] for j in doc["jobs"]):
         if name not in AS_SWEEP:
             continue
+        c = e2e_costs(doc, name)
+        if not math.isfinite(c.step_ratio):
+            continue
         jobs = [j for j in doc["jobs"] if j["strategy"] == name]
-        costs = [c for c in map(all_in_cost_s, jobs) if c is not None and math.isfinite(c)]
-        out[name] = MeasuredStrategy(name, e2e_costs(doc, name),
-                                     _median(costs) if costs else None, len(jobs))
+        costs = [x for x in map(all_in_cost_s, jobs) if x is not None and math.isfinite(x)]
+        all_in = _median(costs) if costs else None
+        if all_in is not None and all_in < 0:
+            raise ValueError(f"{name}: all-in cost {all_in * 1e3:.1f} ms per checkpoint, below "
+                             f"0: its steps ran faster than the plain step they are measured "
+                             f"against (a run without the jobs' own plain steps?)")
+        out[name] = MeasuredStrategy(name, c, all_in, len(jobs))
     return out
 
 
@@ -98,7 +108,10 @@ def step_plain_s(doc: dict) -> float:
 def sweep_strategy(m: MeasuredStrategy, mtbf_s: float, plain_s: float, *,
                    deltas: MeasuredStrategy | None = None, restart_s: float = 0.0) -> Strategy:
     """``m`` at a failure rate of one per ``mtbf_s``: its interval chosen for that rate (see the
-    module docstring), its other costs as measured, ``restart_s`` added to its restart."""
+    module docstring), its other costs as measured, ``restart_s`` added to its restart. For
+    ckpt-auto, ``deltas`` (the ckpt-deltas jobs) gives what its deltas mode would cost: the
+    overhead of a delta step (their step ratio less one, less the bases they wrote every B steps,
+    which the plan adds back at auto's own snapshot cost), the persist, base load and replay."""
     c = m.costs
     name = AS_SWEEP[m.name]
     base = Strategy(name, 1, plain_s, persist_s=c.persist_s, max_inflight=c.inflight,
@@ -106,21 +119,24 @@ def sweep_strategy(m: MeasuredStrategy, mtbf_s: float, plain_s: float, *,
     if m.all_in_s is None:  # deltas every iteration, as measured (bases every base_every)
         st = replace(base, step_s=plain_s * c.step_ratio, replay_s=c.replay_s)
         return apply_mode(st, "deltas", c.base_every, delta_inflight=c.inflight)
-    snap = replace(base, stall_s=max(0.0, m.all_in_s))
+    snap = replace(base, stall_s=m.all_in_s)
     if m.name != "ckpt-auto":
         return replace(snap, every=young_daly_every(snap.stall_s, mtbf_s, plain_s))
     from ckptstore.torch import plan as ckplan  # (its package imports torch: only when asked)
-    overhead = None if deltas is None else plain_s * (deltas.costs.step_ratio - 1.0)
+    overhead = None
+    if deltas is not None and deltas.costs.base_every:
+        d = plain_s * (deltas.costs.step_ratio - 1.0) - snap.stall_s / deltas.costs.base_every
+        overhead = max(0.0, d) if math.isfinite(d) else None
     pc = ckplan.Costs(step_s=plain_s, snapshot_stall_s=snap.stall_s,
-                      snapshot_persist_s=snap.persist_s,
-                      delta_overhead_s=None if overhead is None else max(0.0, overhead),
+                      snapshot_persist_s=snap.persist_s, delta_overhead_s=overhead,
                       replay_s=deltas.costs.replay_s if deltas else 0.0, load_s=snap.load_s,
                       restart_s=snap.restart_s, group_commit=1)
     p = ckplan.plan(pc, mtbf_s)
-    return apply_mode(snap, p.mode, p.chosen.interval,
-                      delta_step_s=plain_s + (overhead or 0.0),
-                      delta_persist_s=deltas.costs.persist_s if deltas else None,
-                      delta_inflight=deltas.costs.inflight if deltas else 4)
+    if p.mode == "snapshots" or deltas is None:
+        return apply_mode(snap, p.mode, p.chosen.interval)
+    return apply_mode(snap, p.mode, p.chosen.interval, delta_step_s=plain_s + (overhead or 0.0),
+                      delta_persist_s=deltas.costs.persist_s, delta_inflight=deltas.costs.inflight,
+                      delta_replay_s=deltas.costs.replay_s, delta_load_s=deltas.costs.load_s)
 
 
 def rates_per_hour() -> tuple[float, ...]:
@@ -157,14 +173,15 @@ def measured_points(doc: dict) -> dict[str, list[tuple[str, float, RunResult]]]:
         if j["strategy"] in AS_SWEEP:
             groups.setdefault((j["scenario"], j["strategy"]), []).append(j)
     for (scenario, strategy), js in groups.items():
-        failures = sum(j["failures"] for j in js)
-        if not failures:
+        # (a kill as the job started, from a schedule before 2026-11-30, is not the job's failure)
+        failures = sum(1 for j in js for f in j["failures_detail"] if f["t"] > 0)
+        wall = sum(j["wall_s"] for j in js)
+        if not failures or not wall > 0:
             continue
         goodput = sum(plain_reference(j)[1] for j in js) / len(js)
-        lost = sum(j["lost_s_per_failure"] * j["failures"] for j in js)
-        per_hour = 3600.0 * failures / sum(j["wall_s"] for j in js)
+        lost = sum(f["lost_s"] for j in js for f in j["failures_detail"] if f["t"] > 0)
         out.setdefault(AS_SWEEP[strategy], []).append(
-            (scenario, per_hour, RunResult(goodput, 1.0, failures, lost)))
+            (scenario, 3600.0 * failures / wall, RunResult(goodput, 1.0, failures, lost)))
     return out
 
 
@@ -188,6 +205,19 @@ def report(doc: dict, hours: float, runs: int,
         lines.append(f"  {AS_SWEEP[m.name]} ({m.name}, {m.jobs} jobs): {cost}, persist "
                      f"{c.persist_s * 1e3:.0f} ms, load {c.load_s:.3f} s, restart "
                      f"{c.restart_s:.3f} s, in flight {c.inflight}")
+    left = [n for n in dict.fromkeys(j["strategy"] for j in doc["jobs"]) if n not in ms]
+    if left:
+        lines.append(f"  left out: {', '.join(left)} (not a strategy the sweep knows, or no "
+                     f"step time in this run)")
+    auto, deltas = ms.get("ckpt-auto"), ms.get("ckpt-deltas")
+    if auto is not None and auto.all_in_s is not None and deltas is not None \
+            and deltas.costs.base_every:
+        d = plain * (deltas.costs.step_ratio - 1) - auto.all_in_s / deltas.costs.base_every
+        lines.append(f"  ckptstore-auto's deltas mode: +{max(0.0, d) * 1e3:.2f} ms a step "
+                     f"(ckpt-deltas' step less its bases, every {deltas.costs.base_every}, at "
+                     f"auto's snapshot cost: plan() adds its own bases back), base load "
+                     f"{deltas.costs.load_s:.3f} s, replay {deltas.costs.replay_s * 1e3:.0f} ms "
+                     f"per delta")
     names = list(results)
     peers = [s for s in names if s in ("torch.save", "dcp-async", "pccheck")]
     rows = []

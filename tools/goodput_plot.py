@@ -61,7 +61,9 @@ def plot(path: str | os.PathLike, sweep: dict[str, list[tuple[float, Any]]],
                              constrained_layout=True)
     ax_g, ax_l = axes[0], axes[1]
     colors = {strategy: f"C{k}" for k, strategy in enumerate(sweep)}
-    trace_names = sorted({name for pts in points.values() for name, _, _ in pts})
+    # (one marker per scenario on every panel: the e2e panel's scenarios too)
+    trace_names = sorted({name for pts in points.values() for name, _, _ in pts} |
+                         {p["scenario"] for p in e2e or ()})
     for strategy, series in sweep.items():
         color = colors[strategy]
         line = "--" if strategy == "ckptstore-auto" else "-"   # (it often runs the snapshots' line)
@@ -75,8 +77,9 @@ def plot(path: str | os.PathLike, sweep: dict[str, list[tuple[float, Any]]],
             if r.failures:
                 ax_l.plot([rate], [r.lost_per_failure_s], m, color=color, mfc="none", ms=7)
     for k, name in enumerate(trace_names):
-        ax_g.plot([], [], MARKERS[k % len(MARKERS)], color="k", mfc="none",
-                  label=f"{marker_prefix}{name}")
+        if any(name == n for pts in points.values() for n, _, _ in pts):
+            ax_g.plot([], [], MARKERS[k % len(MARKERS)], color="k", mfc="none",
+                      label=f"{marker_prefix}{name}")
     for ax in (ax_g, ax_l):
         ax.set_xscale("log")
         ax.set_xlabel(f"job failures per hour (lines: Poisson; markers: {markers})")
@@ -89,30 +92,31 @@ def plot(path: str | os.PathLike, sweep: dict[str, list[tuple[float, Any]]],
     ax_l.set_yscale("log")
     ax_g.legend(fontsize=8, loc="lower left")
     if e2e:
-        _e2e_panel(axes[2], e2e, colors, e2e_title)
+        _e2e_panel(axes[2], e2e, colors, e2e_title, trace_names)
     fig.suptitle(textwrap.fill(title, 200), fontsize=9)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _e2e_panel(ax: Any, e2e: Sequence[dict], colors: dict[str, str], title: str) -> None:
+def _e2e_panel(ax: Any, e2e: Sequence[dict], colors: dict[str, str], title: str,
+               order: Sequence[str]) -> None:
     """Measured (x) against simulated (y) goodput per scenario (marker) and strategy (colour,
     that of the sweep's strategy of the same kind), with the diagonal where they agree."""
-    scenarios = sorted({p["scenario"] for p in e2e})  # (the order of the other panels' markers)
+    scenarios = [sc for sc in order if any(p["scenario"] == sc for p in e2e)]
     strategies = list(dict.fromkeys(p["strategy"] for p in e2e))
     extra = iter(f"C{k}" for k in range(len(colors), len(colors) + len(strategies)))
     color = {s: colors.get(E2E_AS_SWEEP.get(s, s)) or next(extra) for s in strategies}
     for p in e2e:
-        ax.plot([p["e2e"]], [p["sim"]], MARKERS[scenarios.index(p["scenario"]) % len(MARKERS)],
+        ax.plot([p["e2e"]], [p["sim"]], MARKERS[order.index(p["scenario"]) % len(MARKERS)],
                 color=color[p["strategy"]], mfc="none", ms=7)
     vals = [v for p in e2e for v in (p["e2e"], p["sim"])]
     lo, hi = min(vals) - 0.02, max(vals) + 0.02
     ax.plot([lo, hi], [lo, hi], "-", color="0.6", lw=1, label="simulated = measured")
     for s in strategies:
         ax.plot([], [], "s", color=color[s], label=s)
-    for k, sc in enumerate(scenarios):
-        ax.plot([], [], MARKERS[k % len(MARKERS)], color="k", mfc="none", label=sc)
+    for sc in scenarios:
+        ax.plot([], [], MARKERS[order.index(sc) % len(MARKERS)], color="k", mfc="none", label=sc)
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_aspect("equal")
