@@ -17,7 +17,7 @@ import ckptstore
 from ckptstore.torch import Checkpointer
 from ckptstore.torch import auto_policy
 from _crashkit import run_forked
-from ckptstore.torch.auto_policy import PLAN_KEY, parse_persisted
+from ckptstore.torch.plan_history import PLAN_KEY, parse_persisted
 from ckptstore.torch.delta_forecast import DeltaForecast
 from ckptstore.torch.plan import CostMeter
 

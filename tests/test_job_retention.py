@@ -72,7 +72,7 @@ def retained_job(rank, world, path, count, base_every, keep_last, every, asynchr
                     runs.append([run.after, run.report.removed])
         epochs = s.epoch
         its = s.iterations()
-        from ckptstore.torch.checkpointer import job_restarts
+        from ckptstore.torch.plan_history import job_restarts
 
         restarts = job_restarts(s.view)[0]
     return {"sizes": sizes, "runs": runs, "iterations": its, "epoch": epochs,
@@ -287,7 +287,7 @@ def test_restarts_learned_from_the_logs_skip_the_gcs_epochs():
     """The Checkpointer's learned failure rate counts job opens, not the epochs of gc."""
     from types import SimpleNamespace as NS
 
-    from ckptstore.torch.checkpointer import job_restarts
+    from ckptstore.torch.plan_history import job_restarts
 
     def scan(epoch_ns, *commit_ns):
         return NS(epoch=NS(created_ns=epoch_ns), commits=[(NS(created_ns=c), 0) for c in commit_ns])

@@ -29,8 +29,10 @@ step is a cost sample only while measuring (in the deltas mode no plain step run
 with).
 
 **Persisted plan** (format-spec/deltas.md, "Base snapshot written by the Checkpointer"): every
-base the Checkpointer writes carries :meth:`AutoPolicy.persisted` under :data:`PLAN_KEY`: the
-measured cost medians and the failure history (restarts, since when). A restarted process
+base the Checkpointer writes carries :meth:`AutoPolicy.persisted` under
+:data:`~ckptstore.torch.plan_history.PLAN_KEY` (read back by
+:func:`~ckptstore.torch.plan_history.parse_persisted`): the measured cost medians and the
+failure history (restarts, since when). A restarted process
 (:meth:`AutoPolicy.resume`, from the base of the iteration it restored) seeds its meter with the
 medians and plans at once: no measuring phase, so a process with a short life between failures
 does not spend it measuring. The plan is re-derived from the persisted inputs (a pure function
@@ -42,11 +44,11 @@ is made from inputs every rank agreed on (:mod:`ckptstore.torch.plan_agreement`:
 at steps every rank counts alike), so every rank plans the same at the same iteration and
 persists the same field; :meth:`AutoPolicy.resume` plans on every rank, whatever it read.
 
-**Failure rate** (:func:`learned_mtbf`, one implementation for both kinds of store): restarts
-over the time they happened in; a job store's restarts are its epochs (:func:`job_restarts`), a
-single store's the resumes its persisted plans count (each :meth:`AutoPolicy.resume` from a base
-carrying one is one restart; a process killed before it wrote a base is not counted: the count
-errs low, the MTBF high).
+**Failure rate** (:func:`~ckptstore.torch.plan_history.learned_mtbf`, one implementation for
+both kinds of store): restarts over the time they happened in; a job store's restarts are its
+epochs (:func:`~ckptstore.torch.plan_history.job_restarts`), a single store's the resumes its
+persisted plans count (each :meth:`AutoPolicy.resume` from a base carrying one is one restart; a
+process killed before it wrote a base is not counted: the count errs low, the MTBF high).
 """
 
 from __future__ import annotations
@@ -58,23 +60,15 @@ import time
 from typing import Any, Callable
 
 from .delta_forecast import DeltaForecast, forecast_deltas
-from .plan import (DEFAULT_MTBF_S, DELTAS, MODES, SNAPSHOTS, CostMeter, Plan, SnapshotWindow,
+from .plan import (DEFAULT_MTBF_S, DELTAS, SNAPSHOTS, CostMeter, Plan, SnapshotWindow,
                    drifted, plan as make_plan)
 from .plan_agreement import RankAgreement, Shared
+from .plan_history import PLAN_VERSION, learned_mtbf, parse_persisted
 
 log = logging.getLogger("ckptstore")
 
-#: the base snapshot's key of the persisted plan (format-spec/deltas.md)
-PLAN_KEY = "ckptstore.plan"
-PLAN_VERSION = 1
 #: the share of the store's filesystem's free space (at open) the default disk budget is
 DEFAULT_DISK_SHARE = 0.5
-#: the newest ``since_ns`` a persisted plan may hold ahead of this machine's clock (clock skew)
-_CLOCK_SKEW_NS = 600 * 10**9
-#: the largest persisted cost believed: seconds (11.6 days per step or save), bytes (1 EiB)
-_MAX_SECONDS = 1e6
-_MAX_BYTES = float(2 ** 60)
-_MAX_RESTARTS = 10 ** 9
 #: snapshot windows (``snapshot_cost`` samples) the first plan waits for: one window's slowdown
 #: measured 0 to 62 ms for a real ~10-30 ms here (two steps' noise), and a 0 planned a snapshot
 #: every 2-3 iterations where 5-9 was best
@@ -116,74 +110,6 @@ def default_policy(replayable: bool, multirank: bool) -> str:
     gc.)"""
     del replayable, multirank
     return "auto"
-
-
-def learned_mtbf(restarts: int, since_ns: int, what: str,
-                 now_ns: int | None = None) -> tuple[float, str] | None:
-    """(MTBF seconds, where it comes from) for ``restarts`` restarts since ``since_ns`` (wall
-    clock, ns since the epoch), or None when that teaches nothing (no restart, no time)."""
-    now = time.time_ns() if now_ns is None else now_ns
-    span = (now - since_ns) / 1e9 if since_ns else 0.0
-    if restarts < 1 or span <= 0:
-        return None
-    return span / restarts, f"learned: {restarts} restart(s) of {what} in {span / 3600:.2f} h"
-
-
-def job_restarts(view: Any) -> tuple[int, int]:
-    """(restarts, since when in ns) a job store's global logs show: each epoch on the chain is one
-    open of the job, except the first one counted, an epoch written by gc (a *generation*: its
-    commits were copied, so its first commit is older than its EPOCH record) and the epoch the
-    job opened right after its own gc (``JobStore.gc`` on a writer, automatic retention). A gc
-    deletes the epochs it replaces, so restarts are known only since the newest generation:
-    ``since`` is its EPOCH's time (else the oldest commit's; 0: nothing committed). A job that
-    restarted right after an offline gc is not counted either: the count errs low."""
-    chain = list(view.chain)
-
-    def generation(e: int) -> bool:
-        scan = view.logs.get(e)
-        return bool(scan is not None and scan.epoch is not None and scan.commits and
-                    scan.commits[0][0].created_ns < scan.epoch.created_ns)
-
-    start = max((i for i, e in enumerate(chain) if generation(e)), default=None)
-    if start is not None:
-        opens = chain[start + 2:]  # (start + 1: the job's own epoch after its gc)
-        scan = view.logs[chain[start]]
-        return len(opens), scan.epoch.created_ns
-    since = min((g.created_ns for g in view.commits.values()), default=0)
-    return max(0, len(chain) - 1), since
-
-
-def _int(name: str, v: Any, lo: int) -> int:
-    if type(v) is not int or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, not {v!r}")
-    return v
-
-
-def parse_persisted(field: Any, now_ns: int | None = None) -> tuple[int, int, dict | None]:
-    """``(restarts, since_ns, cost medians or None)`` from a persisted plan field, checked:
-    ValueError naming what is wrong (a hostile or damaged field must not reach the planner)."""
-    if type(field) is not dict:
-        raise ValueError(f"not a dict but {type(field).__name__}")
-    if field.get("v") != PLAN_VERSION:
-        raise ValueError(f"version {field.get('v')!r}, not {PLAN_VERSION}")
-    restarts = _int("restarts", field.get("restarts"), 0)
-    if restarts > _MAX_RESTARTS:
-        raise ValueError(f"restarts {restarts} is beyond {_MAX_RESTARTS}")
-    since = _int("since_ns", field.get("since_ns"), 1)
-    now = time.time_ns() if now_ns is None else now_ns
-    if since > now + _CLOCK_SKEW_NS:
-        raise ValueError(f"since_ns {since} is in the future")
-    costs = field.get("costs")
-    if costs is not None:
-        CostMeter().seed(costs)  # (raises ValueError for a bad one)
-        for kind, v in costs.items():
-            top = _MAX_BYTES if kind.endswith("bytes") else _MAX_SECONDS
-            if v > top:
-                raise ValueError(f"{kind} {v!r} is beyond {top:g}")
-        if field.get("mode") not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {field.get('mode')!r}")
-        _int("interval", field.get("interval"), 1)
-    return restarts, since, costs
 
 
 class AutoPolicy:
@@ -276,10 +202,10 @@ class AutoPolicy:
         return self.snapshot_every_fixed or (self.plan.snapshot_every if self.plan else None)
 
     def persisted(self) -> dict | None:
-        """What a base written now carries under :data:`PLAN_KEY` (None: policy
-        "every-iteration"): the failure history, and with a plan the cost medians it was made
-        from, its mode and interval (JSON-safe: ints, floats, strings). Planning again from
-        these medians with the same MTBF and budget gives the same plan."""
+        """What a base written now carries under :data:`~ckptstore.torch.plan_history.PLAN_KEY`
+        (None: policy "every-iteration"): the failure history, and with a plan the cost medians
+        it was made from, its mode and interval (JSON-safe: ints, floats, strings). Planning
+        again from these medians with the same MTBF and budget gives the same plan."""
         if self.policy == "every-iteration":
             return None
         if self._agreement is not None and not self._history_shared:
@@ -663,8 +589,9 @@ class AutoPolicy:
 
     def failure_rate(self) -> tuple[float, str]:
         """(MTBF seconds, where it comes from): ``mtbf_s`` when given; else learned
-        (:func:`learned_mtbf`) from a job store's epochs, or from the restarts this store's
-        persisted plans count; else :data:`~ckptstore.torch.plan.DEFAULT_MTBF_S`, assumed."""
+        (:func:`~ckptstore.torch.plan_history.learned_mtbf`) from a job store's epochs, or from
+        the restarts this store's persisted plans count; else
+        :data:`~ckptstore.torch.plan.DEFAULT_MTBF_S`, assumed."""
         if self.mtbf_s is not None:
             return float(self.mtbf_s), "given"
         if self._mtbf is None:

@@ -59,7 +59,8 @@ from ..ops.retention import Policy
 from ..replay.gradcodecs import parse_codec
 from .arguments import check_policy_args, check_step_args, is_replayable
 from .async_steps import begin_async, end_async
-from .auto_policy import PLAN_KEY, AutoPolicy, default_budget, default_policy, job_restarts
+from .auto_policy import AutoPolicy, default_budget, default_policy
+from .plan_history import PLAN_KEY, job_restarts
 from .failure_policy import CheckpointerStats, CheckpointHealth, FailurePolicy
 from .grad_capture import GradCapture
 from .param_layout import ParamLayout

@@ -21,7 +21,7 @@ from ..replay.gradcodecs import GradCodec
 from ..replay.partition import split_state
 from ..replay.fingerprints import fingerprint, fingerprint_digest
 from ..replay.shards import local, localize
-from .auto_policy import PLAN_KEY
+from .plan_history import PLAN_KEY
 from .live_state import capture_rng, hyperparameters, json_defaults, plain_counters
 from .param_layout import ParamLayout
 
