@@ -5,6 +5,7 @@ and re-measured, the failure rate learned from a single store, and the default d
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import shutil
@@ -879,3 +880,47 @@ def test_a_rank_killed_while_planning_loses_nothing_and_the_job_resumes_one_plan
     assert a["start"] == b["start"] and a["digest"] == b["digest"] == logged[str(a["start"])]
     assert a["plan"] == b["plan"] and a["after"] == b["after"] is not None
     assert a["iterations"] == b["iterations"] and a["iterations"][-1] >= a["start"] + 2
+
+
+@pytest.mark.parametrize("gain, mode", [(0.001, "snapshots"), (0.02, "deltas")])
+def test_a_drift_switches_modes_only_for_a_clear_gain(tmp_path, monkeypatch, gain, mode):
+    """A re-plan on drifted costs keeps the mode in force unless the other gains
+    MODE_SWITCH_MARGIN goodput (0.005): measured, a drift 16 steps after a restart, on a fresh
+    process's slowed snapshot windows, switched to deltas for +0.0010 and back 112 steps later.
+    The planner is held: snapshots until the drift; at the drift deltas ahead by ``gain``."""
+    monkeypatch.setattr(auto_policy, "forecast_deltas", held_forecast(lambda: True))
+    real, drift = auto_policy.make_plan, [False]
+
+    def held(costs, *a, **kw):
+        modes = kw.get("modes", ("snapshots", "deltas"))
+        if not drift[0] or modes != ("snapshots", "deltas") or costs.delta_overhead_s is None:
+            return real(costs, *a, **{**kw, "modes": ("snapshots",) if "snapshots" in modes
+                                      else modes})
+        p = real(costs, *a, **kw)
+        snap = next(o for o in p.options if o.mode == "snapshots")
+        deltas = dataclasses.replace(next(o for o in p.options if o.mode == "deltas"),
+                                     goodput=snap.goodput + gain)
+        return dataclasses.replace(p, chosen=deltas, options=(deltas, snap))
+    monkeypatch.setattr(auto_policy, "make_plan", held)
+    model, opt = _model()
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="auto", measure_steps=4, mtbf_s=60.0)
+    ck.restore()
+    it = 0
+    while ck.meter.count("delta_ratio") == 0 or ck.plan() is None:  # (both modes measured)
+        it += 1
+        _step(model, ck, opt, it)
+        assert it < 200
+    assert ck.mode == ck.plan().mode == "snapshots"
+    drift[0] = True
+    monkeypatch.setattr(auto_policy, "drifted", lambda old, new: True)
+    for _ in range(17):  # (a drift check every 16 steps)
+        it += 1
+        _step(model, ck, opt, it)
+    assert ck.mode == ck.plan().mode == mode
+    kept = [n for n in ck.plan().notes if n.startswith("kept snapshots: deltas would gain")]
+    assert len(kept) == (mode == "snapshots"), ck.plan().notes
+    if kept:
+        assert "+0.0010" in kept[0]
+    ck.close()
+    store.close()

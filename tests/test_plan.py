@@ -289,3 +289,24 @@ def test_short_and_long_mtbfs_print_in_readable_units():
 def test_fixed_interval():
     p = plan(Costs(step_s=1.0, snapshot_stall_s=0.1), 3600.0, modes=(SNAPSHOTS,), fixed={SNAPSHOTS: 7})
     assert p.snapshot_every == 7 and len(p.options) == 1
+
+
+def test_a_drift_keeps_the_mode_in_force_unless_the_other_gains_the_margin():
+    from ckptstore.torch.plan import MODE_SWITCH_MARGIN, keep_mode
+    costs = Costs(step_s=0.05, snapshot_stall_s=0.01, snapshot_persist_s=0.05,
+                  delta_overhead_s=0.002, replay_s=0.02, load_s=0.05)
+    p = plan(costs, 6.0)
+    other = next(o for o in p.options if o is not p.chosen)
+
+    def with_gain(gain, fits=True):
+        # the same plan, the chosen option ahead of the other by ``gain``
+        chosen = replace(p.chosen, goodput=other.goodput + gain)
+        return replace(p, chosen=chosen, options=(chosen, replace(other, fits=fits)))
+
+    assert keep_mode(with_gain(0.001), other.mode) == replace(other, fits=True)
+    assert keep_mode(with_gain(MODE_SWITCH_MARGIN * 0.99), other.mode) is not None
+    assert keep_mode(with_gain(MODE_SWITCH_MARGIN), other.mode) is None    # (gains enough)
+    assert keep_mode(with_gain(0.001), p.chosen.mode) is None               # (nothing to switch)
+    assert keep_mode(with_gain(0.001, fits=False), other.mode) is None      # (over the budget)
+    only = plan(costs, 6.0, modes=(SNAPSHOTS,))
+    assert keep_mode(only, DELTAS) is None                                  # (not an option)

@@ -23,7 +23,8 @@ measuring them costs every measured step their overhead), and no longer than it 
 them lose (a sequential test: from :data:`EARLY_STOP_SAMPLES` delta steps on, the measurement
 stops once the plan would choose snapshots even at the optimistic end of their measured cost);
 then "planned": the costs are compared with the plan's every 16 steps and a drift, or a new
-MTBF, re-plans, which asks the forecast again while deltas are unmeasured. A snapshot's cost
+MTBF, re-plans, which asks the forecast again while deltas are unmeasured; a drift switches
+modes only for a gain of :data:`~ckptstore.torch.plan.MODE_SWITCH_MARGIN` goodput or more. A snapshot's cost
 is measured over the steps it overlaps (:class:`~ckptstore.torch.plan.SnapshotWindow`); a delta
 step is a cost sample only while measuring (in the deltas mode no plain step runs to compare it
 with).
@@ -60,8 +61,8 @@ import time
 from typing import Any, Callable
 
 from .delta_forecast import DeltaForecast, forecast_deltas
-from .plan import (DEFAULT_MTBF_S, DELTAS, SNAPSHOTS, CostMeter, Plan, SnapshotWindow,
-                   drifted, plan as make_plan)
+from .plan import (DEFAULT_MTBF_S, DELTAS, MODE_SWITCH_MARGIN, SNAPSHOTS, CostMeter, Plan,
+                   SnapshotWindow, drifted, keep_mode, plan as make_plan)
 from .plan_agreement import RankAgreement, Shared
 from .plan_history import PLAN_VERSION, learned_mtbf, parse_persisted
 
@@ -378,8 +379,10 @@ class AutoPolicy:
             costs = self._costs(shared.medians)
             if costs is not None and (self.plan is None or self._forecast_due or
                                       drifted(self.plan.costs, costs)):
+                # (a drift keeps the mode in force unless the other gains MODE_SWITCH_MARGIN)
+                sticky = self.plan is not None and not self._forecast_due
                 self._forecast_due = False
-                self._replan(iteration, shared=shared)
+                self._replan(iteration, shared=shared, sticky=sticky)
 
     def _measure_gap(self, shared: Shared) -> int:
         """Steps from one measuring snapshot to the next, once a window gave its sample: the
@@ -504,7 +507,8 @@ class AutoPolicy:
         self._history_shared = True
         return shared
 
-    def _replan(self, iteration: int, resumed: bool = False, shared: Shared | None = None) -> None:
+    def _replan(self, iteration: int, resumed: bool = False, shared: Shared | None = None,
+                sticky: bool = False) -> None:
         """Plan from ``shared`` (None: taken now, :meth:`_shared`); a changed plan is logged
         (INFO); a plan whose mode differs from what the steps write is applied from this step
         on. With policy "auto", an optimizer replay knows and no delta measured, the plan is of
@@ -514,7 +518,11 @@ class AutoPolicy:
         persist (a process killed meanwhile resumes it), and :meth:`advance` plans again from
         both modes after it. A ``resumed`` plan does not measure at once: its plain median is
         the persisted one, and the delta/plain ratio must come from steps measured together;
-        the first drift check asks the forecast again."""
+        the first drift check asks the forecast again. A ``sticky`` plan (a drift check's)
+        keeps the mode in force unless the other gains
+        :data:`~ckptstore.torch.plan.MODE_SWITCH_MARGIN` goodput
+        (:func:`~ckptstore.torch.plan.keep_mode`; its notes say so); a resumed process plans
+        afresh from the persisted costs."""
         if shared is None:
             shared = self._shared(f"iteration {iteration}, "
                                   f"{'resume' if resumed else 'plan'}")
@@ -548,6 +556,14 @@ class AutoPolicy:
                           f"optimistic end) the plan was of snapshots",)
         new = make_plan(costs, shared.mtbf_s, shared.budget, modes=modes, fixed=fixed,
                         mtbf_source=shared.mtbf_source, budget_source=shared.budget_source)
+        kept = keep_mode(new, self.plan.mode) if sticky and self.plan is not None else None
+        if kept is not None:
+            gain = new.chosen.goodput - kept.goodput
+            notes += (f"kept {kept.mode}: {new.mode} would gain {gain:+.4f} goodput, under the "
+                      f"{MODE_SWITCH_MARGIN} a re-plan on drifted costs must gain to switch "
+                      f"modes",)
+            new = make_plan(costs, shared.mtbf_s, shared.budget, modes=(kept.mode,), fixed=fixed,
+                            mtbf_source=shared.mtbf_source, budget_source=shared.budget_source)
         if notes:
             new = dataclasses.replace(new, notes=new.notes + notes)
         old, self.plan, self._plan_costs = self.plan, new, dict(shared.medians)

@@ -616,3 +616,26 @@ def drifted(old: Costs, new: Costs, tolerance: float = 0.3, floor_s: float = 2e-
         pairs.append((old.delta_overhead_s, new.delta_overhead_s))
     return any(abs(b - a) > floor_s and abs(b - a) > tolerance * max(abs(a), 1e-12)
                for a, b in pairs)
+
+
+#: the goodput another mode must gain over the one in force before a re-plan on drifted costs
+#: switches to it. A switch writes a base (or a snapshot) and runs steps whose cost is an
+#: estimate until measured, and a drift re-plan follows samples as noisy as a fresh process's
+#: first snapshot windows: measured (tools/bench_goodput.py, 2026-11-30, MTBF 6 s), a re-plan 16
+#: steps after a restart, on windows slowed 12.1 against 3.1 ms, chose deltas by 0.0010 and went
+#: back 112 steps later; that round the policy trailed fixed-interval snapshots by 0.016
+MODE_SWITCH_MARGIN = 0.005
+
+
+def keep_mode(new: Plan, current: str, margin: float = MODE_SWITCH_MARGIN) -> Option | None:
+    """The option of mode ``current`` in ``new`` when ``new`` chose another mode by less than
+    ``margin`` goodput and ``current``'s option fits the disk budget: the mode to keep. None:
+    ``new`` keeps ``current`` already, ``current`` is not among its options or does not fit, or
+    the other mode gains at least ``margin`` (switch)."""
+    if new.mode == current:
+        return None
+    kept = next((o for o in new.options if o.mode == current), None)
+    if kept is None or not kept.fits or new.chosen.goodput - kept.goodput >= margin:
+        return None
+    return kept
+
