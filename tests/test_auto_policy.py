@@ -315,7 +315,8 @@ def test_a_process_stopped_while_measuring_deltas_resumes_the_snapshot_plan(tmp_
     """Deltas are measured under the snapshot plan (the forecast held to "they could pay"): the
     base written at the switch persists that plan, so a process restored from its chain is
     planned at once (snapshots). It does not measure deltas at its first step (its plain median
-    is the other process'), but at its first drift check, from plain steps of its own."""
+    is the other process'), but at its first drift check after its warm-up (no samples in its
+    first RESUME_WARMUP_STEPS), from plain steps of its own."""
     monkeypatch.setattr(auto_policy, "forecast_deltas", held_forecast(lambda: True))
     model, opt = _model()
     store = ckptstore.open(tmp_path / "s")
@@ -338,17 +339,20 @@ def test_a_process_stopped_while_measuring_deltas_resumes_the_snapshot_plan(tmp_
     assert_same(lives[latest], _live(model2, opt2))
     assert ck2.plan() is not None and ck2.mode == "snapshots"
     assert "measured once this process has measured its own plain steps" in str(ck2.plan())
-    for it in range(latest + 1, latest + 16):
+    first_check = latest + 16 * (1 + auto_policy.RESUME_WARMUP_STEPS // 16)  # (every 16 steps)
+    for it in range(latest + 1, first_check):
         _step(model2, ck2, opt2, it)
         assert ck2.mode == "snapshots" and ck2.meter.count("delta") == 0, it
+        if it == latest + auto_policy.RESUME_WARMUP_STEPS:
+            assert ck2.meter.count("plain") == 1  # (the seeded one: none while warming up)
     assert ck2.meter.count("plain") >= 4  # (its own plain steps outvote the seeded one)
     it += 1
-    _step(model2, ck2, opt2, it)  # (the 16th: the drift check asks the forecast again)
+    _step(model2, ck2, opt2, it)  # (the drift check asks the forecast again)
     assert ck2.mode == "deltas"
     while ck2.meter.count("delta_ratio") == 0:
         it += 1
         _step(model2, ck2, opt2, it)
-        assert it < latest + 16 + 4 * 3 + 2
+        assert it < first_check + 4 * 3 + 2
     assert set(ck2.plan().goodputs()) == {"snapshots", "deltas"}
     ck2.close()
     store.close()
@@ -922,5 +926,33 @@ def test_a_drift_switches_modes_only_for_a_clear_gain(tmp_path, monkeypatch, gai
     assert len(kept) == (mode == "snapshots"), ck.plan().notes
     if kept:
         assert "+0.0010" in kept[0]
+    ck.close()
+    store.close()
+
+
+def test_a_resumed_process_takes_no_samples_while_it_warms_up(tmp_path, one_mode):
+    """A restarted process plans from the persisted medians (one sample of each cost) and takes
+    no step or snapshot window as a sample for RESUME_WARMUP_STEPS steps: measured, a fresh
+    process's first windows ran 3-4x slower and outvoted the persisted sample at the first drift
+    check (16 steps in), which re-planned. Samples come again after the warm-up."""
+    store, _, _ = _planned_store(tmp_path / "s", "snapshots", mtbf_s=600.0)
+    model, opt, ck = _restart(store, 600.0)
+    latest = ck.restore()
+    seeded = {k: ck.meter.count(k) for k in ("plain", "snapshot_cost")}
+    assert seeded["plain"] == 1 and seeded["snapshot_cost"] <= 1   # (the persisted medians)
+    it = latest
+    for _ in range(auto_policy.RESUME_WARMUP_STEPS):
+        it += 1
+        out = _step(model, ck, opt, it)
+        if out is not None:
+            out.result()  # (durable within its own step: its window closes at the next)
+    assert {k: ck.meter.count(k) for k in seeded} == seeded
+    for _ in range(8):
+        it += 1
+        out = _step(model, ck, opt, it)
+        if out is not None:
+            out.result()
+    assert ck.meter.count("snapshot_cost") > seeded["snapshot_cost"]
+    assert ck.meter.count("plain") > seeded["plain"]
     ck.close()
     store.close()

@@ -36,7 +36,8 @@ base the Checkpointer writes carries :meth:`AutoPolicy.persisted` under
 failure history (restarts, since when). A restarted process
 (:meth:`AutoPolicy.resume`, from the base of the iteration it restored) seeds its meter with the
 medians and plans at once: no measuring phase, so a process with a short life between failures
-does not spend it measuring. The plan is re-derived from the persisted inputs (a pure function
+does not spend it measuring; its first :data:`RESUME_WARMUP_STEPS` steps are no samples (a
+fresh process's warm-up would outvote the persisted medians at the first drift check). The plan is re-derived from the persisted inputs (a pure function
 of them), so the persisted field holds no decision a reader must trust. A field that does not
 validate is ignored with a WARNING (logger "ckptstore") and the costs are measured again.
 
@@ -80,6 +81,12 @@ MEASURE_SNAPSHOT_GAP = 4
 #: the delta/plain ratio's relative standard error assumed when fewer than 3 samples of a kind
 #: give no spread (``measure_steps`` < 3): a single step's spread on the 2-core VM, ~10%
 UNMEASURED_RATIO_REL_SE = 0.1
+#: steps after a resume whose times are no samples: a fresh process's first steps and snapshot
+#: windows run slow (its allocator, page cache and staging arena warm up), and one such window
+#: outvotes the one persisted sample of each cost. Measured (tools/bench_goodput.py,
+#: 2026-11-30): the drift check 16 steps after a restart saw the snapshot slowdown jump (3.1 ->
+#: 12.1, 7.0 -> 10.7, 2.8 -> 8.7 ms) and re-planned; 16 steps later it was back down
+RESUME_WARMUP_STEPS = 16
 #: delta steps measured before the deltas phase may stop early (a sequential test, see
 #: :meth:`AutoPolicy.advance`): a spread is measured from 3, but the standard error of 3 is rough
 #: (the median absolute deviation of 3 samples is one sample's distance from the median); half
@@ -165,6 +172,10 @@ class AutoPolicy:
         self.restarts = 0
         self.since_ns = time.time_ns()
         self._resumed = False
+        #: the last iteration of a resumed process's warm-up (RESUME_WARMUP_STEPS): until then
+        #: no step or snapshot window is a sample
+        self._warm_until: int | None = None
+        self._iteration = 0  # the step in progress (tick's)
         #: what the steps write now: DELTAS or SNAPSHOTS
         self.mode = DELTAS if policy == "every-iteration" else SNAPSHOTS
         #: "plain" (measuring steps that write nothing, and snapshots), "deltas" (measuring delta
@@ -240,6 +251,8 @@ class AutoPolicy:
                 return
         try:
             self._replan(iteration + 1, resumed=True)
+            if self.phase == "planned":  # (planned from persisted costs: no hurry to sample)
+                self._warm_until = iteration + RESUME_WARMUP_STEPS
         except (ValueError, ArithmeticError) as e:  # (numbers in range that the model rejects)
             log.warning("Checkpointer %s: the persisted plan of iteration %d does not plan "
                         "(%s); measuring costs again", self._where, iteration, e)
@@ -281,16 +294,21 @@ class AutoPolicy:
             # the delta's overhead, would follow the machine's drift (a fresh process' warm-up
             # alone moved it 10-20% here): the overhead stays the one measured alongside plain steps
             self.window.step(prev[2], now - prev[1], self.meter,
-                             sample=prev[2] != "delta" or self.phase != "planned" or
-                             self.policy != "auto")
+                             sample=(prev[2] != "delta" or self.phase != "planned" or
+                                     self.policy != "auto") and not self._warming(prev[0]))
             if prev[2] == "plain":
                 self._plain_seen += 1
         else:
             self.window.interrupt()
         self._t_step = now
         self._in_step = True
+        self._iteration = iteration
         if self.policy != "every-iteration":
             self.advance(iteration)
+
+    def _warming(self, iteration: int) -> bool:
+        """Whether ``iteration`` is in a resumed process's warm-up (no sample)."""
+        return self._warm_until is not None and iteration <= self._warm_until
 
     def tock(self, iteration: int, wrote: str) -> None:
         """A step that ended (it may have written nothing): remembered for the next sample."""
@@ -377,11 +395,13 @@ class AutoPolicy:
         else:
             self._since_check = 0
             costs = self._costs(shared.medians)
-            if costs is not None and (self.plan is None or self._forecast_due or
+            # (a forecast due asks with plain steps of this process's own: after its warm-up)
+            forecast_due = self._forecast_due and not self._warming(iteration - 1)
+            if costs is not None and (self.plan is None or forecast_due or
                                       drifted(self.plan.costs, costs)):
                 # (a drift keeps the mode in force unless the other gains MODE_SWITCH_MARGIN)
-                sticky = self.plan is not None and not self._forecast_due
-                self._forecast_due = False
+                sticky = self.plan is not None and not forecast_due
+                self._forecast_due = self._forecast_due and not forecast_due
                 self._replan(iteration, shared=shared, sticky=sticky)
 
     def _measure_gap(self, shared: Shared) -> int:
@@ -625,7 +645,7 @@ class AutoPolicy:
         """An asynchronous snapshot was handed to the pipeline (its future then reaches
         :meth:`observe_snapshot`); ``measured`` False: its window is no cost sample (a chain's
         first base, written in a process' first step: that step's time is its warm-up)."""
-        self.window.submitted(self._in_step and measured)
+        self.window.submitted(self._in_step and measured and not self._warming(self._iteration))
 
     def observe_snapshot(self, fut) -> None:
         """A snapshot's AsyncStats, once it is durable: stall, persist, bytes, write time."""
@@ -652,7 +672,7 @@ class AutoPolicy:
     def observe_sync_snapshot(self, stall_s: float, stats: Any, measured: bool = True) -> None:
         """A synchronous snapshot: the whole save stalled training; durable when it returned
         (``measured``: as in :meth:`snapshot_submitted`)."""
-        self.window.submitted(self._in_step and measured)
+        self.window.submitted(self._in_step and measured and not self._warming(self._iteration))
         self.window.durable()
         self.meter.add("stall", stall_s)
         self.meter.add("persist", 0.0)
