@@ -134,6 +134,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import goodput_plot  # noqa: E402  (tools/goodput_plot.py: the sweep's figure and table)
@@ -696,17 +697,23 @@ def run(a: argparse.Namespace) -> int:
                         "lost per failure (s)", "resume (s)", "failures per run"], table, left=None))
     if a.plot:
         print(f"\nPoisson sweep, goodput:\n{goodput_plot.sweep_table(sweep)}")
-        try:
-            goodput_plot.plot(a.plot, sweep, at_traces,
-                              f"{a.hours:g} h of useful work, step {step_plain * 1e3:.0f} ms, costs: "
-                              f"{os.path.basename(a.costs)}"
-                              f"{' + ' + os.path.basename(a.from_bench) if a.from_bench else ''}"
-                              f"; {a.runs} runs per point", e2e, e2e_title)
-        except ImportError:
-            print("goodput: matplotlib is not installed (pip install -e '.[plots]'): no plot",
-                  file=sys.stderr)
-            return 1
-        print(f"\nplot: {a.plot}")
+        return draw(a.plot, sweep, at_traces,
+                    f"{a.hours:g} h of useful work, step {step_plain * 1e3:.0f} ms, costs: "
+                    f"{os.path.basename(a.costs)}"
+                    f"{' + ' + os.path.basename(a.from_bench) if a.from_bench else ''}"
+                    f"; {a.runs} runs per point", e2e, e2e_title)
+    return 0
+
+
+def draw(path: str, *args: Any, **kwargs: Any) -> int:
+    """:func:`goodput_plot.plot` to ``path``, said on stdout: 0, or 1 without matplotlib."""
+    try:
+        goodput_plot.plot(path, *args, **kwargs)
+    except ImportError:
+        print("goodput: matplotlib is not installed (pip install -e '.[plots]'): no plot",
+              file=sys.stderr)
+        return 1
+    print(f"\nplot: {path}")
     return 0
 
 
@@ -732,21 +739,13 @@ def run_sweep_e2e(a: argparse.Namespace) -> int:
         print(f"goodput: the run's traces are not in {a.traces}: no calibration panel",
               file=sys.stderr)
     plain = gx.step_plain_s(doc)
-    try:
-        goodput_plot.plot(a.plot, results, gx.measured_points(doc),
-                          f"lines: the simulator on the costs bench_goodput measured end to end "
-                          f"({doc.get('date', '?')}, model {doc['args'].get('model', '?')}, plain "
-                          f"step {plain * 1e3:.0f} ms), Poisson failures, {a.hours:g} h of useful "
-                          f"work, {a.runs} runs per point; markers: that run's measured jobs "
-                          f"(means over its repeats)", calibration, title,
-                          markers="measured jobs, at the rate they met",
-                          marker_prefix="measured: ")
-    except ImportError:
-        print("goodput: matplotlib is not installed (pip install -e '.[plots]'): no plot",
-              file=sys.stderr)
-        return 1
-    print(f"\nplot: {a.plot}")
-    return 0
+    return draw(a.plot, results, gx.measured_points(doc),
+                f"lines: the simulator on the costs bench_goodput measured end to end "
+                f"({doc.get('date', '?')}, model {doc['args'].get('model', '?')}, plain "
+                f"step {plain * 1e3:.0f} ms), Poisson failures, {a.hours:g} h of useful "
+                f"work, {a.runs} runs per point; markers: that run's measured jobs "
+                f"(means over its repeats)", calibration, title,
+                markers="measured jobs, at the rate they met", marker_prefix="measured: ")
 
 
 if __name__ == "__main__":
