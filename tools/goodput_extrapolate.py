@@ -33,7 +33,7 @@ figure assumes:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import statistics
 from dataclasses import dataclass, replace
 
 from goodput import (SWEEP_PER_HOUR, RunResult, Scenario, Strategy, apply_mode,  # noqa: E402
@@ -85,7 +85,7 @@ def measured(doc: dict) -> dict[str, MeasuredStrategy]:
             continue
         jobs = [j for j in doc["jobs"] if j["strategy"] == name]
         costs = [x for x in map(all_in_cost_s, jobs) if x is not None and math.isfinite(x)]
-        all_in = _median(costs) if costs else None
+        all_in = statistics.median(costs) if costs else None
         if all_in is not None and all_in < 0:
             raise ValueError(f"{name}: all-in cost {all_in * 1e3:.1f} ms per checkpoint, below "
                              f"0: its steps ran faster than the plain step they are measured "
@@ -94,15 +94,20 @@ def measured(doc: dict) -> dict[str, MeasuredStrategy]:
     return out
 
 
-def _median(xs: Sequence[float]) -> float:
-    v = sorted(xs)
-    m = len(v) // 2
-    return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
+def auto_delta_overhead_s(auto_all_in_s: float, deltas: MeasuredStrategy | None,
+                          plain_s: float) -> float | None:
+    """What a delta step costs auto's deltas mode: the ckpt-deltas jobs' step ratio less one,
+    less the bases they wrote every B steps (priced at auto's snapshot cost: plan() adds its
+    own bases back); None without ckpt-deltas jobs or a finite figure."""
+    if deltas is None or not deltas.costs.base_every:
+        return None
+    d = plain_s * (deltas.costs.step_ratio - 1.0) - auto_all_in_s / deltas.costs.base_every
+    return max(0.0, d) if math.isfinite(d) else None
 
 
 def step_plain_s(doc: dict) -> float:
     """The run's plain step: the median of its jobs' plain references."""
-    return _median([plain_reference(j)[0] for j in doc["jobs"]])
+    return statistics.median(plain_reference(j)[0] for j in doc["jobs"])
 
 
 def sweep_strategy(m: MeasuredStrategy, mtbf_s: float, plain_s: float, *,
@@ -123,10 +128,7 @@ def sweep_strategy(m: MeasuredStrategy, mtbf_s: float, plain_s: float, *,
     if m.name != "ckpt-auto":
         return replace(snap, every=young_daly_every(snap.stall_s, mtbf_s, plain_s))
     from ckptstore.torch import plan as ckplan  # (its package imports torch: only when asked)
-    overhead = None
-    if deltas is not None and deltas.costs.base_every:
-        d = plain_s * (deltas.costs.step_ratio - 1.0) - snap.stall_s / deltas.costs.base_every
-        overhead = max(0.0, d) if math.isfinite(d) else None
+    overhead = auto_delta_overhead_s(snap.stall_s, deltas, plain_s)
     pc = ckplan.Costs(step_s=plain_s, snapshot_stall_s=snap.stall_s,
                       snapshot_persist_s=snap.persist_s, delta_overhead_s=overhead,
                       replay_s=deltas.costs.replay_s if deltas else 0.0, load_s=snap.load_s,
@@ -210,10 +212,10 @@ def report(doc: dict, hours: float, runs: int,
         lines.append(f"  left out: {', '.join(left)} (not a strategy the sweep knows, or no "
                      f"step time in this run)")
     auto, deltas = ms.get("ckpt-auto"), ms.get("ckpt-deltas")
-    if auto is not None and auto.all_in_s is not None and deltas is not None \
-            and deltas.costs.base_every:
-        d = plain * (deltas.costs.step_ratio - 1) - auto.all_in_s / deltas.costs.base_every
-        lines.append(f"  ckptstore-auto's deltas mode: +{max(0.0, d) * 1e3:.2f} ms a step "
+    overhead = None if auto is None or auto.all_in_s is None else \
+        auto_delta_overhead_s(auto.all_in_s, deltas, plain)
+    if overhead is not None and deltas is not None:
+        lines.append(f"  ckptstore-auto's deltas mode: +{overhead * 1e3:.2f} ms a step "
                      f"(ckpt-deltas' step less its bases, every {deltas.costs.base_every}, at "
                      f"auto's snapshot cost: plan() adds its own bases back), base load "
                      f"{deltas.costs.load_s:.3f} s, replay {deltas.costs.replay_s * 1e3:.0f} ms "
