@@ -4,8 +4,17 @@ Each rank runs ``scenario(rank, world, path, **kwargs)`` (a module-level functio
 test module, found by name in the child) after ``init_process_group("gloo")`` over a file://
 rendezvous. What it returns (JSON-able) or raises comes back per rank as a dict:
 ``{"ok": value}`` or ``{"error": class name, "message": str}``; a rank that died or never
-finished comes back as ``{"died": exitcode}``. A run never outlives its deadline: stragglers are
+finished, or died of a crash signal even after it wrote its result, comes back as
+``{"died": exitcode}``. A run never outlives its deadline: stragglers are
 killed.
+
+A rank that dies of a crash signal (SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE) leaves two traces on
+the test's stderr: faulthandler's tracebacks of its Python threads (from the rank itself) and,
+where the system lets a core file land in a directory (``kernel.core_pattern`` a path, not a
+pipe) and gdb is installed, every thread's native stack from that core (:func:`native_stacks`):
+a fault in a thread without Python frames (a gloo worker, an OpenMP thread) shows only there.
+The core is then moved into the run's ``work`` directory (so no test run leaves one in the
+directory it ran from).
 
 Ranks are forked from a forkserver that imported torch, torch's DCP and dynamo (which DDP,
 FSDP2 and DCP import on first use) and ckptstore once (``PRELOAD``): a spawned rank spent ~2.7 s
@@ -24,6 +33,10 @@ import datetime
 import importlib
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 import traceback
 from typing import Any
@@ -46,6 +59,7 @@ def _rank_main(rank: int, world: int, init: str, path: str, module: str, scenari
     import torch.distributed as dist
 
     faulthandler.enable()  # a rank that dies of a signal leaves its threads' tracebacks on stderr
+    _allow_core(out_dir, rank)
     torch.set_num_threads(1)
     result: dict[str, Any]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
@@ -66,6 +80,72 @@ def _rank_main(rank: int, world: int, init: str, path: str, module: str, scenari
     except Exception:  # noqa: BLE001
         pass
     os._exit(0)  # skip interpreter teardown (gloo threads of a failed group can hang it)
+
+
+#: the signals whose default action dumps core: a rank dead of one of them crashed
+CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
+#: how long gdb may take to read one core (torch's symbols: ~10-30 s on 2 busy cores)
+GDB_TIMEOUT_S = 180.0
+
+
+def _allow_core(out_dir: str, rank: int) -> None:
+    """Let this rank dump core (soft limit raised to the hard one; a hard limit of 0 leaves it
+    off) and note where a relative ``core_pattern`` would put the file: the rank's working
+    directory, the forkserver's, not necessarily the test's."""
+    import resource
+
+    try:
+        _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+        resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
+    except (ValueError, OSError):
+        return
+    with open(os.path.join(out_dir, f"rank{rank}.cwd"), "w") as f:
+        f.write(os.getcwd())
+
+
+def _core_file(work: str, rank: int, pid: int) -> str | None:
+    """The core file rank ``rank`` (process ``pid``) left, when ``core_pattern`` names a file
+    (``core``, ``core.%p`` and the like, relative to the rank's working directory, or absolute
+    with ``%p``); None when the pattern is a pipe (apport, systemd-coredump) or no file is there."""
+    try:
+        with open("/proc/sys/kernel/core_pattern") as f:
+            pattern = f.read().strip()
+        with open(os.path.join(work, f"rank{rank}.cwd")) as f:
+            cwd = f.read()
+    except OSError:
+        return None
+    if not pattern or pattern.startswith("|"):
+        return None
+    name = pattern.replace("%p", str(pid)).replace("%%", "%")
+    if "%" in name:  # other specifiers (%e, %t, ...): not guessed
+        return None
+    found = os.path.join(cwd, name)
+    if os.path.exists(found + f".{pid}"):  # kernel.core_uses_pid
+        found += f".{pid}"
+    return found if os.path.isfile(found) else None
+
+
+def native_stacks(work: str, rank: int, pid: int, exitcode: int | None) -> str:
+    """For a rank dead of a crash signal: every thread's native stack read by gdb from its core
+    (moved into ``work``), or one line saying why there is none; "" for any other end."""
+    if exitcode is None or exitcode >= 0 or -exitcode not in CRASH_SIGNALS:
+        return ""
+    what = f"rank {rank} (pid {pid}) died of {signal.Signals(-exitcode).name}"
+    core = _core_file(work, rank, pid)
+    if core is None:
+        return f"{what}: no core file (core_pattern a pipe or core dumps off)"
+    kept = os.path.join(work, f"core.rank{rank}.{pid}")
+    shutil.move(core, kept)
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return f"{what}: core kept as {kept}; no gdb to read it"
+    try:
+        run = subprocess.run([gdb, "-batch", "-nx", "-ex", "info threads", "-ex",
+                              "thread apply all bt 40", sys.executable, kept],
+                             capture_output=True, text=True, timeout=GDB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"{what}: core kept as {kept}; gdb took over {GDB_TIMEOUT_S:g} s"
+    return f"{what}: core kept as {kept}; native stacks (gdb):\n{run.stdout}{run.stderr}"
 
 
 def run_ranks(world: int, module: str, scenario: str, path: str, work: str, *,
@@ -105,9 +185,13 @@ def _run_ranks_once(world: int, module: str, scenario: str, path: str, work: str
     out = []
     for r, p in enumerate(procs):
         f = os.path.join(work, f"rank{r}.json")
-        if os.path.exists(f):
+        stacks = native_stacks(work, r, p.pid, p.exitcode)
+        if stacks:
+            print(stacks, file=sys.stderr, flush=True)
+        if stacks or not os.path.exists(f):
+            # a crash after the rank wrote its result (tearing its group down) is a crash too
+            out.append({"died": p.exitcode})
+        else:
             with open(f) as fh:
                 out.append(json.load(fh))
-        else:
-            out.append({"died": p.exitcode})
     return out
