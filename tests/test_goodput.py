@@ -521,3 +521,63 @@ def test_cli_sweep_e2e(tmp_path, capsys):
     # measured against the plain runs beside them ran faster than those: a clear error, not a 0
     assert goodput.main(["--sweep-e2e", str(E2E_RUN), "--hours", "1", "--runs", "1"]) == 2
     assert "below 0: its steps ran faster than the plain step" in capsys.readouterr().err
+
+
+# ---- issue 30's targets judged on a run (tools/goodput_targets.py) ------------------------------
+def _target_jobs(rounds: list[dict[str, tuple[float, list[float]]]], scenario: str = "s") -> list:
+    """Jobs of one scenario: per round, strategy -> (in-job goodput, lost s of each failure)."""
+    return [{"scenario": scenario, "repeat": r, "strategy": s, "goodput_in_job": g,
+             "failures": len(lost), "failures_detail": [{"lost_s": x} for x in lost]}
+            for r, by in enumerate(rounds) for s, (g, lost) in by.items()]
+
+
+def test_targets_judge_auto_by_mean_and_round_by_round_against_the_peers_only():
+    import goodput_targets as gt
+
+    jobs = _target_jobs([
+        {"ckpt-auto": (0.93, [0.2]), "pccheck": (0.90, [0.3]), "torch.save": (0.88, [0.5]),
+         "ckpt-snapshots": (0.99, [0.1])},   # ckptstore's own: never a peer
+        {"ckpt-auto": (0.91, [0.2, 0.4]), "pccheck": (0.92, [0.3]), "torch.save": (0.95, [0.6]),
+         "ckpt-snapshots": (0.99, [0.1])},
+        {"ckpt-auto": (0.96, []), "pccheck": (0.90, []), "torch.save": (0.93, []),
+         "ckpt-snapshots": (0.99, [])}])
+    [v] = gt.judge(jobs)
+    assert v["scenario"] == "s" and v["rounds"] == 3 and v["rounds_met"] == 2
+    assert v["misses"] == pytest.approx([0.04])                  # 0.95 - 0.91 in round 1
+    assert v["mean"] == pytest.approx((0.93 + 0.91 + 0.96) / 3)
+    assert v["best_peer"] == "torch.save" and v["best_peer_mean"] == pytest.approx(0.92)
+    assert v["mean_margin"] == pytest.approx(0.92 + 0.04 / 3 - 0.92)  # 0.9333 - 0.92
+    assert v["lost_s"] == pytest.approx(0.8 / 3)                # per failure, not per job
+    assert (v["lowest_lost_peer"], v["peer_lost_s"]) == ("pccheck", pytest.approx(0.3))
+    assert v["failures"] == 3
+    text = gt.verdict_table([v])
+    assert "by mean in 1 of 1 scenarios, round by round in 2 of 3" in text
+    assert "lost work per failure <= the peers' lowest in 1 of 1" in text
+
+
+def test_targets_skip_rounds_without_every_strategy_and_unmeasured_goodput():
+    import goodput_targets as gt
+
+    nan = float("nan")
+    jobs = _target_jobs([{"ckpt-auto": (0.9, [0.5]), "pccheck": (0.8, [0.4])},
+                         {"ckpt-auto": (0.9, [])},                     # the peer did not run
+                         {"ckpt-auto": (nan, []), "pccheck": (0.8, [])}])   # no clean steps
+    jobs += _target_jobs([{"pccheck": (0.8, [])}], scenario="no auto")
+    [v] = gt.judge(jobs)
+    assert (v["rounds"], v["rounds_met"]) == (1, 1)
+    assert v["mean"] == pytest.approx(0.9)                       # NaN left out of the mean
+    assert v["lost_s"] > v["peer_lost_s"]
+    text = gt.verdict_table([v])
+    assert " NO |" in text and "lost work per failure <= the peers' lowest in 0 of 1" in text
+
+
+def test_targets_cli_reads_a_run(tmp_path, capsys):
+    import goodput_targets as gt
+
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"date": "d", "jobs": _target_jobs(
+        [{"ckpt-auto": (0.9, [0.1]), "dcp-async": (0.85, [0.2])}])}))
+    assert gt.main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "0.850 dcp-async" in out and "round by round in 1 of 1" in out
+    assert gt.main([]) == 2

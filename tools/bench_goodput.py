@@ -114,6 +114,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import goodput  # noqa: E402  (tools/goodput.py: scenarios, traces, Young/Daly)
+import goodput_targets  # noqa: E402  (tools/goodput_targets.py: issue 30's targets judged)
 import harness  # noqa: E402  (tools/harness.py: machine header, tables, fsync)
 from goodput_peers import (CHILD_STRATEGIES, Ckpt, DcpAsync, Emitter, PCcheck, Plain,  # noqa: E402,F401
                            TorchSave, adam_state_tensors, all_in_cost, calibrate_main, child_main,
@@ -742,6 +743,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{statistics.median(j['step_plain_s'] for j in jobs) * 1e3:.0f} ms (median) per job; "
               f"{a.repeats} round(s); every N by Young/Daly on the calibrated all-in cost")
         print(markdown_table(agg, a.strategies))
+        verdicts = goodput_targets.judge(jobs)
+        if verdicts:
+            print("\ntargets (tools/goodput_targets.py):")
+            print(goodput_targets.verdict_table(verdicts))
         errors = [(j["scenario"], j["strategy"], j["errors"]) for j in jobs if j["errors"]]
         if a.json:
             doc = {"tool": "bench_goodput", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
