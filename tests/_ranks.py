@@ -41,6 +41,15 @@ import time
 import traceback
 from typing import Any
 
+import pytest
+import torch
+
+
+#: marks a test (or a module, as its ``pytestmark``) that needs real gloo process groups: skipped
+#: where torch.distributed or its gloo backend is not built in
+needs_gloo = pytest.mark.skipif(not torch.distributed.is_available()
+                                or not torch.distributed.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
 
 #: modules the forkserver imports once; each rank is forked from it with them loaded
 PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch.distributed.checkpoint",
@@ -55,7 +64,6 @@ def _rank_main(rank: int, world: int, init: str, path: str, module: str, scenari
     os.environ.clear()
     os.environ.update(environ)  # the caller's environment now, not the forkserver's at its start
 
-    import torch
     import torch.distributed as dist
 
     faulthandler.enable()  # a rank that dies of a signal leaves its threads' tracebacks on stderr

@@ -26,6 +26,7 @@ from ckptstore.errors import CheckpointAbortedError, DiskFullError, IterationOrd
 from ckptstore.ops.fsck import check
 
 from _crashkit import CHUNK_SIZE, SEGMENT_SIZE, KillOps, run_forked, state_for
+from _ranks import needs_gloo
 from test_faults import FaultyOps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -599,8 +600,7 @@ def _ddp_worker(rank: int, init: str, path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                    reason="torch.distributed with gloo is not available")
+@needs_gloo
 def test_ddp_comm_hook_checkpoints_the_allreduced_gradient(tmp_path, assert_same):
     import torch.multiprocessing as mp
 

@@ -16,6 +16,8 @@ from ckptstore.cli import main
 from ckptstore.ops.bisect import parse_condition
 from ckptstore.torch import Checkpointer
 
+from _ranks import needs_gloo
+
 N = 40
 BASE_EVERY = 5
 BASES = list(range(0, N + 1, BASE_EVERY))
@@ -365,8 +367,7 @@ def job_train(rank, world, path, inject, n):
     return rank
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                    reason="torch.distributed with gloo is not available")
+@needs_gloo
 def test_job_store(tmp_path, capsys):
     from _ranks import run_ranks
 

@@ -30,14 +30,12 @@ from ckptstore.errors import (DCPError, NotFoundError, ShardCoverageError, Shard
 from ckptstore.storage.fileops import FileOps
 from ckptstore.storage.job_log import JobLayout
 
-from _ranks import run_ranks
+from _ranks import needs_gloo, run_ranks
 
 MOD = __name__
 
 pytestmark = [
-    pytest.mark.skipif(not torch.distributed.is_available()
-                       or not torch.distributed.is_gloo_available(),
-                       reason="torch.distributed with gloo is not available"),
+    needs_gloo,
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning",
                                "ignore:torch.distributed is unavailable:UserWarning"),
 ]

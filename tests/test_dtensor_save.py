@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 import torch
-from _ranks import run_ranks
+from _ranks import needs_gloo, run_ranks
 from test_sharded_checkpointer import assert_bits, bits, ok
 
 import ckptstore
@@ -31,9 +31,7 @@ CHUNK = 4096
 BIG = (256, 16)  # float32: 16 KiB, 4 chunks; 8 KiB (2 chunks) per rank at 2 ranks
 
 pytestmark = [
-    pytest.mark.skipif(not torch.distributed.is_available()
-                       or not torch.distributed.is_gloo_available(),
-                       reason="torch.distributed with gloo is not available"),
+    needs_gloo,
     pytest.mark.timeout(300),
 ]
 

@@ -30,14 +30,12 @@ from ckptstore.follow import Follower, follower_path
 from ckptstore.multirank.job_follower import job_digest
 
 from _crashkit import KillOps, run_forked
-from _ranks import run_ranks
+from _ranks import needs_gloo, run_ranks
 from conftest import _same
 from test_follower import _flip_chunk_byte
 from test_multirank import _ddp_model, ok
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = needs_gloo
 
 MOD = __name__
 K = 4            # follower base interval

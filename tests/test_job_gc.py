@@ -24,13 +24,11 @@ from ckptstore.ops.retention import KeepBest, KeepEvery, KeepLast
 from ckptstore.storage.fileops import FileOps
 from ckptstore.storage.job_log import JobLayout
 
-from _ranks import run_ranks
+from _ranks import needs_gloo, run_ranks
 from conftest import _same
 from test_multirank import _ddp_check, ok, rank_state
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = needs_gloo
 
 MOD = __name__
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 import ckptstore
 from ckptstore.errors import RetentionError
@@ -23,14 +22,12 @@ from ckptstore.storage.fileops import FileOps
 from ckptstore.multirank.job_gc import job_bytes
 from ckptstore.storage.job_log import JobLayout
 
-from _ranks import run_ranks
+from _ranks import needs_gloo, run_ranks
 from conftest import _same
 from test_job_gc import _delta, _pg, check_records, fsck_clean, records
 from test_multirank import _ddp_check, ok, rank_state
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = needs_gloo
 
 MOD = __name__
 

@@ -18,12 +18,10 @@ import ckptstore
 from ckptstore.storage.job_log import JobLayout, read_job_view
 
 from _crashkit import KillOps, state_for
-from _ranks import run_ranks
+from _ranks import needs_gloo, run_ranks
 from conftest import _same
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = needs_gloo
 
 MOD = __name__
 

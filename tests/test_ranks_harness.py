@@ -10,15 +10,12 @@ import shutil
 import signal
 
 import pytest
-import torch
-from _ranks import run_ranks
+from _ranks import needs_gloo, run_ranks
 
 MOD = __name__
 
 pytestmark = [
-    pytest.mark.skipif(not torch.distributed.is_available()
-                       or not torch.distributed.is_gloo_available(),
-                       reason="torch.distributed with gloo is not available"),
+    needs_gloo,
     pytest.mark.timeout(400),
 ]
 

@@ -38,13 +38,11 @@ from ckptstore.remote.client import ObjectStore
 from ckptstore.remote.job_head import newest_job_head
 from ckptstore.storage.job_log import JobLayout
 
-from _ranks import run_ranks
+from _ranks import needs_gloo, run_ranks
 from test_multirank import _ddp_check, _pg, ok, rank_state, same
 from test_remote import MotoServer, server, url  # noqa: F401 - the moto fixtures
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = needs_gloo
 
 MOD = __name__
 

@@ -15,16 +15,14 @@ import os
 
 import pytest
 import torch
-from _ranks import run_ranks
+from _ranks import needs_gloo, run_ranks
 
 import ckptstore
 
 MOD = __name__
 
 pytestmark = [
-    pytest.mark.skipif(not torch.distributed.is_available()
-                       or not torch.distributed.is_gloo_available(),
-                       reason="torch.distributed with gloo is not available"),
+    needs_gloo,
     pytest.mark.timeout(240),
 ]
 

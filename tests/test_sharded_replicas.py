@@ -26,7 +26,7 @@ import os
 
 import pytest
 import torch
-from _ranks import run_ranks
+from _ranks import needs_gloo, run_ranks
 from test_sharded_checkpointer import assert_bits, bits, ok, record
 
 import ckptstore
@@ -46,9 +46,7 @@ MOD = __name__
 REPLAY = "ckptstore.replay"
 
 pytestmark = [
-    pytest.mark.skipif(not torch.distributed.is_available()
-                       or not torch.distributed.is_gloo_available(),
-                       reason="torch.distributed with gloo is not available"),
+    needs_gloo,
     pytest.mark.timeout(420),
 ]
 

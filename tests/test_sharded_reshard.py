@@ -27,7 +27,7 @@ import shutil
 
 import pytest
 import torch
-from _ranks import run_ranks
+from _ranks import needs_gloo, run_ranks
 from test_sharded_checkpointer import _fsdp as fsdp_mlp, bits, ok
 
 import ckptstore
@@ -39,9 +39,7 @@ RECORDED = (3, 6)
 BATCH = 12  # the global batch: every world size in WORLDS divides it
 
 pytestmark = [
-    pytest.mark.skipif(not torch.distributed.is_available()
-                       or not torch.distributed.is_gloo_available(),
-                       reason="torch.distributed with gloo is not available"),
+    needs_gloo,
     pytest.mark.timeout(300),
 ]
 
