@@ -5,8 +5,7 @@ test module, found by name in the child) after ``init_process_group("gloo")`` ov
 rendezvous. What it returns (JSON-able) or raises comes back per rank as a dict:
 ``{"ok": value}`` or ``{"error": class name, "message": str}``; a rank that died or never
 finished, or died of a crash signal even after it wrote its result, comes back as
-``{"died": exitcode}``. A run never outlives its deadline: stragglers are
-killed.
+``{"died": exitcode}``. A run never outlives its deadline: stragglers are killed.
 
 A rank that dies of a crash signal (SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE) leaves two traces on
 the test's stderr: faulthandler's tracebacks of its Python threads (from the rank itself) and,
@@ -111,18 +110,28 @@ def _allow_core(out_dir: str, rank: int) -> None:
         f.write(os.getcwd())
 
 
-def _core_file(work: str, rank: int, pid: int) -> str | None:
-    """The core file rank ``rank`` (process ``pid``) left, when ``core_pattern`` names a file
-    (``core``, ``core.%p`` and the like, relative to the rank's working directory, or absolute
-    with ``%p``); None when the pattern is a pipe (apport, systemd-coredump) or no file is there."""
+def file_core_pattern() -> str | None:
+    """``kernel.core_pattern`` when it names a file (``core``, ``core.%p`` and the like,
+    relative to the crashing process's working directory, or absolute); None when it is a pipe
+    (apport, systemd-coredump), empty or unreadable."""
     try:
         with open("/proc/sys/kernel/core_pattern") as f:
             pattern = f.read().strip()
+    except OSError:
+        return None
+    return pattern if pattern and not pattern.startswith("|") else None
+
+
+def _core_file(work: str, rank: int, pid: int) -> str | None:
+    """The core file rank ``rank`` (process ``pid``) left where :func:`file_core_pattern` puts
+    it; None when the pattern is no file's or no file is there."""
+    pattern = file_core_pattern()
+    if pattern is None:
+        return None
+    try:
         with open(os.path.join(work, f"rank{rank}.cwd")) as f:
             cwd = f.read()
     except OSError:
-        return None
-    if not pattern or pattern.startswith("|"):
         return None
     name = pattern.replace("%p", str(pid)).replace("%%", "%")
     if "%" in name:  # other specifiers (%e, %t, ...): not guessed

@@ -10,7 +10,7 @@ import shutil
 import signal
 
 import pytest
-from _ranks import needs_gloo, run_ranks
+from _ranks import file_core_pattern, needs_gloo, run_ranks
 
 MOD = __name__
 
@@ -36,10 +36,7 @@ def crash(rank, world, path, when):
 def _cores_land_in_files() -> bool:
     import resource
 
-    with open("/proc/sys/kernel/core_pattern") as f:
-        pattern = f.read().strip()
-    return bool(pattern) and not pattern.startswith("|") and \
-        resource.getrlimit(resource.RLIMIT_CORE)[1] != 0
+    return file_core_pattern() is not None and resource.getrlimit(resource.RLIMIT_CORE)[1] != 0
 
 
 @pytest.mark.parametrize("when", ["during", "after"])

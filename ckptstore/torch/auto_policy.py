@@ -37,9 +37,10 @@ failure history (restarts, since when). A restarted process
 (:meth:`AutoPolicy.resume`, from the base of the iteration it restored) seeds its meter with the
 medians and plans at once: no measuring phase, so a process with a short life between failures
 does not spend it measuring; its first :data:`RESUME_WARMUP_STEPS` steps are no samples (a
-fresh process's warm-up would outvote the persisted medians at the first drift check). The plan is re-derived from the persisted inputs (a pure function
-of them), so the persisted field holds no decision a reader must trust. A field that does not
-validate is ignored with a WARNING (logger "ckptstore") and the costs are measured again.
+fresh process's warm-up would outvote the persisted medians at the first drift check). The plan
+is re-derived from the persisted inputs (a pure function of them), so the persisted field holds
+no decision a reader must trust. A field that does not validate is ignored with a WARNING
+(logger "ckptstore") and the costs are measured again.
 
 **Several ranks** (a multi-rank job store): every decision (a phase's end, a plan, a drift)
 is made from inputs every rank agreed on (:mod:`ckptstore.torch.plan_agreement`: a collective
@@ -401,7 +402,8 @@ class AutoPolicy:
                                       drifted(self.plan.costs, costs)):
                 # (a drift keeps the mode in force unless the other gains MODE_SWITCH_MARGIN)
                 sticky = self.plan is not None and not forecast_due
-                self._forecast_due = self._forecast_due and not forecast_due
+                if forecast_due:
+                    self._forecast_due = False  # (asked now; one still warming up stays due)
                 self._replan(iteration, shared=shared, sticky=sticky)
 
     def _measure_gap(self, shared: Shared) -> int:
