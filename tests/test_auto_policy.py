@@ -536,6 +536,41 @@ def test_default_disk_budget_bounds_the_store(tmp_path, monkeypatch, assert_same
     store.close()
 
 
+@pytest.mark.parametrize("snapshots", [0.4, 1.5])
+def test_a_budget_smaller_than_two_snapshots_keeps_the_newest_alone(tmp_path, monkeypatch, caplog,
+                                                                    assert_same, snapshots):
+    """A default budget that holds no snapshot with room for the next (0.4 and 1.5 snapshots:
+    a nearly full disk) still bounds the store: the plan says nothing fits, one WARNING says so
+    and that only the newest is kept, and from the plan's first gc on the store's files stay
+    within about three snapshots (the newest, the one being written, framing and the index) at
+    every step of a run that writes 40; the newest loads bit for bit."""
+    width = 512
+    model, opt = _model(width)
+    snapshot = sum(p.numel() * 4 for p in model.parameters()) * 2  # parameters + momentum
+    monkeypatch.setattr(auto_policy, "DEFAULT_DISK_SHARE",
+                        snapshots * snapshot / shutil.disk_usage(tmp_path).free)
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="snapshots", snapshot_every=2, measure_steps=2,
+                      asynchronous=False)
+    ck.restore()
+    worst = 0
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        for it in range(1, 81):
+            _step(model, ck, opt, it, width)
+            if store.iterations()[0] > 0:
+                worst = max(worst, _store_bytes(tmp_path / "s"))
+    p = ck.plan()
+    assert p is not None and p.retention is not None and p.retention < 1 and not p.chosen.fits
+    warned = [r.getMessage() for r in caplog.records if "holds no snapshot" in r.getMessage()]
+    assert len(warned) == 1 and "keeping only the newest" in warned[0], warned
+    assert 0 < worst <= 3 * snapshot + (1 << 20), (worst, snapshot)
+    assert len(store.iterations()) <= 2
+    assert store.iterations()[-1] == 80
+    assert_same(_live(model, opt), {k: store.load(80)[k] for k in ("model", "optimizer")})
+    ck.close()
+    store.close()
+
+
 def test_default_checkpointer_plans_within_the_default_budget(tmp_path, monkeypatch, caplog,
                                                               one_mode, assert_same):
     """Checkpointer(store, model, opt) with no policy and no budget: policy "auto", one INFO

@@ -29,6 +29,8 @@ class PlanRetention:
         self.enabled = enabled
         #: (keep, every) last set on the store (None: none yet)
         self.applied: tuple[int, int] | None = None
+        #: the plan in force fits no checkpoint in the budget (warned; the newest alone is kept)
+        self.over_budget = False
 
     def planned(self, plan: Plan) -> None:
         """A plan is in force: keep the store within the disk budget by the plan's retention
@@ -38,10 +40,26 @@ class PlanRetention:
         holds at most ``K + E`` of them (``<= 0.8 * R`` from ``R = 3`` on) plus the one being
         written (the 20% margin
         covers record framing, manifests and the index, which the measured sizes leave out),
-        and each gc, which copies what it keeps, copies ``K`` per ``E`` written (about 0.45x)."""
+        and each gc, which copies what it keeps, copies ``K`` per ``E`` written (about 0.45x).
+
+        A budget that holds no checkpoint with room for the next (``R < 1``: nothing fits, the
+        plan says so) still bounds the store: it keeps the newest alone (``R = 1``: a gc after
+        every base), so it holds about two checkpoints, more than the budget; the log says so
+        once, when the plan first goes beyond it."""
         r = plan.retention
-        if not self.enabled or r is None or r < 1:
+        if not self.enabled or r is None:
             return
+        if r < 1:
+            if not self.over_budget:
+                self.over_budget = True
+                log.warning("Checkpointer %s: the disk budget of %d bytes (%s) holds no %s with "
+                            "room for the next; keeping only the newest one (about twice its "
+                            "size on disk, more than the budget)", self.store.path,
+                            plan.disk_budget, plan.budget_source,
+                            "snapshot" if plan.mode == SNAPSHOTS else "chain")
+            r = 1
+        else:
+            self.over_budget = False
         k = max(1, r // 4)
         keep = k if plan.mode == SNAPSHOTS else (k - 1) * plan.chosen.interval + 1
         every = max(1, math.floor(0.8 * r) - k)
