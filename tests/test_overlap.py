@@ -159,17 +159,42 @@ def test_a_change_during_the_copy_fails_that_checkpoint_only(tmp_path, monkeypat
 PHASES = ["held", "copied", "persist-write-1", "persist-write-2", "persist-fsync-1", "next-step"]
 
 
-def _victim(path: str, phase: str, log: str) -> None:
-    ops = KillOps(phase.split("-")[1], int(phase.split("-")[2]), tear=0.5, armed=False) \
+def _fired(marker: str, what: str) -> None:
+    """Record which kill ended the victim (the parent checks it was the phase's own)."""
+    with open(marker, "w") as f:
+        f.write(what)
+
+
+class _MarkedKillOps(KillOps):
+    """KillOps that records its kill (``persist-<op>-<n>``) before it happens."""
+
+    def __init__(self, marker: str, op: str, nth: int) -> None:
+        super().__init__(op, nth, tear=0.5, armed=False)
+        self.marker, self.what = marker, f"persist-{op}-{nth}"
+
+    def _due(self, op: str) -> bool:
+        due = super()._due(op)
+        if due:
+            _fired(self.marker, self.what)
+        return due
+
+
+def _victim(path: str, phase: str, log: str, marker: str) -> None:
+    """Snapshots every 2 iterations; snapshot 2 durable before step 3, so snapshot 4's copy
+    and persist are the only checkpoint work when the phase's kill is armed. Each kill records
+    itself in ``marker``; a run that reaches its end records "none"."""
+    ops = _MarkedKillOps(marker, phase.split("-")[1], int(phase.split("-")[2])) \
         if phase.startswith("persist") else None
     run = DeferredCopy.run
 
     def held(copy: DeferredCopy) -> None:
         if copy.iteration == 4 and phase == "held":
+            _fired(marker, phase)
             die()
         run(copy)
         if copy.iteration == 4:
             if phase == "copied":
+                _fired(marker, phase)
                 die()
             if ops is not None:
                 ops.armed = True  # its persist starts now
@@ -180,35 +205,44 @@ def _victim(path: str, phase: str, log: str) -> None:
     ck = Checkpointer(store, model, opt, policy="snapshots", snapshot_every=2)
     ck.restore()
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    futures = {}
     for it in range(1, 6):
         _backward(model, it)
         fut = ck.step(it)
         if fut is not None:  # resolved => durable (checked by the parent)
+            futures[it] = fut
             fut.add_done_callback(lambda f, it=it: f.exception() is None and
                                   os.write(fd, f"{it}\n".encode()))
         opt.zero_grad()
+        if it == 2:
+            fut.result(timeout=30)
         if it == 5 and phase == "next-step":
+            _fired(marker, phase)
             die()
-    die()  # (a phase that did not kill: the store is checked all the same)
+    futures[4].result(timeout=30)  # (a persist phase's kill comes while this waits)
+    _fired(marker, "none")
+    die()
 
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_sigkill_at_every_phase_of_an_overlapped_snapshot(tmp_path, phase):
-    """A kill while snapshot 4's copy is held, right after it, during the persists (torn write,
-    fsync) or after the next step leaves a prefix of 0, 2, 4 holding every snapshot whose future
-    resolved (never a partial one), each the state of its iteration bit for bit; the store then
-    takes the next run's writes."""
+    """A kill while snapshot 4's copy is held, right after it, during its persist (the first
+    or second write, torn; the first fsync) or after the next step (each kill checked to be the
+    one that ended the run) leaves 0, 2 (durable before the phase) and 4 only where its persist
+    committed, holding every snapshot whose future resolved (never a partial one), each the
+    state of its iteration bit for bit; the store then takes the next run's writes."""
     refs = _reference(5)
-    log = tmp_path / "resolved"
-    rc = run_forked(_victim, str(tmp_path / "s"), phase, str(log))
+    log, marker = tmp_path / "resolved", tmp_path / "fired"
+    rc = run_forked(_victim, str(tmp_path / "s"), phase, str(log), str(marker))
     assert rc == -signal.SIGKILL, rc
+    assert marker.read_text() == phase, (marker.read_text(), phase)
     resolved = [int(x) for x in log.read_text().split()] if log.exists() else []
     with ckptstore.open(tmp_path / "s", "r") as r:
         its = r.iterations()
-        assert its in ([0], [0, 2], [0, 2, 4]), its
+        assert its in ([0, 2], [0, 2, 4]), its
         assert set(resolved) <= set(its), (resolved, its)
-        if phase == "held":  # (its copy never ran)
-            assert 4 not in its, its
+        if phase in ("held", "copied") or phase.startswith("persist-write"):
+            assert 4 not in its, its  # (no copy, or killed before its COMMIT was written)
         for it in its:
             _assert_state(refs[it], r.load(it), f"{phase}: iteration {it}")
     model, opt = _model()
