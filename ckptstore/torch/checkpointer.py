@@ -211,9 +211,6 @@ class Checkpointer:
         check_policy_args(policy, snapshot_every, mtbf_s, disk_budget, measure_steps)
         if type(overlap) is not bool:
             raise CheckpointPlanError(f"overlap must be True or False, not {overlap!r}")
-        if retention is not None:
-            # before anything is written; on a job store every rank sets the same (collective)
-            store.set_retention(retention, retention_every)
         replayable = is_replayable(optimizer)
         if not replayable:
             why = (f"optimizer {type(optimizer).__qualname__} is not replayable; supported: "
@@ -247,6 +244,10 @@ class Checkpointer:
         budget_source = "given"
         if disk_budget is None:
             disk_budget, budget_source = default_budget(str(store.path))
+        if retention is not None:
+            # after every argument is checked (a constructor that raises leaves the store as it
+            # was), before anything is written; on a job store every rank sets the same
+            store.set_retention(retention, retention_every)
         #: the retention this Checkpointer derives from the plan (unless the user's)
         self._retention = PlanRetention(store, enabled=retention is None)
         self._auto = AutoPolicy(policy, replayable, snapshot_every, mtbf_s, disk_budget,
