@@ -18,7 +18,7 @@ import ckptstore
 from ckptstore.torch import Checkpointer
 from ckptstore.torch import auto_policy
 from _crashkit import run_forked
-from ckptstore.torch.plan_history import PLAN_KEY, parse_persisted
+from ckptstore.torch.plan_history import PLAN_KEY, learned_mtbf, parse_persisted
 from ckptstore.torch.delta_forecast import DeltaForecast
 from ckptstore.torch.plan import CostMeter
 
@@ -147,6 +147,48 @@ def test_restarted_checkpointer_starts_planned(tmp_path, one_mode, caplog, asser
     assert p is not None and p.mode == mode
     assert p.mtbf_source.startswith("learned: ") and "restart(s) of this store" in p.mtbf_source
     assert 0 < p.mtbf_s < 3600
+    ck.close()
+    store.close()
+
+
+def test_learned_mtbf_is_the_span_over_the_restarts():
+    """The failure rate a restart history teaches: the time since the history began over the
+    restarts in it; nothing from no restart, an unknown start or no time."""
+    t0, hour = 1_700_000_000 * 10**9, 3600 * 10**9
+    assert learned_mtbf(0, t0, "this store", now_ns=t0 + hour) is None
+    assert learned_mtbf(3, 0, "this store", now_ns=t0 + hour) is None
+    assert learned_mtbf(3, t0, "this store", now_ns=t0) is None
+    assert learned_mtbf(4, t0, "this store", now_ns=t0 + 2 * hour) == \
+        (1800.0, "learned: 4 restart(s) of this store in 2.00 h")
+    assert learned_mtbf(8, t0, "this store", now_ns=t0 + 2 * hour)[0] == 900.0  # more: shorter
+
+
+def test_each_restart_is_counted_and_teaches_the_rate(tmp_path, one_mode):
+    """Every restarted Checkpointer counts one restart more in the plan it persists with its
+    next base (1, 2, 3, from the same start); one given no MTBF plans with the history's span
+    over those restarts."""
+    one_mode[0] = "snapshots"
+    store, _, _ = _planned_store(tmp_path / "s", "snapshots", mtbf_s=600.0)
+    since0 = None
+    for n in (1, 2, 3):
+        model, opt, ck = _restart(store, 600.0)
+        latest = ck.restore()
+        for it in (latest + 1, latest + 2):
+            _step(model, ck, opt, it)
+        store.flush()
+        ck.close()
+        newest = store.iterations()[-1]
+        restarts, since, _ = parse_persisted(
+            store.load_record(store.base_of(newest), keys=[PLAN_KEY])[PLAN_KEY])
+        since0 = since if since0 is None else since0
+        assert (restarts, since) == (n, since0)
+    model, opt, ck = _restart(store, None)
+    before = time.time_ns()
+    ck.restore()
+    after = time.time_ns()
+    p = ck.plan()
+    assert p is not None and "learned: 4 restart(s) of this store" in p.mtbf_source
+    assert (before - since0) / 4e9 <= p.mtbf_s <= (after - since0) / 4e9
     ck.close()
     store.close()
 

@@ -894,6 +894,23 @@ def test_every_iteration_refuses_an_unreplayable_optimizer(tmp_path):
     store.close()
 
 
+@pytest.mark.parametrize("kwargs", [{"policy": "every-iteration"}, {"base_every": 0},
+                                    {"codec": "zip"}, {"mtbf_s": -1.0}, {"capture": "copy?"}])
+def test_a_refused_checkpointer_leaves_the_store_as_it_was(tmp_path, kwargs):
+    """A Checkpointer refused for a bad argument (an unreplayable optimizer under
+    "every-iteration", a bad base interval, codec, MTBF or capture) sets no retention on the
+    store it was given, writes nothing and starts no pipeline."""
+    from ckptstore.ops.retention import KeepLast
+
+    model, opt = _small() if kwargs.get("policy") else _small(torch.optim.SGD)
+    store = ckptstore.open(tmp_path / "s")
+    with pytest.raises((ValueError, TypeError)):
+        Checkpointer(store, model, opt, retention=KeepLast(2), **kwargs)
+    assert store.retention is None
+    assert store.iterations() == [] and store.running_pipeline is None
+    store.close()
+
+
 @pytest.mark.parametrize("kwargs, argument", [
     ({"policy": "weekly"}, "policy"), ({"policy": "Auto"}, "policy"),
     ({"mtbf_s": 0}, "mtbf_s"), ({"mtbf_s": -3.0}, "mtbf_s"), ({"mtbf_s": float("nan")}, "mtbf_s"),
@@ -959,6 +976,31 @@ def test_auto_plans_from_measured_costs(tmp_path, monkeypatch, deltas_pay):
     store.flush()
     assert set(deltas) <= set(store.iterations())  # the measured deltas stay committed
     ck.close()
+    store.close()
+
+
+@pytest.mark.parametrize("mtbf_s", [0, -1.0, float("nan"), float("inf"), "1h", True])
+def test_replan_refuses_a_bad_mtbf(tmp_path, mtbf_s):
+    """replan(mtbf_s=...) checks the failure rate as the constructor does (CheckpointPlanError
+    naming it, the plan's rate unchanged); policy "every-iteration" has no plan to redo."""
+    model, opt = _small(torch.optim.SGD)
+    store = ckptstore.open(tmp_path / "s")
+    ck = Checkpointer(store, model, opt, policy="snapshots", snapshot_every=2, mtbf_s=600.0,
+                      measure_steps=2, asynchronous=False)
+    ck.restore()
+    for it in range(1, 9):
+        _one_step(model, ck, opt, it)
+    assert ck.plan() is not None and ck.plan().mtbf_s == 600.0
+    with pytest.raises(ckptstore.CheckpointPlanError, match="mtbf_s") as e:
+        ck.replan(mtbf_s=mtbf_s)
+    assert isinstance(e.value, ValueError)
+    _one_step(model, ck, opt, 9)
+    assert ck.plan().mtbf_s == 600.0
+    ck.close()
+    every = Checkpointer(store, model, opt, policy="every-iteration")
+    with pytest.raises(ckptstore.CheckpointPlanError, match="every-iteration"):
+        every.replan(mtbf_s=60.0)
+    every.close()
     store.close()
 
 
