@@ -581,3 +581,26 @@ def test_targets_cli_reads_a_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "0.850 dcp-async" in out and "round by round in 1 of 1" in out
     assert gt.main([]) == 2
+
+
+def test_targets_cli_totals_several_runs_for_any_judged_strategy(tmp_path, capsys):
+    """Several runs: each run's table, then the totals over them (cells by mean with the
+    margins' range, rounds with the misses, lost work); --judged puts another of ckptstore's
+    strategies in auto's place, and a run without it is skipped."""
+    import goodput_targets as gt
+
+    runs = []
+    for k, rounds in enumerate([
+            [{"ckpt-snapshots": (0.90, [0.1]), "pccheck": (0.85, [0.2])},
+             {"ckpt-snapshots": (0.80, [0.3]), "pccheck": (0.806, [0.2])}],
+            [{"ckpt-snapshots": (0.70, [0.4]), "torch.save": (0.72, [0.5])}],
+            [{"ckpt-auto": (0.9, []), "pccheck": (0.8, [])}]]):
+        runs.append(tmp_path / f"run{k}.json")
+        runs[-1].write_text(json.dumps({"date": str(k), "jobs": _target_jobs(rounds)}))
+    assert gt.main(["--judged", "ckpt-snapshots", *map(str, runs)]) == 0
+    out = capsys.readouterr().out
+    assert "ckpt-snapshots mean" in out and f"{runs[2]}: no ckpt-snapshots jobs, skipped" in out
+    assert ("over 2 runs, ckpt-snapshots >= every peer: by mean in 1 of 2 (scenario, run) cells "
+            "(margins -0.020 to +0.022); round by round in 1 of 3 rounds (2 missed, 1 of them by "
+            "under 0.01, the largest by 0.020); lost work per failure <= the peers' lowest in 2 "
+            "of 2 cells") in out

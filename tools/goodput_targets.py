@@ -10,9 +10,12 @@
 In-job goodput (bench_goodput's ``goodput_in_job``) charges each job against its own plain
 steps, so a round's drift of the machine's speed cancels out of it. Usage::
 
-    python tools/goodput_targets.py RUN.json [RUN.json ...]
+    python tools/goodput_targets.py [--judged STRATEGY] RUN.json [RUN.json ...]
 
-bench_goodput prints the same table at the end of a run.
+prints each run's table and, for several runs, the totals over them (``--judged``: another of
+ckptstore's strategies in ``ckpt-auto``'s place, e.g. ``ckpt-snapshots``; a run without it is
+skipped). bench_goodput prints the same table at the end of a run. The runs the docs quote are
+in tools/data/ (tools/data/README.md).
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def judge(jobs: Sequence[dict], judged: str = JUDGED) -> list[dict]:
     return out
 
 
-def verdict_table(verdicts: Sequence[dict]) -> str:
+def verdict_table(verdicts: Sequence[dict], judged: str = JUDGED) -> str:
     """The verdicts as a markdown table, then one line per target over every scenario."""
     rows = []
     for v in verdicts:
@@ -98,7 +101,7 @@ def verdict_table(verdicts: Sequence[dict]) -> str:
                      f"{v['lost_s']:.2f}", f"{v['peer_lost_s']:.2f} {v['lowest_lost_peer']}"
                      if v["lowest_lost_peer"] else "-", "yes" if lost_ok else "NO",
                      str(v["failures"])])
-    table = harness.table(["scenario", f"{JUDGED} mean", "best peer mean", "margin",
+    table = harness.table(["scenario", f"{judged} mean", "best peer mean", "margin",
                            "rounds >= every peer", "misses", "lost s/failure",
                            "peers' lowest", "lost <= peers'", "failures"], rows, left=1)
     by_mean = sum(v["mean_margin"] >= 0 for v in verdicts)
@@ -106,21 +109,51 @@ def verdict_table(verdicts: Sequence[dict]) -> str:
     rounds = sum(v["rounds"] for v in verdicts)
     lost = sum(not math.isfinite(v["peer_lost_s"]) or v["lost_s"] <= v["peer_lost_s"]
                for v in verdicts)
-    return (f"{table}\n{JUDGED} >= every peer: by mean in {by_mean} of {len(verdicts)} scenarios, "
+    return (f"{table}\n{judged} >= every peer: by mean in {by_mean} of {len(verdicts)} scenarios, "
             f"round by round in {by_round} of {rounds}; lost work per failure <= the peers' "
             f"lowest in {lost} of {len(verdicts)}")
 
 
+def totals(runs: Sequence[Sequence[dict]], judged: str = JUDGED) -> str:
+    """One paragraph over several runs' verdicts: (scenario, run) cells at or above the best
+    peer by mean (and the margins' range), rounds at or above every peer (and the misses: how
+    many, under 0.01, the largest), cells whose lost work per failure is <= the peers' lowest."""
+    cells = [v for vs in runs for v in vs]
+    margins = [v["mean_margin"] for v in cells]
+    misses = sorted((m for v in cells for m in v["misses"]), reverse=True)
+    lost = sum(not math.isfinite(v["peer_lost_s"]) or v["lost_s"] <= v["peer_lost_s"]
+               for v in cells)
+    small = sum(m < 0.01 for m in misses)
+    return (f"over {len(runs)} runs, {judged} >= every peer: by mean in "
+            f"{sum(m >= 0 for m in margins)} of {len(cells)} (scenario, run) cells (margins "
+            f"{min(margins):+.3f} to {max(margins):+.3f}); round by round in "
+            f"{sum(v['rounds_met'] for v in cells)} of {sum(v['rounds'] for v in cells)} rounds "
+            f"({len(misses)} missed, {small} of them by under 0.01"
+            + (f", the largest by {misses[0]:.3f}" if misses else "") + "); lost work per failure "
+            f"<= the peers' lowest in {lost} of {len(cells)} cells")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    paths = list(sys.argv[1:] if argv is None else argv)
-    if not paths:
+    args = list(sys.argv[1:] if argv is None else argv)
+    judged = JUDGED
+    if args[:1] == ["--judged"] and len(args) > 1:
+        judged, args = args[1], args[2:]
+    if not args:
         print(__doc__)
         return 2
-    for path in paths:
+    runs = []
+    for path in args:
         with open(path) as f:
             doc = json.load(f)
+        if not any(j["strategy"] == judged for j in doc["jobs"]):
+            print(f"{path}: no {judged} jobs, skipped")
+            continue
+        verdicts = judge(doc["jobs"], judged)
+        runs.append(verdicts)
         print(f"{path} ({doc.get('date', '?')}, {len(doc['jobs'])} jobs):")
-        print(verdict_table(judge(doc["jobs"])))
+        print(verdict_table(verdicts, judged))
+    if len(runs) > 1:
+        print(totals(runs, judged))
     return 0
 
 
