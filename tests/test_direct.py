@@ -218,7 +218,7 @@ def test_store_saves_through_o_direct_and_loads_exactly(dio_dir: Path) -> None:
     assert check(str(path)).clean
 
 
-def test_staging_buffer_is_page_aligned_and_touched() -> None:
+def test_staging_buffer_is_page_aligned_and_zero() -> None:
     b = StagingBuffer(3 * ALIGN)
     assert b.overlap and len(b.arrays) == 2
     for array, view in zip(b.arrays, b.views):

@@ -85,11 +85,13 @@ class StagingBuffer:
     """Page-aligned anonymous memory, allocated once and reused by every writer of a log: one
     region of ``capacity`` bytes, or two (``overlap``: one is written while the other fills).
 
-    The memory is made and touched at the first append that stages bytes (:attr:`views`,
-    :attr:`arrays`), not when the log opens: a restarted trainer opens its store and restores
-    before it writes anything, and touching 16 MiB of fresh pages there cost 10-18 ms of its
-    resume (2026-11-30: ckptstore.open 11.7 -> 1.9 ms on a quiet 2-core VM); an asynchronous
-    writer's first append runs on its persister thread instead, while training goes on."""
+    The memory is mapped at the first append that stages bytes (:attr:`views`, :attr:`arrays`),
+    not when the log opens, and its pages are not touched ahead: each is faulted in by the first
+    append that fills it. A restarted trainer opens its store and restores before it writes
+    anything, and touching 16 MiB of fresh pages at open cost 10-18 ms of every resume
+    (2026-11-30: ckptstore.open 11.7 -> 1.9 ms on a quiet 2-core VM); and a writer whose large
+    records go straight from their own memory (chunk images, lent tensors) stages only framing,
+    trees, manifests and commits, which use the regions' first pages alone."""
 
     def __init__(self, capacity: int | None = None, overlap: bool = True) -> None:
         capacity = STAGE_CAPACITY if capacity is None else capacity  # (read now: tests shrink it)
@@ -127,8 +129,6 @@ class StagingBuffer:
         if self._views is None:
             maps = [mmap.mmap(-1, self.capacity) for _ in range(self._regions)]  # page-aligned
             self._arrays = [np.frombuffer(m, dtype=np.uint8) for m in maps]
-            for a in self._arrays:
-                a[:] = 0  # every page touched now, once, not piecemeal in later appends
             self._views = [memoryview(m) for m in maps]
         return self._views, self._arrays
 
