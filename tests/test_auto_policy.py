@@ -613,6 +613,31 @@ def test_a_budget_smaller_than_two_snapshots_keeps_the_newest_alone(tmp_path, mo
     store.close()
 
 
+def test_plan_retention_follows_the_plan_down_to_the_newest_alone(caplog):
+    """The retention the plans set: R = 5 keeps the last 1 after every 3rd base; a plan that
+    fits nothing (R < 1) keeps the newest alone after every base (also when the last one kept
+    the newest already, with a gc less often), with one WARNING each time the plans go beyond
+    the budget, none while they stay there."""
+    from types import SimpleNamespace
+
+    from ckptstore.torch.plan_retention import PlanRetention
+
+    calls: list[tuple[int, int]] = []
+    store = SimpleNamespace(path="s", set_retention=lambda p, every: calls.append((p.n, every)))
+    kept = PlanRetention(store, enabled=True)
+
+    def plan(r: int):
+        return SimpleNamespace(retention=r, mode="snapshots", chosen=SimpleNamespace(interval=2),
+                               disk_budget=100, budget_source="given")
+
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        for r in (5, 0, -1, 5, 0):
+            kept.planned(plan(r))
+    assert calls == [(1, 3), (1, 1), (1, 3), (1, 1)]
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and all("keeping only the newest" in w for w in warned), warned
+
+
 def test_default_checkpointer_plans_within_the_default_budget(tmp_path, monkeypatch, caplog,
                                                               one_mode, assert_same):
     """Checkpointer(store, model, opt) with no policy and no budget: policy "auto", one INFO

@@ -580,7 +580,7 @@ def test_targets_cli_reads_a_run(tmp_path, capsys):
     assert gt.main([str(run)]) == 0
     out = capsys.readouterr().out
     assert "0.850 dcp-async" in out and "round by round in 1 of 1" in out
-    assert gt.main([]) == 2
+    assert gt.main([]) == 2 and gt.main(["--judged"]) == 2
 
 
 def test_targets_cli_totals_several_runs_for_any_judged_strategy(tmp_path, capsys):

@@ -136,9 +136,9 @@ def totals(runs: Sequence[Sequence[dict]], judged: str = JUDGED) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     judged = JUDGED
-    if args[:1] == ["--judged"] and len(args) > 1:
-        judged, args = args[1], args[2:]
-    if not args:
+    if args[:1] == ["--judged"]:
+        judged, args = (args[1], args[2:]) if len(args) > 1 else ("", [])
+    if not args or not judged:
         print(__doc__)
         return 2
     runs = []

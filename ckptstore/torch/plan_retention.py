@@ -43,23 +43,16 @@ class PlanRetention:
         and each gc, which copies what it keeps, copies ``K`` per ``E`` written (about 0.45x).
 
         A budget that holds no checkpoint with room for the next (``R < 1``: nothing fits, the
-        plan says so) still bounds the store: it keeps the newest alone (``R = 1``: a gc after
-        every base), so it holds about two checkpoints, more than the budget; the log says so
-        once, when the plan first goes beyond it."""
+        plan says so) still bounds the store: it keeps the newest alone (``R = 1``: ``K = E =
+        1``, a gc after every base; on a job store a collective one before every base), so it
+        holds two checkpoints between gcs and three during one (the newest, the one before,
+        gc's copy), more than the budget; the log says so once, when the plan first goes beyond
+        it."""
         r = plan.retention
         if not self.enabled or r is None:
             return
-        if r < 1:
-            if not self.over_budget:
-                self.over_budget = True
-                log.warning("Checkpointer %s: the disk budget of %d bytes (%s) holds no %s with "
-                            "room for the next; keeping only the newest one (about twice its "
-                            "size on disk, more than the budget)", self.store.path,
-                            plan.disk_budget, plan.budget_source,
-                            "snapshot" if plan.mode == SNAPSHOTS else "chain")
-            r = 1
-        else:
-            self.over_budget = False
+        over = r < 1
+        r = max(r, 1)
         k = max(1, r // 4)
         keep = k if plan.mode == SNAPSHOTS else (k - 1) * plan.chosen.interval + 1
         every = max(1, math.floor(0.8 * r) - k)
@@ -67,7 +60,7 @@ class PlanRetention:
         # (set_retention restarts its count of bases: a plan whose sizes jitter must not keep
         # postponing the gc, so a change of less than 10% keeps the retention in force)
         if applied is None or abs(keep - applied[0]) > 0.1 * applied[0] or \
-                (applied[0] != keep and r < 10):
+                (applied != (keep, every) and r < 10):
             try:
                 self.store.set_retention(KeepLast(keep), every)
             except CkptStoreError as e:  # (a store that refuses retention: the plan still holds)
@@ -76,3 +69,9 @@ class PlanRetention:
                 self.enabled = False
                 return
             self.applied = (keep, every)
+        if over and not self.over_budget:
+            log.warning("Checkpointer %s: the disk budget of %d bytes (%s) holds no %s with room "
+                        "for the next; keeping only the newest one (two to three times its size "
+                        "on disk, more than the budget)", self.store.path, plan.disk_budget,
+                        plan.budget_source, "snapshot" if plan.mode == SNAPSHOTS else "chain")
+        self.over_budget = over
