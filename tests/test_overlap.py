@@ -156,7 +156,8 @@ def test_a_change_during_the_copy_fails_that_checkpoint_only(tmp_path, monkeypat
 
 
 # ---- SIGKILL at every phase of an overlapped snapshot -----------------------------------------
-PHASES = ["held", "copied", "persist-write-1", "persist-write-2", "persist-fsync-1", "next-step"]
+PHASES = ["held", "copied", "persist-write-1", "persist-write-2", "persist-fsync-1", "next-step",
+          "queued"]
 
 
 def _fired(marker: str, what: str) -> None:
@@ -179,12 +180,33 @@ class _MarkedKillOps(KillOps):
         return due
 
 
+class _QueuedKillOps(KillOps):
+    """Holds the first write of snapshot 2's persist until snapshot 4's copy is done (two
+    snapshots in flight: one persisting, one copied and queued behind it), then tears that
+    write and kills ("queued"; "queued-timeout" when the copy never came)."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__("write", 1, tear=0.5, armed=False)
+        self.marker = marker
+        self.copied = threading.Event()
+
+    def _due(self, op: str) -> bool:
+        due = super()._due(op)
+        if due:
+            _fired(self.marker, "queued" if self.copied.wait(30) else "queued-timeout")
+        return due
+
+
 def _victim(path: str, phase: str, log: str, marker: str) -> None:
-    """Snapshots every 2 iterations; snapshot 2 durable before step 3, so snapshot 4's copy
-    and persist are the only checkpoint work when the phase's kill is armed. Each kill records
+    """Snapshots every 2 iterations; snapshot 2 durable before step 3 (but for "queued", whose
+    kill comes in snapshot 2's persist after snapshot 4's copy), so snapshot 4's copy and
+    persist are the only checkpoint work when the phase's kill is armed. Each kill records
     itself in ``marker``; a run that reaches its end records "none"."""
-    ops = _MarkedKillOps(marker, phase.split("-")[1], int(phase.split("-")[2])) \
-        if phase.startswith("persist") else None
+    ops: KillOps | None = None
+    if phase.startswith("persist"):
+        ops = _MarkedKillOps(marker, phase.split("-")[1], int(phase.split("-")[2]))
+    elif phase == "queued":
+        ops = _QueuedKillOps(marker)
     run = DeferredCopy.run
 
     def held(copy: DeferredCopy) -> None:
@@ -193,17 +215,21 @@ def _victim(path: str, phase: str, log: str, marker: str) -> None:
                 _fired(marker, phase)  # (before the copy: no file I/O between it and the kill)
             if phase == "held":
                 die()
-            if ops is not None:
+            if isinstance(ops, _MarkedKillOps):
                 ops.armed = True  # its persist starts once the copy is done; nothing else writes
         run(copy)
         if copy.iteration == 4 and phase == "copied":
             die()
+        if copy.iteration == 4 and isinstance(ops, _QueuedKillOps):
+            ops.copied.set()
 
     DeferredCopy.run = held  # (a forked victim: nothing to restore)
     model, opt = _model()
     store = ckptstore.open(path, "a", file_ops=ops) if ops else ckptstore.open(path, "a")
     ck = Checkpointer(store, model, opt, policy="snapshots", snapshot_every=2)
     ck.restore()
+    if isinstance(ops, _QueuedKillOps):
+        ops.armed = True  # (after base 0: the next write is snapshot 2's persist)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     futures = {}
     for it in range(1, 6):
@@ -214,7 +240,7 @@ def _victim(path: str, phase: str, log: str, marker: str) -> None:
             fut.add_done_callback(lambda f, it=it: f.exception() is None and
                                   os.write(fd, f"{it}\n".encode()))
         opt.zero_grad()
-        if it == 2:
+        if it == 2 and phase != "queued":
             fut.result(timeout=30)
         if it == 5 and phase == "next-step":
             _fired(marker, phase)
@@ -229,8 +255,10 @@ def test_sigkill_at_every_phase_of_an_overlapped_snapshot(tmp_path, phase):
     """A kill while snapshot 4's copy is held, right after it, during its persist (the first
     or second write, torn; the first fsync) or after the next step (each kill checked to be the
     one that ended the run) leaves 0, 2 (durable before the phase) and 4 only where its persist
-    committed, holding every snapshot whose future resolved (never a partial one), each the
-    state of its iteration bit for bit; the store then takes the next run's writes."""
+    committed; a kill in snapshot 2's first write while 4 is copied and queued behind it
+    ("queued") leaves 0 alone. The store holds every snapshot whose future resolved (never a
+    partial one), each the state of its iteration bit for bit, and takes the next run's
+    writes."""
     refs = _reference(5)
     log, marker = tmp_path / "resolved", tmp_path / "fired"
     rc = run_forked(_victim, str(tmp_path / "s"), phase, str(log), str(marker))
@@ -239,7 +267,7 @@ def test_sigkill_at_every_phase_of_an_overlapped_snapshot(tmp_path, phase):
     resolved = [int(x) for x in log.read_text().split()] if log.exists() else []
     with ckptstore.open(tmp_path / "s", "r") as r:
         its = r.iterations()
-        assert its in ([0, 2], [0, 2, 4]), its
+        assert its == [0] if phase == "queued" else its in ([0, 2], [0, 2, 4]), its
         assert set(resolved) <= set(its), (resolved, its)
         if phase != "next-step":
             assert 4 not in its, its  # (no copy, or killed before its COMMIT was written)
