@@ -131,6 +131,8 @@ def test_restarted_checkpointer_starts_planned(tmp_path, one_mode, caplog, asser
     assert (p.mode, p.chosen.interval) == (field["mode"], field["interval"])
     seeded = CostMeter()
     seeded.seed(costs)
+    if mode == "snapshots":  # (a snapshot restored: the restore's time is a "restore" sample)
+        seeded.add("restore", ck.meter.median("restore"))
     assert p.costs == seeded.costs(True, 1)
     assert any("resumed from the persisted plan" in r.getMessage() for r in caplog.records)
     before = store.iterations()
@@ -189,6 +191,50 @@ def test_each_restart_is_counted_and_teaches_the_rate(tmp_path, one_mode):
     p = ck.plan()
     assert p is not None and "learned: 4 restart(s) of this store" in p.mtbf_source
     assert (before - since0) / 4e9 <= p.mtbf_s <= (after - since0) / 4e9
+    ck.close()
+    store.close()
+
+
+@pytest.mark.parametrize("mode", ["snapshots", "deltas"])
+def test_a_restart_measures_its_restore_as_the_load_time(tmp_path, one_mode, monkeypatch, mode):
+    """A restarted process times its restore of a snapshot (here made to take 0.25 s more): a
+    "restore" sample, which plan() takes as the load time from then on (before, a snapshot's
+    write time), persisted with the plan at the next base for the next restart. The restore of
+    a delta, which also replays, is no sample."""
+    import ckptstore.torch.checkpointer as checkpointer
+
+    one_mode[0] = mode
+    store, _, _ = _planned_store(tmp_path / "s", mode, mtbf_s=600.0)
+    real = checkpointer.restore_live
+
+    def slow(*args, **kwargs):
+        time.sleep(0.25)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "restore_live", slow)
+    model, opt, ck = _restart(store, 600.0)
+    latest = ck.restore()
+    p = ck.plan()
+    assert p is not None and p.mode == mode
+    assert store.kind(latest) == ("delta" if mode == "deltas" else "snapshot")
+    if mode == "deltas":
+        assert ck.meter.count("restore") == 0 and p.costs.load_s < 0.25
+        ck.close()
+        store.close()
+        return
+    assert ck.meter.count("restore") == 1 and ck.meter.median("restore") >= 0.25
+    assert p.costs.load_s == ck.meter.median("restore")
+    for it in (latest + 1, latest + 2):
+        _step(model, ck, opt, it)
+    store.flush()
+    ck.close()
+    newest = store.iterations()[-1]
+    _, _, costs = parse_persisted(
+        store.load_record(store.base_of(newest), keys=[PLAN_KEY])[PLAN_KEY])
+    assert costs is not None and costs["restore"] >= 0.25
+    model, opt, ck = _restart(store, 600.0)
+    ck.restore()
+    assert ck.meter.count("restore") == 2 and ck.plan().costs.load_s >= 0.25
     ck.close()
     store.close()
 

@@ -231,25 +231,30 @@ class AutoPolicy:
         return out
 
     # ---- a restarted process --------------------------------------------------------------
-    def resume(self, read: Callable[[], Any], iteration: int) -> None:
+    def resume(self, read: Callable[[], Any], iteration: int,
+               restore_s: float | None = None) -> None:
         """Once per process, after it restored ``iteration``: ``read()`` returns the persisted
         field of the base ``iteration`` is built on (KeyError, e.g. NotFoundError: it has none).
         A valid field counts this process as one restart and, when it holds costs, seeds the
         meter and plans now; an invalid one is logged (WARNING) and ignored: costs are measured
-        as for a new store. No-op for policy "every-iteration" and after the first call. On a
-        multi-rank job store every rank plans now, whatever it read (a collective: the ranks
+        as for a new store. ``restore_s``: the seconds this process's restore of a snapshot
+        took, a ``"restore"`` sample (the load time plans use from then on, instead of a
+        snapshot's write time). No-op for policy "every-iteration" and after the first call. On
+        a multi-rank job store every rank plans now, whatever it read (a collective: the ranks
         plan from what they read together, and measure again together when none holds costs)."""
         if self._resumed or self.policy == "every-iteration":
             return
         self._resumed = True
         costs = self._read_persisted(read, iteration)
-        if self._agreement is None and costs is None:
-            return
         if costs is not None:
             self.meter.seed(costs)
             if self._agreement is None and self._costs(self.meter.medians()) is None:
                 self.meter = CostMeter()  # (valid numbers, but too few to plan from)
-                return
+                costs = None
+        if restore_s is not None:
+            self.meter.add("restore", restore_s)
+        if self._agreement is None and costs is None:
+            return
         try:
             self._replan(iteration + 1, resumed=True)
             if self.phase == "planned":  # (planned from persisted costs: no hurry to sample)

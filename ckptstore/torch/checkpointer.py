@@ -404,11 +404,16 @@ class Checkpointer:
                 fut.result()  # the chain's first base is durable when restore returns
             return 0
         target = its[-1] if iteration is None else iteration
+        t0 = time.perf_counter()
         restore_live(self.store, target, its, state, self.model, self.optimizer, self.scheduler,
                      self._layout)
+        # (what loading a snapshot costs a resume; a delta's restore also replays: no sample)
+        restore_s = time.perf_counter() - t0 \
+            if state is None and self.store.kind(target) == "snapshot" else None
         w.continue_chain(target)
         self._auto.resume(lambda: self.store.load_record(self.store.base_of(target),
-                                                         keys=[PLAN_KEY])[PLAN_KEY], target)
+                                                         keys=[PLAN_KEY])[PLAN_KEY], target,
+                          restore_s)
         return target
 
     # ---- training ---------------------------------------------------------------------------

@@ -384,7 +384,7 @@ DELTA_MARGIN_Z = 2.0
 #: the kinds of sample a :class:`CostMeter` keeps (and a persisted plan may carry)
 COST_KINDS = ("plain", "delta", "delta_ratio", "delta_ratio_se", "stall", "snapshot_cost",
               "persist", "snapshot_bytes", "load", "delta_bytes", "delta_write", "optimizer",
-              "delta_share")
+              "delta_share", "restore")
 
 
 class CostMeter:
@@ -461,9 +461,10 @@ class CostMeter:
         none were measured), or with a ``"delta_ratio"`` sample the plain step times that ratio
         less one, with a margin of :data:`DELTA_MARGIN_Z` times the plain step times the
         ratio's standard error (``"delta_ratio_se"``); replaying a delta is estimated as an
-        optimizer step plus reading the delta (about its write); loading a base as writing
-        one; a snapshot's slowdown as its measured cost beyond its stall (0 before a snapshot
-        was seen through)."""
+        optimizer step plus reading the delta (about its write); loading a base is what a
+        restarted process's restore of one took (``"restore"``), and before any was measured
+        estimated as writing one; a snapshot's slowdown as its measured cost beyond its stall
+        (0 before a snapshot was seen through)."""
         plain, stall = self.median("plain"), self.median("stall")
         if plain is None or stall is None or plain <= 0:
             return None
@@ -483,7 +484,7 @@ class CostMeter:
                      delta_overhead_s=overhead, delta_overhead_margin_s=margin,
                      delta_bytes=int(med("delta_bytes") or 0),
                      replay_s=(med("optimizer") or 0.0) + (med("delta_write") or 0.0),
-                     load_s=med("load") or 0.0, group_commit=group_commit)
+                     load_s=med("restore") or med("load") or 0.0, group_commit=group_commit)
 
 
 class SnapshotWindow:
