@@ -153,6 +153,17 @@ def test_restarted_checkpointer_starts_planned(tmp_path, one_mode, caplog, asser
     store.close()
 
 
+def _steps_to_the_next_base(store, model, opt, ck, latest: int) -> tuple[int, int, dict | None]:
+    """Two steps after ``latest`` (a snapshot every 2: one base), flushed, ``ck`` closed: the
+    persisted plan field of the newest base, parsed (restarts, since_ns, costs)."""
+    for it in (latest + 1, latest + 2):
+        _step(model, ck, opt, it)
+    store.flush()
+    ck.close()
+    newest = store.iterations()[-1]
+    return parse_persisted(store.load_record(store.base_of(newest), keys=[PLAN_KEY])[PLAN_KEY])
+
+
 def test_learned_mtbf_is_the_span_over_the_restarts():
     """The failure rate a restart history teaches: the time since the history began over the
     restarts in it; nothing from no restart, an unknown start or no time."""
@@ -174,14 +185,7 @@ def test_each_restart_is_counted_and_teaches_the_rate(tmp_path, one_mode):
     since0 = None
     for n in (1, 2, 3):
         model, opt, ck = _restart(store, 600.0)
-        latest = ck.restore()
-        for it in (latest + 1, latest + 2):
-            _step(model, ck, opt, it)
-        store.flush()
-        ck.close()
-        newest = store.iterations()[-1]
-        restarts, since, _ = parse_persisted(
-            store.load_record(store.base_of(newest), keys=[PLAN_KEY])[PLAN_KEY])
+        restarts, since, _ = _steps_to_the_next_base(store, model, opt, ck, ck.restore())
         since0 = since if since0 is None else since0
         assert (restarts, since) == (n, since0)
     model, opt, ck = _restart(store, None)
@@ -224,13 +228,7 @@ def test_a_restart_measures_its_restore_as_the_load_time(tmp_path, one_mode, mon
         return
     assert ck.meter.count("restore") == 1 and ck.meter.median("restore") >= 0.25
     assert p.costs.load_s == ck.meter.median("restore")
-    for it in (latest + 1, latest + 2):
-        _step(model, ck, opt, it)
-    store.flush()
-    ck.close()
-    newest = store.iterations()[-1]
-    _, _, costs = parse_persisted(
-        store.load_record(store.base_of(newest), keys=[PLAN_KEY])[PLAN_KEY])
+    _, _, costs = _steps_to_the_next_base(store, model, opt, ck, latest)
     assert costs is not None and costs["restore"] >= 0.25
     model, opt, ck = _restart(store, 600.0)
     ck.restore()
