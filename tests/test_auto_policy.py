@@ -589,17 +589,25 @@ def _store_bytes(path) -> int:
                for f in files)
 
 
+def _default_budget_of(snapshots: float, width: int, tmp_path, monkeypatch):
+    """A model of ``width`` and its optimizer, with the default disk budget (a share of the free
+    space at open) made ``snapshots`` of its snapshots (parameters + momentum) by lowering the
+    share: (model, opt, bytes of one snapshot)."""
+    model, opt = _model(width)
+    snapshot = sum(p.numel() * 4 for p in model.parameters()) * 2  # parameters + momentum
+    monkeypatch.setattr(auto_policy, "DEFAULT_DISK_SHARE",
+                        snapshots * snapshot / shutil.disk_usage(tmp_path).free)
+    return model, opt, snapshot
+
+
 def test_default_disk_budget_bounds_the_store(tmp_path, monkeypatch, assert_same):
     """disk_budget=None: the budget is a share of the free space at open (here made ~12
     snapshots by lowering the share); the plan says so, and its retention keeps the store's
     files within the budget at every step of a run that writes ~3x as much; the newest
     snapshot loads bit for bit."""
     width = 512
-    model, opt = _model(width)
-    snapshot = sum(p.numel() * 4 for p in model.parameters()) * 2  # parameters + momentum
+    model, opt, snapshot = _default_budget_of(12, width, tmp_path, monkeypatch)
     budget = 12 * snapshot
-    monkeypatch.setattr(auto_policy, "DEFAULT_DISK_SHARE",
-                        budget / shutil.disk_usage(tmp_path).free)
     store = ckptstore.open(tmp_path / "s")
     ck = Checkpointer(store, model, opt, policy="snapshots", snapshot_every=2, measure_steps=2,
                       asynchronous=False)
@@ -631,10 +639,7 @@ def test_a_budget_smaller_than_two_snapshots_keeps_the_newest_alone(tmp_path, mo
     within about three snapshots (the newest, the one being written, framing and the index) at
     every step of a run that writes 40; the newest loads bit for bit."""
     width = 512
-    model, opt = _model(width)
-    snapshot = sum(p.numel() * 4 for p in model.parameters()) * 2  # parameters + momentum
-    monkeypatch.setattr(auto_policy, "DEFAULT_DISK_SHARE",
-                        snapshots * snapshot / shutil.disk_usage(tmp_path).free)
+    model, opt, snapshot = _default_budget_of(snapshots, width, tmp_path, monkeypatch)
     store = ckptstore.open(tmp_path / "s")
     ck = Checkpointer(store, model, opt, policy="snapshots", snapshot_every=2, measure_steps=2,
                       asynchronous=False)
@@ -691,10 +696,7 @@ def test_default_checkpointer_plans_within_the_default_budget(tmp_path, monkeypa
     machine's costs decide nothing) from its first gc on; the newest iteration loads bit for
     bit."""
     width = 512
-    model, opt = _model(width)
-    budget = 12 * sum(p.numel() * 4 for p in model.parameters()) * 2  # parameters + momentum
-    monkeypatch.setattr(auto_policy, "DEFAULT_DISK_SHARE",
-                        budget / shutil.disk_usage(tmp_path).free)
+    model, opt, _ = _default_budget_of(12, width, tmp_path, monkeypatch)
     store = ckptstore.open(tmp_path / "s")
     ck = Checkpointer(store, model, opt, snapshot_every=2)
     assert ck.checkpoint_policy == "auto" and ck.mode == "snapshots"  # (measuring first)

@@ -90,16 +90,21 @@ def judge(jobs: Sequence[dict], judged: str = JUDGED) -> list[dict]:
     return out
 
 
+def _lost_ok(v: dict) -> bool:
+    """Whether verdict ``v``'s work lost per failure is at or below the peers' lowest (met
+    where no peer met a failure)."""
+    return not math.isfinite(v["peer_lost_s"]) or v["lost_s"] <= v["peer_lost_s"]
+
+
 def verdict_table(verdicts: Sequence[dict], judged: str = JUDGED) -> str:
     """The verdicts as a markdown table, then one line per target over every scenario."""
     rows = []
     for v in verdicts:
-        lost_ok = not math.isfinite(v["peer_lost_s"]) or v["lost_s"] <= v["peer_lost_s"]
         rows.append([v["scenario"], f"{v['mean']:.3f}", f"{v['best_peer_mean']:.3f} {v['best_peer']}",
                      f"{v['mean_margin']:+.3f}", f"{v['rounds_met']} of {v['rounds']}",
                      ", ".join(f"{m:.3f}" for m in v["misses"]) or "-",
                      f"{v['lost_s']:.2f}", f"{v['peer_lost_s']:.2f} {v['lowest_lost_peer']}"
-                     if v["lowest_lost_peer"] else "-", "yes" if lost_ok else "NO",
+                     if v["lowest_lost_peer"] else "-", "yes" if _lost_ok(v) else "NO",
                      str(v["failures"])])
     table = harness.table(["scenario", f"{judged} mean", "best peer mean", "margin",
                            "rounds >= every peer", "misses", "lost s/failure",
@@ -107,8 +112,7 @@ def verdict_table(verdicts: Sequence[dict], judged: str = JUDGED) -> str:
     by_mean = sum(v["mean_margin"] >= 0 for v in verdicts)
     by_round = sum(v["rounds_met"] for v in verdicts)
     rounds = sum(v["rounds"] for v in verdicts)
-    lost = sum(not math.isfinite(v["peer_lost_s"]) or v["lost_s"] <= v["peer_lost_s"]
-               for v in verdicts)
+    lost = sum(_lost_ok(v) for v in verdicts)
     return (f"{table}\n{judged} >= every peer: by mean in {by_mean} of {len(verdicts)} scenarios, "
             f"round by round in {by_round} of {rounds}; lost work per failure <= the peers' "
             f"lowest in {lost} of {len(verdicts)}")
@@ -121,8 +125,7 @@ def totals(runs: Sequence[Sequence[dict]], judged: str = JUDGED) -> str:
     cells = [v for vs in runs for v in vs]
     margins = [v["mean_margin"] for v in cells]
     misses = sorted((m for v in cells for m in v["misses"]), reverse=True)
-    lost = sum(not math.isfinite(v["peer_lost_s"]) or v["lost_s"] <= v["peer_lost_s"]
-               for v in cells)
+    lost = sum(_lost_ok(v) for v in cells)
     small = sum(m < 0.01 for m in misses)
     return (f"over {len(runs)} runs, {judged} >= every peer: by mean in "
             f"{sum(m >= 0 for m in margins)} of {len(cells)} (scenario, run) cells (margins "
