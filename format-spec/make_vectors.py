@@ -63,6 +63,7 @@ from ckptstore.format.header import (FEATURE_FRAMING_CHECKS, SegmentHeader, Stor
 from ckptstore.format.manifest import Manifest, TensorEntry, encode_manifest
 from ckptstore.format.state import flatten
 from ckptstore.format.tree import encode_tree, make_tree, snapshot_root, tree_root
+from state_repr import state_repr  # (beside this script: the vectors' repr text)
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vectors", "vectors.json")
 
@@ -580,7 +581,7 @@ def state_vectors() -> list[dict]:
             "every tag: d (str and int keys), o+m (Module.state_dict with _metadata), t, f "
             "(-0.0, inf, -inf, nan, subnormal), b, T; leaves shown as <leaf i>"),
              expected={"repr": _state_repr(value, leaves),
-                       "metadata": {"model": repr(model._metadata)}, "leaves": len(leaves)}),
+                       "metadata": {"model": state_repr(model._metadata)}, "leaves": len(leaves)}),
         dict(name="state_scalar_root", kind="state", hex=_json({"f": (0.1).hex()}).hex(),
              expected={"repr": "0.1", "metadata": {}, "leaves": 0}, note="the root may be a scalar"),
         bad("state_unknown_tag", {"x": 1}, "tag 'x'"),
@@ -650,7 +651,7 @@ def sharded_part_vectors() -> list[dict]:
         "rank 1 (cut: model, optimizer state renumbered, groups), head.weight tied to "
         "embed.weight (written next to it)"),
         expected={"repr": _state_repr(part, leaves),
-                  "metadata": {"model": repr(part["model"]._metadata)}, "leaves": len(leaves),
+                  "metadata": {"model": state_repr(part["model"]._metadata)}, "leaves": len(leaves),
                   "shards": part["ckptstore.replay"]["shards"],
                   "replay_groups": [["embed.weight"]],
                   "replay_aliases": {"head.weight": "embed.weight"},
@@ -678,7 +679,7 @@ def dtensor_part_vectors() -> list[dict]:
         "rank 1's part of 2 of a DTensor state: model.w Shard(0) (written), model.b Replicate "
         "owned by rank 0 (None), optim.state[0].exp_avg sharded as model.w, a plain step"),
         expected={"repr": _state_repr(part, leaves),
-                  "metadata": {"model": repr(model._metadata)}, "leaves": len(leaves),
+                  "metadata": {"model": state_repr(model._metadata)}, "leaves": len(leaves),
                   "section": part["ckptstore.shards"],
                   "paths": [["model", "w"], ["model", "b"], ["optim", "state", 0, "exp_avg"]],
                   "omitted": [["model", "b"]]})]
@@ -701,7 +702,7 @@ def _state_repr(value, leaves) -> str:
             return tuple(sub(v) for v in x)
         return x
 
-    return repr(sub(value))
+    return state_repr(sub(value))
 
 
 class _Shown:

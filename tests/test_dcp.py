@@ -33,6 +33,8 @@ from ckptstore.storage.fileops import FileOps
 from _ranks import run_ranks
 
 MOD = __name__
+#: (major, minor) of the torch the tests run on
+_TORCH_VERSION = tuple(int(x) for x in torch.__version__.split(".")[:2])
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",
@@ -503,7 +505,11 @@ def test_reader_failure_at_every_stage(store, stage):
         raise ValueError(f"injected in {stage}")
 
     setattr(Faulty, stage, boom)
-    with pytest.raises((CheckpointException, AssertionError), match=f"injected in {stage}"):
+    # torch 2.11 and before drop the reader's error from read_metadata (logged at INFO) and
+    # raise "metadata is None" instead; later torch keeps it in the message
+    drops_cause = stage == "read_metadata" and _TORCH_VERSION < (2, 12)
+    with pytest.raises((CheckpointException, AssertionError),
+                       match="metadata is None" if drops_cause else f"injected in {stage}"):
         dcp.load({"x": torch.zeros(4)}, storage_reader=Faulty(store, 1), no_dist=True)
 
 
