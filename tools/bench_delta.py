@@ -1,6 +1,8 @@
 """Benchmark: per-iteration checkpoints as gradient deltas (ckptstore.torch.Checkpointer).
 
-A GPT-style model (~25M parameters by default) trained with AdamW on CPU:
+A GPT-style model (~25M parameters by default) trained with AdamW on the CPU (``--device cuda``:
+on a GPU, each step timed to the end of its kernels on the training stream; the step and
+restore measurements only; tools/device_check.sh):
 
 1. plain training and a Checkpointer every iteration (codecs exact and topk:0.01), interleaved in
    blocks (``--rounds`` x ``--block`` iterations each)         -> step-time ratio (medians; and the
@@ -97,7 +99,7 @@ class GPT(torch.nn.Module):
 
     def forward(self, idx):
         t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t))
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for b in self.blocks:
             x = b(x, self.mask[:t, :t])
         return self.head(self.ln(x))
@@ -105,15 +107,27 @@ class GPT(torch.nn.Module):
 
 def build(args):
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ctx)
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ctx).to(device_of(args))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     return model, opt
 
 
 def batch(args, it):
     g = torch.Generator().manual_seed(it)
-    x = torch.randint(0, args.vocab, (args.batch, args.ctx + 1), generator=g)
+    x = torch.randint(0, args.vocab, (args.batch, args.ctx + 1), generator=g).to(device_of(args))
     return x[:, :-1], x[:, 1:]
+
+
+def device_of(args) -> str:
+    """Where the model trains (``--device``; the CPU for callers whose arguments lack it)."""
+    return getattr(args, "device", "cpu")
+
+
+def settle(args) -> None:
+    """Wait for the training stream's queued kernels (a GPU's steps are timed to their end, as
+    a loop that reads its loss does; the side streams that copy snapshots are not waited for)."""
+    if device_of(args).startswith("cuda"):
+        torch.cuda.current_stream().synchronize()
 
 
 def forward(model, args, it):
@@ -204,8 +218,10 @@ class _Variant:
         self.it += 1
         t0 = time.perf_counter()
         loss = forward(self.model, args, self.it)
+        settle(args)
         t1 = time.perf_counter()
         loss.backward()
+        settle(args)
         t2 = time.perf_counter()
         fut = None
         if self.two_part:
@@ -221,6 +237,7 @@ class _Variant:
             self.opt.zero_grad()
         if timed and fut is not None:
             self.futures.append(fut)
+        settle(args)
         if timed:
             t3 = time.perf_counter()
             self.times.append(t3 - t0)
@@ -365,8 +382,9 @@ def setup(args, title: str) -> dict:
     os.makedirs(args.dir, exist_ok=True)
     model, _ = build(args)
     n_params = sum(p.numel() for p in model.parameters())
+    on = "" if device_of(args) == "cpu" else f" on {torch.cuda.get_device_name()}"
     mach = machine(model=f"GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}: "
-                         f"{n_params / 1e6:.1f}M parameters; AdamW")
+                         f"{n_params / 1e6:.1f}M parameters; AdamW{on}")
     print(header(title, mach), flush=True)
     return mach
 
@@ -598,6 +616,9 @@ def main():
     ap.add_argument("--memory-steps", type=int, default=40, help="--memory: iterations per run")
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     add_model_args(ap)
+    ap.add_argument("--device", default="cpu",
+                    help="where the model trains: cpu, or cuda (each step timed to the end of "
+                         "its kernels on the training stream; tools/device_check.sh)")
     args = ap.parse_args()
     if args.memory_child is not None:
         if args.threads:
@@ -607,6 +628,9 @@ def main():
     quick(args, ap, layers=2, dim=128, vocab=2048, rounds=2, block=3, k=4, ks="2,4",
           recompute_steps=4, warmup=1, follower_every=2, reps=1, memory_steps=4)
     rvr = args.restore_vs_recompute
+    if device_of(args) != "cpu" and (rvr or args.memory):
+        ap.error("--device: the step and restore measurements only (not --restore-vs-recompute "
+                 "or --memory)")
     mach = setup(args, f"bench_delta{' --restore-vs-recompute' if rvr else ''}")
     if args.restore_vs_recompute:
         rows = restore_vs_recompute(args)
@@ -667,11 +691,12 @@ def main():
                         st = r.load(args.k)
                     times.append(time.perf_counter() - t0)
                     cpu.append(time.process_time() - c0)
-            exact = all(torch.equal(a, st["model"][k]) for k, a in m.state_dict().items())
+            exact = all(torch.equal(a.cpu(), st["model"][k]) for k, a in m.state_dict().items())
+            why = "; ".join((st.get("replay_report") or {}).get("reasons") or ["lossy codec"])
             print(f"[{codec}] restore base+{args.k}, {cache} page cache (store.load, median of 3): "
                   f"{median(times):.2f} s (CPU {median(cpu):.2f} s) = {median(times) / median(loads):.1f}x "
                   f"torch.load of the full checkpoint ({median(loads) * 1e3:.0f} ms, same run, {cache}); "
-                  f"{'bit-exact' if exact else 'approximate (lossy codec)'}; store "
+                  f"{'bit-exact' if exact else f'approximate ({why})'}; store "
                   f"{seg_bytes(path) / 2**20:.0f} MiB", flush=True)
             samples["restores"].append({"codec": codec, "cache": cache, "seconds": times,
                                         "cpu_s": cpu, "torch_load_s": loads, "exact": exact})

@@ -2,9 +2,9 @@
 """bench_snapshot: what a snapshot every N steps costs training, ckptstore beside the PCcheck- and
 CheckFreq-style baselines, interleaved in one process (issue 30, item 4).
 
-One GPT-style model (tools/bench_delta.py's, random weights, CPU) trains; every strategy takes a
-snapshot of parameters + AdamW state every ``--every`` steps and persists it durably in the
-background:
+One GPT-style model (tools/bench_delta.py's, random weights, on the CPU or ``--device cuda``)
+trains; every strategy takes a snapshot of parameters + AdamW state every ``--every`` steps and
+persists it durably in the background:
 
 =================  ===============================================================================
 plain              no checkpoint (the reference step)
@@ -63,7 +63,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from bench_delta import add_model_args, build, fwd_bwd  # noqa: E402
+from bench_delta import add_model_args, build, fwd_bwd, settle  # noqa: E402
 from goodput_peers import PCcheck, adam_state_tensors  # noqa: E402
 from harness import (add_standard_args, header, machine, parser, quick, rotated,  # noqa: E402
                      table, write_json)
@@ -170,6 +170,7 @@ def run_block(runner: Runner, model, margs, first_it: int, steps: int) -> dict:
         fwd_bwd(model, margs, it)  # (the batch: by the global count)
         snaps.append(runner.step())
         runner.opt.zero_grad()
+        settle(margs)  # (a GPU's step timed to the end of its kernels)
         times.append(time.perf_counter() - t0)
     runner.drain()
     background = (time.process_time() - cpu0) - (time.thread_time() - thr0)
@@ -215,6 +216,10 @@ def model_parser(doc: str) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = model_parser(__doc__)
     ap.add_argument("--every", type=int, default=4, help="steps between snapshots (default 4)")
+    ap.add_argument("--device", default="cpu",
+                    help="where the model trains: cpu, or cuda (the snapshot is a copy to host "
+                         "memory; each step timed to the end of its kernels on the training "
+                         "stream; tools/device_check.sh)")
     ap.add_argument("--block", type=int, default=24, help="steps per strategy per round")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--dir", default=None, help="parent of the temp dir (default: the system's)")
@@ -233,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = sum(t.numel() * t.element_size() for t in adam_state_tensors(model, opt))
         runners = {n: Runner(n, model, opt, a.every, os.path.join(work, n)) for n in names}
         mach = machine()
-        print(header(f"bench_snapshot: {a.threads} training thread(s); {nbytes / 1e6:.1f} MB of "
+        on = "" if a.device == "cpu" else f" on {torch.cuda.get_device_name()}"
+        print(header(f"bench_snapshot: {a.threads} training thread(s){on}; {nbytes / 1e6:.1f} MB of "
                      f"parameters + AdamW state, a snapshot every {a.every} steps, {a.rounds} "
                      f"rounds of {a.block} steps per strategy", mach))
         blocks: dict[str, list[dict]] = {n: [] for n in names}
