@@ -19,6 +19,7 @@ import torch
 
 import ckptstore
 from ckptstore.replay import ApproximateReplayWarning
+from ckptstore.replay.fingerprints import fingerprint_digest
 from ckptstore.torch import Checkpointer
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -99,13 +100,15 @@ def test_snapshots_of_a_device_model_are_its_state_bit_for_bit(tmp_path, device)
 @pytest.mark.parametrize("device", DEVICES)
 def test_deltas_of_a_device_model(tmp_path, device):
     """An exact delta every iteration from a model on the device: each record holds the step's
-    gradients bit for bit (copied off the device), bases load bit for bit, and a restore of a
-    delta iteration replays the chain: bit for bit on the CPU; on CUDA, replayed on the CPU, the
-    state is flagged approximate with the reason and stays close."""
+    gradients bit for bit (copied off the device) and every 3rd the parameters' fingerprint (on
+    a GPU also their norm, what a replay off the device compares); bases load bit for bit; a
+    restore of a delta iteration replays the chain: bit for bit on the CPU; on CUDA, replayed on
+    the CPU, the state is flagged approximate with the reason and stays close."""
     model, opt = _model(device)
-    refs, grads = {}, {}
+    refs, grads, params = {}, {}, {}
     with ckptstore.open(tmp_path / "s") as store:
-        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=4, codec="exact")
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=4, codec="exact",
+                          fingerprint_every=3)
         ck.restore()
         refs[0] = _host_state(model, opt)
         for it in range(1, 10):
@@ -114,10 +117,15 @@ def test_deltas_of_a_device_model(tmp_path, device):
             ck.step(it)
             opt.zero_grad()
             refs[it] = _host_state(model, opt)
+            params[it] = [p.detach().cpu().clone() for p in model.parameters()]
         ck.close()
     with ckptstore.open(tmp_path / "s", "r") as r:
         assert [r.kind(it) for it in (0, 3, 4, 5, 8, 9)] == \
             ["snapshot", "delta", "snapshot", "delta", "snapshot", "delta"]
+        for it in (3, 6, 9):  # fingerprints of the parameters after the step (host bytes)
+            fp = r.load_record(it)["fp"]
+            assert fp["xxh3"] == fingerprint_digest(params[it]), f"delta {it}'s fingerprint"
+            assert ("norm" in fp) == (device != "cpu")  # (compared by replays off the device)
         for it in (3, 5, 9):
             logged = [g["g"] for g in r.load_record(it)["grads"]]
             assert len(logged) == len(grads[it])

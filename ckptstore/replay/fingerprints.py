@@ -25,11 +25,14 @@ def parameter_norm(params) -> float:
 
 
 def fingerprint_digest(params) -> str:
-    """The xxh3-64 half of :func:`fingerprint` (all an exact replay compares)."""
+    """The xxh3-64 half of :func:`fingerprint` (all an exact replay compares). Parameters on
+    another device are hashed from a copy in host memory (the same bytes)."""
     import torch
 
     h = xxhash.xxh3_64()
     for p in params:
         t = p.detach().contiguous().reshape(-1)
+        if t.device.type != "cpu":
+            t = t.cpu()
         h.update(memoryview(t.view(torch.uint8).numpy()))
     return h.hexdigest()
