@@ -1061,3 +1061,24 @@ def test_switching_plans_loses_nothing_committed(tmp_path, assert_same, caplog, 
     ck.close()
     ck2.close()
     store.close()
+
+
+@pytest.mark.parametrize("opt_name", ["Adam", "SGD"])
+def test_tensor_learning_rate_under_a_scheduler_is_recorded_as_in_effect(tmp_path, assert_same,
+                                                                        opt_name):
+    """A learning rate given as a tensor (as fused and capturable optimizers take it) is changed
+    in place by the scheduler (``fill_``, torch >= 2.2) after the step: each delta records the
+    rate the step used, not a view of the live tensor, so every iteration replays bit for bit
+    (the record held the next step's rate before, and the replay diverged at the first change)."""
+    kwargs = {"lr": torch.tensor(0.05)} | ({"momentum": 0.9} if opt_name == "SGD" else {})
+    store, ck, saved, _ = train(tmp_path / "s", opt_name, kwargs, "step", n=16, base_every=100,
+                                fingerprint_every=1)
+    ck.flush()
+    # StepLR(step_size=7, gamma=0.7): iterations 1-7 step at 0.05, 8-14 at 0.035
+    lrs = [float(store.load_record(it)["hyper"][0]["lr"]) for it in (6, 7, 8)]
+    assert lrs == pytest.approx([0.05, 0.05, 0.035], rel=1e-6)
+    for t in (1, 6, 7, 8, 15, 16):
+        st = store.load(t)
+        for k in saved[t]:
+            assert_same(saved[t][k], st[k], f"iteration {t} {k}")
+    store.close()

@@ -60,8 +60,18 @@ def counters_like(loaded: Any, live: Any) -> Any:
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each parameter group's settings (everything but its ``params``), in group order."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    """Each parameter group's settings (everything but its ``params``), in group order, as they
+    are now: a tensor setting (a learning rate given as a tensor, ``betas`` of tensors) is copied,
+    because a scheduler changes it in place (``fill_``) after the step it was in effect for."""
+    return [{k: _settled(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _settled(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if type(value) in (tuple, list) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(_settled(v) for v in value)
+    return value
 
 
 def json_defaults(defaults: dict) -> dict:
