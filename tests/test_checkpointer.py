@@ -1082,3 +1082,49 @@ def test_tensor_learning_rate_under_a_scheduler_is_recorded_as_in_effect(tmp_pat
         for k in saved[t]:
             assert_same(saved[t][k], st[k], f"iteration {t} {k}")
     store.close()
+
+
+def test_a_chain_recorded_with_capturable_replays_on_the_cpu(tmp_path, assert_same, monkeypatch):
+    """A chain trained with ``capturable=True`` (a GPU's compiled or CUDA-graph optimizer: its
+    base and every record say so) replays on the CPU, where torch refuses ``capturable``: the
+    replay turns it off (it moves the step counts, not the arithmetic). Here the CPU training
+    runs without it and its base, defaults and records are made to say it, as a GPU's would;
+    before, every replay of such a chain raised torch's AssertionError."""
+    from ckptstore.torch import async_steps, records, step_writer
+
+    real = records.hyperparameters
+
+    def capturable(optimizer):
+        return [dict(h, capturable=True) for h in real(optimizer)]
+
+    for module in (records, step_writer, async_steps):
+        monkeypatch.setattr(module, "hyperparameters", capturable)
+    model, opt, sched = build("Adam", {"lr": 1e-2}, None)
+    opt.defaults["capturable"] = True
+    live_state_dict = opt.state_dict
+
+    def state_dict():
+        sd = live_state_dict()
+        for g in sd["param_groups"]:
+            g["capturable"] = True
+        return sd
+
+    monkeypatch.setattr(opt, "state_dict", state_dict)
+    saved = {}
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=5)
+        ck.restore()
+        for it in range(1, 9):
+            x, y = batch(it)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            ck.step(it)
+            opt.zero_grad()
+            saved[it] = copy.deepcopy({"model": model.state_dict(), "optimizer": live_state_dict()})
+        ck.close()
+    with ckptstore.open(tmp_path / "s", "r") as r:
+        assert r.load(5)["optimizer"]["param_groups"][0]["capturable"] is True  # (the base as saved)
+        assert r.load_record(7)["hyper"][0]["capturable"] is True
+        for t in (3, 4, 7, 8):
+            st = r.load(t)
+            assert_same(saved[t]["model"], st["model"], f"iteration {t}")
+            assert_same(saved[t]["optimizer"]["state"], st["optimizer"]["state"], f"iteration {t}")

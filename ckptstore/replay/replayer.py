@@ -65,6 +65,16 @@ def _untrusted(what: str, it_arg: int):
     return wrap
 
 
+def on_cpu(settings: dict) -> dict:
+    """A parameter group's (or an optimizer's default) settings for a replay on the CPU:
+    ``capturable`` off (a chain trained with it, on a GPU, keeps its step counts on the device;
+    torch refuses it on the CPU, and it changes where the count lives, not the arithmetic).
+    ``settings`` itself when there is nothing to change."""
+    if settings.get("capturable"):
+        return dict(settings, capturable=False)
+    return settings
+
+
 class _StateReplayer:
     @_untrusted("base snapshot", it_arg=1)
     def __init__(self, base_state: dict, base: int) -> None:
@@ -86,12 +96,14 @@ class _StateReplayer:
         except KeyError as e:
             raise DeltaChainError(f"base snapshot {base}: parameter {e} is not in its model state") from None
         saved_groups = base_state["optimizer"]["param_groups"]
-        groups = [dict({k: v for k, v in g.items() if k not in ("params", "param_names")}, params=ps)
-                  for ps, g in zip(groups_params, saved_groups)]
+        groups = [dict(on_cpu({k: v for k, v in g.items() if k not in ("params", "param_names")}),
+                       params=ps) for ps, g in zip(groups_params, saved_groups)]
         self._cls = cls
-        self._defaults = dict(info.get("defaults") or {})
+        self._defaults = on_cpu(dict(info.get("defaults") or {}))
         self.opt = self._make_optimizer(groups)
         self.opt.load_state_dict(base_state["optimizer"])
+        for group in self.opt.param_groups:  # (load_state_dict took the saved settings back)
+            group.update(on_cpu(group))
         self._sharded: ShardedStep | None = None
         self.params = [p for ps in groups_params for p in ps]
         self.codec = parse_codec(info["codec"])
@@ -173,7 +185,7 @@ class _StateReplayer:
             while len(self._decode_sets) <= slot:
                 self._decode_sets.append([None] * len(self.params))
             bufs = self._decode_sets[slot]
-        hypers = [dict(h) for h in rec["hyper"]]
+        hypers = [on_cpu(dict(h)) for h in rec["hyper"]]
         for group, hyper, cur in zip(self.opt.param_groups, hypers, settings):
             cur.update(hyper)
             d = 0.0
@@ -242,7 +254,7 @@ class _StateReplayer:
     def _after(self, it: int, rec: dict, settings: list[dict]) -> None:
         """``settings`` take delta ``it``'s post-step group values (as :meth:`end` does)."""
         for cur, after in zip(settings, rec["groups"]):
-            cur.update(after)
+            cur.update(on_cpu(after))
 
     def step(self) -> None:
         """``optimizer.step()``, sharded across threads when :meth:`parallel` set that up."""
@@ -258,7 +270,7 @@ class _StateReplayer:
         """Take the post-step group settings, scheduler, RNG and buffer states of ``it`` and check
         its fingerprint."""
         for group, after in zip(self.opt.param_groups, rec["groups"]):
-            group.update(after)
+            group.update(on_cpu(after))
         for k in ("scheduler", "rng"):
             if k in rec:
                 self.state[k] = rec[k]
