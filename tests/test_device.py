@@ -174,3 +174,26 @@ def test_load_into_device_tensors(tmp_path, device):
         assert got[k].data_ptr() == ptrs[k] and got[k].device.type == device
         assert torch.equal(got[k], v)
         assert plain[k].device.type == "cpu" and torch.equal(plain[k], v.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_topk_deltas_applied_on_the_device(tmp_path, device):
+    """``codec="topk:0.1", apply_decoded=True``: the optimizer steps on the decoded gradients
+    (decoded on the gradients' device), so the chain replays what training did: bit for bit on
+    the CPU; on CUDA replayed on the CPU, flagged approximate and close."""
+    model, opt = _model(device)
+    refs = {}
+    with ckptstore.open(tmp_path / "s") as store:
+        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=100,
+                          codec="topk:0.1", apply_decoded=True)
+        ck.restore()
+        for it in range(1, 5):
+            _backward(model, it, device)
+            ck.step(it)
+            opt.zero_grad()
+            refs[it] = _host_state(model, opt)
+        ck.close()
+    with ckptstore.open(tmp_path / "s", "r") as r, warnings.catch_warnings():
+        warnings.simplefilter("ignore", ApproximateReplayWarning)
+        for it in (2, 4):
+            _compare(refs[it], r.load(it), f"delta {it}", exact=device == "cpu")

@@ -292,6 +292,8 @@ def snapshot_leaves(leaves: list[ArrayLeaf], owned: list[Arena], pool: HostPool,
         for dev, pairs in cuda_copies.items():
             events.append(_cuda_copy(dev, pairs, streams))
     except BaseException:
+        for ev in events:  # (the copies issued to other devices write into this arena)
+            ev.synchronize()
         pool.release(arena)
         raise
     return Staged(arena, events, layout.total, waited, later)

@@ -447,7 +447,10 @@ class Pipeline:
     def _release_arenas(self, job: _Job) -> None:
         """Give ``job``'s arenas back to the pool, keeping no name bound to one (the persister's
         loop outlives its jobs: a loop variable would keep the last arena alive after the pool
-        dropped it)."""
+        dropped it), once the device-to-host copies into them have ended (a job that failed
+        before its persist never waited for them)."""
+        for ev in job.events:
+            ev.synchronize()
         while job.arenas:
             self.pool.release(job.arenas.pop())
 

@@ -431,7 +431,8 @@ class TopKCodec(GradCodec):
             raise ValueError("topk gradient payload has invalid indices")
         idx = idx.to(torch.int64)
         # numpy: payloads are small and many; torch's per-op dispatch costs more than the work
-        idx_np = np.ascontiguousarray(idx.numpy())
+        # (a payload on a GPU, decoded by the encoder with apply_decoded, is checked from a copy)
+        idx_np = np.ascontiguousarray(idx.cpu().numpy())
         if idx_np.size and (int(idx_np.min()) < 0 or int(idx_np.max()) >= n):
             raise ValueError("topk gradient payload has invalid indices")
         return idx, idx_np, vals
@@ -439,7 +440,7 @@ class TopKCodec(GradCodec):
     def decode(self, payload: dict, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = math.prod(shape)
         idx, _, vals = self._checked(payload, n)
-        out = torch.zeros(n, dtype=dtype)
+        out = torch.zeros(n, dtype=dtype, device=vals.device)
         out[idx] = vals.to(dtype)
         return out.reshape(shape)
 

@@ -26,7 +26,9 @@ def restore_rng(rng: dict) -> None:
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
     if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+        # (a restore on fewer devices than saved: the ones it has; the rest have no generator)
+        for i, state in enumerate(rng["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, i)
 
 
 def plain_counters(state: Any) -> Any:
