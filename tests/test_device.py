@@ -49,6 +49,23 @@ def _host_state(model, opt) -> dict:
                           for i, s in opt.state_dict()["state"].items()}}
 
 
+def _train(path, model, opt, device: str, n: int, **options) -> dict:
+    """Train iterations 1..n through a Checkpointer with ``options`` on a new store at ``path``;
+    returns the host copy of the live state at 0 (the first base) and after each step."""
+    refs = {}
+    with ckptstore.open(path) as store:
+        ck = Checkpointer(store, model, opt, **options)
+        assert ck.restore() == 0
+        refs[0] = _host_state(model, opt)
+        for it in range(1, n + 1):
+            _backward(model, it, device)
+            ck.step(it)
+            opt.zero_grad()
+            refs[it] = _host_state(model, opt)
+        ck.close()
+    return refs
+
+
 def _compare(ref: dict, got: dict, where: str, exact: bool = True) -> None:
     def same(a, b, what):
         a, b = a.detach().cpu(), b.detach().cpu()
@@ -70,17 +87,7 @@ def test_snapshots_of_a_device_model_are_its_state_bit_for_bit(tmp_path, device)
     stream while the next step is queued) hold the state of their iteration bit for bit, and a
     restore into a fresh model on the device puts it back there."""
     model, opt = _model(device)
-    refs = {}
-    with ckptstore.open(tmp_path / "s") as store:
-        ck = Checkpointer(store, model, opt, policy="snapshots", snapshot_every=2)
-        assert ck.restore() == 0
-        refs[0] = _host_state(model, opt)
-        for it in range(1, 8):
-            _backward(model, it, device)
-            ck.step(it)
-            opt.zero_grad()
-            refs[it] = _host_state(model, opt)
-        ck.close()
+    refs = _train(tmp_path / "s", model, opt, device, 7, policy="snapshots", snapshot_every=2)
     with ckptstore.open(tmp_path / "s", "r") as r:
         assert r.iterations() == [0, 2, 4, 6]
         for it in (0, 2, 4, 6):
@@ -182,17 +189,8 @@ def test_topk_deltas_applied_on_the_device(tmp_path, device):
     (decoded on the gradients' device), so the chain replays what training did: bit for bit on
     the CPU; on CUDA replayed on the CPU, flagged approximate and close."""
     model, opt = _model(device)
-    refs = {}
-    with ckptstore.open(tmp_path / "s") as store:
-        ck = Checkpointer(store, model, opt, policy="every-iteration", base_every=100,
-                          codec="topk:0.1", apply_decoded=True)
-        ck.restore()
-        for it in range(1, 5):
-            _backward(model, it, device)
-            ck.step(it)
-            opt.zero_grad()
-            refs[it] = _host_state(model, opt)
-        ck.close()
+    refs = _train(tmp_path / "s", model, opt, device, 4, policy="every-iteration", base_every=100,
+                  codec="topk:0.1", apply_decoded=True)
     with ckptstore.open(tmp_path / "s", "r") as r, warnings.catch_warnings():
         warnings.simplefilter("ignore", ApproximateReplayWarning)
         for it in (2, 4):
