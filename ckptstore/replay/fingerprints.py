@@ -31,8 +31,6 @@ def fingerprint_digest(params) -> str:
 
     h = xxhash.xxh3_64()
     for p in params:
-        t = p.detach().contiguous().reshape(-1)
-        if t.device.type != "cpu":
-            t = t.cpu()
+        t = p.detach().contiguous().reshape(-1).cpu()  # (no copy for a CPU tensor)
         h.update(memoryview(t.view(torch.uint8).numpy()))
     return h.hexdigest()

@@ -96,13 +96,13 @@ class _StateReplayer:
         except KeyError as e:
             raise DeltaChainError(f"base snapshot {base}: parameter {e} is not in its model state") from None
         saved_groups = base_state["optimizer"]["param_groups"]
-        groups = [dict(on_cpu({k: v for k, v in g.items() if k not in ("params", "param_names")}),
-                       params=ps) for ps, g in zip(groups_params, saved_groups)]
+        groups = [dict({k: v for k, v in g.items() if k not in ("params", "param_names")}, params=ps)
+                  for ps, g in zip(groups_params, saved_groups)]
         self._cls = cls
         self._defaults = on_cpu(dict(info.get("defaults") or {}))
         self.opt = self._make_optimizer(groups)
         self.opt.load_state_dict(base_state["optimizer"])
-        for group in self.opt.param_groups:  # (load_state_dict took the saved settings back)
+        for group in self.opt.param_groups:  # (the base's settings, as load_state_dict set them)
             group.update(on_cpu(group))
         self._sharded: ShardedStep | None = None
         self.params = [p for ps in groups_params for p in ps]
